@@ -1,0 +1,63 @@
+"""kvpool: a distributed memory pool for LLM KV cache — store instead of recompute.
+
+The public surface is flat: clients, configuration, keys, and the error hierarchy.
+"""
+
+from kvpool.client.client import AsyncClient, Client, PoolFuture
+from kvpool.client.ops import GetResult, PutResult
+from kvpool.config import ClientConfig, NodeConfig
+from kvpool.errors import (
+    AuthenticationError,
+    BadRequest,
+    ChecksumMismatch,
+    ConfigError,
+    ConnectError,
+    InternalError,
+    KVPoolError,
+    LeaseExpired,
+    NodeUnavailable,
+    NoSpace,
+    PoolTimeout,
+    ProtocolError,
+    Status,
+    StoreError,
+    TooLarge,
+    TransportError,
+    UnsupportedVersion,
+    UsageError,
+)
+from kvpool.keys import Namespace, block_key, chained_hashes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient",
+    "AuthenticationError",
+    "BadRequest",
+    "ChecksumMismatch",
+    "Client",
+    "ClientConfig",
+    "ConfigError",
+    "ConnectError",
+    "GetResult",
+    "InternalError",
+    "KVPoolError",
+    "LeaseExpired",
+    "Namespace",
+    "NoSpace",
+    "NodeConfig",
+    "NodeUnavailable",
+    "PoolFuture",
+    "PoolTimeout",
+    "ProtocolError",
+    "PutResult",
+    "Status",
+    "StoreError",
+    "TooLarge",
+    "TransportError",
+    "UnsupportedVersion",
+    "UsageError",
+    "__version__",
+    "block_key",
+    "chained_hashes",
+]

@@ -1,0 +1,312 @@
+"""Clients of one node: a pool of reusable connections, the node's mapped arena, and the
+choice between the same-host shared-memory path and streaming over the socket.
+
+A call takes a connection from the pool, runs one operation under the call's deadline and
+returns it.  A pooled connection that turns out dead (the node restarted) is dropped and
+the call is retried once on a fresh connection, so clients recover on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
+
+from kvpool.config import Address, ClientConfig
+from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout
+from kvpool.protocol.messages import Health, NodeStats, Welcome
+
+from . import ops
+from .connection import AsyncConnection, Connection, map_arena
+
+T = TypeVar("T")
+OpFactory = Callable[[memoryview | None], Generator[Any, Any, T]]
+
+
+class _ArenaCache:
+    """The mapping of the node's current arena (a restarted node has a new one)."""
+
+    def __init__(self, config: ClientConfig):
+        self.config = config
+        self._arena_id = b""
+        self._arena: memoryview | None = None
+        self._lock = threading.Lock()
+
+    def for_welcome(self, welcome: Welcome) -> memoryview | None:
+        with self._lock:
+            if welcome.arena_id != self._arena_id:
+                self._arena = map_arena(welcome, self.config)
+                self._arena_id = welcome.arena_id
+            return self._arena
+
+
+def _put_op(keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool) -> OpFactory[ops.PutResult]:
+    def make(arena: memoryview | None) -> Generator[Any, Any, ops.PutResult]:
+        if arena is not None:
+            return ops.put_shm(keys, views, arena, replicate)
+        return ops.put_stream(keys, views, replicate)
+
+    return make
+
+
+def _get_op(
+    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, prefix: bool
+) -> OpFactory[ops.GetResult]:
+    def make(arena: memoryview | None) -> Generator[Any, Any, ops.GetResult]:
+        if arena is not None:
+            return ops.get_shm(keys, dsts, arena, prefix)
+        return ops.get_stream(keys, dsts, prefix)
+
+    return make
+
+
+class NodeClient:
+    """A thread-safe blocking client of one node."""
+
+    def __init__(self, address: str, config: ClientConfig):
+        self.address = Address.parse(address)
+        self.config = config
+        self.name = str(self.address)
+        self._idle: list[Connection] = []
+        self._num_open = 0
+        self._cond = threading.Condition()
+        self._arenas = _ArenaCache(config)
+        self._closed = False
+
+    # -- pool -----------------------------------------------------------------------------
+
+    def _acquire(self, deadline: float) -> tuple[Connection, bool]:
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise NodeUnavailable("client closed", node=self.name)
+                if self._idle:
+                    return self._idle.pop(), False
+                if self._num_open < self.config.max_connections:
+                    self._num_open += 1
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._cond.wait(remaining):
+                    raise PoolTimeout("no free connection before the deadline", node=self.name)
+        try:
+            conn = Connection(self.address, self.config, deadline)
+        except BaseException:
+            with self._cond:
+                self._num_open -= 1
+                self._cond.notify()
+            raise
+        conn.arena = self._arenas.for_welcome(conn.welcome)
+        self.name = conn.node
+        return conn, True
+
+    def _release(self, conn: Connection) -> None:
+        with self._cond:
+            if conn.broken or self._closed:
+                conn.close()
+                self._num_open -= 1
+            else:
+                self._idle.append(conn)
+            self._cond.notify()
+
+    def call(self, make: OpFactory[T], timeout: float | None = None) -> T:
+        """Run one operation with a deadline, retrying once if a pooled connection died."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout_s)
+        for attempt in range(2):
+            conn, fresh = self._acquire(deadline)
+            try:
+                return conn.run(make(conn.arena), deadline)
+            except (NodeUnavailable, ConnectError):
+                if fresh or attempt:
+                    raise
+                self._drop_idle()  # they all lead to the node that went away
+            finally:
+                self._release(conn)
+        raise AssertionError("unreachable")
+
+    def _drop_idle(self) -> None:
+        with self._cond:
+            for conn in self._idle:
+                conn.close()
+                self._num_open -= 1
+            self._idle.clear()
+
+    @property
+    def welcome(self) -> Welcome:
+        """The node's handshake answer (connects if needed)."""
+        deadline = time.monotonic() + self.config.timeout_s
+        conn, _ = self._acquire(deadline)
+        try:
+            return conn.welcome
+        finally:
+            self._release(conn)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for conn in self._idle:
+                conn.close()
+                self._num_open -= 1
+            self._idle.clear()
+            self._cond.notify_all()
+
+    # -- operations -----------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], *, wait: float = 0.0, wait_absent: bool = False,
+               timeout: float | None = None) -> int:
+        if not keys:
+            return 0
+        timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
+        return self.call(lambda _: ops.lookup(keys, wait, wait_absent), timeout)
+
+    def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
+        return self.call(lambda _: ops.exists(keys), timeout) if keys else []
+
+    def put(self, keys: Sequence[bytes], views: Sequence[memoryview], *, replicate: bool = True,
+            timeout: float | None = None) -> ops.PutResult:
+        if not keys:
+            return ops.PutResult([])
+        return self.call(_put_op(keys, views, replicate), timeout)
+
+    def get(self, keys: Sequence[bytes], dsts: Sequence[memoryview] | None, *, prefix: bool = False,
+            timeout: float | None = None) -> ops.GetResult:
+        if not keys:
+            return ops.GetResult([], [], [])
+        return self.call(_get_op(keys, dsts, prefix), timeout)
+
+    def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
+        return self.call(lambda _: ops.delete(keys), timeout) if keys else []
+
+    def describe(self, namespace_id: bytes, label: str, *, timeout: float | None = None) -> None:
+        self.call(lambda _: ops.describe(namespace_id, label), timeout)
+
+    def stats(self, *, timeout: float | None = None) -> NodeStats:
+        return self.call(lambda _: ops.stats(), timeout)
+
+    def health(self, *, timeout: float | None = None) -> Health:
+        return self.call(lambda _: ops.health(), timeout)
+
+    @property
+    def has_shm(self) -> bool:
+        deadline = time.monotonic() + self.config.timeout_s
+        conn, _ = self._acquire(deadline)
+        try:
+            return conn.arena is not None
+        finally:
+            self._release(conn)
+
+
+class AsyncNodeClient:
+    """An asyncio client of one node (one event loop)."""
+
+    def __init__(self, address: str, config: ClientConfig):
+        self.address = Address.parse(address)
+        self.config = config
+        self.name = str(self.address)
+        self._idle: list[AsyncConnection] = []
+        self._num_open = 0
+        self._cond: asyncio.Condition | None = None
+        self._arenas = _ArenaCache(config)
+        self._closed = False
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _acquire(self, deadline: float) -> tuple[AsyncConnection, bool]:
+        cond = self._condition()
+        async with cond:
+            while True:
+                if self._closed:
+                    raise NodeUnavailable("client closed", node=self.name)
+                if self._idle:
+                    return self._idle.pop(), False
+                if self._num_open < self.config.max_connections:
+                    self._num_open += 1
+                    break
+                remaining = deadline - time.monotonic()
+                try:
+                    async with asyncio.timeout(max(remaining, 0)):
+                        await cond.wait()
+                except TimeoutError:
+                    raise PoolTimeout("no free connection before the deadline", node=self.name) from None
+        try:
+            conn = await AsyncConnection(self.address, self.config).open(deadline)
+        except BaseException:
+            async with cond:
+                self._num_open -= 1
+                cond.notify()
+            raise
+        conn.arena = self._arenas.for_welcome(conn.welcome)
+        self.name = conn.node
+        return conn, True
+
+    async def _release(self, conn: AsyncConnection) -> None:
+        cond = self._condition()
+        async with cond:
+            if conn.broken or self._closed:
+                conn.close()
+                self._num_open -= 1
+            else:
+                self._idle.append(conn)
+            cond.notify()
+
+    async def call(self, make: OpFactory[T], timeout: float | None = None) -> T:
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout_s)
+        for attempt in range(2):
+            conn, fresh = await self._acquire(deadline)
+            try:
+                return await conn.run(make(conn.arena), deadline)
+            except (NodeUnavailable, ConnectError):
+                if fresh or attempt:
+                    raise
+                for idle in self._idle:  # they all lead to the node that went away
+                    idle.close()
+                self._num_open -= len(self._idle)
+                self._idle.clear()
+            finally:
+                await asyncio.shield(self._release(conn))
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        self._closed = True
+        for conn in self._idle:
+            conn.close()
+        self._num_open -= len(self._idle)
+        self._idle.clear()
+
+    async def lookup(self, keys: Sequence[bytes], *, wait: float = 0.0, wait_absent: bool = False,
+                     timeout: float | None = None) -> int:
+        if not keys:
+            return 0
+        timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
+        return await self.call(lambda _: ops.lookup(keys, wait, wait_absent), timeout)
+
+    async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
+        return await self.call(lambda _: ops.exists(keys), timeout) if keys else []
+
+    async def put(self, keys: Sequence[bytes], views: Sequence[memoryview], *, replicate: bool = True,
+                  timeout: float | None = None) -> ops.PutResult:
+        if not keys:
+            return ops.PutResult([])
+        return await self.call(_put_op(keys, views, replicate), timeout)
+
+    async def get(self, keys: Sequence[bytes], dsts: Sequence[memoryview] | None, *,
+                  prefix: bool = False, timeout: float | None = None) -> ops.GetResult:
+        if not keys:
+            return ops.GetResult([], [], [])
+        return await self.call(_get_op(keys, dsts, prefix), timeout)
+
+    async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
+        return await self.call(lambda _: ops.delete(keys), timeout) if keys else []
+
+    async def describe(self, namespace_id: bytes, label: str, *, timeout: float | None = None) -> None:
+        await self.call(lambda _: ops.describe(namespace_id, label), timeout)
+
+    async def stats(self, *, timeout: float | None = None) -> NodeStats:
+        return await self.call(lambda _: ops.stats(), timeout)
+
+    async def health(self, *, timeout: float | None = None) -> Health:
+        return await self.call(lambda _: ops.health(), timeout)

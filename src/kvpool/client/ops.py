@@ -1,0 +1,412 @@
+"""Client operations, free of I/O, shared by the blocking and the asyncio clients.
+
+Each operation is a generator that yields *effects* and receives their results:
+
+- :class:`Request` — send a frame (and its payload buffers); no result.
+- :class:`Recv` — receive the response frame; result ``(message, payload_len)``; an error
+  status raises the matching exception (see :mod:`kvpool.errors`).
+- :class:`RecvInto` — receive payload bytes into a view, feeding a hasher; no result.
+- :class:`Skip` — receive and drop payload bytes.
+- :class:`Compute` — CPU work such as copies and checksums; result ``fn()``.  The asyncio
+  driver runs large ones off the event loop.
+
+A driver (``Connection.run`` / ``AsyncConnection.run``) performs the effects.  Every
+outcome that is not an error comes back as a value: statuses per key, never exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvpool import checksum as ck
+from kvpool.errors import ProtocolError, Status, UsageError
+from kvpool.protocol import auth
+from kvpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    Challenge,
+    CommitRequest,
+    DescribeRequest,
+    Empty,
+    GetRequest,
+    GetResponse,
+    Health,
+    Hello,
+    KeysRequest,
+    LookupRequest,
+    LookupResponse,
+    Message,
+    NodeStats,
+    Op,
+    PinRequest,
+    PinResponse,
+    PutRequest,
+    ReserveRequest,
+    ReserveResponse,
+    StatusResponse,
+    UnpinRequest,
+    Welcome,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Request:
+    op: Op
+    message: Message
+    payload: Sequence[memoryview] = ()
+    payload_len: int = 0
+    no_reply: bool = False
+
+
+@dataclass(slots=True)
+class Recv:
+    op: Op
+    type: type[Message]
+
+
+@dataclass(slots=True)
+class RecvInto:
+    view: memoryview
+    hasher: Any
+
+
+@dataclass(slots=True)
+class Skip:
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class Compute:
+    fn: Callable[[], Any]
+    num_bytes: int = 0
+
+
+Effect = Request | Recv | RecvInto | Skip | Compute
+Op_ = Generator[Effect, Any, T]
+
+
+@dataclass(slots=True)
+class PutResult:
+    """Per-key outcome of a put: OK (written), EXISTS (already stored), PENDING (someone
+    else is writing it), or why it was not stored."""
+
+    statuses: list[Status]
+
+    @property
+    def num_stored(self) -> int:
+        return sum(s in (Status.OK, Status.EXISTS) for s in self.statuses)
+
+    @property
+    def all_stored(self) -> bool:
+        return self.num_stored == len(self.statuses)
+
+
+@dataclass(slots=True)
+class GetResult:
+    """Per-key outcome of a get.  ``sizes[i]`` is the block size, or -1 where the block was
+    not delivered; ``values`` holds the bytes when no destination buffers were given."""
+
+    statuses: list[Status]
+    sizes: list[int]
+    values: list[bytearray | None] = field(default_factory=list)
+
+    @property
+    def found(self) -> list[bool]:
+        return [s is Status.OK for s in self.statuses]
+
+    @property
+    def num_found(self) -> int:
+        return sum(self.found)
+
+    @property
+    def num_prefix(self) -> int:
+        """How many leading keys were delivered."""
+        for i, status in enumerate(self.statuses):
+            if status is not Status.OK:
+                return i
+        return len(self.statuses)
+
+
+def _statuses(codes: Sequence[int]) -> list[Status]:
+    out = []
+    for code in codes:
+        try:
+            out.append(Status(code))
+        except ValueError:
+            raise ProtocolError(f"unknown status code {code}") from None
+    return out
+
+
+def _check_len(what: str, values: Sequence[Any], num: int) -> None:
+    if len(values) != num:
+        raise ProtocolError(f"node answered {len(values)} {what} for {num} keys")
+
+
+# -- handshake ----------------------------------------------------------------------------
+
+
+def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -> Op_[Welcome]:
+    challenge, _ = yield Recv(Op.CHALLENGE, Challenge)
+    if PROTOCOL_VERSION not in challenge.versions:
+        from kvpool.errors import UnsupportedVersion
+
+        raise UnsupportedVersion(f"node speaks versions {challenge.versions}")
+    nonce = auth.new_nonce()
+    proof = b""
+    if access_key:
+        proof = auth.proof(access_key, "client", access_id, challenge.nonce, nonce)
+    hello = Hello(
+        version=PROTOCOL_VERSION,
+        access_id=access_id,
+        nonce=nonce,
+        proof=proof,
+        host_id=host_id,
+        client_name=client_name,
+    )
+    yield Request(Op.HELLO, hello)
+    welcome, _ = yield Recv(Op.HELLO, Welcome)
+    if access_key and not auth.verify(
+        access_key, "node", access_id, challenge.nonce, nonce, welcome.proof
+    ):
+        from kvpool.errors import AuthenticationError
+
+        raise AuthenticationError("node could not prove it knows the access key")
+    return welcome  # type: ignore[no-any-return]
+
+
+# -- lookups ------------------------------------------------------------------------------
+
+
+def lookup(keys: Sequence[bytes], wait_s: float = 0.0, wait_absent: bool = False) -> Op_[int]:
+    request = LookupRequest(
+        keys=list(keys), wait_ms=int(min(wait_s, 60.0) * 1000), wait_absent=wait_absent
+    )
+    yield Request(Op.LOOKUP, request)
+    response, _ = yield Recv(Op.LOOKUP, LookupResponse)
+    if not 0 <= response.num_prefix <= len(keys):
+        raise ProtocolError(f"lookup prefix {response.num_prefix} of {len(keys)} keys")
+    return response.num_prefix  # type: ignore[no-any-return]
+
+
+def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
+    yield Request(Op.LOOKUP, LookupRequest(keys=list(keys), mask=True))
+    response, _ = yield Recv(Op.LOOKUP, LookupResponse)
+    _check_len("presence flags", response.present, len(keys))
+    return list(response.present)
+
+
+# -- writes -------------------------------------------------------------------------------
+
+
+def put_stream(keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool) -> Op_[PutResult]:
+    """Send the blocks inline (another host, or no shared arena)."""
+    sizes = [len(v) for v in views]
+    total = sum(sizes)
+    checksums = yield Compute(lambda: [ck.checksum(v) for v in views], total)
+    request = PutRequest(keys=list(keys), sizes=sizes, checksums=checksums, replicate=replicate)
+    yield Request(Op.PUT, request, payload=views, payload_len=total)
+    response, _ = yield Recv(Op.PUT, StatusResponse)
+    _check_len("statuses", response.statuses, len(keys))
+    return PutResult(_statuses(response.statuses))
+
+
+def put_shm(
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+    arena: memoryview,
+    replicate: bool,
+    lease_ms: int = 30_000,
+) -> Op_[PutResult]:
+    """Reserve arena slots, copy the blocks in directly, then commit them."""
+    sizes = [len(v) for v in views]
+    yield Request(Op.RESERVE, ReserveRequest(keys=list(keys), sizes=sizes, lease_ms=lease_ms))
+    reserved, _ = yield Recv(Op.RESERVE, ReserveResponse)
+    _check_len("offsets", reserved.offsets, len(keys))
+    statuses = _statuses(reserved.statuses)
+    if not reserved.reservation_id:
+        return PutResult(statuses)
+    slots = []
+    for status, offset, size in zip(statuses, reserved.offsets, sizes, strict=True):
+        if status is Status.OK:
+            if offset < 0 or offset + size > len(arena):
+                raise ProtocolError(f"node reserved an offset outside its arena: {offset}")
+            slots.append(arena[offset : offset + size])
+        else:
+            slots.append(None)
+
+    def copy_in() -> list[int | None] | BaseException:
+        try:
+            return [
+                ck.copy_with_checksum(slot, view) if slot is not None else None
+                for slot, view in zip(slots, views, strict=True)
+            ]
+        except BaseException as exc:  # reported after the reservation is aborted
+            return exc
+
+    checksums = yield Compute(copy_in, sum(sizes))
+    if isinstance(checksums, BaseException):
+        yield Request(Op.ABORT, AbortRequest(reservation_id=reserved.reservation_id), no_reply=True)
+        raise checksums
+    commit = CommitRequest(
+        reservation_id=reserved.reservation_id, checksums=checksums, replicate=replicate
+    )
+    yield Request(Op.COMMIT, commit)
+    committed, _ = yield Recv(Op.COMMIT, StatusResponse)
+    _check_len("statuses", committed.statuses, len(keys))
+    for i, code in enumerate(committed.statuses):
+        if statuses[i] is Status.OK and code != Status.OK:
+            statuses[i] = Status(code)
+    return PutResult(statuses)
+
+
+# -- reads --------------------------------------------------------------------------------
+
+
+def _destinations(
+    dsts: Sequence[memoryview] | None, sizes: Sequence[int], statuses: list[Status]
+) -> list[memoryview | None]:
+    out: list[memoryview | None] = []
+    for i, (status, size) in enumerate(zip(statuses, sizes, strict=True)):
+        if status is not Status.OK:
+            out.append(None)
+        elif dsts is None:
+            out.append(memoryview(bytearray(size)))
+        elif len(dsts[i]) < size:
+            statuses[i] = Status.REFUSED  # the caller's buffer is too small for this block
+            out.append(None)
+        else:
+            out.append(dsts[i][:size])
+    return out
+
+
+def get_stream(
+    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, prefix: bool
+) -> Op_[GetResult]:
+    """Receive the blocks inline, verifying each checksum as its bytes arrive."""
+    yield Request(Op.GET, GetRequest(keys=list(keys), prefix=prefix))
+    response, payload_len = yield Recv(Op.GET, GetResponse)
+    for what in ("statuses", "sizes", "checksums"):
+        _check_len(what, getattr(response, what), len(keys))
+    statuses = _statuses(response.statuses)
+    sizes = [s if st is Status.OK else 0 for s, st in zip(response.sizes, statuses, strict=True)]
+    if sum(sizes) != payload_len:
+        raise ProtocolError(f"GET payload of {payload_len} bytes, sizes add up to {sum(sizes)}")
+    targets = _destinations(dsts, sizes, statuses)
+    corrupt: list[bytes] = []
+    for i, target in enumerate(targets):
+        if target is None:
+            if sizes[i]:
+                yield Skip(sizes[i])
+            continue
+        hasher = ck.new_hasher()
+        yield RecvInto(target, hasher)
+        if hasher.intdigest() != response.checksums[i]:
+            statuses[i] = Status.CHECKSUM_MISMATCH
+            corrupt.append(keys[i])
+    if corrupt:
+        yield from report_corrupt(corrupt)
+    return _get_result(statuses, sizes, targets, dsts is None)
+
+
+def get_shm(
+    keys: Sequence[bytes],
+    dsts: Sequence[memoryview] | None,
+    arena: memoryview,
+    prefix: bool,
+    lease_ms: int = 10_000,
+) -> Op_[GetResult]:
+    """Pin the blocks, copy them straight out of the arena, verify, unpin."""
+    yield Request(Op.PIN, PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms))
+    pinned, _ = yield Recv(Op.PIN, PinResponse)
+    for what in ("statuses", "offsets", "sizes", "checksums"):
+        _check_len(what, getattr(pinned, what), len(keys))
+    statuses = _statuses(pinned.statuses)
+    sizes = [s if st is Status.OK else 0 for s, st in zip(pinned.sizes, statuses, strict=True)]
+    for offset, size, status in zip(pinned.offsets, sizes, statuses, strict=True):
+        if status is Status.OK and (offset < 0 or offset + size > len(arena)):
+            raise ProtocolError(f"node pinned an offset outside its arena: {offset}")
+    targets = _destinations(dsts, sizes, statuses)
+
+    def copy_out() -> list[int | None] | BaseException:
+        try:
+            return [
+                ck.copy_with_checksum(t, arena[o : o + len(t)]) if t is not None else None
+                for t, o in zip(targets, pinned.offsets, strict=True)
+            ]
+        except BaseException as exc:  # reported after the pin is dropped
+            return exc
+
+    checksums: list[int | None] | BaseException = []
+    if pinned.pin_id:
+        checksums = yield Compute(copy_out, sum(sizes))
+        yield Request(Op.UNPIN, UnpinRequest(pin_id=pinned.pin_id), no_reply=True)
+    if isinstance(checksums, BaseException):
+        raise checksums
+    corrupt = []
+    for i, got in enumerate(checksums):
+        if got is not None and got != pinned.checksums[i]:
+            statuses[i] = Status.CHECKSUM_MISMATCH
+            corrupt.append(keys[i])
+    if corrupt:
+        yield from report_corrupt(corrupt)
+    return _get_result(statuses, sizes, targets, dsts is None)
+
+
+def _get_result(
+    statuses: list[Status], sizes: list[int], targets: list[memoryview | None], keep: bool
+) -> GetResult:
+    delivered = [s if st is Status.OK else -1 for s, st in zip(sizes, statuses, strict=True)]
+    values: list[bytearray | None] = []
+    if keep:
+        values = [
+            t.obj if t is not None and st is Status.OK else None  # type: ignore[misc]
+            for t, st in zip(targets, statuses, strict=True)
+        ]
+    return GetResult(statuses, delivered, values)
+
+
+# -- maintenance --------------------------------------------------------------------------
+
+
+def report_corrupt(keys: Sequence[bytes]) -> Op_[None]:
+    yield Request(Op.REPORT_CORRUPT, KeysRequest(keys=list(keys)))
+    yield Recv(Op.REPORT_CORRUPT, StatusResponse)
+
+
+def delete(keys: Sequence[bytes]) -> Op_[list[Status]]:
+    yield Request(Op.DELETE, KeysRequest(keys=list(keys)))
+    response, _ = yield Recv(Op.DELETE, StatusResponse)
+    _check_len("statuses", response.statuses, len(keys))
+    return _statuses(response.statuses)
+
+
+def describe(namespace_id: bytes, label: str) -> Op_[None]:
+    yield Request(Op.DESCRIBE, DescribeRequest(namespace_id=namespace_id, label=label[:256]))
+    yield Recv(Op.DESCRIBE, Empty)
+
+
+def stats() -> Op_[NodeStats]:
+    yield Request(Op.STATS, Empty())
+    response, _ = yield Recv(Op.STATS, NodeStats)
+    return response  # type: ignore[no-any-return]
+
+
+def health() -> Op_[Health]:
+    yield Request(Op.HEALTH, Empty())
+    response, _ = yield Recv(Op.HEALTH, Health)
+    return response  # type: ignore[no-any-return]
+
+
+def check_buffers(keys: Sequence[bytes], buffers: Sequence[Any] | None, *, writable: bool) -> list[memoryview] | None:
+    if buffers is None:
+        return None
+    if len(buffers) != len(keys):
+        raise UsageError(f"{len(keys)} keys but {len(buffers)} buffers")
+    try:
+        return [ck.byte_view(b, writable=writable) for b in buffers]
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc

@@ -1,0 +1,265 @@
+"""Typed configuration of the node daemon and the client, and the one place that reads
+``KVPOOL_*`` environment variables.
+
+Configuration objects are frozen dataclasses with named default constants; ``validate()``
+raises :class:`~kvpool.errors.ConfigError`, never ``assert``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpool.errors import ConfigError
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+DEFAULT_NODE_NAME = "default"
+DEFAULT_RUN_DIR = "/dev/shm/kvpool"
+DEFAULT_TCP_PORT = 9400
+DEFAULT_ADMIN_PORT = 9401
+DEFAULT_MEMORY_BYTES = 1 * GiB
+DEFAULT_PIN_LEASE_S = 10.0
+DEFAULT_RESERVE_LEASE_S = 30.0
+DEFAULT_HIGH_WATERMARK = 0.95
+DEFAULT_LOW_WATERMARK = 0.90
+DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_CONNECT_TIMEOUT_S = 1.0
+DEFAULT_ACCESS_ID = "kvpool"
+DEFAULT_ETCD_PREFIX = "/kvpool/nodes/"
+DEFAULT_ETCD_TTL_S = 5
+DEFAULT_REPLICAS = 1
+PAGE_BYTES = 4096
+MIN_ARENA_BYTES = 1 * MiB
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str | int) -> int:
+    """``"4GiB"``, ``"512M"``, ``"1.5g"`` or ``4096`` as a number of bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ConfigError(f"not a size: {text!r} (try 4GiB, 512MiB or a number of bytes)")
+    number, unit, _ = match.groups()
+    return int(float(number) * (1 << (10 * _SIZE_UNITS[unit.lower()])))
+
+
+def format_size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a node listens: a Unix socket path or a TCP host and port."""
+
+    kind: str  # "unix" | "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        """``unix:/path``, ``unix:///path``, ``tcp://host:port`` or ``host:port``."""
+        text = text.strip()
+        if text.startswith("unix:"):
+            path = text[len("unix:") :]
+            if path.startswith("//"):
+                path = path[2:]
+            if not path:
+                raise ConfigError(f"empty unix socket path in {text!r}")
+            return cls("unix", path=path)
+        if text.startswith("tcp://"):
+            text = text[len("tcp://") :]
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"not an address: {text!r} (use host:port or unix:/path)")
+        host = host.strip("[]") or "127.0.0.1"
+        return cls("tcp", host=host, port=int(port))
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}" if self.kind == "unix" else f"{self.host}:{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_host_id() -> str:
+    """The identity of this host, for deciding whether a node's arena is mappable here."""
+    return os.environ.get("KVPOOL_HOST_ID") or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Configuration of one node daemon (``kvpool serve``)."""
+
+    name: str = DEFAULT_NODE_NAME
+    run_dir: str = DEFAULT_RUN_DIR
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_TCP_PORT
+    advertise_host: str = ""
+    admin_host: str = "127.0.0.1"
+    admin_port: int = DEFAULT_ADMIN_PORT
+    access_id: str = DEFAULT_ACCESS_ID
+    access_key: str = ""
+    host_id: str = field(default_factory=default_host_id)
+    high_watermark: float = DEFAULT_HIGH_WATERMARK
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+    pin_lease_s: float = DEFAULT_PIN_LEASE_S
+    reserve_lease_s: float = DEFAULT_RESERVE_LEASE_S
+    hugepages: bool = False
+    peers: tuple[str, ...] = ()
+    etcd: str = ""
+    etcd_prefix: str = DEFAULT_ETCD_PREFIX
+    etcd_ttl_s: int = DEFAULT_ETCD_TTL_S
+    replicas: int = DEFAULT_REPLICAS
+
+    @property
+    def node_dir(self) -> Path:
+        return Path(self.run_dir) / self.name
+
+    @property
+    def arena_path(self) -> Path:
+        return self.node_dir / "arena"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.node_dir / "kvpool.sock"
+
+    @property
+    def tcp_address(self) -> str:
+        return f"{self.advertise_host or self.host}:{self.port}"
+
+    def validate(self) -> NodeConfig:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
+            raise ConfigError(f"node name {self.name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        if self.memory_bytes < MIN_ARENA_BYTES:
+            raise ConfigError(f"--memory must be at least {format_size(MIN_ARENA_BYTES)}")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ConfigError("watermarks must satisfy 0 < low <= high <= 1")
+        if self.pin_lease_s <= 0 or self.reserve_lease_s <= 0:
+            raise ConfigError("lease durations must be positive")
+        if not self.access_key and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to listen on {self.host} without an access key: set --access-key "
+                "(or KVPOOL_ACCESS_KEY), or listen on loopback"
+            )
+        if len(self.socket_path.as_posix()) > 100:
+            raise ConfigError(f"unix socket path too long: {self.socket_path}")
+        if self.replicas < 1:
+            raise ConfigError("--replicas must be at least 1")
+        for port in (self.port, self.admin_port):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"invalid port {port}")
+        return self
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Configuration of a client (the SDK, the vLLM connector, the router)."""
+
+    address: str = f"unix:{DEFAULT_RUN_DIR}/{DEFAULT_NODE_NAME}/kvpool.sock"
+    access_id: str = DEFAULT_ACCESS_ID
+    access_key: str = ""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    use_shm: bool = True
+    host_id: str = field(default_factory=default_host_id)
+    peers: tuple[str, ...] = ()
+    etcd: str = ""
+    etcd_prefix: str = DEFAULT_ETCD_PREFIX
+    write_rcache: bool = True
+    read_local_only: bool = False
+    replicas: int = DEFAULT_REPLICAS
+    max_connections: int = 8
+
+    def validate(self) -> ClientConfig:
+        Address.parse(self.address)
+        for peer in self.peers:
+            Address.parse(peer)
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("timeouts must be positive")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be at least 1")
+        return self
+
+    def replace(self, **changes: object) -> ClientConfig:
+        return dataclasses.replace(self, **changes).validate()  # type: ignore[arg-type]
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_bool(value: str | bool, name: str = "value") -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected a boolean, got {value!r}")
+
+
+def _split_list(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+# The environment variables a client honours, and how each is parsed.
+CLIENT_ENV: dict[str, tuple[str, object]] = {
+    "KVPOOL_ADDRESS": ("address", str),
+    "KVPOOL_ACCESS_ID": ("access_id", str),
+    "KVPOOL_ACCESS_KEY": ("access_key", str),
+    "KVPOOL_TIMEOUT": ("timeout_s", float),
+    "KVPOOL_CONNECT_TIMEOUT": ("connect_timeout_s", float),
+    "KVPOOL_USE_SHM": ("use_shm", parse_bool),
+    "KVPOOL_HOST_ID": ("host_id", str),
+    "KVPOOL_PEERS": ("peers", _split_list),
+    "KVPOOL_ETCD": ("etcd", str),
+    "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
+    "KVPOOL_WRITE_RCACHE": ("write_rcache", parse_bool),
+    "KVPOOL_READ_LOCAL_ONLY": ("read_local_only", parse_bool),
+    "KVPOOL_REPLICAS": ("replicas", int),
+}
+
+
+def client_config_from(
+    overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> ClientConfig:
+    """A client configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides``."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for var, (name, parse) in CLIENT_ENV.items():
+        if var in environ:
+            try:
+                values[name] = parse(environ[var])  # type: ignore[operator]
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
+    known = {f.name for f in dataclasses.fields(ClientConfig)}
+    for name, value in (overrides or {}).items():
+        if name not in known:
+            raise ConfigError(f"unknown client option {name!r}; known: {sorted(known)}")
+        values[name] = tuple(value) if name == "peers" and isinstance(value, list) else value
+    return ClientConfig(**values).validate()  # type: ignore[arg-type]

@@ -1,0 +1,194 @@
+"""Frame I/O over a socket: a blocking channel (sync client) and an asyncio channel (daemon,
+async client).  Both share :class:`~kvpool.protocol.frames.RecvBuffer` and differ only in how
+they wait.
+
+Payloads are received straight into the caller's destination (an arena slot, a user
+buffer) and sent with scatter-gather ``sendmsg`` from where they lie: no staging copies.
+``recv_into`` can feed a hasher with each piece as it arrives, while it is still in cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.errors import NodeUnavailable, PoolTimeout
+from kvpool.protocol.frames import HEADER_BYTES, FrameHeader, RecvBuffer, parse_header
+
+Buffer = bytes | bytearray | memoryview
+IOV_MAX = 512
+DISCARD_BYTES = 1 << 20
+_discard = memoryview(bytearray(DISCARD_BYTES))
+
+
+def _advance(parts: list[memoryview], num_sent: int) -> list[memoryview]:
+    """Drop ``num_sent`` bytes from the front of ``parts``."""
+    index = 0
+    while index < len(parts) and num_sent >= len(parts[index]):
+        num_sent -= len(parts[index])
+        index += 1
+    rest = parts[index:]
+    if rest and num_sent:
+        rest[0] = rest[0][num_sent:]
+    return rest
+
+
+def _as_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    return [memoryview(p).cast("B") if not isinstance(p, memoryview) else p for p in parts if len(p)]
+
+
+class SyncChannel:
+    """Blocking frame I/O with a per-call deadline."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.rbuf = RecvBuffer(64 << 10)
+        self.deadline: float | None = None
+
+    def _arm(self) -> None:
+        if self.deadline is None:
+            self.sock.settimeout(None)
+            return
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise PoolTimeout("deadline passed")
+        self.sock.settimeout(remaining)
+
+    def _fill(self, want: int) -> None:
+        while self.rbuf.num_buffered < want:
+            self._arm()
+            try:
+                num = self.sock.recv_into(self.rbuf.writable(want - self.rbuf.num_buffered))
+            except TimeoutError:
+                raise PoolTimeout("timed out waiting for the node") from None
+            if num == 0:
+                raise NodeUnavailable("connection closed by the node")
+            self.rbuf.produced(num)
+
+    def recv_header(self) -> FrameHeader:
+        self._fill(HEADER_BYTES)
+        return parse_header(self.rbuf.take(HEADER_BYTES))
+
+    def recv_meta(self, num_bytes: int) -> bytes:
+        self._fill(num_bytes)
+        return self.rbuf.take(num_bytes)
+
+    def recv_into(self, dst: memoryview, hasher: Any = None) -> None:
+        done = self.rbuf.drain_into(dst)
+        if hasher is not None and done:
+            hasher.update(dst[:done])
+        while done < len(dst):
+            self._arm()
+            try:
+                num = self.sock.recv_into(dst[done:])
+            except TimeoutError:
+                raise PoolTimeout("timed out receiving a payload") from None
+            if num == 0:
+                raise NodeUnavailable("connection closed mid-payload")
+            if hasher is not None:
+                hasher.update(dst[done : done + num])
+            done += num
+
+    def skip(self, num_bytes: int) -> None:
+        while num_bytes:
+            piece = min(num_bytes, DISCARD_BYTES)
+            self.recv_into(_discard[:piece])
+            num_bytes -= piece
+
+    def send(self, parts: Sequence[Buffer]) -> None:
+        views = _as_views(parts)
+        while views:
+            self._arm()
+            try:
+                num = self.sock.sendmsg(views[:IOV_MAX])
+            except TimeoutError:
+                raise PoolTimeout("timed out sending to the node") from None
+            views = _advance(views, num)
+
+
+class AsyncChannel:
+    """Non-blocking frame I/O on an event loop, waiting with add_reader / add_writer."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None):
+        sock.setblocking(False)
+        self.sock = sock
+        self.loop = loop or asyncio.get_running_loop()
+        self.rbuf = RecvBuffer()
+        self._fd = sock.fileno()
+
+    async def _readable(self) -> None:
+        future = self.loop.create_future()
+        self.loop.add_reader(self._fd, _wake, future)
+        try:
+            await future
+        finally:
+            self.loop.remove_reader(self._fd)
+
+    async def _writable(self) -> None:
+        future = self.loop.create_future()
+        self.loop.add_writer(self._fd, _wake, future)
+        try:
+            await future
+        finally:
+            self.loop.remove_writer(self._fd)
+
+    async def _recv_into(self, view: memoryview) -> int:
+        while True:
+            try:
+                num = self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+                continue
+            if num == 0:
+                raise NodeUnavailable("connection closed by peer")
+            return num
+
+    async def _fill(self, want: int) -> None:
+        while self.rbuf.num_buffered < want:
+            num = await self._recv_into(self.rbuf.writable(want - self.rbuf.num_buffered))
+            self.rbuf.produced(num)
+
+    async def recv_header(self) -> FrameHeader:
+        await self._fill(HEADER_BYTES)
+        return parse_header(self.rbuf.take(HEADER_BYTES))
+
+    async def recv_meta(self, num_bytes: int) -> bytes:
+        await self._fill(num_bytes)
+        return self.rbuf.take(num_bytes)
+
+    async def recv_into(self, dst: memoryview, hasher: Any = None) -> None:
+        done = self.rbuf.drain_into(dst)
+        if hasher is not None and done:
+            hasher.update(dst[:done])
+        while done < len(dst):
+            num = await self._recv_into(dst[done:])
+            if hasher is not None:
+                hasher.update(dst[done : done + num])
+            done += num
+
+    async def skip(self, num_bytes: int) -> None:
+        while num_bytes:
+            piece = min(num_bytes, DISCARD_BYTES)
+            await self.recv_into(_discard[:piece])
+            num_bytes -= piece
+
+    async def send(self, parts: Sequence[Buffer]) -> None:
+        views = _as_views(parts)
+        while views:
+            try:
+                num = self.sock.sendmsg(views[:IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            views = _advance(views, num)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

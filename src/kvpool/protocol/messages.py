@@ -1,0 +1,280 @@
+"""The msgpack message headers of every operation, with their bounds.
+
+Each frame carries one of these as its msgpack header (see :mod:`kvpool.protocol.frames`);
+the op code in the fixed header says which.  Lists and byte strings carry ``msgspec.Meta``
+bounds, so decoding rejects an oversized count before anything is allocated for it.
+
+Operations (request -> response):
+
+=============  ========================================  =====================================
+op             request                                   response (+ raw payload)
+=============  ========================================  =====================================
+CHALLENGE      (server speaks first on accept)           -
+HELLO          version, access id, nonce, HMAC proof     Welcome: node identity, arena, limits
+LOOKUP         ordered keys, optional bounded wait        longest present prefix (or mask)
+PUT            keys, sizes, checksums + payload           status per key
+GET            keys                                       status, size, checksum per key
+                                                          + payload of the found blocks
+RESERVE        keys, sizes (same-node writers)            status and arena offset per key
+COMMIT         reservation id, checksum per key           status per key
+ABORT          reservation id                             -
+PIN            keys (same-node readers)                   pin id, offset, size, checksum per key
+UNPIN          pin id                                     - (sent without waiting for a reply)
+DELETE         keys                                       status per key
+REPORT_CORRUPT keys a reader found corrupt                status per key
+DESCRIBE       namespace id and label                     -
+STATS          -                                          NodeStats
+HEALTH         -                                          Health
+=============  ========================================  =====================================
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+
+from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+MAX_KEYS_PER_REQUEST = 16384
+MAX_BLOCK_BYTES = 256 << 20
+MAX_WAIT_MS = 60_000
+MAX_LEASE_MS = 600_000
+MAX_NAME_LEN = 256
+MAX_MESSAGE_LEN = 4096
+NONCE_BYTES = 32
+
+Key = Annotated[bytes, msgspec.Meta(min_length=MIN_KEY_BYTES, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_BYTES)]
+Sizes = Annotated[list[Size], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+Checksum = Annotated[int, msgspec.Meta(ge=0)]  # a uint64
+Checksums = Annotated[list[Checksum], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+Statuses = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+Offsets = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
+WaitMs = Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
+LeaseMs = Annotated[int, msgspec.Meta(ge=1, le=MAX_LEASE_MS)]
+
+
+class Op(enum.IntEnum):
+    CHALLENGE = 1
+    HELLO = 2
+    LOOKUP = 3
+    PUT = 4
+    GET = 5
+    RESERVE = 6
+    COMMIT = 7
+    ABORT = 8
+    PIN = 9
+    UNPIN = 10
+    DELETE = 11
+    REPORT_CORRUPT = 12
+    DESCRIBE = 13
+    STATS = 14
+    HEALTH = 15
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """Base of every message header."""
+
+
+class Challenge(Message):
+    versions: Annotated[list[int], msgspec.Meta(max_length=16)]
+    nonce: Nonce
+    node_id: Name
+    auth_required: bool
+
+
+class Hello(Message):
+    version: int
+    access_id: Name
+    nonce: Nonce
+    proof: Proof = b""
+    host_id: Name = ""
+    client_name: Name = ""
+
+
+class Welcome(Message):
+    node_id: Name
+    proof: Proof
+    host_id: Name
+    tcp_address: Name
+    arena_path: Name
+    arena_bytes: int
+    arena_dev: int
+    arena_ino: int
+    arena_id: bytes
+    max_keys: int = MAX_KEYS_PER_REQUEST
+    max_block_bytes: int = MAX_BLOCK_BYTES
+
+
+class LookupRequest(Message):
+    keys: Keys
+    wait_ms: WaitMs = 0
+    wait_absent: bool = False  # also wait for keys nobody has started writing yet
+    mask: bool = False  # report presence of every key, not just the prefix length
+
+
+class LookupResponse(Message):
+    num_prefix: int
+    present: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
+    num_pending: int = 0
+
+
+class PutRequest(Message):
+    keys: Keys
+    sizes: Sizes
+    checksums: Checksums
+    replicate: bool = True  # write through to the keys' home nodes
+
+
+class StatusResponse(Message):
+    statuses: Statuses
+
+
+class GetRequest(Message):
+    keys: Keys
+    prefix: bool = False  # stop at the first miss
+
+
+class GetResponse(Message):
+    statuses: Statuses
+    sizes: Sizes
+    checksums: Checksums
+
+
+class ReserveRequest(Message):
+    keys: Keys
+    sizes: Sizes
+    lease_ms: LeaseMs = 30_000
+
+
+class ReserveResponse(Message):
+    reservation_id: int
+    statuses: Statuses
+    offsets: Offsets
+
+
+class CommitRequest(Message):
+    reservation_id: int
+    checksums: Annotated[list[Checksum | None], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+    replicate: bool = True
+
+
+class AbortRequest(Message):
+    reservation_id: int
+
+
+class PinRequest(Message):
+    keys: Keys
+    prefix: bool = False
+    lease_ms: LeaseMs = 10_000
+
+
+class PinResponse(Message):
+    pin_id: int
+    statuses: Statuses
+    offsets: Offsets
+    sizes: Sizes
+    checksums: Checksums
+
+
+class UnpinRequest(Message):
+    pin_id: int
+
+
+class KeysRequest(Message):
+    keys: Keys
+
+
+class DescribeRequest(Message):
+    namespace_id: Annotated[bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)]
+    label: Name
+
+
+class Empty(Message):
+    pass
+
+
+class ErrorResponse(Message):
+    message: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE_LEN)] = ""
+
+
+class NamespaceStats(Message):
+    namespace_id: str
+    label: str = ""
+    num_blocks: int = 0
+    used_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+
+
+class NodeStats(Message):
+    node_id: str
+    host_id: str
+    tcp_address: str
+    capacity_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    num_blocks: int
+    num_pinned: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    bytes_in: int
+    bytes_out: int
+    num_connections: int
+    uptime_s: float
+    namespaces: list[NamespaceStats] = []
+    peers: list[str] = []
+
+
+class Health(Message):
+    ok: bool
+    node_id: str
+    uptime_s: float
+
+
+REQUEST_TYPES: dict[Op, type[Message]] = {
+    Op.HELLO: Hello,
+    Op.LOOKUP: LookupRequest,
+    Op.PUT: PutRequest,
+    Op.GET: GetRequest,
+    Op.RESERVE: ReserveRequest,
+    Op.COMMIT: CommitRequest,
+    Op.ABORT: AbortRequest,
+    Op.PIN: PinRequest,
+    Op.UNPIN: UnpinRequest,
+    Op.DELETE: KeysRequest,
+    Op.REPORT_CORRUPT: KeysRequest,
+    Op.DESCRIBE: DescribeRequest,
+    Op.STATS: Empty,
+    Op.HEALTH: Empty,
+}
+
+RESPONSE_TYPES: dict[Op, type[Message]] = {
+    Op.CHALLENGE: Challenge,
+    Op.HELLO: Welcome,
+    Op.LOOKUP: LookupResponse,
+    Op.PUT: StatusResponse,
+    Op.GET: GetResponse,
+    Op.RESERVE: ReserveResponse,
+    Op.COMMIT: StatusResponse,
+    Op.ABORT: Empty,
+    Op.PIN: PinResponse,
+    Op.UNPIN: Empty,
+    Op.DELETE: StatusResponse,
+    Op.REPORT_CORRUPT: StatusResponse,
+    Op.DESCRIBE: Empty,
+    Op.STATS: NodeStats,
+    Op.HEALTH: Health,
+}

@@ -1,0 +1,194 @@
+"""Arena space allocators.
+
+The interface (:class:`Allocator`): ``allocate(num_bytes) -> offset | None`` and
+``free(offset)``; ``carve(offset, sizes)`` splits one allocated extent into separately
+freeable pieces, so that the blocks of one batch sit contiguously in the arena and move as
+one large copy.  The caller guarantees it frees only offsets it was given, once.  Every
+offset and size is a multiple of the page size.
+
+:class:`SegregatedFitAllocator` is a two-level segregated fit (TLSF) allocator: free
+extents live in bins indexed by (power of two, 8 linear sub-ranges); a bitmap finds the
+first bin that can hold a request in O(1); neighbours are coalesced on free in O(1).
+:class:`BumpAllocator` is the trivial implementation for tests: it never reuses memory.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvpool.config import PAGE_BYTES
+
+SL_BITS = 3  # 8 second-level bins per power of two
+SL_COUNT = 1 << SL_BITS
+
+
+class Allocator(Protocol):
+    capacity: int
+    used: int
+
+    def allocate(self, num_bytes: int) -> int | None: ...
+
+    def free(self, offset: int) -> None: ...
+
+    def carve(self, offset: int, sizes: list[int]) -> list[int]: ...
+
+    def largest_free(self) -> int: ...
+
+
+def pages(num_bytes: int) -> int:
+    return max(1, -(-num_bytes // PAGE_BYTES))
+
+
+def _bin_of(num_pages: int) -> int:
+    """The bin that holds a free extent of ``num_pages``."""
+    if num_pages < SL_COUNT:
+        return num_pages
+    fl = num_pages.bit_length() - 1
+    sl = (num_pages >> (fl - SL_BITS)) - SL_COUNT
+    return (fl - SL_BITS + 1) * SL_COUNT + sl
+
+
+def _bin_for_request(num_pages: int) -> int:
+    """The first bin whose every extent can hold ``num_pages`` (round up to a bin edge)."""
+    if num_pages < SL_COUNT:
+        return num_pages
+    fl = num_pages.bit_length() - 1
+    round_up = (1 << (fl - SL_BITS)) - 1
+    return _bin_of(num_pages + round_up)
+
+
+class SegregatedFitAllocator:
+    """O(1) allocation and free with coalescing, in units of pages."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity // PAGE_BYTES * PAGE_BYTES
+        self.used = 0
+        self._free_start_to_pages: dict[int, int] = {}
+        self._free_end_to_start: dict[int, int] = {}
+        self._allocated_start_to_pages: dict[int, int] = {}
+        self._bins: list[dict[int, None]] = [{} for _ in range(_bin_of(1 << 62) + 1)]
+        self._bitmap = 0
+        total = self.capacity // PAGE_BYTES
+        if total:
+            self._insert_free(0, total)
+
+    def allocate(self, num_bytes: int) -> int | None:
+        want = pages(num_bytes)
+        index = _bin_for_request(want)
+        if index >= len(self._bins):
+            return None
+        candidates = self._bitmap >> index
+        if not candidates:
+            return self._allocate_exact_fit(want)
+        index += (candidates & -candidates).bit_length() - 1
+        start = next(iter(self._bins[index]))
+        self._take(start, want)
+        return start * PAGE_BYTES
+
+    def _allocate_exact_fit(self, want: int) -> int | None:
+        # Rounding up to a bin edge can miss an extent that fits in the request's own bin.
+        index = _bin_of(want)
+        for start in self._bins[index] if index < len(self._bins) else ():
+            if self._free_start_to_pages[start] >= want:
+                self._take(start, want)
+                return start * PAGE_BYTES
+        return None
+
+    def _take(self, start: int, want: int) -> None:
+        have = self._remove_free(start)
+        if have > want:
+            self._insert_free(start + want, have - want)
+        self._allocated_start_to_pages[start] = want
+        self.used += want * PAGE_BYTES
+
+    def free(self, offset: int) -> None:
+        start = offset // PAGE_BYTES
+        num_pages = self._allocated_start_to_pages.pop(start)
+        self.used -= num_pages * PAGE_BYTES
+        following = start + num_pages
+        if following in self._free_start_to_pages:
+            num_pages += self._remove_free(following)
+        preceding = self._free_end_to_start.get(start)
+        if preceding is not None:
+            num_pages += self._remove_free(preceding)
+            start = preceding
+        self._insert_free(start, num_pages)
+
+    def carve(self, offset: int, sizes: list[int]) -> list[int]:
+        """Split the allocated extent at ``offset`` into pieces of ``sizes`` (page-rounded,
+        in order); the extent's tail beyond them is freed."""
+        start = offset // PAGE_BYTES
+        total = self._allocated_start_to_pages.pop(start)
+        offsets: list[int] = []
+        cursor = start
+        for size in sizes:
+            num_pages = pages(size)
+            self._allocated_start_to_pages[cursor] = num_pages
+            offsets.append(cursor * PAGE_BYTES)
+            cursor += num_pages
+        leftover = start + total - cursor
+        if leftover < 0:
+            raise ValueError("pieces exceed the extent")
+        if leftover:
+            self._allocated_start_to_pages[cursor] = leftover
+            self.free(cursor * PAGE_BYTES)
+        return offsets
+
+    def largest_free(self) -> int:
+        if not self._bitmap:
+            return 0
+        top = self._bitmap.bit_length() - 1
+        return max(self._free_start_to_pages[s] for s in self._bins[top]) * PAGE_BYTES
+
+    def _insert_free(self, start: int, num_pages: int) -> None:
+        self._free_start_to_pages[start] = num_pages
+        self._free_end_to_start[start + num_pages] = start
+        index = _bin_of(num_pages)
+        self._bins[index][start] = None
+        self._bitmap |= 1 << index
+
+    def _remove_free(self, start: int) -> int:
+        num_pages = self._free_start_to_pages.pop(start)
+        del self._free_end_to_start[start + num_pages]
+        index = _bin_of(num_pages)
+        bin_ = self._bins[index]
+        del bin_[start]
+        if not bin_:
+            self._bitmap &= ~(1 << index)
+        return num_pages
+
+
+class BumpAllocator:
+    """Hands out memory front to back and never reuses it (for tests)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._next = 0
+        self._sizes: dict[int, int] = {}
+
+    def allocate(self, num_bytes: int) -> int | None:
+        size = pages(num_bytes) * PAGE_BYTES
+        if self._next + size > self.capacity:
+            return None
+        offset, self._next = self._next, self._next + size
+        self._sizes[offset] = size
+        self.used += size
+        return offset
+
+    def free(self, offset: int) -> None:
+        self.used -= self._sizes.pop(offset)
+
+    def carve(self, offset: int, sizes: list[int]) -> list[int]:
+        total = self._sizes.pop(offset)
+        offsets = []
+        for size in sizes:
+            self._sizes[offset] = pages(size) * PAGE_BYTES
+            offsets.append(offset)
+            offset += pages(size) * PAGE_BYTES
+            total -= pages(size) * PAGE_BYTES
+        self.used -= total
+        return offsets
+
+    def largest_free(self) -> int:
+        return self.capacity - self._next

@@ -1,0 +1,65 @@
+"""A block and its state machine.
+
+::
+
+    reserve ──► RESERVED ──commit(checksum)──► COMMITTED ──delete / evict──► REMOVED
+                   │                                                      (memory freed once
+                   └──abort / lease timeout / owner gone──► FAILED         the last pin drops)
+
+- RESERVED: memory is allocated and being filled; lookups see the key as *pending*, reads
+  never see it, eviction skips it.  A reservation whose lease expires is aborted.
+- COMMITTED: visible, atomically, with its checksum.  Readers pin it under a lease;
+  eviction skips pinned blocks.
+- REMOVED: gone from the index; its memory returns to the allocator when ``num_pins`` is 0.
+- FAILED: an aborted write; its memory returned at once (nobody could have pinned it).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class BlockState(enum.IntEnum):
+    RESERVED = 1
+    COMMITTED = 2
+    REMOVED = 3
+    FAILED = 4
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    key: bytes
+    offset: int
+    size: int
+    state: BlockState = BlockState.RESERVED
+    checksum: int = 0
+    num_pins: int = 0
+
+    @property
+    def is_readable(self) -> bool:
+        return self.state is BlockState.COMMITTED
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.state is BlockState.COMMITTED and self.num_pins == 0
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Blocks one writer is filling, reclaimed if not committed before ``deadline``."""
+
+    reservation_id: int
+    owner: int
+    blocks: list[Block | None]
+    deadline: float
+
+
+@dataclass(slots=True, eq=False)
+class Pin:
+    """Blocks one reader is copying, protected from eviction until ``deadline``."""
+
+    pin_id: int
+    owner: int
+    blocks: list[Block]
+    deadline: float

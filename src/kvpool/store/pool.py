@@ -1,0 +1,400 @@
+"""The block store: index, two-phase writes, pins under leases, and eviction.
+
+The store is synchronous, owns no I/O and is touched from one thread (the daemon's event
+loop).  It manages offsets into the arena; it never touches the bytes.
+
+Rules (each has a test in tests/store/test_pool.py):
+1. ``reserve`` allocates; the key is *pending* (lookups report it, reads never see it).
+2. ``commit`` makes a block visible atomically with its checksum.  A commit after the
+   reservation was aborted or expired raises :class:`LeaseExpired` and changes nothing.
+3. ``abort``, an expired reservation lease, and a disconnecting owner return the memory.
+4. ``pin`` protects committed blocks from eviction until ``unpin`` or the pin lease expires;
+   a pinned block that is deleted disappears from the index at once, and its memory is
+   returned when the last pin drops.
+5. Eviction removes least recently used committed, unpinned blocks: on demand when an
+   allocation fails, and down to the low watermark once usage passes the high watermark.
+6. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
+   overwritten (a key names its content).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool.errors import BadRequest, LeaseExpired, Status
+from kvpool.keys import namespace_of
+from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
+from kvpool.store.block import Block, BlockState, Pin, Reservation
+from kvpool.store.eviction import EvictionPolicy, LRUPolicy
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class NamespaceUsage:
+    label: str = ""
+    num_blocks: int = 0
+    used_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    expired_reservations: int = 0
+    expired_pins: int = 0
+    corrupt_reports: int = 0
+
+
+@dataclass(slots=True)
+class ReserveResult:
+    reservation_id: int
+    statuses: list[Status]
+    blocks: list[Block | None] = field(default_factory=list)
+
+
+class BlockStore:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        allocator: Allocator | None = None,
+        eviction: EvictionPolicy | None = None,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.90,
+        clock: Clock = time.monotonic,
+    ):
+        self.allocator = allocator or SegregatedFitAllocator(capacity)
+        self.capacity = self.allocator.capacity
+        self.eviction = eviction or LRUPolicy()
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.clock = clock
+        self.counters = StoreCounters()
+        self.namespaces: dict[bytes, NamespaceUsage] = {}
+        self.on_change: Callable[[], None] | None = None
+        self._index: dict[bytes, Block] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._pins: dict[int, Pin] = {}
+        self._owner_to_reservation_ids: dict[int, set[int]] = {}
+        self._owner_to_pin_ids: dict[int, set[int]] = {}
+        self._ids = itertools.count(1)
+        self.reserved_bytes = 0
+        self.committed_bytes = 0
+        self.num_committed = 0
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def reserve(
+        self, keys: Sequence[bytes], sizes: Sequence[int], owner: int, lease_s: float
+    ) -> ReserveResult:
+        """Allocate space for the keys that are neither stored nor pending."""
+        if len(keys) != len(sizes):
+            raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
+        statuses: list[Status] = []
+        wanted: list[int] = []
+        seen: set[bytes] = set()
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            existing = self._index.get(key)
+            if existing is not None or key in seen:
+                pending = existing is None or existing.state is BlockState.RESERVED
+                statuses.append(Status.PENDING if pending else Status.EXISTS)
+            elif pages(size) * 4096 > self.capacity:
+                statuses.append(Status.REFUSED)
+            else:
+                statuses.append(Status.OK)
+                wanted.append(i)
+                seen.add(key)
+        blocks: list[Block | None] = [None] * len(keys)
+        offsets = self._allocate_batch([sizes[i] for i in wanted])
+        for i, offset in zip(wanted, offsets, strict=True):
+            if offset is None:
+                statuses[i] = Status.NO_SPACE
+                continue
+            block = Block(keys[i], offset, sizes[i])
+            self._index[keys[i]] = block
+            self.reserved_bytes += block.size
+            blocks[i] = block
+        reservation_id = 0
+        if any(b is not None for b in blocks):
+            reservation_id = next(self._ids)
+            deadline = self.clock() + lease_s
+            self._reservations[reservation_id] = Reservation(
+                reservation_id, owner, blocks, deadline
+            )
+            self._owner_to_reservation_ids.setdefault(owner, set()).add(reservation_id)
+        return ReserveResult(reservation_id, statuses, blocks)
+
+    def commit(
+        self, reservation_id: int, checksums: Sequence[int | None], owner: int
+    ) -> list[Status]:
+        """Make the reserved blocks visible; a ``None`` checksum aborts that block."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.owner != owner:
+            raise LeaseExpired(f"reservation {reservation_id} expired or was aborted")
+        if len(checksums) != len(reservation.blocks):
+            raise BadRequest(
+                f"{len(checksums)} checksums for a reservation of {len(reservation.blocks)}"
+            )
+        self._forget_reservation(reservation)
+        statuses: list[Status] = []
+        for block, checksum in zip(reservation.blocks, checksums, strict=True):
+            if block is None:
+                statuses.append(Status.NOT_FOUND)
+            elif checksum is None:
+                self._fail(block)
+                statuses.append(Status.NOT_FOUND)
+            else:
+                self._commit(block, checksum)
+                statuses.append(Status.OK)
+        self._evict_past_high_watermark()
+        self._changed()
+        return statuses
+
+    def abort(self, reservation_id: int, owner: int) -> None:
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.owner != owner:
+            return
+        self._forget_reservation(reservation)
+        for block in reservation.blocks:
+            if block is not None:
+                self._fail(block)
+        self._changed()
+
+    def _commit(self, block: Block, checksum: int) -> None:
+        block.state = BlockState.COMMITTED
+        block.checksum = checksum
+        self.reserved_bytes -= block.size
+        self.committed_bytes += block.size
+        self.num_committed += 1
+        self.eviction.touch(block.key)
+        usage = self._usage(block.key)
+        usage.num_blocks += 1
+        usage.used_bytes += block.size
+        usage.puts += 1
+        self.counters.puts += 1
+
+    def _fail(self, block: Block) -> None:
+        block.state = BlockState.FAILED
+        self.reserved_bytes -= block.size
+        if self._index.get(block.key) is block:
+            del self._index[block.key]
+        self.allocator.free(block.offset)
+
+    def _forget_reservation(self, reservation: Reservation) -> None:
+        del self._reservations[reservation.reservation_id]
+        ids = self._owner_to_reservation_ids.get(reservation.owner)
+        if ids is not None:
+            ids.discard(reservation.reservation_id)
+            if not ids:
+                del self._owner_to_reservation_ids[reservation.owner]
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> tuple[int, bool]:
+        """The length of the longest committed prefix, and whether the next key is pending."""
+        num_prefix = 0
+        pending = False
+        for key in keys:
+            block = self._index.get(key)
+            if block is None or block.state is not BlockState.COMMITTED:
+                pending = block is not None
+                break
+            num_prefix += 1
+        if count:
+            self._count_lookup(keys, num_prefix)
+        return num_prefix, pending
+
+    def lookup_mask(self, keys: Sequence[bytes], *, count: bool = True) -> list[bool]:
+        """Whether each key is committed."""
+        present = [
+            (b := self._index.get(k)) is not None and b.state is BlockState.COMMITTED
+            for k in keys
+        ]
+        if count:
+            hits = sum(present)
+            self.counters.lookup_hits += hits
+            self.counters.lookup_misses += len(keys) - hits
+        return present
+
+    def _count_lookup(self, keys: Sequence[bytes], num_prefix: int) -> None:
+        self.counters.lookup_hits += num_prefix
+        self.counters.lookup_misses += len(keys) - num_prefix
+        if keys:
+            usage = self._usage(keys[0])
+            usage.hits += num_prefix
+            usage.misses += len(keys) - num_prefix
+
+    def pin(
+        self, keys: Sequence[bytes], owner: int, lease_s: float, *, prefix: bool = False
+    ) -> tuple[int, list[Block | None]]:
+        """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``)."""
+        found: list[Block | None] = []
+        pinned: list[Block] = []
+        for key in keys:
+            block = self._index.get(key)
+            if block is None or not block.is_readable or (prefix and len(pinned) < len(found)):
+                found.append(None)
+                continue
+            block.num_pins += 1
+            self.eviction.touch(key)
+            found.append(block)
+            pinned.append(block)
+        self.counters.get_hits += len(pinned)
+        self.counters.get_misses += len(keys) - len(pinned)
+        if not pinned:
+            return 0, found
+        pin_id = next(self._ids)
+        self._pins[pin_id] = Pin(pin_id, owner, pinned, self.clock() + lease_s)
+        self._owner_to_pin_ids.setdefault(owner, set()).add(pin_id)
+        return pin_id, found
+
+    def unpin(self, pin_id: int, owner: int | None = None) -> bool:
+        pin = self._pins.get(pin_id)
+        if pin is None or (owner is not None and pin.owner != owner):
+            return False
+        del self._pins[pin_id]
+        ids = self._owner_to_pin_ids.get(pin.owner)
+        if ids is not None:
+            ids.discard(pin_id)
+            if not ids:
+                del self._owner_to_pin_ids[pin.owner]
+        for block in pin.blocks:
+            block.num_pins -= 1
+            if block.num_pins == 0 and block.state is BlockState.REMOVED:
+                self.allocator.free(block.offset)
+        return True
+
+    def get_block(self, key: bytes) -> Block | None:
+        block = self._index.get(key)
+        return block if block is not None and block.is_readable else None
+
+    # -- removal --------------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[bytes]) -> list[Status]:
+        statuses = []
+        for key in keys:
+            block = self._index.get(key)
+            if block is None:
+                statuses.append(Status.NOT_FOUND)
+            elif block.state is BlockState.RESERVED:
+                statuses.append(Status.PENDING)
+            else:
+                self._remove(block)
+                statuses.append(Status.OK)
+        return statuses
+
+    def report_corrupt(self, keys: Sequence[bytes]) -> list[Status]:
+        """A reader found these blocks corrupt: drop them so that they are rewritten."""
+        self.counters.corrupt_reports += len(keys)
+        return self.delete(keys)
+
+    def _remove(self, block: Block) -> None:
+        del self._index[block.key]
+        self.eviction.remove(block.key)
+        block.state = BlockState.REMOVED
+        self.committed_bytes -= block.size
+        self.num_committed -= 1
+        usage = self._usage(block.key)
+        usage.num_blocks -= 1
+        usage.used_bytes -= block.size
+        if block.num_pins == 0:
+            self.allocator.free(block.offset)
+
+    # -- space ----------------------------------------------------------------------------
+
+    def _allocate_batch(self, sizes: list[int]) -> list[int | None]:
+        """One contiguous extent for the whole batch if there is one, else block by block."""
+        if not sizes:
+            return []
+        if len(sizes) > 1:
+            extent = self.allocator.allocate(sum(pages(s) * 4096 for s in sizes))
+            if extent is not None:
+                return list(self.allocator.carve(extent, sizes))
+        return [self._allocate(size) for size in sizes]
+
+    def _allocate(self, num_bytes: int) -> int | None:
+        offset = self.allocator.allocate(num_bytes)
+        if offset is not None:
+            return offset
+        for key in self.eviction.victims():
+            block = self._index.get(key)
+            if block is None or not block.is_evictable:
+                continue
+            self._remove(block)
+            self.counters.evictions += 1
+            offset = self.allocator.allocate(num_bytes)
+            if offset is not None:
+                return offset
+        return None
+
+    def _evict_past_high_watermark(self) -> None:
+        if self.allocator.used <= self.high_watermark * self.capacity:
+            return
+        target = self.low_watermark * self.capacity
+        for key in self.eviction.victims():
+            if self.allocator.used <= target:
+                break
+            block = self._index.get(key)
+            if block is not None and block.is_evictable:
+                self._remove(block)
+                self.counters.evictions += 1
+
+    # -- leases and owners ----------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Abort expired reservations and drop expired pins; returns how many."""
+        now = self.clock()
+        expired_reservations = [r for r in self._reservations.values() if r.deadline <= now]
+        for reservation in expired_reservations:
+            self.abort(reservation.reservation_id, reservation.owner)
+        expired_pins = [p for p in self._pins.values() if p.deadline <= now]
+        for pin in expired_pins:
+            self.unpin(pin.pin_id)
+        self.counters.expired_reservations += len(expired_reservations)
+        self.counters.expired_pins += len(expired_pins)
+        return len(expired_reservations) + len(expired_pins)
+
+    def release_owner(self, owner: int) -> None:
+        """A client went away: abort its reservations and drop its pins."""
+        for reservation_id in list(self._owner_to_reservation_ids.get(owner, ())):
+            self.abort(reservation_id, owner)
+        for pin_id in list(self._owner_to_pin_ids.get(owner, ())):
+            self.unpin(pin_id)
+
+    # -- introspection --------------------------------------------------------------------
+
+    def describe(self, namespace_id: bytes, label: str) -> None:
+        self.namespaces.setdefault(namespace_id, NamespaceUsage()).label = label
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(len(p.blocks) for p in self._pins.values())
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used
+
+    def __len__(self) -> int:
+        return self.num_committed
+
+    def _usage(self, key: bytes) -> NamespaceUsage:
+        ns = namespace_of(key)
+        usage = self.namespaces.get(ns)
+        if usage is None:
+            usage = self.namespaces[ns] = NamespaceUsage()
+        return usage
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
