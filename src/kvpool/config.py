@@ -245,6 +245,9 @@ CLIENT_ENV: dict[str, tuple[str, object]] = {
 }
 
 
+_CLIENT_ALIASES = {"timeout": "timeout_s", "connect_timeout": "connect_timeout_s"}
+
+
 def client_config_from(
     overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
 ) -> ClientConfig:
@@ -259,7 +262,51 @@ def client_config_from(
                 raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
     known = {f.name for f in dataclasses.fields(ClientConfig)}
     for name, value in (overrides or {}).items():
+        name = _CLIENT_ALIASES.get(name, name)
         if name not in known:
             raise ConfigError(f"unknown client option {name!r}; known: {sorted(known)}")
         values[name] = tuple(value) if name == "peers" and isinstance(value, list) else value
     return ClientConfig(**values).validate()  # type: ignore[arg-type]
+
+
+# The environment variables a node daemon honours (command-line flags win over them).
+NODE_ENV: dict[str, tuple[str, object]] = {
+    "KVPOOL_NODE_NAME": ("name", str),
+    "KVPOOL_RUN_DIR": ("run_dir", str),
+    "KVPOOL_MEMORY": ("memory_bytes", parse_size),
+    "KVPOOL_HOST": ("host", str),
+    "KVPOOL_PORT": ("port", int),
+    "KVPOOL_ADVERTISE_HOST": ("advertise_host", str),
+    "KVPOOL_ADMIN_HOST": ("admin_host", str),
+    "KVPOOL_ADMIN_PORT": ("admin_port", int),
+    "KVPOOL_ACCESS_ID": ("access_id", str),
+    "KVPOOL_ACCESS_KEY": ("access_key", str),
+    "KVPOOL_HOST_ID": ("host_id", str),
+    "KVPOOL_PEERS": ("peers", _split_list),
+    "KVPOOL_ETCD": ("etcd", str),
+    "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
+    "KVPOOL_REPLICAS": ("replicas", int),
+}
+
+
+def node_config_from(
+    overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> NodeConfig:
+    """A node configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides``
+    (entries whose value is ``None`` are ignored)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for var, (name, parse) in NODE_ENV.items():
+        if var in environ:
+            try:
+                values[name] = parse(environ[var])  # type: ignore[operator]
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
+    known = {f.name for f in dataclasses.fields(NodeConfig)}
+    for name, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if name not in known:
+            raise ConfigError(f"unknown node option {name!r}")
+        values[name] = value
+    return NodeConfig(**values).validate()  # type: ignore[arg-type]

@@ -104,6 +104,8 @@ class Daemon:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+            with contextlib.suppress(OSError):
+                self.config.node_dir.rmdir()  # only if empty
 
     async def run(self) -> None:
         """Start, print the ready line, serve until SIGTERM / SIGINT, then clean up."""

@@ -75,7 +75,8 @@ class Arena:
                         f"{path.parent}: {exc.strerror}. Lower --memory or grow /dev/shm."
                     ) from exc
                 raise
-            self._mmap = mmap.mmap(fd, self.num_bytes, mmap.MAP_SHARED)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(fd, self.num_bytes, flags)
             if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
                 with contextlib.suppress(OSError):
                     self._mmap.madvise(mmap.MADV_HUGEPAGE)

@@ -20,6 +20,7 @@ Rules (each has a test in tests/store/test_pool.py):
 from __future__ import annotations
 
 import itertools
+from itertools import takewhile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,7 +84,8 @@ class BlockStore:
         self.counters = StoreCounters()
         self.namespaces: dict[bytes, NamespaceUsage] = {}
         self.on_change: Callable[[], None] | None = None
-        self._index: dict[bytes, Block] = {}
+        self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
+        self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
         self._reservations: dict[int, Reservation] = {}
         self._pins: dict[int, Pin] = {}
         self._owner_to_reservation_ids: dict[int, set[int]] = {}
@@ -174,6 +176,7 @@ class BlockStore:
     def _commit(self, block: Block, checksum: int) -> None:
         block.state = BlockState.COMMITTED
         block.checksum = checksum
+        self._committed[block.key] = block
         self.reserved_bytes -= block.size
         self.committed_bytes += block.size
         self.num_committed += 1
@@ -203,24 +206,16 @@ class BlockStore:
 
     def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> tuple[int, bool]:
         """The length of the longest committed prefix, and whether the next key is pending."""
-        num_prefix = 0
-        pending = False
-        for key in keys:
-            block = self._index.get(key)
-            if block is None or block.state is not BlockState.COMMITTED:
-                pending = block is not None
-                break
-            num_prefix += 1
+        num_prefix = len(list(takewhile(self._committed.__contains__, keys)))
+        pending = num_prefix < len(keys) and keys[num_prefix] in self._index
         if count:
             self._count_lookup(keys, num_prefix)
         return num_prefix, pending
 
     def lookup_mask(self, keys: Sequence[bytes], *, count: bool = True) -> list[bool]:
         """Whether each key is committed."""
-        present = [
-            (b := self._index.get(k)) is not None and b.state is BlockState.COMMITTED
-            for k in keys
-        ]
+        committed = self._committed
+        present = [k in committed for k in keys]
         if count:
             hits = sum(present)
             self.counters.lookup_hits += hits
@@ -241,9 +236,10 @@ class BlockStore:
         """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``)."""
         found: list[Block | None] = []
         pinned: list[Block] = []
+        committed = self._committed
         for key in keys:
-            block = self._index.get(key)
-            if block is None or not block.is_readable or (prefix and len(pinned) < len(found)):
+            block = committed.get(key)
+            if block is None or (prefix and len(pinned) < len(found)):
                 found.append(None)
                 continue
             block.num_pins += 1
@@ -276,8 +272,7 @@ class BlockStore:
         return True
 
     def get_block(self, key: bytes) -> Block | None:
-        block = self._index.get(key)
-        return block if block is not None and block.is_readable else None
+        return self._committed.get(key)
 
     # -- removal --------------------------------------------------------------------------
 
@@ -301,6 +296,7 @@ class BlockStore:
 
     def _remove(self, block: Block) -> None:
         del self._index[block.key]
+        del self._committed[block.key]
         self.eviction.remove(block.key)
         block.state = BlockState.REMOVED
         self.committed_bytes -= block.size

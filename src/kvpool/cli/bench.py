@@ -1,0 +1,414 @@
+"""``kvpool bench``: put and get throughput and latency, each beside its ceiling measured in
+the same run.
+
+- same-node (``path=shm``): the client copies through the node's arena; the ceiling is a
+  memcpy of the same blocks into a shared-memory mapping.
+- TCP (``path=tcp``): the client streams over a TCP socket; the ceiling is a plain Python
+  socket stream of the same blocks between two processes (sendall / recv_into).
+- Redis, when ``redis-server`` is installed, over TCP with pipelined SET / MGET: the remote
+  store existing KV-cache systems use.
+
+Each call moves one batch (``--batch`` bytes of blocks), like an engine saving or loading a
+request's blocks; latency percentiles are per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import multiprocessing
+import os
+import platform
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvpool.client.client import Client
+from kvpool.config import MiB, format_size
+from kvpool.keys import Namespace
+from kvpool.node.process import NodeProcess, wait_until
+
+LOOKUP_KEYS = 1000
+LOOKUP_ROUNDS = 2000
+WARMUP_CALLS = 2
+
+
+@dataclass
+class BenchOptions:
+    block_sizes: list[int]
+    total_bytes: int = 512 * MiB
+    batch_bytes: int = 32 * MiB
+    with_redis: bool = True
+    address: str | None = None
+
+
+@dataclass
+class Case:
+    system: str
+    op: str
+    path: str
+    block_bytes: int
+    gbps: float
+    ceiling_gbps: float
+    ratio: float
+    p50_ms: float
+    p99_ms: float
+    vs_redis: float | None = None
+
+
+@dataclass
+class Report:
+    machine: dict[str, Any]
+    cases: list[Case] = field(default_factory=list)
+    lookup: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _timed(calls: int, fn: Callable[[int], Any]) -> list[float]:
+    for i in range(min(WARMUP_CALLS, calls)):
+        fn(i)
+    times = []
+    for i in range(calls):
+        start = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _summary(times: list[float], batch_bytes: int) -> tuple[float, float, float]:
+    gbps = batch_bytes * len(times) / sum(times) / 1e9
+    return gbps, _percentile(times, 0.5) * 1e3, _percentile(times, 0.99) * 1e3
+
+
+# -- ceilings -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _shm_buffer(num_bytes: int) -> Iterator[np.ndarray]:
+    with tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+        f.truncate(num_bytes)
+        array = np.frombuffer(mmap.mmap(f.fileno(), num_bytes), dtype=np.uint8)
+        array[:] = 1  # fault every page in, as the daemon's arena is
+        yield array  # unmapped when the last view of it is gone
+
+
+def _stream_sink(port_queue: Any) -> None:
+    """A plain socket peer: receives or sends batches on request (the TCP ceiling)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(256 * MiB))
+    header = bytearray(17)
+    while True:
+        view = memoryview(header)
+        got = 0
+        while got < 17:
+            n = conn.recv_into(view[got:])
+            if not n:
+                return
+            got += n
+        op, num_bytes, block = header[0], int.from_bytes(header[1:9], "little"), int.from_bytes(header[9:17], "little")
+        if op == 0:  # receive num_bytes, then acknowledge
+            got = 0
+            while got < num_bytes:
+                got += conn.recv_into(buf[got:num_bytes])
+            conn.sendall(b"k")
+        else:  # send num_bytes in blocks
+            for start in range(0, num_bytes, block):
+                conn.sendall(buf[start : min(start + block, num_bytes)])
+
+
+class StreamCeiling:
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        self.proc = ctx.Process(target=_stream_sink, args=(queue,), daemon=True)
+        self.proc.start()
+        port = queue.get(timeout=30)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, blocks: list[np.ndarray]) -> None:
+        total = sum(b.nbytes for b in blocks)
+        self.sock.sendall(bytes([0]) + total.to_bytes(8, "little") + blocks[0].nbytes.to_bytes(8, "little"))
+        for block in blocks:
+            self.sock.sendall(memoryview(block))
+        self.sock.recv(1)
+
+    def recv(self, blocks: list[np.ndarray]) -> None:
+        total = sum(b.nbytes for b in blocks)
+        self.sock.sendall(bytes([1]) + total.to_bytes(8, "little") + blocks[0].nbytes.to_bytes(8, "little"))
+        for block in blocks:
+            view = memoryview(block)
+            got = 0
+            while got < len(view):
+                got += self.sock.recv_into(view[got:])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# -- redis --------------------------------------------------------------------------------
+
+
+class RedisPeer:
+    def __init__(self) -> None:
+        import redis
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--protected-mode", "yes", "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "2gb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.client = redis.Redis(host="127.0.0.1", port=self.port)
+
+        def ping() -> bool:
+            try:
+                return bool(self.client.ping())
+            except redis.ConnectionError:
+                return False
+
+        if not wait_until(ping, 10):
+            self.close()
+            raise RuntimeError("redis-server did not start")
+
+    def put(self, keys: list[bytes], blocks: list[np.ndarray]) -> None:
+        self.client.mset({k: memoryview(b) for k, b in zip(keys, blocks, strict=True)})
+
+    def get(self, keys: list[bytes]) -> list[bytes | None]:
+        return self.client.mget(keys)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _: None) -> Report:
+    report = Report(machine=_machine())
+    ns = Namespace(model="kvpool-bench", extra=secrets.token_hex(8))
+    with contextlib.ExitStack() as stack:
+        if options.address is None:
+            arena_bytes = int(options.total_bytes * 1.25) + 64 * MiB
+            node = NodeProcess(
+                ["--name", f"bench-{os.getpid()}", "--memory", str(arena_bytes), "--port", "0",
+                 "--admin-port", "0", "--log-level", "warning"]
+            )  # fmt: skip
+            stack.enter_context(node)
+            shm_address, tcp_address = node.unix_address, node.tcp_address
+        else:
+            shm_address = tcp_address = options.address
+        redis_peer: RedisPeer | None = None
+        if options.with_redis:
+            try:
+                redis_peer = RedisPeer()
+                stack.callback(redis_peer.close)
+            except (FileNotFoundError, ImportError):
+                report.notes.append(
+                    "Redis baseline skipped: redis-server is not installed (apt-get install redis-server)."
+                )
+            except RuntimeError as exc:
+                report.notes.append(f"Redis baseline skipped: {exc}.")
+        stream = StreamCeiling()
+        stack.callback(stream.close)
+        shm_client = stack.enter_context(Client(shm_address, use_shm=True, timeout=60))
+        tcp_client = stack.enter_context(Client(tcp_address, use_shm=False, timeout=60))
+        if not shm_client.uses_shm:
+            report.notes.append("The same-node case could not map the arena; it streamed over the socket.")
+        for block_bytes in options.block_sizes:
+            _run_size(report, options, ns, block_bytes, shm_client, tcp_client, stream, redis_peer, progress)
+        progress("lookup")
+        report.lookup = _lookup_case(shm_client, ns)
+    return report
+
+
+def _run_size(
+    report: Report,
+    options: BenchOptions,
+    ns: Namespace,
+    block_bytes: int,
+    shm_client: Client,
+    tcp_client: Client,
+    stream: StreamCeiling,
+    redis_peer: RedisPeer | None,
+    progress: Callable[[str], None],
+) -> None:
+    per_call = max(1, options.batch_bytes // block_bytes)
+    batch_bytes = per_call * block_bytes
+    calls = max(4, options.total_bytes // batch_bytes)
+    rng = np.random.default_rng(block_bytes)
+    src = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(per_call)]
+    dst = [np.empty(block_bytes, dtype=np.uint8) for _ in range(per_call)]
+    for d in dst:
+        d[:] = 0
+
+    def keys_of(tag: str, call: int) -> list[bytes]:
+        return [ns.key(f"{tag}-{block_bytes}-{call}-{i}".encode()) for i in range(per_call)]
+
+    size = format_size(block_bytes)
+    # The memcpy ceiling spreads over as much shared memory as the pool's data does, so
+    # that neither side profits from blocks still in the CPU cache.
+    num_regions = calls + WARMUP_CALLS
+    with _shm_buffer(batch_bytes * num_regions) as target:
+
+        def slots(call: int) -> list[np.ndarray]:
+            base = (call % num_regions) * batch_bytes
+            return [target[base + i * block_bytes : base + (i + 1) * block_bytes] for i in range(per_call)]
+
+        def memcpy_in(call: int) -> None:
+            for s, d in zip(src, slots(call), strict=True):
+                np.copyto(d, s)
+
+        def memcpy_out(call: int) -> None:
+            for s, d in zip(slots(call), dst, strict=True):
+                np.copyto(d, s)
+
+        progress(f"{size} memcpy")
+        copy_in = _summary(_timed(calls, memcpy_in), batch_bytes)
+        copy_out = _summary(_timed(calls, memcpy_out), batch_bytes)
+    progress(f"{size} socket stream")
+    stream_in = _summary(_timed(calls, lambda _: stream.send(src)), batch_bytes)
+    stream_out = _summary(_timed(calls, lambda _: stream.recv(dst)), batch_bytes)
+
+    results: dict[tuple[str, str], tuple[float, float, float]] = {}
+    for path, client, ceilings in (
+        ("shm", shm_client, (copy_in, copy_out)),
+        ("tcp", tcp_client, (stream_in, stream_out)),
+    ):
+        progress(f"{size} kvpool {path} put")
+        total_calls = calls + WARMUP_CALLS
+
+        def put(i: int, client: Client = client, path: str = path) -> None:
+            result = client.put(keys_of(path, i), src)
+            if not result.all_stored:
+                raise RuntimeError(f"bench put failed: {result.statuses[:4]}")
+
+        results[(path, "put")] = put_stats = _summary(_timed(calls, lambda i, p=put: p(i)), batch_bytes)
+        progress(f"{size} kvpool {path} get")
+
+        def get(i: int, client: Client = client, path: str = path) -> None:
+            result = client.get(keys_of(path, i % total_calls), dst)
+            if result.num_found != per_call:
+                raise RuntimeError(f"bench get missed blocks: {result.statuses[:4]}")
+
+        results[(path, "get")] = get_stats = _summary(_timed(calls, lambda i, g=get: g(i)), batch_bytes)
+        for op, stats, ceiling in (("put", put_stats, ceilings[0]), ("get", get_stats, ceilings[1])):
+            report.cases.append(
+                Case("kvpool", op, path, block_bytes, round(stats[0], 3), round(ceiling[0], 3),
+                     round(stats[0] / ceiling[0], 3), round(stats[1], 3), round(stats[2], 3))
+            )  # fmt: skip
+        client.delete([k for i in range(total_calls) for k in keys_of(path, i)], timeout=60)
+
+    if redis_peer is not None:
+        progress(f"{size} redis put")
+        redis_put = _summary(
+            _timed(calls, lambda i: redis_peer.put(keys_of("redis", i), src)), batch_bytes
+        )
+        progress(f"{size} redis get")
+        redis_get = _summary(
+            _timed(calls, lambda i: redis_peer.get(keys_of("redis", i % (calls + WARMUP_CALLS)))),
+            batch_bytes,
+        )
+        redis_peer.client.flushall()
+        for op, stats, ceiling in (("put", redis_put, stream_in), ("get", redis_get, stream_out)):
+            report.cases.append(
+                Case("redis", op, "tcp", block_bytes, round(stats[0], 3), round(ceiling[0], 3),
+                     round(stats[0] / ceiling[0], 3), round(stats[1], 3), round(stats[2], 3))
+            )  # fmt: skip
+            for case in report.cases:
+                if case.system == "kvpool" and case.op == op and case.block_bytes == block_bytes:
+                    case.vs_redis = round(case.gbps / stats[0], 2)
+
+
+def _lookup_case(client: Client, ns: Namespace) -> dict[str, Any]:
+    keys = [ns.key(f"lookup-{i}".encode()) for i in range(LOOKUP_KEYS)]
+    values = [b"x" * 64] * LOOKUP_KEYS
+    client.put(keys, values)
+    times = _timed(LOOKUP_ROUNDS, lambda _: client.lookup(keys))
+    found = client.lookup(keys)
+    client.delete(keys)
+    return {
+        "num_keys": LOOKUP_KEYS,
+        "found": found,
+        "path": "shm" if client.uses_shm else "unix",
+        "p50_ms": round(_percentile(times, 0.5) * 1e3, 3),
+        "p99_ms": round(_percentile(times, 0.99) * 1e3, 3),
+        "mean_ms": round(statistics.fmean(times) * 1e3, 3),
+    }
+
+
+def render(report: Report, console: Console) -> None:
+    table = Table(title="kvpool bench (ratio = our throughput / ceiling measured in this run)")
+    for column in ("system", "op", "path", "block", "GB/s", "ceiling GB/s", "ratio", "p50 ms", "p99 ms", "vs redis"):
+        table.add_column(column, justify="left" if column in ("system", "op", "path") else "right")
+    for c in report.cases:
+        table.add_row(
+            c.system, c.op, c.path, format_size(c.block_bytes), f"{c.gbps:.2f}", f"{c.ceiling_gbps:.2f}",
+            f"{c.ratio:.2f}", f"{c.p50_ms:.2f}", f"{c.p99_ms:.2f}", f"{c.vs_redis:.2f}x" if c.vs_redis else "-",
+        )  # fmt: skip
+    console.print(table)
+    lk = report.lookup
+    if lk:
+        console.print(
+            f"lookup of a {lk['num_keys']}-key prefix ({lk['path']}): p50 {lk['p50_ms']:.3f} ms, "
+            f"p99 {lk['p99_ms']:.3f} ms"
+        )
+    for note in report.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def run_bench(options: BenchOptions, json_output: bool) -> Report:
+    console = Console(stderr=True)
+    steps = len(options.block_sizes) * (6 + (2 if options.with_redis else 0)) + 1
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=steps)
+
+        def step(label: str) -> None:
+            bar.update(task, advance=1, description=label)
+
+        report = run_cases(options, step)
+    if json_output:
+        sys.stdout.write(json.dumps(asdict(report)) + "\n")
+    else:
+        render(report, Console(width=max(Console().width, 120)))
+    return report

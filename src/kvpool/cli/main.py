@@ -1,0 +1,120 @@
+"""The ``kvpool`` command: serve, status, bench, demo, router."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from kvpool.config import parse_size
+from kvpool.errors import ConfigError, KVPoolError
+
+app = typer.Typer(
+    name="kvpool",
+    help="kvpool: a distributed memory pool for LLM KV cache — store instead of recompute.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@app.command()
+def serve(
+    name: Annotated[str | None, typer.Option(help="Node name (also its directory under --run-dir).")] = None,
+    memory: Annotated[str | None, typer.Option(help="Arena size, e.g. 4GiB.")] = None,
+    host: Annotated[str | None, typer.Option(help="TCP listen address.")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (0: any free port).")] = None,
+    advertise_host: Annotated[str | None, typer.Option(help="Address other nodes use to reach this one.")] = None,
+    admin_host: Annotated[str | None, typer.Option(help="Admin HTTP listen address.")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="Admin HTTP port (0: any free port).")] = None,
+    run_dir: Annotated[str | None, typer.Option(help="Where the arena and the Unix socket live.")] = None,
+    access_id: Annotated[str | None, typer.Option(help="Access id clients authenticate with.")] = None,
+    access_key: Annotated[str | None, typer.Option(help="Access key (HMAC secret); prefer KVPOOL_ACCESS_KEY.")] = None,
+    host_id: Annotated[str | None, typer.Option(help="Host identity (defaults to the hostname).")] = None,
+    peers: Annotated[str | None, typer.Option(help="Static cluster: comma-separated host:port of every node.")] = None,
+    etcd: Annotated[str | None, typer.Option(help="etcd endpoint for cluster membership, e.g. http://127.0.0.1:2379.")] = None,
+    replicas: Annotated[int | None, typer.Option(help="Home copies kept of each block in a cluster.")] = None,
+    hugepages: Annotated[bool, typer.Option(help="Ask for transparent huge pages on the arena.")] = False,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run a node daemon: a shared-memory arena served over a Unix socket and TCP."""
+    from kvpool.config import node_config_from
+    from kvpool.node.daemon import run_daemon
+
+    _logging(log_level)
+    overrides = {
+        "name": name,
+        "memory_bytes": parse_size(memory) if memory else None,
+        "host": host,
+        "port": port,
+        "advertise_host": advertise_host,
+        "admin_host": admin_host,
+        "admin_port": admin_port,
+        "run_dir": run_dir,
+        "access_id": access_id,
+        "access_key": access_key,
+        "host_id": host_id,
+        "peers": tuple(p.strip() for p in peers.split(",") if p.strip()) if peers else None,
+        "etcd": etcd,
+        "replicas": replicas,
+        "hugepages": hugepages or None,
+    }
+    config = node_config_from(overrides)
+    run_daemon(config)
+
+
+@app.command()
+def status(
+    address: Annotated[str | None, typer.Option(help="Node address (default: the local node, or KVPOOL_ADDRESS).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show capacity, usage, hit rate and namespaces of the node (or the whole cluster)."""
+    from kvpool.cli.status import show_status
+
+    show_status(address, json_output)
+
+
+@app.command()
+def bench(
+    address: Annotated[str | None, typer.Option(help="Benchmark a running node at this TCP address instead of starting one.")] = None,
+    sizes: Annotated[str, typer.Option(help="Block sizes.")] = "64KiB,512KiB,2MiB",
+    total: Annotated[str, typer.Option(help="Bytes moved per case.")] = "512MiB",
+    batch: Annotated[str, typer.Option(help="Bytes per batched call.")] = "32MiB",
+    redis: Annotated[bool, typer.Option(help="Run Redis side by side (needs redis-server).")] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure put/get throughput and latency, same-node and over TCP, beside memcpy, a plain
+    socket stream and Redis."""
+    from kvpool.cli.bench import BenchOptions, run_bench
+
+    options = BenchOptions(
+        block_sizes=[parse_size(s) for s in sizes.split(",")],
+        total_bytes=parse_size(total),
+        batch_bytes=parse_size(batch),
+        with_redis=redis,
+        address=address,
+    )
+    run_bench(options, json_output)
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(2)
+    except KVPoolError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(1)

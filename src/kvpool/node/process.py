@@ -1,0 +1,135 @@
+"""Start a node daemon as a child process and wait until it is ready (used by ``kvpool
+bench``, ``kvpool demo`` and the tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from kvpool.errors import ConfigError
+from kvpool.node.daemon import READY_PREFIX
+
+READY_TIMEOUT_S = 30.0
+
+
+class NodeProcess:
+    """A running ``kvpool serve`` child.  ``info`` is its ready line: name, unix, tcp,
+    admin, arena."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        log_file: IO[str] | None = None,
+        ready_timeout: float = READY_TIMEOUT_S,
+    ):
+        self.args = list(args)
+        self.env = dict(os.environ if env is None else env)
+        self.log_file = log_file
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+        self.output: list[str] = []
+
+    def start(self) -> NodeProcess:
+        command = [sys.executable, "-m", "kvpool", "serve", *self.args]
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
+        if not ready.wait(self.ready_timeout) or not self.info:
+            self.stop()
+            raise ConfigError(
+                "kvpool serve did not become ready:\n" + "".join(self.output[-30:])
+            )
+        return self
+
+    def _pump(self, ready: threading.Event) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(READY_PREFIX) and not self.info:
+                self.info = json.loads(line[len(READY_PREFIX) :])
+                ready.set()
+                continue
+            self.output.append(line)
+            del self.output[:-200]
+            if self.log_file is not None:
+                self.log_file.write(line)
+                self.log_file.flush()
+        ready.set()
+
+    @property
+    def unix_address(self) -> str:
+        return f"unix:{self.info['unix']}"
+
+    @property
+    def tcp_address(self) -> str:
+        return str(self.info["tcp"])
+
+    @property
+    def admin_url(self) -> str:
+        return str(self.info["admin"])
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, leaving the arena behind."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM and wait; SIGKILL if it does not stop in time."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def __enter__(self) -> NodeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
