@@ -52,7 +52,7 @@ def byte_view(obj: Any, *, writable: bool = False) -> memoryview:
     if isinstance(obj, memoryview):
         view = obj
     elif isinstance(obj, bytes | bytearray | np.ndarray):
-        view = memoryview(obj)
+        view = memoryview(obj)  # type: ignore[arg-type]
     elif type(obj).__module__.startswith("torch"):
         view = _torch_view(obj)
     else:

@@ -261,10 +261,10 @@ def client_config_from(
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
     known = {f.name for f in dataclasses.fields(ClientConfig)}
-    for name, value in (overrides or {}).items():
-        name = _CLIENT_ALIASES.get(name, name)
+    for given, value in (overrides or {}).items():
+        name = _CLIENT_ALIASES.get(given, given)
         if name not in known:
-            raise ConfigError(f"unknown client option {name!r}; known: {sorted(known)}")
+            raise ConfigError(f"unknown client option {given!r}; known: {sorted(known)}")
         values[name] = tuple(value) if name == "peers" and isinstance(value, list) else value
     return ClientConfig(**values).validate()  # type: ignore[arg-type]
 

@@ -168,7 +168,7 @@ def status_for_error(exc: BaseException) -> Status:
     """The wire status that reports ``exc`` to a peer."""
     for cls in type(exc).__mro__:
         if cls in _ERROR_TO_STATUS:
-            return _ERROR_TO_STATUS[cls]  # type: ignore[index]
+            return _ERROR_TO_STATUS[cls]
     if isinstance(exc, ProtocolError):
         return Status.BAD_REQUEST
     return Status.INTERNAL

@@ -127,7 +127,11 @@ def _stream_sink(port_queue: Any) -> None:
             if not n:
                 return
             got += n
-        op, num_bytes, block = header[0], int.from_bytes(header[1:9], "little"), int.from_bytes(header[9:17], "little")
+        op, num_bytes, block = (
+            header[0],
+            int.from_bytes(header[1:9], "little"),
+            int.from_bytes(header[9:17], "little"),
+        )
         if op == 0:  # receive num_bytes, then acknowledge
             got = 0
             while got < num_bytes:
@@ -150,16 +154,20 @@ class StreamCeiling:
 
     def send(self, blocks: list[np.ndarray]) -> None:
         total = sum(b.nbytes for b in blocks)
-        self.sock.sendall(bytes([0]) + total.to_bytes(8, "little") + blocks[0].nbytes.to_bytes(8, "little"))
+        self.sock.sendall(
+            bytes([0]) + total.to_bytes(8, "little") + blocks[0].nbytes.to_bytes(8, "little")
+        )
         for block in blocks:
-            self.sock.sendall(memoryview(block))
+            self.sock.sendall(block.data)
         self.sock.recv(1)
 
     def recv(self, blocks: list[np.ndarray]) -> None:
         total = sum(b.nbytes for b in blocks)
-        self.sock.sendall(bytes([1]) + total.to_bytes(8, "little") + blocks[0].nbytes.to_bytes(8, "little"))
+        self.sock.sendall(
+            bytes([1]) + total.to_bytes(8, "little") + blocks[0].nbytes.to_bytes(8, "little")
+        )
         for block in blocks:
-            view = memoryview(block)
+            view = block.data
             got = 0
             while got < len(view):
                 got += self.sock.recv_into(view[got:])
@@ -185,9 +193,13 @@ class RedisPeer:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--protected-mode", "yes", "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "2gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--protected-mode", "yes", "--proto-max-bulk-len", "1gb",
+                "--client-query-buffer-limit", "2gb",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )  # fmt: skip
         self.client = redis.Redis(host="127.0.0.1", port=self.port)
 
@@ -202,10 +214,10 @@ class RedisPeer:
             raise RuntimeError("redis-server did not start")
 
     def put(self, keys: list[bytes], blocks: list[np.ndarray]) -> None:
-        self.client.mset({k: memoryview(b) for k, b in zip(keys, blocks, strict=True)})
+        self.client.mset({k: b.data for k, b in zip(keys, blocks, strict=True)})
 
     def get(self, keys: list[bytes]) -> list[bytes | None]:
-        return self.client.mget(keys)  # type: ignore[no-any-return]
+        return self.client.mget(keys)  # type: ignore[return-value]
 
     def close(self) -> None:
         self.proc.terminate()
@@ -245,7 +257,8 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
                 stack.callback(redis_peer.close)
             except (FileNotFoundError, ImportError):
                 report.notes.append(
-                    "Redis baseline skipped: redis-server is not installed (apt-get install redis-server)."
+                    "Redis baseline skipped: redis-server is not installed "
+                    "(apt-get install redis-server)."
                 )
             except RuntimeError as exc:
                 report.notes.append(f"Redis baseline skipped: {exc}.")
@@ -254,9 +267,21 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
         shm_client = stack.enter_context(Client(shm_address, use_shm=True, timeout=60))
         tcp_client = stack.enter_context(Client(tcp_address, use_shm=False, timeout=60))
         if not shm_client.uses_shm:
-            report.notes.append("The same-node case could not map the arena; it streamed over the socket.")
+            report.notes.append(
+                "The same-node case could not map the arena; it streamed over the socket."
+            )
         for block_bytes in options.block_sizes:
-            _run_size(report, options, ns, block_bytes, shm_client, tcp_client, stream, redis_peer, progress)
+            _run_size(
+                report,
+                options,
+                ns,
+                block_bytes,
+                shm_client,
+                tcp_client,
+                stream,
+                redis_peer,
+                progress,
+            )
         progress("lookup")
         report.lookup = _lookup_case(shm_client, ns)
     return report
@@ -293,7 +318,10 @@ def _run_size(
 
         def slots(call: int) -> list[np.ndarray]:
             base = (call % num_regions) * batch_bytes
-            return [target[base + i * block_bytes : base + (i + 1) * block_bytes] for i in range(per_call)]
+            return [
+                target[base + i * block_bytes : base + (i + 1) * block_bytes]
+                for i in range(per_call)
+            ]
 
         def memcpy_in(call: int) -> None:
             for s, d in zip(src, slots(call), strict=True):
@@ -323,16 +351,21 @@ def _run_size(
             if not result.all_stored:
                 raise RuntimeError(f"bench put failed: {result.statuses[:4]}")
 
-        results[(path, "put")] = put_stats = _summary(_timed(calls, lambda i, p=put: p(i)), batch_bytes)
+        results[(path, "put")] = put_stats = _summary(_timed(calls, put), batch_bytes)
         progress(f"{size} kvpool {path} get")
 
-        def get(i: int, client: Client = client, path: str = path) -> None:
+        def get(
+            i: int, client: Client = client, path: str = path, total_calls: int = total_calls
+        ) -> None:
             result = client.get(keys_of(path, i % total_calls), dst)
             if result.num_found != per_call:
                 raise RuntimeError(f"bench get missed blocks: {result.statuses[:4]}")
 
-        results[(path, "get")] = get_stats = _summary(_timed(calls, lambda i, g=get: g(i)), batch_bytes)
-        for op, stats, ceiling in (("put", put_stats, ceilings[0]), ("get", get_stats, ceilings[1])):
+        results[(path, "get")] = get_stats = _summary(_timed(calls, get), batch_bytes)
+        for op, stats, ceiling in (
+            ("put", put_stats, ceilings[0]),
+            ("get", get_stats, ceilings[1]),
+        ):
             report.cases.append(
                 Case("kvpool", op, path, block_bytes, round(stats[0], 3), round(ceiling[0], 3),
                      round(stats[0] / ceiling[0], 3), round(stats[1], 3), round(stats[2], 3))
@@ -379,12 +412,24 @@ def _lookup_case(client: Client, ns: Namespace) -> dict[str, Any]:
 
 def render(report: Report, console: Console) -> None:
     table = Table(title="kvpool bench (ratio = our throughput / ceiling measured in this run)")
-    for column in ("system", "op", "path", "block", "GB/s", "ceiling GB/s", "ratio", "p50 ms", "p99 ms", "vs redis"):
+    for column in (
+        "system",
+        "op",
+        "path",
+        "block",
+        "GB/s",
+        "ceiling GB/s",
+        "ratio",
+        "p50 ms",
+        "p99 ms",
+        "vs redis",
+    ):
         table.add_column(column, justify="left" if column in ("system", "op", "path") else "right")
     for c in report.cases:
         table.add_row(
-            c.system, c.op, c.path, format_size(c.block_bytes), f"{c.gbps:.2f}", f"{c.ceiling_gbps:.2f}",
-            f"{c.ratio:.2f}", f"{c.p50_ms:.2f}", f"{c.p99_ms:.2f}", f"{c.vs_redis:.2f}x" if c.vs_redis else "-",
+            c.system, c.op, c.path, format_size(c.block_bytes), f"{c.gbps:.2f}",
+            f"{c.ceiling_gbps:.2f}", f"{c.ratio:.2f}", f"{c.p50_ms:.2f}", f"{c.p99_ms:.2f}",
+            f"{c.vs_redis:.2f}x" if c.vs_redis else "-",
         )  # fmt: skip
     console.print(table)
     lk = report.lookup

@@ -32,21 +32,44 @@ def _logging(level: str) -> None:
 
 @app.command()
 def serve(
-    name: Annotated[str | None, typer.Option(help="Node name (also its directory under --run-dir).")] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Node name (also its directory under --run-dir).")
+    ] = None,
     memory: Annotated[str | None, typer.Option(help="Arena size, e.g. 4GiB.")] = None,
     host: Annotated[str | None, typer.Option(help="TCP listen address.")] = None,
     port: Annotated[int | None, typer.Option(help="TCP port (0: any free port).")] = None,
-    advertise_host: Annotated[str | None, typer.Option(help="Address other nodes use to reach this one.")] = None,
+    advertise_host: Annotated[
+        str | None, typer.Option(help="Address other nodes use to reach this one.")
+    ] = None,
     admin_host: Annotated[str | None, typer.Option(help="Admin HTTP listen address.")] = None,
-    admin_port: Annotated[int | None, typer.Option(help="Admin HTTP port (0: any free port).")] = None,
-    run_dir: Annotated[str | None, typer.Option(help="Where the arena and the Unix socket live.")] = None,
-    access_id: Annotated[str | None, typer.Option(help="Access id clients authenticate with.")] = None,
-    access_key: Annotated[str | None, typer.Option(help="Access key (HMAC secret); prefer KVPOOL_ACCESS_KEY.")] = None,
-    host_id: Annotated[str | None, typer.Option(help="Host identity (defaults to the hostname).")] = None,
-    peers: Annotated[str | None, typer.Option(help="Static cluster: comma-separated host:port of every node.")] = None,
-    etcd: Annotated[str | None, typer.Option(help="etcd endpoint for cluster membership, e.g. http://127.0.0.1:2379.")] = None,
-    replicas: Annotated[int | None, typer.Option(help="Home copies kept of each block in a cluster.")] = None,
-    hugepages: Annotated[bool, typer.Option(help="Ask for transparent huge pages on the arena.")] = False,
+    admin_port: Annotated[
+        int | None, typer.Option(help="Admin HTTP port (0: any free port).")
+    ] = None,
+    run_dir: Annotated[
+        str | None, typer.Option(help="Where the arena and the Unix socket live.")
+    ] = None,
+    access_id: Annotated[
+        str | None, typer.Option(help="Access id clients authenticate with.")
+    ] = None,
+    access_key: Annotated[
+        str | None, typer.Option(help="Access key (HMAC secret); prefer KVPOOL_ACCESS_KEY.")
+    ] = None,
+    host_id: Annotated[
+        str | None, typer.Option(help="Host identity (defaults to the hostname).")
+    ] = None,
+    peers: Annotated[
+        str | None, typer.Option(help="Static cluster: comma-separated host:port of every node.")
+    ] = None,
+    etcd: Annotated[
+        str | None,
+        typer.Option(help="etcd endpoint for cluster membership, e.g. http://127.0.0.1:2379."),
+    ] = None,
+    replicas: Annotated[
+        int | None, typer.Option(help="Home copies kept of each block in a cluster.")
+    ] = None,
+    hugepages: Annotated[
+        bool, typer.Option(help="Ask for transparent huge pages on the arena.")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a node daemon: a shared-memory arena served over a Unix socket and TCP."""
@@ -77,7 +100,9 @@ def serve(
 
 @app.command()
 def status(
-    address: Annotated[str | None, typer.Option(help="Node address (default: the local node, or KVPOOL_ADDRESS).")] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Node address (default: the local node, or KVPOOL_ADDRESS).")
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show capacity, usage, hit rate and namespaces of the node (or the whole cluster)."""
@@ -88,11 +113,16 @@ def status(
 
 @app.command()
 def bench(
-    address: Annotated[str | None, typer.Option(help="Benchmark a running node at this TCP address instead of starting one.")] = None,
+    address: Annotated[
+        str | None,
+        typer.Option(help="Benchmark a running node at this TCP address instead of starting one."),
+    ] = None,
     sizes: Annotated[str, typer.Option(help="Block sizes.")] = "64KiB,512KiB,2MiB",
     total: Annotated[str, typer.Option(help="Bytes moved per case.")] = "512MiB",
     batch: Annotated[str, typer.Option(help="Bytes per batched call.")] = "32MiB",
-    redis: Annotated[bool, typer.Option(help="Run Redis side by side (needs redis-server).")] = True,
+    redis: Annotated[
+        bool, typer.Option(help="Run Redis side by side (needs redis-server).")
+    ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Measure put/get throughput and latency, same-node and over TCP, beside memcpy, a plain

@@ -52,7 +52,9 @@ class PoolFuture(Generic[T]):
         self._future.add_done_callback(lambda _: fn(self))
 
 
-def _config(address: str | None, config: ClientConfig | None, options: dict[str, Any]) -> ClientConfig:
+def _config(
+    address: str | None, config: ClientConfig | None, options: dict[str, Any]
+) -> ClientConfig:
     if config is not None and options:
         raise UsageError("pass either config= or keyword options, not both")
     if config is None:
@@ -70,7 +72,9 @@ class Client:
     :class:`~kvpool.config.ClientConfig`).
     """
 
-    def __init__(self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any):
+    def __init__(
+        self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any
+    ):
         self.config = _config(address, config, options)
         self.local = NodeClient(self.config.address, self.config)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -89,8 +93,14 @@ class Client:
 
     # -- blocks ---------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], *, wait: float = 0.0, wait_absent: bool = False,
-               timeout: float | None = None) -> int:
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        wait: float = 0.0,
+        wait_absent: bool = False,
+        timeout: float | None = None,
+    ) -> int:
         """The length of the longest stored prefix of ``keys``.
 
         With ``wait`` > 0, keys that are being written are awaited up to ``wait`` seconds
@@ -102,14 +112,22 @@ class Client:
         """Whether each key is stored."""
         return self.local.exists(keys, timeout=timeout)
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None) -> PutResult:
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+    ) -> PutResult:
         """Store one block per key."""
         views = ops.check_buffers(keys, values, writable=False)
         assert views is not None
         return self.local.put(keys, views, replicate=self.config.write_rcache, timeout=timeout)
 
-    def get(self, keys: Sequence[bytes], buffers: Sequence[Any] | None = None, *, prefix: bool = False,
-            timeout: float | None = None) -> GetResult:
+    def get(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any] | None = None,
+        *,
+        prefix: bool = False,
+        timeout: float | None = None,
+    ) -> GetResult:
         """Load blocks into ``buffers`` (one per key, at least the block's size), or return
         them as ``GetResult.values`` when no buffers are given.  Only verified bytes are
         delivered; with ``prefix``, loading stops at the first missing block."""
@@ -128,16 +146,27 @@ class Client:
             )
         return PoolFuture(self._executor.submit(fn, *args, **kwargs))
 
-    def put_async(self, keys: Sequence[bytes], values: Sequence[Any], *,
-                  timeout: float | None = None) -> PoolFuture[PutResult]:
+    def put_async(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+    ) -> PoolFuture[PutResult]:
         """Start a put; the values must stay unchanged until the future is ready."""
         return self._submit(self.put, list(keys), list(values), timeout=timeout)
 
-    def get_async(self, keys: Sequence[bytes], buffers: Sequence[Any] | None = None, *,
-                  prefix: bool = False, timeout: float | None = None) -> PoolFuture[GetResult]:
+    def get_async(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any] | None = None,
+        *,
+        prefix: bool = False,
+        timeout: float | None = None,
+    ) -> PoolFuture[GetResult]:
         """Start a get into ``buffers``."""
         return self._submit(
-            self.get, list(keys), None if buffers is None else list(buffers), prefix=prefix, timeout=timeout
+            self.get,
+            list(keys),
+            None if buffers is None else list(buffers),
+            prefix=prefix,
+            timeout=timeout,
         )
 
     # -- node -----------------------------------------------------------------------------
@@ -161,7 +190,9 @@ class Client:
 class AsyncClient:
     """An asyncio kvpool client; the same operations as :class:`Client`, awaitable."""
 
-    def __init__(self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any):
+    def __init__(
+        self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any
+    ):
         self.config = _config(address, config, options)
         self.local = AsyncNodeClient(self.config.address, self.config)
 
@@ -174,21 +205,36 @@ class AsyncClient:
     async def close(self) -> None:
         await self.local.close()
 
-    async def lookup(self, keys: Sequence[bytes], *, wait: float = 0.0, wait_absent: bool = False,
-                     timeout: float | None = None) -> int:
+    async def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        wait: float = 0.0,
+        wait_absent: bool = False,
+        timeout: float | None = None,
+    ) -> int:
         return await self.local.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
 
     async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return await self.local.exists(keys, timeout=timeout)
 
-    async def put(self, keys: Sequence[bytes], values: Sequence[Any], *,
-                  timeout: float | None = None) -> PutResult:
+    async def put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+    ) -> PutResult:
         views = ops.check_buffers(keys, values, writable=False)
         assert views is not None
-        return await self.local.put(keys, views, replicate=self.config.write_rcache, timeout=timeout)
+        return await self.local.put(
+            keys, views, replicate=self.config.write_rcache, timeout=timeout
+        )
 
-    async def get(self, keys: Sequence[bytes], buffers: Sequence[Any] | None = None, *,
-                  prefix: bool = False, timeout: float | None = None) -> GetResult:
+    async def get(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any] | None = None,
+        *,
+        prefix: bool = False,
+        timeout: float | None = None,
+    ) -> GetResult:
         dsts = ops.check_buffers(keys, buffers, writable=True)
         return await self.local.get(keys, dsts, prefix=prefix, timeout=timeout)
 

@@ -10,6 +10,7 @@ be reused; one that received an error status is still usable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import mmap
 import os
@@ -45,20 +46,24 @@ def _open_socket(address: Address, timeout: float) -> socket.socket:
     try:
         if address.kind == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            sock.connect(address.path)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(address.path)
+            except BaseException:
+                sock.close()
+                raise
         else:
             sock = socket.create_connection((address.host, address.port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except TimeoutError as exc:
         raise ConnectError(f"connecting to {address} timed out", node=str(address)) from exc
     except OSError as exc:
-        raise ConnectError(f"cannot connect to {address}: {exc.strerror or exc}", node=str(address)) from exc
+        raise ConnectError(
+            f"cannot connect to {address}: {exc.strerror or exc}", node=str(address)
+        ) from exc
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
+        with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        except OSError:
-            pass
     return sock
 
 
@@ -136,10 +141,14 @@ class Connection(_Driver):
         self.node = str(address)
         timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
         self.channel = SyncChannel(_open_socket(address, timeout))
-        self.welcome = self.run(
-            ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-client"),
-            deadline,
-        )
+        try:
+            self.welcome = self.run(
+                ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-client"),
+                deadline,
+            )
+        except BaseException:
+            self.close()
+            raise
         self.node = self.welcome.node_id or self.node
 
     def run(self, op: Generator[Any, Any, T], deadline: float) -> T:
@@ -152,7 +161,7 @@ class Connection(_Driver):
                 effect = op.send(self._perform(effect))
         except StopIteration as stop:
             self.last_used = time.monotonic()
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         except StoreError:
             raise
         except KVPoolError as exc:
@@ -189,10 +198,8 @@ class Connection(_Driver):
 
     def close(self) -> None:
         self.broken = True
-        try:
+        with contextlib.suppress(OSError):
             self.channel.sock.close()
-        except OSError:
-            pass
 
 
 class AsyncConnection(_Driver):
@@ -215,10 +222,14 @@ class AsyncConnection(_Driver):
             raise ConnectError(f"connecting to {self.address} timed out", node=self.node) from exc
         self.channel = AsyncChannel(sock, loop)
         config = self.config
-        self.welcome = await self.run(
-            ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-async"),
-            deadline,
-        )
+        try:
+            self.welcome = await self.run(
+                ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-async"),
+                deadline,
+            )
+        except BaseException:
+            self.close()
+            raise
         self.node = self.welcome.node_id or self.node
         return self
 
@@ -233,7 +244,7 @@ class AsyncConnection(_Driver):
                     effect = op.send(await self._perform(effect))
         except StopIteration as stop:
             self.last_used = time.monotonic()
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         except TimeoutError as exc:
             self.broken = True
             raise PoolTimeout("timed out waiting for the node", node=self.node) from exc
@@ -280,7 +291,5 @@ class AsyncConnection(_Driver):
     def close(self) -> None:
         self.broken = True
         if self.channel is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.channel.close()
-            except OSError:
-                pass

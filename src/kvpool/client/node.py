@@ -42,7 +42,9 @@ class _ArenaCache:
             return self._arena
 
 
-def _put_op(keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool) -> OpFactory[ops.PutResult]:
+def _put_op(
+    keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool
+) -> OpFactory[ops.PutResult]:
     def make(arena: memoryview | None) -> Generator[Any, Any, ops.PutResult]:
         if arena is not None:
             return ops.put_shm(keys, views, arena, replicate)
@@ -153,8 +155,14 @@ class NodeClient:
 
     # -- operations -----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], *, wait: float = 0.0, wait_absent: bool = False,
-               timeout: float | None = None) -> int:
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        wait: float = 0.0,
+        wait_absent: bool = False,
+        timeout: float | None = None,
+    ) -> int:
         if not keys:
             return 0
         timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
@@ -163,14 +171,26 @@ class NodeClient:
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return self.call(lambda _: ops.exists(keys), timeout) if keys else []
 
-    def put(self, keys: Sequence[bytes], views: Sequence[memoryview], *, replicate: bool = True,
-            timeout: float | None = None) -> ops.PutResult:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        *,
+        replicate: bool = True,
+        timeout: float | None = None,
+    ) -> ops.PutResult:
         if not keys:
             return ops.PutResult([])
         return self.call(_put_op(keys, views, replicate), timeout)
 
-    def get(self, keys: Sequence[bytes], dsts: Sequence[memoryview] | None, *, prefix: bool = False,
-            timeout: float | None = None) -> ops.GetResult:
+    def get(
+        self,
+        keys: Sequence[bytes],
+        dsts: Sequence[memoryview] | None,
+        *,
+        prefix: bool = False,
+        timeout: float | None = None,
+    ) -> ops.GetResult:
         if not keys:
             return ops.GetResult([], [], [])
         return self.call(_get_op(keys, dsts, prefix), timeout)
@@ -231,7 +251,9 @@ class AsyncNodeClient:
                     async with asyncio.timeout(max(remaining, 0)):
                         await cond.wait()
                 except TimeoutError:
-                    raise PoolTimeout("no free connection before the deadline", node=self.name) from None
+                    raise PoolTimeout(
+                        "no free connection before the deadline", node=self.name
+                    ) from None
         try:
             conn = await AsyncConnection(self.address, self.config).open(deadline)
         except BaseException:
@@ -277,8 +299,14 @@ class AsyncNodeClient:
         self._num_open -= len(self._idle)
         self._idle.clear()
 
-    async def lookup(self, keys: Sequence[bytes], *, wait: float = 0.0, wait_absent: bool = False,
-                     timeout: float | None = None) -> int:
+    async def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        wait: float = 0.0,
+        wait_absent: bool = False,
+        timeout: float | None = None,
+    ) -> int:
         if not keys:
             return 0
         timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
@@ -287,14 +315,26 @@ class AsyncNodeClient:
     async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return await self.call(lambda _: ops.exists(keys), timeout) if keys else []
 
-    async def put(self, keys: Sequence[bytes], views: Sequence[memoryview], *, replicate: bool = True,
-                  timeout: float | None = None) -> ops.PutResult:
+    async def put(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        *,
+        replicate: bool = True,
+        timeout: float | None = None,
+    ) -> ops.PutResult:
         if not keys:
             return ops.PutResult([])
         return await self.call(_put_op(keys, views, replicate), timeout)
 
-    async def get(self, keys: Sequence[bytes], dsts: Sequence[memoryview] | None, *,
-                  prefix: bool = False, timeout: float | None = None) -> ops.GetResult:
+    async def get(
+        self,
+        keys: Sequence[bytes],
+        dsts: Sequence[memoryview] | None,
+        *,
+        prefix: bool = False,
+        timeout: float | None = None,
+    ) -> ops.GetResult:
         if not keys:
             return ops.GetResult([], [], [])
         return await self.call(_get_op(keys, dsts, prefix), timeout)
@@ -302,7 +342,9 @@ class AsyncNodeClient:
     async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
         return await self.call(lambda _: ops.delete(keys), timeout) if keys else []
 
-    async def describe(self, namespace_id: bytes, label: str, *, timeout: float | None = None) -> None:
+    async def describe(
+        self, namespace_id: bytes, label: str, *, timeout: float | None = None
+    ) -> None:
         await self.call(lambda _: ops.describe(namespace_id, label), timeout)
 
     async def stats(self, *, timeout: float | None = None) -> NodeStats:

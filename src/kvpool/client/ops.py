@@ -175,7 +175,7 @@ def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -
         from kvpool.errors import AuthenticationError
 
         raise AuthenticationError("node could not prove it knows the access key")
-    return welcome  # type: ignore[no-any-return]
+    return welcome
 
 
 # -- lookups ------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def lookup(keys: Sequence[bytes], wait_s: float = 0.0, wait_absent: bool = False
     response, _ = yield Recv(Op.LOOKUP, LookupResponse)
     if not 0 <= response.num_prefix <= len(keys):
         raise ProtocolError(f"lookup prefix {response.num_prefix} of {len(keys)} keys")
-    return response.num_prefix  # type: ignore[no-any-return]
+    return response.num_prefix
 
 
 def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
@@ -202,7 +202,9 @@ def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
 # -- writes -------------------------------------------------------------------------------
 
 
-def put_stream(keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool) -> Op_[PutResult]:
+def put_stream(
+    keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool
+) -> Op_[PutResult]:
     """Send the blocks inline (another host, or no shared arena)."""
     sizes = [len(v) for v in views]
     total = sum(sizes)
@@ -229,7 +231,7 @@ def put_shm(
     statuses = _statuses(reserved.statuses)
     if not reserved.reservation_id:
         return PutResult(statuses)
-    slots = []
+    slots: list[memoryview | None] = []
     for status, offset, size in zip(statuses, reserved.offsets, sizes, strict=True):
         if status is Status.OK:
             if offset < 0 or offset + size > len(arena):
@@ -392,16 +394,18 @@ def describe(namespace_id: bytes, label: str) -> Op_[None]:
 def stats() -> Op_[NodeStats]:
     yield Request(Op.STATS, Empty())
     response, _ = yield Recv(Op.STATS, NodeStats)
-    return response  # type: ignore[no-any-return]
+    return response
 
 
 def health() -> Op_[Health]:
     yield Request(Op.HEALTH, Empty())
     response, _ = yield Recv(Op.HEALTH, Health)
-    return response  # type: ignore[no-any-return]
+    return response
 
 
-def check_buffers(keys: Sequence[bytes], buffers: Sequence[Any] | None, *, writable: bool) -> list[memoryview] | None:
+def check_buffers(
+    keys: Sequence[bytes], buffers: Sequence[Any] | None, *, writable: bool
+) -> list[memoryview] | None:
     if buffers is None:
         return None
     if len(buffers) != len(keys):

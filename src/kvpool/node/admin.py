@@ -29,7 +29,9 @@ def build_app(server: NodeServer, is_ready: Callable[[], bool]) -> web.Applicati
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(_: web.Request) -> web.Response:
-        return web.Response(body=msgspec.json.encode(server.stats()), content_type="application/json")
+        return web.Response(
+            body=msgspec.json.encode(server.stats()), content_type="application/json"
+        )
 
     async def dashboard(_: web.Request) -> web.Response:
         page = resources.files("kvpool.node").joinpath("dashboard.html").read_text()
@@ -50,6 +52,6 @@ async def start_admin(
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
-    sockets = site._server.sockets if site._server else ()  # type: ignore[union-attr]
+    sockets = getattr(site._server, "sockets", None) or ()
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, bound

@@ -27,7 +27,11 @@ class _StatsCollector(Collector):
         for name, doc, value in (
             ("kvpool_capacity_bytes", "Arena capacity.", s.capacity_bytes),
             ("kvpool_used_bytes", "Arena bytes allocated (committed and reserved).", s.used_bytes),
-            ("kvpool_reserved_bytes", "Arena bytes reserved by writes in flight.", s.reserved_bytes),
+            (
+                "kvpool_reserved_bytes",
+                "Arena bytes reserved by writes in flight.",
+                s.reserved_bytes,
+            ),
             ("kvpool_blocks", "Committed blocks.", s.num_blocks),
             ("kvpool_pinned_blocks", "Blocks pinned by readers.", s.num_pinned),
             ("kvpool_connections", "Open client connections.", s.num_connections),

@@ -51,12 +51,11 @@ class NodeProcess:
             start_new_session=True,
         )
         ready = threading.Event()
-        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, args=(ready,), daemon=True)
+        self._pump_thread.start()
         if not ready.wait(self.ready_timeout) or not self.info:
             self.stop()
-            raise ConfigError(
-                "kvpool serve did not become ready:\n" + "".join(self.output[-30:])
-            )
+            raise ConfigError("kvpool serve did not become ready:\n" + "".join(self.output[-30:]))
         return self
 
     def _pump(self, ready: threading.Event) -> None:
@@ -100,6 +99,13 @@ class NodeProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            self._close_output()
+
+    def _close_output(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self._pump_thread.join(5)
+            if not self._pump_thread.is_alive():
+                self.proc.stdout.close()
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM and wait; SIGKILL if it does not stop in time."""
@@ -113,6 +119,7 @@ class NodeProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close_output()
         return self.proc.returncode
 
     def __enter__(self) -> NodeProcess:

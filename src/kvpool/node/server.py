@@ -260,7 +260,7 @@ class Session:
                 await self._serve(header)
         except (NodeUnavailable, ConnectionError, asyncio.CancelledError):
             pass
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.info("handshake timed out (%s)", self.peer)
         except ProtocolError as exc:
             # The frame header itself was bad: we cannot find the next frame.  Say why, close.
@@ -297,9 +297,13 @@ class Session:
                 config.access_key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
             )
             if not ok:
-                log.warning("authentication failed for access id %r (%s)", hello.access_id, self.peer)
+                log.warning(
+                    "authentication failed for access id %r (%s)", hello.access_id, self.peer
+                )
                 raise AuthenticationError("access id or key refused")
-            proof = auth.proof(config.access_key, "node", hello.access_id, server_nonce, hello.nonce)
+            proof = auth.proof(
+                config.access_key, "node", hello.access_id, server_nonce, hello.nonce
+            )
         arena = self.arena
         welcome = Welcome(
             node_id=self.server.node_id,
@@ -367,9 +371,7 @@ class Session:
     async def _reply_error(self, op: int, request_id: int, exc: BaseException) -> None:
         status = status_for_error(exc)
         message = ErrorResponse(message=str(exc)[:1000])
-        frame = encode_frame(
-            op, message, request_id=request_id, flags=FLAG_RESPONSE, status=status
-        )
+        frame = encode_frame(op, message, request_id=request_id, flags=FLAG_RESPONSE, status=status)
         await self.channel.send([frame])
 
     # -- handlers -------------------------------------------------------------------------
@@ -428,7 +430,10 @@ class Session:
             req.keys, self.owner, self.server.config.pin_lease_s, prefix=req.prefix
         )
         try:
-            statuses, sizes, checksums, views = [], [], [], []
+            statuses: list[int] = []
+            sizes: list[int] = []
+            checksums: list[int] = []
+            views: list[memoryview] = []
             for block in blocks:
                 if block is None:
                     statuses.append(Status.NOT_FOUND)
@@ -474,7 +479,9 @@ class Session:
         await self._reply(header, Op.ABORT, Empty())
 
     async def _pin(self, header: FrameHeader, req: PinRequest) -> None:
-        pin_id, blocks = self.store.pin(req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix)
+        pin_id, blocks = self.store.pin(
+            req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix
+        )
         response = PinResponse(
             pin_id=pin_id,
             statuses=[Status.OK if b is not None else Status.NOT_FOUND for b in blocks],
@@ -500,7 +507,10 @@ class Session:
         await self._reply(header, Op.REPORT_CORRUPT, response)
 
     async def _describe(self, header: FrameHeader, req: DescribeRequest) -> None:
-        if len(self.store.namespaces) < MAX_KEYS_PER_REQUEST or req.namespace_id in self.store.namespaces:
+        if (
+            len(self.store.namespaces) < MAX_KEYS_PER_REQUEST
+            or req.namespace_id in self.store.namespaces
+        ):
             self.store.describe(req.namespace_id, req.label)
         await self._reply(header, Op.DESCRIBE, Empty())
 
@@ -509,7 +519,9 @@ class Session:
 
     async def _health(self, header: FrameHeader, req: Empty) -> None:
         uptime = time.monotonic() - self.server.started_at
-        await self._reply(header, Op.HEALTH, Health(ok=True, node_id=self.server.node_id, uptime_s=uptime))
+        await self._reply(
+            header, Op.HEALTH, Health(ok=True, node_id=self.server.node_id, uptime_s=uptime)
+        )
 
     def _replicate(self, wanted: bool, blocks: Sequence[Any], statuses: Sequence[int]) -> None:
         if not wanted or self.server.replicate is None:

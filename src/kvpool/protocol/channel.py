@@ -37,7 +37,9 @@ def _advance(parts: list[memoryview], num_sent: int) -> list[memoryview]:
 
 
 def _as_views(parts: Sequence[Buffer]) -> list[memoryview]:
-    return [memoryview(p).cast("B") if not isinstance(p, memoryview) else p for p in parts if len(p)]
+    return [
+        memoryview(p).cast("B") if not isinstance(p, memoryview) else p for p in parts if len(p)
+    ]
 
 
 class SyncChannel:

@@ -51,6 +51,7 @@ _encoder = msgspec.msgpack.Encoder()
 _request_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in REQUEST_TYPES.items()}
 _response_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in RESPONSE_TYPES.items()}
 _error_decoder = msgspec.msgpack.Decoder(ErrorResponse)
+_EMPTY_MAP = b"\x80"  # an empty message header means a message of all defaults
 
 
 @dataclass(slots=True)
@@ -109,7 +110,7 @@ def decode_request(op: int, meta: bytes | memoryview) -> Message:
     except (ValueError, KeyError):
         raise BadRequest(f"unknown op {op}") from None
     try:
-        return decoder.decode(meta)  # type: ignore[no-any-return]
+        return decoder.decode(meta or _EMPTY_MAP)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid {Op(op).name} request: {exc}") from exc
     except msgspec.DecodeError as exc:

@@ -195,7 +195,9 @@ class KeysRequest(Message):
 
 
 class DescribeRequest(Message):
-    namespace_id: Annotated[bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)]
+    namespace_id: Annotated[
+        bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)
+    ]
     label: Name
 
 

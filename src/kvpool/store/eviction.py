@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from itertools import islice
 from typing import Protocol
 
-
 _HEAD = 256
 
 

@@ -20,10 +20,10 @@ Rules (each has a test in tests/store/test_pool.py):
 from __future__ import annotations
 
 import itertools
-from itertools import takewhile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import namespace_of

@@ -90,7 +90,7 @@ def _training_text() -> list[str]:
 
 def _build_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
     # Heavy optional dependencies (the ``vllm`` extra) are imported lazily.
-    from tokenizers import (  # noqa: PLC0415
+    from tokenizers import (
         Tokenizer,
         decoders,
         models,
@@ -98,7 +98,7 @@ def _build_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
         processors,
         trainers,
     )
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -127,8 +127,8 @@ def _build_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
 
 
 def _build_model(out: pathlib.Path, vocab_size: int, bos: int, eos: int, pad: int) -> None:
-    import torch  # noqa: PLC0415
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab_size,

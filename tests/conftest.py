@@ -1,0 +1,80 @@
+"""Shared fixtures: real node daemons started as child processes, each in its own run
+directory under /dev/shm so that tests never collide."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.client.client import Client
+from kvpool.node.process import NodeProcess
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = SHM / f"kvpool-test-{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir(mode=0o770)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+NodeFactory = Callable[..., NodeProcess]
+
+
+@pytest.fixture
+def start_node(run_dir: Path) -> Iterator[NodeFactory]:
+    """Start ``kvpool serve`` children: ``start_node(name="a", memory="64MiB", extra=[...])``."""
+    started: list[NodeProcess] = []
+
+    def start(
+        name: str = "node",
+        memory: str = "64MiB",
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> NodeProcess:
+        args = [
+            "--name",
+            name,
+            "--run-dir",
+            str(run_dir),
+            "--memory",
+            memory,
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+            "--log-level",
+            "warning",
+            *(extra or []),
+        ]
+        node = NodeProcess(args, env={**os.environ, **(env or {})})
+        started.append(node)
+        return node.start()
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+@pytest.fixture
+def node(start_node: NodeFactory) -> NodeProcess:
+    return start_node()
+
+
+@pytest.fixture
+def client(node: NodeProcess) -> Iterator[Client]:
+    with Client(node.unix_address, timeout=10) as c:
+        yield c
+
+
+@pytest.fixture
+def tcp_client(node: NodeProcess) -> Iterator[Client]:
+    with Client(node.tcp_address, use_shm=False, timeout=10) as c:
+        yield c

@@ -1,0 +1,137 @@
+"""The daemon as a real process: files, permissions, stale state, refusals, clean exit."""
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.client.client import Client
+from kvpool.node.process import NodeProcess
+from tests.helpers import content, key
+
+
+def test_arena_and_socket_are_private_to_user_and_group(node):
+    arena = os.stat(node.info["arena"])
+    sock = os.stat(node.info["unix"])
+    assert stat.S_IMODE(arena.st_mode) == 0o660
+    assert stat.S_IMODE(sock.st_mode) == 0o660
+    assert stat.S_ISSOCK(sock.st_mode)
+    assert arena.st_size == node.info["arena_bytes"] == 64 << 20
+
+
+def test_clean_exit_removes_arena_and_socket(node):
+    arena, sock = node.info["arena"], node.info["unix"]
+    assert node.stop() == 0
+    assert not os.path.exists(arena) and not os.path.exists(sock)
+
+
+def test_stale_arena_of_a_crashed_daemon_is_reclaimed(start_node):
+    first = start_node(name="crash")
+    with Client(first.unix_address) as c:
+        c.put([key(1)], [content(key(1), 1000)])
+    first.kill()  # SIGKILL: no cleanup
+    assert os.path.exists(first.info["arena"])
+    second = start_node(name="crash")
+    assert second.info["arena"] == first.info["arena"]
+    with Client(second.unix_address) as c:
+        assert c.lookup([key(1)]) == 0  # a fresh arena, not the stale one
+        assert c.put([key(2)], [b"x" * 10]).all_stored
+
+
+def test_second_daemon_in_the_same_directory_is_refused(node, run_dir):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "serve",
+            "--name",
+            "node",
+            "--run-dir",
+            str(run_dir),
+            "--memory",
+            "8MiB",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "another kvpool daemon is running" in proc.stderr
+    with Client(node.unix_address) as c:  # the first one is untouched
+        assert c.health().ok
+
+
+def test_a_size_it_cannot_get_is_refused_with_a_clear_message(run_dir):
+    free = os.statvfs("/dev/shm")
+    too_much = free.f_bavail * free.f_frsize + (1 << 30)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "serve",
+            "--name",
+            "big",
+            "--run-dir",
+            str(run_dir),
+            "--memory",
+            str(too_much),
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "cannot get a" in proc.stderr and "Lower --memory" in proc.stderr
+    assert not (run_dir / "big" / "arena").exists()
+
+
+def test_listening_publicly_without_a_key_is_refused(run_dir):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "serve",
+            "--run-dir",
+            str(run_dir),
+            "--host",
+            "0.0.0.0",
+            "--memory",
+            "8MiB",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "without an access key" in proc.stderr
+
+
+def test_sigint_also_stops_cleanly(start_node):
+    node = start_node(name="int")
+    node.signal(signal.SIGINT)
+    assert node.proc.wait(20) == 0
+    assert not os.path.exists(node.info["arena"])
+
+
+@pytest.mark.parametrize("memory", ["1MiB", "3MiB"])
+def test_small_arenas_work(start_node, memory):
+    node: NodeProcess = start_node(name=f"small-{memory}", memory=memory)
+    with Client(node.unix_address) as c:
+        assert c.put([key(1)], [b"a" * 4096]).all_stored

@@ -1,0 +1,178 @@
+"""Malformed, oversized and truncated frames: an error reply or a closed connection, and the
+daemon keeps serving every other client."""
+
+import socket
+import struct
+import time
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool import Client, Status
+from kvpool.errors import BadRequest
+from kvpool.protocol import frames
+from kvpool.protocol.frames import HEADER, HEADER_BYTES, MAGIC, parse_header
+from kvpool.protocol.messages import PROTOCOL_VERSION, Hello, Op
+from tests.helpers import key
+
+
+def connect(node):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(5)
+    sock.connect(node.info["unix"])
+    challenge = _read_frame(sock)
+    assert challenge[0].op == Op.CHALLENGE
+    hello = Hello(version=PROTOCOL_VERSION, access_id="kvpool", nonce=b"n" * 32)
+    sock.sendall(frames.encode_frame(Op.HELLO, hello, request_id=1))
+    header, _ = _read_frame(sock)
+    assert header.status == 0
+    return sock
+
+
+def _recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def _read_frame(sock):
+    header = parse_header(_recv_exact(sock, HEADER_BYTES))
+    meta = _recv_exact(sock, header.meta_len)
+    _recv_exact(sock, header.payload_len)
+    return header, meta
+
+
+def still_serving(node):
+    with Client(node.unix_address, timeout=5) as c:
+        c.put([key("alive")], [b"yes"])
+        return c.get([key("alive")]).values[0] == b"yes"
+
+
+def header(op, meta_len=0, payload_len=0, magic=MAGIC, version=1):
+    return HEADER.pack(magic, version, op, 0, 0, 9, meta_len, payload_len)
+
+
+def test_bad_message_body_gets_an_error_reply_and_the_connection_lives_on(node):
+    sock = connect(node)
+    bad = b"\xc1\xc1\xc1"  # not msgpack
+    sock.sendall(header(Op.LOOKUP, len(bad)) + bad)
+    reply, meta = _read_frame(sock)
+    assert reply.status == Status.BAD_REQUEST and b"malformed" in meta
+    wrong_type = msgspec.msgpack.encode({"keys": "not a list"})
+    sock.sendall(header(Op.LOOKUP, len(wrong_type)) + wrong_type)
+    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    too_many = msgspec.msgpack.encode({"keys": [key(i) for i in range(20000)]})
+    sock.sendall(header(Op.LOOKUP, len(too_many)) + too_many)
+    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    # A PUT whose sizes do not add up: the payload is skipped and the frame refused.
+    meta = msgspec.msgpack.encode({"keys": [key(1)], "sizes": [10], "checksums": [0]})
+    sock.sendall(header(Op.PUT, len(meta), 5) + meta + b"12345")
+    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    # A payload on an op that takes none.
+    meta = msgspec.msgpack.encode({"keys": [key(1)]})
+    sock.sendall(header(Op.GET, len(meta), 3) + meta + b"abc")
+    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    # A corrupted payload never becomes a block.
+    meta = msgspec.msgpack.encode({"keys": [key("c")], "sizes": [4], "checksums": [12345]})
+    sock.sendall(header(Op.PUT, len(meta), 4) + meta + b"data")
+    reply, meta = _read_frame(sock)
+    assert msgspec.msgpack.decode(meta)["statuses"] == [Status.CHECKSUM_MISMATCH]
+    with Client(node.unix_address) as c:
+        assert c.lookup([key("c")]) == 0
+    # Unknown op.
+    sock.sendall(header(77))
+    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    # After all that, the same connection still serves a valid request.
+    sock.sendall(frames.encode_frame(Op.HEALTH, None))
+    assert _read_frame(sock)[0].status == 0
+    sock.close()
+    assert still_serving(node)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b" " * 10,  # wrong protocol: bad magic
+        header(Op.LOOKUP, magic=b"XX"),
+        header(Op.LOOKUP, version=7),
+        header(Op.LOOKUP, meta_len=1 << 30),  # oversized message header
+        header(Op.PUT, payload_len=1 << 50),  # oversized payload
+    ],
+)
+def test_bad_frame_headers_close_the_connection(node, raw):
+    sock = connect(node)
+    sock.sendall(raw)
+    reply, _meta = _read_frame(sock)
+    assert reply.status in (Status.BAD_REQUEST, Status.TOO_LARGE, Status.UNSUPPORTED_VERSION)
+    with pytest.raises((ConnectionError, OSError)):
+        _read_frame(sock)
+    sock.close()
+    assert still_serving(node)
+
+
+def test_truncated_frames_and_vanishing_clients(node):
+    for raw in (
+        header(Op.LOOKUP)[:10],
+        header(Op.LOOKUP, 100) + b"\x91",
+        header(Op.PUT, 0, 1000) + b"x" * 10,
+    ):
+        sock = connect(node)
+        sock.sendall(raw)
+        sock.close()
+    # A put that stops halfway leaves nothing reserved and nothing visible.
+    sock = connect(node)
+    meta = msgspec.msgpack.encode({"keys": [key("half")], "sizes": [1 << 20], "checksums": [0]})
+    sock.sendall(header(Op.PUT, len(meta), 1 << 20) + meta + b"x" * 1000)
+    time.sleep(0.2)
+    with Client(node.unix_address) as c:
+        assert c.stats().reserved_bytes == 1 << 20
+        sock.close()
+        deadline = time.monotonic() + 5
+        while c.stats().reserved_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats().reserved_bytes == 0 and c.lookup([key("half")]) == 0
+    assert still_serving(node)
+
+
+def test_handshake_is_required_and_bounded(node):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(5)
+    sock.connect(node.info["unix"])
+    _read_frame(sock)
+    sock.sendall(frames.encode_frame(Op.LOOKUP, None))  # skipping HELLO
+    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    sock.close()
+    assert still_serving(node)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    op=st.integers(0, 20),
+    meta=st.binary(max_size=300),
+    payload=st.binary(max_size=300),
+    claimed_payload=st.integers(0, 400),
+)
+def test_fuzz_frames_against_the_live_daemon(node, op, meta, payload, claimed_payload):
+    sock = connect(node)
+    sock.sendall(HEADER.pack(MAGIC, 1, op, 0, 0, 3, len(meta), claimed_payload) + meta + payload)
+    sock.shutdown(socket.SHUT_WR)
+    try:
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass
+    sock.close()
+    assert still_serving(node)
+
+
+def test_decoder_errors_are_typed():
+    with pytest.raises(BadRequest):
+        frames.decode_request(Op.PUT, struct.pack("<I", 7))

@@ -1,0 +1,143 @@
+"""One test per rule in kvpool.store.pool's docstring."""
+
+import pytest
+
+from kvpool.config import PAGE_BYTES
+from kvpool.errors import LeaseExpired, Status
+from kvpool.store.block import BlockState
+from kvpool.store.eviction import LRUPolicy, NoEviction
+from kvpool.store.pool import BlockStore
+from tests.helpers import key
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def store(clock):
+    return BlockStore(32 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
+
+
+def put(store, keys, owner=1, size=PAGE_BYTES):
+    result = store.reserve(keys, [size] * len(keys), owner, 30)
+    store.commit(result.reservation_id, [7] * len(keys), owner)
+
+
+def test_rule1_reserved_keys_are_pending_not_readable(store):
+    result = store.reserve([key(1)], [100], owner=1, lease_s=30)
+    assert result.statuses == [Status.OK]
+    assert store.lookup([key(1)]) == (0, True)
+    assert store.pin([key(1)], 2, 10) == (0, [None])
+    assert store.reserve([key(1)], [100], owner=2, lease_s=30).statuses == [Status.PENDING]
+
+
+def test_rule2_commit_is_atomic_and_refused_after_abort(store):
+    first = store.reserve([key(1), key(2)], [100, 100], owner=1, lease_s=30)
+    assert store.commit(first.reservation_id, [11, 22], owner=1) == [Status.OK, Status.OK]
+    assert store.lookup([key(1), key(2)]) == (2, False)
+    assert store.get_block(key(2)).checksum == 22
+    second = store.reserve([key(3)], [100], owner=1, lease_s=30)
+    store.abort(second.reservation_id, owner=1)
+    with pytest.raises(LeaseExpired):
+        store.commit(second.reservation_id, [1], owner=1)
+    assert store.lookup([key(3)]) == (0, False)
+    third = store.reserve([key(4)], [100], owner=1, lease_s=30)
+    with pytest.raises(LeaseExpired):
+        store.commit(third.reservation_id, [1], owner=99)  # not the owner
+
+
+def test_rule3_expired_reservations_and_gone_owners_return_memory(store, clock):
+    store.reserve([key(1)], [PAGE_BYTES * 4], owner=1, lease_s=5)
+    store.reserve([key(2)], [PAGE_BYTES * 4], owner=2, lease_s=500)
+    assert store.used_bytes == 8 * PAGE_BYTES
+    clock.now += 6
+    assert store.expire() == 1
+    assert store.used_bytes == 4 * PAGE_BYTES and store.lookup([key(1)]) == (0, False)
+    store.release_owner(2)
+    assert store.used_bytes == 0 and store.reserved_bytes == 0
+
+
+def test_rule4_pins_block_eviction_until_unpinned_or_expired(clock):
+    store = BlockStore(4 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
+    put(store, [key(1), key(2), key(3), key(4)])
+    _pin_id, blocks = store.pin([key(1)], owner=9, lease_s=10)
+    assert blocks[0] is not None and blocks[0].num_pins == 1
+    put(store, [key(5)])  # needs one victim: key 1 is oldest but pinned, so key 2 goes
+    assert store.lookup([key(1)]) == (1, False) and store.lookup([key(2)]) == (0, False)
+    # Deleting a pinned block hides it at once, but its memory stays until the pin drops.
+    used = store.used_bytes
+    assert store.delete([key(1)]) == [Status.OK]
+    assert store.lookup([key(1)]) == (0, False) and store.used_bytes == used
+    assert blocks[0].state is BlockState.REMOVED
+    clock.now += 11
+    store.expire()
+    assert store.used_bytes == used - PAGE_BYTES
+
+
+def test_rule5_lru_eviction_on_demand_and_past_the_high_watermark(clock):
+    store = BlockStore(10 * PAGE_BYTES, clock=clock, high_watermark=0.8, low_watermark=0.5)
+    for i in range(8):
+        put(store, [key(i)])
+    store.pin([key(0)], owner=3, lease_s=10)  # touching makes key 0 most recent
+    assert store.used_bytes <= 8 * PAGE_BYTES
+    put(store, [key(8)])  # passes 80%: evict down to 50%
+    assert store.used_bytes <= 5 * PAGE_BYTES
+    assert store.lookup([key(0)]) == (1, False)  # pinned and recent: kept
+    assert store.lookup([key(1)]) == (0, False)  # oldest: gone
+    assert store.counters.evictions >= 4
+
+
+def test_rule5_nothing_evictable_means_no_space(clock):
+    store = BlockStore(2 * PAGE_BYTES, clock=clock, eviction=NoEviction())
+    put(store, [key(1), key(2)])
+    result = store.reserve([key(3)], [PAGE_BYTES], owner=1, lease_s=30)
+    assert result.statuses == [Status.NO_SPACE] and result.reservation_id == 0
+    too_big = store.reserve([key(4)], [3 * PAGE_BYTES], owner=1, lease_s=30)
+    assert too_big.statuses == [Status.REFUSED]
+
+
+def test_rule6_existing_keys_are_never_overwritten(store):
+    put(store, [key(1)])
+    result = store.reserve([key(1), key(2), key(2)], [1, 1, 1], owner=1, lease_s=30)
+    assert result.statuses == [Status.EXISTS, Status.OK, Status.PENDING]
+
+
+def test_batches_land_contiguously(store):
+    result = store.reserve([key(i) for i in range(4)], [PAGE_BYTES] * 4, owner=1, lease_s=30)
+    offsets = [b.offset for b in result.blocks]
+    assert offsets == [offsets[0] + i * PAGE_BYTES for i in range(4)]
+
+
+def test_lookup_prefix_and_mask(store):
+    put(store, [key(1), key(2), key(4)])
+    assert store.lookup([key(1), key(2), key(3), key(4)]) == (2, False)
+    assert store.lookup_mask([key(1), key(3), key(4)]) == [True, False, True]
+    assert store.lookup([]) == (0, False)
+    assert store.counters.lookup_hits >= 2
+
+
+def test_prefix_pin_stops_at_first_miss(store):
+    put(store, [key(1), key(3)])
+    pin_id, blocks = store.pin([key(1), key(2), key(3)], owner=1, lease_s=5, prefix=True)
+    assert [b is not None for b in blocks] == [True, False, False]
+    assert store.unpin(pin_id) and not store.unpin(pin_id)
+
+
+def test_lru_policy_yields_each_key_once():
+    lru = LRUPolicy()
+    for i in range(600):
+        lru.touch(key(i))
+    lru.touch(key(0))
+    victims = list(lru.victims())
+    assert len(victims) == len(set(victims)) == 600
+    assert victims[0] == key(1) and victims[-1] == key(0)

@@ -1,0 +1,76 @@
+import pytest
+
+from kvpool.config import (
+    Address,
+    ClientConfig,
+    NodeConfig,
+    client_config_from,
+    node_config_from,
+    parse_size,
+)
+from kvpool.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4GiB", 4 << 30),
+        ("512MiB", 512 << 20),
+        ("512m", 512 << 20),
+        ("1.5g", 3 << 29),
+        ("4096", 4096),
+        ("64KiB", 65536),
+    ],
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "4XB", "-1G"])
+def test_parse_size_refuses_nonsense(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_addresses():
+    assert Address.parse("unix:/run/x.sock") == Address("unix", path="/run/x.sock")
+    assert Address.parse("unix:///run/x.sock") == Address("unix", path="/run/x.sock")
+    assert Address.parse("tcp://10.0.0.1:9400") == Address("tcp", host="10.0.0.1", port=9400)
+    assert Address.parse("node-a:9400") == Address("tcp", host="node-a", port=9400)
+    with pytest.raises(ConfigError):
+        Address.parse("nowhere")
+
+
+def test_node_config_refuses_public_listen_without_key():
+    with pytest.raises(ConfigError, match="access key"):
+        NodeConfig(host="0.0.0.0").validate()
+    NodeConfig(host="0.0.0.0", access_key="secret").validate()
+    with pytest.raises(ConfigError):
+        NodeConfig(memory_bytes=10).validate()
+    with pytest.raises(ConfigError):
+        NodeConfig(low_watermark=0.99, high_watermark=0.5).validate()
+    with pytest.raises(ConfigError):
+        NodeConfig(name="../etc").validate()
+
+
+def test_environment_then_overrides():
+    env = {
+        "KVPOOL_ADDRESS": "h:1",
+        "KVPOOL_TIMEOUT": "0.5",
+        "KVPOOL_READ_LOCAL_ONLY": "yes",
+        "KVPOOL_PEERS": "a:1, b:2",
+    }
+    config = client_config_from({"timeout": 3.0}, env)
+    assert config.address == "h:1" and config.timeout_s == 3.0 and config.read_local_only
+    assert config.peers == ("a:1", "b:2")
+    with pytest.raises(ConfigError):
+        client_config_from({"nonsense": 1}, {})
+    with pytest.raises(ConfigError):
+        client_config_from(None, {"KVPOOL_TIMEOUT": "soon"})
+    with pytest.raises(ConfigError):
+        client_config_from(None, {"KVPOOL_USE_SHM": "maybe"})
+    node = node_config_from(
+        {"port": None, "name": "x"}, {"KVPOOL_MEMORY": "2GiB", "KVPOOL_PORT": "1234"}
+    )
+    assert node.memory_bytes == 2 << 30 and node.port == 1234 and node.name == "x"
+    assert ClientConfig().validate().timeout_s > 0
