@@ -139,6 +139,24 @@ def bench(
     run_bench(options, json_output)
 
 
+@app.command()
+def demo(
+    pool_only: Annotated[
+        bool, typer.Option("--pool-only", help="Only the pool: no engine.")
+    ] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Start a node and show what the pool saves: the multi-turn demo with a real vLLM
+    engine (tiny model built locally), or the pool alone with --pool-only."""
+    import json
+
+    from kvpool.cli.demo_pool import run_pool_demo
+
+    result = run_pool_demo(Console())
+    if json_output:
+        sys.stdout.write(json.dumps(result) + "\n")
+
+
 def main() -> None:
     try:
         app()
