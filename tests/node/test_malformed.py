@@ -71,7 +71,7 @@ def test_bad_message_body_gets_an_error_reply_and_the_connection_lives_on(node):
     sock.sendall(header(Op.LOOKUP, len(too_many)) + too_many)
     assert _read_frame(sock)[0].status == Status.BAD_REQUEST
     # A PUT whose sizes do not add up: the payload is skipped and the frame refused.
-    meta = msgspec.msgpack.encode({"keys": [key(1)], "sizes": [10], "checksums": [0]})
+    meta = msgspec.msgpack.encode({"keys": [key(1)], "sizes": [10]})
     sock.sendall(header(Op.PUT, len(meta), 5) + meta + b"12345")
     assert _read_frame(sock)[0].status == Status.BAD_REQUEST
     # A payload on an op that takes none.
@@ -79,8 +79,8 @@ def test_bad_message_body_gets_an_error_reply_and_the_connection_lives_on(node):
     sock.sendall(header(Op.GET, len(meta), 3) + meta + b"abc")
     assert _read_frame(sock)[0].status == Status.BAD_REQUEST
     # A corrupted payload never becomes a block.
-    meta = msgspec.msgpack.encode({"keys": [key("c")], "sizes": [4], "checksums": [12345]})
-    sock.sendall(header(Op.PUT, len(meta), 4) + meta + b"data")
+    meta = msgspec.msgpack.encode({"keys": [key("c")], "sizes": [4]})
+    sock.sendall(header(Op.PUT, len(meta), 12) + meta + (12345).to_bytes(8, "little") + b"data")
     reply, meta = _read_frame(sock)
     assert msgspec.msgpack.decode(meta)["statuses"] == [Status.CHECKSUM_MISMATCH]
     with Client(node.unix_address) as c:
@@ -127,8 +127,8 @@ def test_truncated_frames_and_vanishing_clients(node):
         sock.close()
     # A put that stops halfway leaves nothing reserved and nothing visible.
     sock = connect(node)
-    meta = msgspec.msgpack.encode({"keys": [key("half")], "sizes": [1 << 20], "checksums": [0]})
-    sock.sendall(header(Op.PUT, len(meta), 1 << 20) + meta + b"x" * 1000)
+    meta = msgspec.msgpack.encode({"keys": [key("half")], "sizes": [1 << 20]})
+    sock.sendall(header(Op.PUT, len(meta), 8 + (1 << 20)) + meta + b"x" * 1000)
     time.sleep(0.2)
     with Client(node.unix_address) as c:
         assert c.stats().reserved_bytes == 1 << 20

@@ -45,7 +45,7 @@ def test_bounds_are_enforced_at_decode():
     short_key = msgspec.msgpack.encode({"keys": [b"short"]})
     with pytest.raises(BadRequest):
         decode_request(Op.LOOKUP, short_key)
-    huge_block = msgspec.msgpack.encode({"keys": [key(1)], "sizes": [1 << 40], "checksums": [0]})
+    huge_block = msgspec.msgpack.encode({"keys": [key(1)], "sizes": [1 << 40]})
     with pytest.raises(BadRequest):
         decode_request(Op.PUT, huge_block)
     with pytest.raises(TooLarge):
@@ -61,7 +61,7 @@ def test_bounds_are_enforced_at_decode():
 
 
 def test_response_type_is_checked():
-    meta = msgspec.msgpack.encode(PutRequest(keys=[key(1)], sizes=[1], checksums=[1]))
+    meta = msgspec.msgpack.encode(PutRequest(keys=[key(1)], sizes=[1]))
     with pytest.raises(ProtocolError):
         decode_response(Op.GET, meta, GetResponse)
 

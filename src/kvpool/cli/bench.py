@@ -45,6 +45,7 @@ from kvpool.node.process import NodeProcess, wait_until
 LOOKUP_KEYS = 1000
 LOOKUP_ROUNDS = 2000
 WARMUP_CALLS = 2
+ROUNDS = 5
 
 
 @dataclass
@@ -92,11 +93,6 @@ def _timed(calls: int, fn: Callable[[int], Any]) -> list[float]:
         fn(i)
         times.append(time.perf_counter() - start)
     return times
-
-
-def _summary(times: list[float], batch_bytes: int) -> tuple[float, float, float]:
-    gbps = batch_bytes * len(times) / sum(times) / 1e9
-    return gbps, _percentile(times, 0.5) * 1e3, _percentile(times, 0.99) * 1e3
 
 
 # -- ceilings -----------------------------------------------------------------------------
@@ -241,7 +237,7 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
     ns = Namespace(model="kvpool-bench", extra=secrets.token_hex(8))
     with contextlib.ExitStack() as stack:
         if options.address is None:
-            arena_bytes = int(options.total_bytes * 1.25) + 64 * MiB
+            arena_bytes = int(options.total_bytes * 2.5) + 128 * MiB
             node = NodeProcess(
                 ["--name", f"bench-{os.getpid()}", "--memory", str(arena_bytes), "--port", "0",
                  "--admin-port", "0", "--log-level", "warning"]
@@ -287,6 +283,49 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
     return report
 
 
+def _interleaved(
+    rounds: int, calls: int, fns: dict[str, Callable[[int], Any]]
+) -> dict[str, list[list[float]]]:
+    """Time each function ``calls`` times per round, the functions taking turns round by
+    round (in alternating order), so that a noisy machine weighs on all of them alike."""
+    counters = dict.fromkeys(fns, 0)
+
+    def call(name: str) -> float:
+        index = counters[name]
+        counters[name] += 1
+        start = time.perf_counter()
+        fns[name](index)
+        return time.perf_counter() - start
+
+    for name in fns:
+        for _ in range(WARMUP_CALLS):
+            call(name)
+    times: dict[str, list[list[float]]] = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            times[name].append([call(name) for _ in range(calls)])
+    return times
+
+
+def _case(
+    system: str, op: str, path: str, block_bytes: int, batch_bytes: int,
+    ours: list[list[float]], ceiling: list[list[float]],
+) -> Case:  # fmt: skip
+    ours_gbps = [batch_bytes * len(r) / sum(r) / 1e9 for r in ours]
+    ceiling_gbps = [batch_bytes * len(r) / sum(r) / 1e9 for r in ceiling]
+    ratios = [o / c for o, c in zip(ours_gbps, ceiling_gbps, strict=True)]
+    flat = [t for r in ours for t in r]
+    return Case(
+        system, op, path, block_bytes,
+        gbps=round(statistics.median(ours_gbps), 3),
+        ceiling_gbps=round(statistics.median(ceiling_gbps), 3),
+        ratio=round(statistics.median(ratios), 3),
+        p50_ms=round(_percentile(flat, 0.5) * 1e3, 3),
+        p99_ms=round(_percentile(flat, 0.99) * 1e3, 3),
+    )  # fmt: skip
+
+
 def _run_size(
     report: Report,
     options: BenchOptions,
@@ -300,24 +339,38 @@ def _run_size(
 ) -> None:
     per_call = max(1, options.batch_bytes // block_bytes)
     batch_bytes = per_call * block_bytes
-    calls = max(4, options.total_bytes // batch_bytes)
+    calls = max(2, options.total_bytes // (batch_bytes * ROUNDS))
+    num_calls = WARMUP_CALLS + ROUNDS * calls
     rng = np.random.default_rng(block_bytes)
     src = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(per_call)]
-    dst = [np.empty(block_bytes, dtype=np.uint8) for _ in range(per_call)]
-    for d in dst:
-        d[:] = 0
+    dst = [np.zeros(block_bytes, dtype=np.uint8) for _ in range(per_call)]
 
     def keys_of(tag: str, call: int) -> list[bytes]:
         return [ns.key(f"{tag}-{block_bytes}-{call}-{i}".encode()) for i in range(per_call)]
 
+    def put_with(client: Client, tag: str) -> Callable[[int], None]:
+        def put(call: int) -> None:
+            result = client.put(keys_of(tag, call), src)
+            if not result.all_stored:
+                raise RuntimeError(f"bench put failed: {result.statuses[:4]}")
+
+        return put
+
+    def get_with(client: Client, tag: str) -> Callable[[int], None]:
+        def get(call: int) -> None:
+            result = client.get(keys_of(tag, call % num_calls), dst)
+            if result.num_found != per_call:
+                raise RuntimeError(f"bench get missed blocks: {result.statuses[:4]}")
+
+        return get
+
     size = format_size(block_bytes)
     # The memcpy ceiling spreads over as much shared memory as the pool's data does, so
     # that neither side profits from blocks still in the CPU cache.
-    num_regions = calls + WARMUP_CALLS
-    with _shm_buffer(batch_bytes * num_regions) as target:
+    with _shm_buffer(batch_bytes * num_calls) as target:
 
         def slots(call: int) -> list[np.ndarray]:
-            base = (call % num_regions) * batch_bytes
+            base = (call % num_calls) * batch_bytes
             return [
                 target[base + i * block_bytes : base + (i + 1) * block_bytes]
                 for i in range(per_call)
@@ -331,66 +384,39 @@ def _run_size(
             for s, d in zip(slots(call), dst, strict=True):
                 np.copyto(d, s)
 
-        progress(f"{size} memcpy")
-        copy_in = _summary(_timed(calls, memcpy_in), batch_bytes)
-        copy_out = _summary(_timed(calls, memcpy_out), batch_bytes)
-    progress(f"{size} socket stream")
-    stream_in = _summary(_timed(calls, lambda _: stream.send(src)), batch_bytes)
-    stream_out = _summary(_timed(calls, lambda _: stream.recv(dst)), batch_bytes)
-
-    results: dict[tuple[str, str], tuple[float, float, float]] = {}
-    for path, client, ceilings in (
-        ("shm", shm_client, (copy_in, copy_out)),
-        ("tcp", tcp_client, (stream_in, stream_out)),
-    ):
-        progress(f"{size} kvpool {path} put")
-        total_calls = calls + WARMUP_CALLS
-
-        def put(i: int, client: Client = client, path: str = path) -> None:
-            result = client.put(keys_of(path, i), src)
-            if not result.all_stored:
-                raise RuntimeError(f"bench put failed: {result.statuses[:4]}")
-
-        results[(path, "put")] = put_stats = _summary(_timed(calls, put), batch_bytes)
-        progress(f"{size} kvpool {path} get")
-
-        def get(
-            i: int, client: Client = client, path: str = path, total_calls: int = total_calls
-        ) -> None:
-            result = client.get(keys_of(path, i % total_calls), dst)
-            if result.num_found != per_call:
-                raise RuntimeError(f"bench get missed blocks: {result.statuses[:4]}")
-
-        results[(path, "get")] = get_stats = _summary(_timed(calls, get), batch_bytes)
-        for op, stats, ceiling in (
-            ("put", put_stats, ceilings[0]),
-            ("get", get_stats, ceilings[1]),
-        ):
-            report.cases.append(
-                Case("kvpool", op, path, block_bytes, round(stats[0], 3), round(ceiling[0], 3),
-                     round(stats[0] / ceiling[0], 3), round(stats[1], 3), round(stats[2], 3))
-            )  # fmt: skip
-        client.delete([k for i in range(total_calls) for k in keys_of(path, i)], timeout=60)
-
+        for op, fns in (
+            ("put", {
+                "memcpy": memcpy_in, "shm": put_with(shm_client, "shm"),
+                "stream": lambda _: stream.send(src), "tcp": put_with(tcp_client, "tcp"),
+            }),
+            ("get", {
+                "memcpy": memcpy_out, "shm": get_with(shm_client, "shm"),
+                "stream": lambda _: stream.recv(dst), "tcp": get_with(tcp_client, "tcp"),
+            }),
+        ):  # fmt: skip
+            if redis_peer is not None:
+                if op == "put":
+                    fns["redis"] = lambda call: redis_peer.put(keys_of("redis", call), src)
+                else:
+                    fns["redis"] = lambda call: redis_peer.get(keys_of("redis", call % num_calls))
+            progress(f"{size} {op}: {', '.join(fns)}")
+            times = _interleaved(ROUNDS, calls, fns)
+            ours = [
+                _case("kvpool", op, "shm", block_bytes, batch_bytes, times["shm"], times["memcpy"]),
+                _case("kvpool", op, "tcp", block_bytes, batch_bytes, times["tcp"], times["stream"]),
+            ]
+            report.cases.extend(ours)
+            if "redis" in times:
+                redis_case = _case(
+                    "redis", op, "tcp", block_bytes, batch_bytes, times["redis"], times["stream"]
+                )
+                report.cases.append(redis_case)
+                for case in ours:
+                    case.vs_redis = round(case.gbps / redis_case.gbps, 2)
+    for tag, client in (("shm", shm_client), ("tcp", tcp_client)):
+        client.delete([k for call in range(num_calls) for k in keys_of(tag, call)], timeout=60)
     if redis_peer is not None:
-        progress(f"{size} redis put")
-        redis_put = _summary(
-            _timed(calls, lambda i: redis_peer.put(keys_of("redis", i), src)), batch_bytes
-        )
-        progress(f"{size} redis get")
-        redis_get = _summary(
-            _timed(calls, lambda i: redis_peer.get(keys_of("redis", i % (calls + WARMUP_CALLS)))),
-            batch_bytes,
-        )
         redis_peer.client.flushall()
-        for op, stats, ceiling in (("put", redis_put, stream_in), ("get", redis_get, stream_out)):
-            report.cases.append(
-                Case("redis", op, "tcp", block_bytes, round(stats[0], 3), round(ceiling[0], 3),
-                     round(stats[0] / ceiling[0], 3), round(stats[1], 3), round(stats[2], 3))
-            )  # fmt: skip
-            for case in report.cases:
-                if case.system == "kvpool" and case.op == op and case.block_bytes == block_bytes:
-                    case.vs_redis = round(case.gbps / stats[0], 2)
 
 
 def _lookup_case(client: Client, ns: Namespace) -> dict[str, Any]:
@@ -444,7 +470,7 @@ def render(report: Report, console: Console) -> None:
 
 def run_bench(options: BenchOptions, json_output: bool) -> Report:
     console = Console(stderr=True)
-    steps = len(options.block_sizes) * (6 + (2 if options.with_redis else 0)) + 1
+    steps = len(options.block_sizes) * 2 + 1
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("starting", total=steps)
 

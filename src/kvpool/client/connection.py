@@ -181,6 +181,9 @@ class Connection(_Driver):
         if isinstance(effect, ops.Request):
             channel.send(self._frame(effect))
             return None
+        if isinstance(effect, ops.Send):
+            channel.send(effect.parts)
+            return None
         if isinstance(effect, ops.Recv):
             header = channel.recv_header()
             meta = channel.recv_meta(header.meta_len)
@@ -270,6 +273,9 @@ class AsyncConnection(_Driver):
         assert channel is not None
         if isinstance(effect, ops.Request):
             await channel.send(self._frame(effect))
+            return None
+        if isinstance(effect, ops.Send):
+            await channel.send(effect.parts)
             return None
         if isinstance(effect, ops.Recv):
             header = await channel.recv_header()

@@ -3,6 +3,7 @@
 Each operation is a generator that yields *effects* and receives their results:
 
 - :class:`Request` — send a frame (and its payload buffers); no result.
+- :class:`Send` — send more payload of that frame; no result.
 - :class:`Recv` — receive the response frame; result ``(message, payload_len)``; an error
   status raises the matching exception (see :mod:`kvpool.errors`).
 - :class:`RecvInto` — receive payload bytes into a view, feeding a hasher; no result.
@@ -24,6 +25,7 @@ from kvpool import checksum as ck
 from kvpool.errors import ProtocolError, Status, UsageError
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
+    CHECKSUM_BYTES,
     PROTOCOL_VERSION,
     AbortRequest,
     Challenge,
@@ -63,6 +65,13 @@ class Request:
 
 
 @dataclass(slots=True)
+class Send:
+    """More payload of the request just started."""
+
+    parts: Sequence[memoryview | bytes]
+
+
+@dataclass(slots=True)
 class Recv:
     op: Op
     type: type[Message]
@@ -85,7 +94,7 @@ class Compute:
     num_bytes: int = 0
 
 
-Effect = Request | Recv | RecvInto | Skip | Compute
+Effect = Request | Send | Recv | RecvInto | Skip | Compute
 Op_ = Generator[Effect, Any, T]
 
 
@@ -205,12 +214,15 @@ def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
 def put_stream(
     keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool
 ) -> Op_[PutResult]:
-    """Send the blocks inline (another host, or no shared arena)."""
+    """Send the blocks inline (another host, or no shared arena).  Each block goes out right
+    after its checksum is computed, so hashing one overlaps the transfer of the last."""
     sizes = [len(v) for v in views]
-    total = sum(sizes)
-    checksums = yield Compute(lambda: [ck.checksum(v) for v in views], total)
-    request = PutRequest(keys=list(keys), sizes=sizes, checksums=checksums, replicate=replicate)
-    yield Request(Op.PUT, request, payload=views, payload_len=total)
+    total = sum(sizes) + CHECKSUM_BYTES * len(sizes)
+    request = PutRequest(keys=list(keys), sizes=sizes, replicate=replicate)
+    yield Request(Op.PUT, request, payload_len=total)
+    for view in views:
+        digest = yield Compute(lambda view=view: ck.checksum(view), len(view))
+        yield Send([digest.to_bytes(CHECKSUM_BYTES, "little"), view])
     response, _ = yield Recv(Op.PUT, StatusResponse)
     _check_len("statuses", response.statuses, len(keys))
     return PutResult(_statuses(response.statuses))

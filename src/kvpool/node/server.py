@@ -45,6 +45,7 @@ from kvpool.protocol.frames import (
     encode_frame,
 )
 from kvpool.protocol.messages import (
+    CHECKSUM_BYTES,
     MAX_KEYS_PER_REQUEST,
     SUPPORTED_VERSIONS,
     AbortRequest,
@@ -397,10 +398,11 @@ class Session:
     async def _put(self, header: FrameHeader, req: PutRequest) -> None:
         keys, sizes = req.keys, req.sizes
         problem = ""
-        if not len(keys) == len(sizes) == len(req.checksums):
-            problem = "keys, sizes and checksums differ in length"
-        elif sum(sizes) != header.payload_len:
-            problem = f"sizes add up to {sum(sizes)}, payload is {header.payload_len}"
+        expected = sum(sizes) + CHECKSUM_BYTES * len(sizes)
+        if len(keys) != len(sizes):
+            problem = "keys and sizes differ in length"
+        elif expected != header.payload_len:
+            problem = f"payload of {header.payload_len} bytes, sizes need {expected}"
         if problem:
             await self.channel.skip(header.payload_len)
             raise BadRequest(problem)
@@ -408,14 +410,15 @@ class Session:
         statuses = list(result.statuses)
         checksums: list[int | None] = []
         for i, block in enumerate(result.blocks):
+            expected = int.from_bytes(await self.channel.recv_meta(CHECKSUM_BYTES), "little")
             if block is None:
                 await self.channel.skip(sizes[i])
                 checksums.append(None)
                 continue
             hasher = ck.new_hasher()
             await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
-            if hasher.intdigest() == req.checksums[i]:
-                checksums.append(req.checksums[i])
+            if hasher.intdigest() == expected:
+                checksums.append(expected)
             else:
                 statuses[i] = Status.CHECKSUM_MISMATCH
                 checksums.append(None)

@@ -12,7 +12,7 @@ op             request                                   response (+ raw payload
 CHALLENGE      (server speaks first on accept)           -
 HELLO          version, access id, nonce, HMAC proof     Welcome: node identity, arena, limits
 LOOKUP         ordered keys, optional bounded wait        longest present prefix (or mask)
-PUT            keys, sizes, checksums + payload           status per key
+PUT            keys, sizes + payload (checksum, block)*   status per key
 GET            keys                                       status, size, checksum per key
                                                           + payload of the found blocks
 RESERVE        keys, sizes (same-node writers)            status and arena offset per key
@@ -47,6 +47,7 @@ MAX_LEASE_MS = 600_000
 MAX_NAME_LEN = 256
 MAX_MESSAGE_LEN = 4096
 NONCE_BYTES = 32
+CHECKSUM_BYTES = 8
 
 Key = Annotated[bytes, msgspec.Meta(min_length=MIN_KEY_BYTES, max_length=MAX_KEY_BYTES)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
@@ -129,9 +130,11 @@ class LookupResponse(Message):
 
 
 class PutRequest(Message):
+    """The payload holds, for each key in order, its 8-byte little-endian xxh3 checksum and
+    then its block: a sender hashes one block while the previous one is in flight."""
+
     keys: Keys
     sizes: Sizes
-    checksums: Checksums
     replicate: bool = True  # write through to the keys' home nodes
 
 
