@@ -212,8 +212,8 @@ class RedisPeer:
     def put(self, keys: list[bytes], blocks: list[np.ndarray]) -> None:
         self.client.mset({k: b.data for k, b in zip(keys, blocks, strict=True)})
 
-    def get(self, keys: list[bytes]) -> list[bytes | None]:
-        return self.client.mget(keys)  # type: ignore[return-value]
+    def get(self, keys: list[bytes]) -> None:
+        self.client.mget(keys)
 
     def close(self) -> None:
         self.proc.terminate()

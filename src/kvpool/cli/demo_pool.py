@@ -57,12 +57,21 @@ def run_pool_demo(console: Console) -> dict[str, object]:
         table.add_row(
             "turn 1", f"{len(turn1)} tokens -> {len(keys1)} KV blocks of {format_size(block_bytes)}"
         )
-        table.add_row("save", f"{saved.num_stored}/{len(keys1)} blocks stored in {save_s * 1e3:.1f} ms "
-                      f"({'shared memory' if client.uses_shm else 'socket'})")  # fmt: skip
-        table.add_row("turn 2", f"{len(turn2)} tokens -> {len(keys2)} blocks; cached prefix: "
-                      f"{num_cached} blocks, found in {lookup_s * 1e3:.2f} ms")  # fmt: skip
-        table.add_row("load", f"{loaded.num_found} blocks loaded and checksum-verified in {load_s * 1e3:.1f} ms; "
-                      f"identical to what was saved: {identical}")  # fmt: skip
+        path = "shared memory" if client.uses_shm else "socket"
+        table.add_row(
+            "save",
+            f"{saved.num_stored}/{len(keys1)} blocks stored in {save_s * 1e3:.1f} ms ({path})",
+        )
+        table.add_row(
+            "turn 2",
+            f"{len(turn2)} tokens -> {len(keys2)} blocks; cached prefix: {num_cached} blocks, "
+            f"found in {lookup_s * 1e3:.2f} ms",
+        )
+        table.add_row(
+            "load",
+            f"{loaded.num_found} blocks loaded and checksum-verified in {load_s * 1e3:.1f} ms; "
+            f"identical to what was saved: {identical}",
+        )
         table.add_row(
             "recompute", f"only {len(keys2) - num_cached} new blocks of turn 2 need prefill"
         )

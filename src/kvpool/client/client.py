@@ -23,8 +23,9 @@ from kvpool.keys import Namespace
 from kvpool.protocol.messages import Health, NodeStats
 
 from . import ops
+from .leases import ReadLease, WriteLease
 from .node import AsyncNodeClient, NodeClient
-from .ops import GetResult, PutResult
+from .ops import GetResult, LookupState, PutResult
 
 T = TypeVar("T")
 
@@ -106,6 +107,19 @@ class Client:
         With ``wait`` > 0, keys that are being written are awaited up to ``wait`` seconds
         (and, with ``wait_absent``, keys nobody has started writing yet).
         """
+        return self.lookup_state(
+            keys, wait=wait, wait_absent=wait_absent, timeout=timeout
+        ).num_prefix
+
+    def lookup_state(
+        self,
+        keys: Sequence[bytes],
+        *,
+        wait: float = 0.0,
+        wait_absent: bool = False,
+        timeout: float | None = None,
+    ) -> LookupState:
+        """Like :meth:`lookup`, and whether the key after the prefix is being written."""
         return self.local.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
 
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
@@ -136,6 +150,23 @@ class Client:
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
         return self.local.delete(keys, timeout=timeout)
+
+    # -- zero-copy leases -------------------------------------------------------------------
+
+    def reserve(
+        self, keys: Sequence[bytes], sizes: Sequence[int], *, timeout: float | None = None
+    ) -> WriteLease:
+        """Reserve space for blocks and hand out writable views to fill in place (arena
+        memory on the node's host, private buffers elsewhere); ``commit()`` publishes them.
+        Keys already stored or being written get no view."""
+        return WriteLease.open(self.local, keys, sizes, self.config.write_rcache, timeout)
+
+    def acquire(
+        self, keys: Sequence[bytes], *, prefix: bool = True, timeout: float | None = None
+    ) -> ReadLease:
+        """Pin stored blocks and hand out read-only, checksum-verified views of them until
+        ``release()``; with ``prefix``, only the leading run of present keys."""
+        return ReadLease.open(self.local, keys, prefix, timeout)
 
     # -- asynchronous save and load --------------------------------------------------------
 
@@ -213,7 +244,8 @@ class AsyncClient:
         wait_absent: bool = False,
         timeout: float | None = None,
     ) -> int:
-        return await self.local.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
+        state = await self.local.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
+        return state.num_prefix
 
     async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return await self.local.exists(keys, timeout=timeout)

@@ -162,11 +162,30 @@ class NodeClient:
         wait: float = 0.0,
         wait_absent: bool = False,
         timeout: float | None = None,
-    ) -> int:
+    ) -> ops.LookupState:
         if not keys:
-            return 0
+            return ops.LookupState(0, False)
         timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
         return self.call(lambda _: ops.lookup(keys, wait, wait_absent), timeout)
+
+    def hold(self, timeout: float | None = None) -> Connection:
+        """Take a connection out of the pool for a lease (reserve then commit, pin then
+        unpin must use one connection); give it back with :meth:`release`."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout_s)
+        for attempt in range(2):
+            conn, fresh = self._acquire(deadline)
+            if fresh or attempt:
+                return conn
+            try:  # a pooled connection may lead to a node that restarted: check it first
+                conn.run(ops.health(), deadline)
+                return conn
+            except (NodeUnavailable, ConnectError):
+                self._release(conn)
+                self._drop_idle()
+        raise AssertionError("unreachable")
+
+    def release(self, conn: Connection) -> None:
+        self._release(conn)
 
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return self.call(lambda _: ops.exists(keys), timeout) if keys else []
@@ -306,9 +325,9 @@ class AsyncNodeClient:
         wait: float = 0.0,
         wait_absent: bool = False,
         timeout: float | None = None,
-    ) -> int:
+    ) -> ops.LookupState:
         if not keys:
-            return 0
+            return ops.LookupState(0, False)
         timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
         return await self.call(lambda _: ops.lookup(keys, wait, wait_absent), timeout)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from kvpool import checksum as ck
@@ -190,7 +191,17 @@ def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -
 # -- lookups ------------------------------------------------------------------------------
 
 
-def lookup(keys: Sequence[bytes], wait_s: float = 0.0, wait_absent: bool = False) -> Op_[int]:
+@dataclass(slots=True, frozen=True)
+class LookupState:
+    """The longest stored prefix, and whether the key after it is being written."""
+
+    num_prefix: int
+    is_next_pending: bool
+
+
+def lookup(
+    keys: Sequence[bytes], wait_s: float = 0.0, wait_absent: bool = False
+) -> Op_[LookupState]:
     request = LookupRequest(
         keys=list(keys), wait_ms=int(min(wait_s, 60.0) * 1000), wait_absent=wait_absent
     )
@@ -198,7 +209,7 @@ def lookup(keys: Sequence[bytes], wait_s: float = 0.0, wait_absent: bool = False
     response, _ = yield Recv(Op.LOOKUP, LookupResponse)
     if not 0 <= response.num_prefix <= len(keys):
         raise ProtocolError(f"lookup prefix {response.num_prefix} of {len(keys)} keys")
-    return response.num_prefix
+    return LookupState(response.num_prefix, bool(response.num_pending))
 
 
 def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
@@ -221,7 +232,7 @@ def put_stream(
     request = PutRequest(keys=list(keys), sizes=sizes, replicate=replicate)
     yield Request(Op.PUT, request, payload_len=total)
     for view in views:
-        digest = yield Compute(lambda view=view: ck.checksum(view), len(view))
+        digest = yield Compute(partial(ck.checksum, view), len(view))
         yield Send([digest.to_bytes(CHECKSUM_BYTES, "little"), view])
     response, _ = yield Recv(Op.PUT, StatusResponse)
     _check_len("statuses", response.statuses, len(keys))
@@ -384,6 +395,46 @@ def _get_result(
 
 
 # -- maintenance --------------------------------------------------------------------------
+
+
+# -- leases: zero-copy writes and reads through the arena ----------------------------------
+
+
+def reserve(keys: Sequence[bytes], sizes: Sequence[int], lease_ms: int) -> Op_[ReserveResponse]:
+    request = ReserveRequest(keys=list(keys), sizes=list(sizes), lease_ms=lease_ms)
+    yield Request(Op.RESERVE, request)
+    response, _ = yield Recv(Op.RESERVE, ReserveResponse)
+    _check_len("offsets", response.offsets, len(keys))
+    _check_len("statuses", response.statuses, len(keys))
+    return response
+
+
+def commit(
+    reservation_id: int, checksums: Sequence[int | None], replicate: bool
+) -> Op_[list[Status]]:
+    request = CommitRequest(
+        reservation_id=reservation_id, checksums=list(checksums), replicate=replicate
+    )
+    yield Request(Op.COMMIT, request)
+    response, _ = yield Recv(Op.COMMIT, StatusResponse)
+    _check_len("statuses", response.statuses, len(checksums))
+    return _statuses(response.statuses)
+
+
+def abort(reservation_id: int) -> Op_[None]:
+    yield Request(Op.ABORT, AbortRequest(reservation_id=reservation_id), no_reply=True)
+
+
+def pin(keys: Sequence[bytes], prefix: bool, lease_ms: int) -> Op_[PinResponse]:
+    yield Request(Op.PIN, PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms))
+    response, _ = yield Recv(Op.PIN, PinResponse)
+    for what in ("statuses", "offsets", "sizes", "checksums"):
+        _check_len(what, getattr(response, what), len(keys))
+    return response
+
+
+def unpin(pin_id: int) -> Op_[None]:
+    yield Request(Op.UNPIN, UnpinRequest(pin_id=pin_id), no_reply=True)
 
 
 def report_corrupt(keys: Sequence[bytes]) -> Op_[None]:
