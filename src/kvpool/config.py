@@ -310,3 +310,35 @@ def node_config_from(
             raise ConfigError(f"unknown node option {name!r}")
         values[name] = value
     return NodeConfig(**values).validate()  # type: ignore[arg-type]
+
+
+# The environment variables the engine connectors honour beyond the client's (their
+# kv_connector_extra_config keys win over them).
+CONNECTOR_ENV: dict[str, tuple[str, object]] = {
+    "KVPOOL_LOOKUP_TIMEOUT": ("lookup_timeout", float),
+    "KVPOOL_TRANSFER_TIMEOUT": ("transfer_timeout", float),
+    "KVPOOL_MIN_LOAD_TOKENS": ("min_load_tokens", int),
+    "KVPOOL_MIN_LOAD_BLOCKS": ("min_load_blocks", int),
+    "KVPOOL_CONSUMER_WAIT": ("consumer_wait", float),
+    "KVPOOL_TENANT": ("tenant", str),
+    "KVPOOL_STATS_INTERVAL": ("stats_interval", float),
+    "KVPOOL_HEALTH_INTERVAL": ("health_interval", float),
+    "KVPOOL_HEALTH_RECOVER_AFTER": ("health_recover_after", int),
+    "KVPOOL_HEALTH_FLAP_WINDOW": ("health_flap_window", float),
+    "KVPOOL_HEALTH_MAX_FLAPS": ("health_max_flaps", int),
+}
+
+
+def options_from_env(
+    mapping: Mapping[str, tuple[str, object]], environ: Mapping[str, str] | None = None
+) -> dict[str, object]:
+    """The options ``mapping`` names, parsed from the ``KVPOOL_*`` variables that are set."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for var, (name, parse) in mapping.items():
+        if var in environ:
+            try:
+                values[name] = parse(environ[var])  # type: ignore[operator]
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
+    return values

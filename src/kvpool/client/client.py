@@ -202,9 +202,9 @@ class Client:
 
     # -- node -----------------------------------------------------------------------------
 
-    def describe(self, namespace: Namespace) -> None:
+    def describe(self, namespace: Namespace, *, timeout: float | None = None) -> None:
         """Tell the node a namespace's human-readable label (shown by ``kvpool status``)."""
-        self.local.describe(namespace.id, namespace.describe())
+        self.local.describe(namespace.id, namespace.describe(), timeout=timeout)
 
     def stats(self, *, timeout: float | None = None) -> NodeStats:
         return self.local.stats(timeout=timeout)

@@ -1,0 +1,119 @@
+"""Whether the pool is usable right now, so that an engine never waits on a pool that is
+down: it reports misses and recomputes instead.
+
+Rules:
+- Fail fast: one failed pool call (or probe) makes the monitor unhealthy at once.
+- Recover slowly: a background probe runs every ``interval_s``; ``recover_after``
+  consecutive successful probes make it healthy again.
+- Flapping blocks recovery: after ``max_flaps`` failures that each ended a healthy period
+  within ``flap_window_s``, the monitor stays unhealthy until that window has passed
+  without such a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("kvpool.health")
+
+DEFAULT_INTERVAL_S = 1.0
+DEFAULT_RECOVER_AFTER = 3
+DEFAULT_FLAP_WINDOW_S = 30.0
+DEFAULT_MAX_FLAPS = 3
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    interval_s: float = DEFAULT_INTERVAL_S
+    recover_after: int = DEFAULT_RECOVER_AFTER
+    flap_window_s: float = DEFAULT_FLAP_WINDOW_S
+    max_flaps: int = DEFAULT_MAX_FLAPS
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        probe: Callable[[], object],
+        policy: HealthPolicy | None = None,
+        *,
+        name: str = "pool",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.probe = probe
+        self.policy = policy or HealthPolicy()
+        self.name = name
+        self.clock = clock
+        self._healthy = True
+        self._successes = 0
+        self._flaps: deque[float] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_failures = 0
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._healthy
+
+    def report_failure(self, reason: object = "") -> None:
+        with self._lock:
+            self.num_failures += 1
+            self._successes = 0
+            if self._healthy:
+                self._healthy = False
+                self._flaps.append(self.clock())
+                log.warning(
+                    "%s unhealthy: %s; engines recompute until it recovers", self.name, reason
+                )
+
+    def report_success(self) -> None:
+        with self._lock:
+            if self._healthy:
+                return
+            self._successes += 1
+            now = self.clock()
+            while self._flaps and now - self._flaps[0] > self.policy.flap_window_s:
+                self._flaps.popleft()
+            flapping = len(self._flaps) >= self.policy.max_flaps
+            if self._successes >= self.policy.recover_after and not flapping:
+                self._healthy = True
+                self._successes = 0
+                log.warning("%s healthy again", self.name)
+
+    @property
+    def is_flapping(self) -> bool:
+        now = self.clock()
+        recent = [t for t in self._flaps if now - t <= self.policy.flap_window_s]
+        return len(recent) >= self.policy.max_flaps
+
+    def check_once(self) -> bool:
+        try:
+            self.probe()
+        except Exception as exc:
+            self.report_failure(exc)
+        else:
+            self.report_success()
+        return self._healthy
+
+    def start(self) -> HealthMonitor:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvpool-health-{self.name}", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.policy.interval_s):
+            self.check_once()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.policy.interval_s + 5)
+            self._thread = None

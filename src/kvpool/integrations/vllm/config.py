@@ -1,0 +1,202 @@
+"""The connector's configuration, read once from ``kv_connector_extra_config`` (and the
+``KVPOOL_*`` environment), and the pool namespaces of an engine.
+
+``kv_connector_extra_config`` keys (all optional):
+
+==================  ======================================================  ============
+key                 meaning                                                 default
+==================  ======================================================  ============
+address             the local node (``unix:/path`` or ``host:port``)        local node
+access_id / _key    credentials, when the node requires them                none
+timeout             deadline of a pool call, seconds                        2.0
+lookup_timeout      deadline of the scheduler's lookup, seconds             0.2
+transfer_timeout    deadline of one load or save, seconds                   10.0
+min_load_tokens     load only if at least this many tokens hit              0
+min_load_blocks     load only if at least this many blocks hit              1
+consumer_wait       how long a consumer waits for blocks still being saved  2.0
+write_rcache        write through to the home node in a cluster             true
+read_local_only     in a cluster, look only at the local node               false
+peers / etcd        cluster membership (see ``kvpool serve``)               none
+tenant              isolates the blocks of one tenant                       ""
+stats_interval      seconds between stats log lines                         10.0
+health_*            interval, recover_after, flap_window, max_flaps         1, 3, 30, 3
+==================  ======================================================  ============
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvpool.client.health import HealthPolicy
+from kvpool.config import (
+    CLIENT_ENV,
+    CONNECTOR_ENV,
+    ClientConfig,
+    client_config_from,
+    options_from_env,
+    parse_bool,
+)
+from kvpool.errors import ConfigError
+from kvpool.keys import Namespace, check_hash_stability
+
+log = logging.getLogger("kvpool.vllm")
+
+DEFAULT_LOOKUP_TIMEOUT_S = 0.2
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+DEFAULT_CONSUMER_WAIT_S = 2.0
+DEFAULT_STATS_INTERVAL_S = 10.0
+
+_CLIENT_KEYS = {name for name, _ in CLIENT_ENV.values()} | {"timeout", "connect_timeout"}
+_CONNECTOR_FIELDS: tuple[tuple[str, str, Any], ...] = (
+    ("lookup_timeout", "lookup_timeout_s", float),
+    ("transfer_timeout", "transfer_timeout_s", float),
+    ("min_load_tokens", "min_load_tokens", int),
+    ("min_load_blocks", "min_load_blocks", int),
+    ("consumer_wait", "consumer_wait_s", float),
+    ("tenant", "tenant", str),
+    ("stats_interval", "stats_interval_s", float),
+)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    client: ClientConfig
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    min_load_tokens: int = 0
+    min_load_blocks: int = 1
+    consumer_wait_s: float = DEFAULT_CONSUMER_WAIT_S
+    tenant: str = ""
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+
+    def validate(self) -> ConnectorConfig:
+        if self.lookup_timeout_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ConfigError("lookup_timeout and transfer_timeout must be positive")
+        if self.min_load_tokens < 0 or self.min_load_blocks < 1:
+            raise ConfigError("min_load_tokens must be >= 0 and min_load_blocks >= 1")
+        if self.consumer_wait_s < 0:
+            raise ConfigError("consumer_wait must be >= 0")
+        return self
+
+    def describe(self) -> str:
+        c = self.client
+        return (
+            f"address={c.address} timeout={c.timeout_s}s lookup_timeout={self.lookup_timeout_s}s "
+            f"transfer_timeout={self.transfer_timeout_s}s min_load_tokens={self.min_load_tokens} "
+            f"min_load_blocks={self.min_load_blocks} consumer_wait={self.consumer_wait_s}s "
+            f"write_rcache={c.write_rcache} read_local_only={c.read_local_only} "
+            f"peers={list(c.peers)} etcd={c.etcd or '-'} tenant={self.tenant or '-'} "
+            f"auth={'on' if c.access_key else 'off'}"
+        )
+
+
+def connector_config(
+    extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> ConnectorConfig:
+    """The effective configuration: defaults, then ``KVPOOL_*`` variables, then
+    ``kv_connector_extra_config``."""
+    values = options_from_env(CONNECTOR_ENV, environ)
+    client_options: dict[str, object] = {}
+    known = {name for name, _ in CONNECTOR_ENV.values()}
+    for key, value in (extra or {}).items():
+        if key in _CLIENT_KEYS:
+            client_options[key] = value
+        elif key in known:
+            values[key] = value
+        else:
+            raise ConfigError(f"unknown kv_connector_extra_config key {key!r}")
+    for key in ("write_rcache", "read_local_only", "use_shm"):
+        if key in client_options:
+            client_options[key] = parse_bool(client_options[key], key)  # type: ignore[arg-type]
+    if isinstance(client_options.get("peers"), str):
+        client_options["peers"] = [
+            p.strip() for p in str(client_options["peers"]).split(",") if p.strip()
+        ]
+    client = client_config_from(client_options, environ)
+    try:
+        health = HealthPolicy(
+            interval_s=float(values.get("health_interval", HealthPolicy.interval_s)),  # type: ignore[arg-type]
+            recover_after=int(values.get("health_recover_after", HealthPolicy.recover_after)),  # type: ignore[call-overload]
+            flap_window_s=float(values.get("health_flap_window", HealthPolicy.flap_window_s)),  # type: ignore[arg-type]
+            max_flaps=int(values.get("health_max_flaps", HealthPolicy.max_flaps)),  # type: ignore[call-overload]
+        )
+        kwargs: dict[str, Any] = {}
+        for key, name, parse in _CONNECTOR_FIELDS:
+            if key in values:
+                kwargs[name] = parse(values[key])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from exc
+    return ConnectorConfig(client=client, health=health, **kwargs).validate()
+
+
+def _kv_dtype(vllm_config: Any) -> str:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
+def expected_page_bytes(vllm_config: Any) -> int:
+    """The bytes of one block of one layer, from the model's shape (what the worker's KV
+    cache must hold; checked against it at start)."""
+    import torch
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    block_size = vllm_config.cache_config.block_size
+    dtype = _kv_dtype(vllm_config)
+    torch_dtype = getattr(torch, dtype, None) if not dtype.startswith("fp8") else torch.uint8
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError(f"unsupported KV cache dtype {dtype!r}")
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    if model.use_mla:
+        return block_size * model.get_head_size() * itemsize
+    return block_size * model.get_num_kv_heads(parallel) * 2 * model.get_head_size() * itemsize
+
+
+def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int], Namespace]:
+    """The namespace of every (tensor-parallel rank, pipeline-parallel rank) of an engine.
+
+    The scheduler looks up all of them (a prefix counts only if every rank has it); each
+    worker saves and loads under its own.
+    """
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    hash_algo = str(cache.prefix_caching_hash_algo)
+    check_hash_stability(hash_algo, _engine_environ())
+    base = Namespace(
+        model=str(model.model),
+        revision=str(model.revision or ""),
+        dtype=_kv_dtype(vllm_config),
+        layout=str(current_platform.device_type),
+        num_layers=int(getattr(model.hf_text_config, "num_hidden_layers", 0)),
+        block_size=int(cache.block_size),
+        num_kv_heads=int(model.get_num_kv_heads(parallel)),
+        head_dim=int(model.get_head_size()),
+        is_mla=bool(model.use_mla),
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        tenant=config.tenant,
+        hash_algo=hash_algo,
+        extra=f"page={expected_page_bytes(vllm_config)}",
+    )
+    return {
+        (tp, pp): msgspec.structs.replace(base, tp_rank=tp, pp_rank=pp)
+        for tp in range(base.tp_size)
+        for pp in range(base.pp_size)
+    }
+
+
+def _engine_environ() -> Mapping[str, str]:
+    return os.environ

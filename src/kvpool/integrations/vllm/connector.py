@@ -1,0 +1,148 @@
+"""``KVPoolConnector``: vLLM's KV connector for kvpool — store instead of recompute.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+                           "kv_connector_module_path": "kvpool.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"address": "unix:/path/to/kvpool.sock"}}'
+
+Roles: ``kv_both`` saves and loads; ``kv_producer`` (a prefill instance) only saves;
+``kv_consumer`` (a decode instance) only loads, waiting a bounded time for blocks a producer
+is still saving.
+
+This class is a thin facade: the scheduler half (:mod:`.scheduler`) matches requests against
+the pool and plans transfers; the worker half (:mod:`.worker`) moves blocks; they exchange
+:mod:`.metadata`.  Failures never reach the engine: they become misses and recomputed blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .config import connector_config, expected_page_bytes, namespaces
+from .metadata import KVPoolMetadata, KVPoolStats
+from .scheduler import KVPoolScheduler
+from .worker import KVPoolWorker
+
+log = logging.getLogger("kvpool.vllm")
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = connector_config(transfer.kv_connector_extra_config)
+        spaces = namespaces(vllm_config, self.config)
+        kv_role = str(transfer.kv_role)
+        if role == KVConnectorRole.SCHEDULER:
+            log.info("kvpool connector (%s, scheduler): %s", kv_role, self.config.describe())
+            self._scheduler: KVPoolScheduler | None = KVPoolScheduler(
+                self.config,
+                spaces,
+                vllm_config.cache_config.block_size,
+                can_load=kv_role in ("kv_both", "kv_consumer"),
+                can_save=kv_role in ("kv_both", "kv_producer"),
+                wait_for_pending=kv_role == "kv_consumer",
+            )
+            self._worker: KVPoolWorker | None = None
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            rank = (get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
+            self._scheduler = None
+            self._worker = KVPoolWorker(self.config, spaces[rank], expected_page_bytes(vllm_config))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a lost save is a future miss, never an error
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs only after its load finished
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saves happen once per step, for all layers, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    # -- both -----------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        half = self._scheduler or self._worker
+        return half.take_stats() if half is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVPoolStats(data=dict(data) if data else {})
+
+    def shutdown(self) -> None:
+        for half in (self._scheduler, self._worker):
+            if half is not None:
+                half.shutdown()

@@ -1,0 +1,183 @@
+"""Paged KV cache layouts, as page planes.
+
+A *plane* is a ``[num_blocks, page]`` view of one part of a layer's cache in which each
+block's page is one dense run of memory: the whole layer for the CPU backend
+(``[num_blocks, kv_heads, block_size, 2 * head_dim]``), for flash-attention with K and V
+packed per block (``[num_blocks, ..., 2 * head_dim]`` in any physical order), and for MLA
+(``[num_blocks, block_size, head_dim]``); K and V separately for caches that stack them
+outside the block dimension (``[2, num_blocks, block_size, kv_heads, head_dim]``) or keep
+them in two tensors.  Pages are copied as opaque bytes, so the layout inside a page never
+matters.
+
+A pool block is one vLLM block across every plane of the worker, plane after plane: the
+whole batch of a save or load moves with one ``index_select`` / ``index_copy_`` over all
+planes when they are evenly spaced in one buffer (vLLM allocates them so), else one per
+plane — never a copy per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Plane:
+    view: torch.Tensor  # [num_blocks, page_elems]
+    name: str
+
+
+def _dense_page_elems(tensor: torch.Tensor) -> int | None:
+    """Elements of one block's page if dims 1.. form a dense box, else None."""
+    dims = sorted(
+        (
+            (size, stride)
+            for size, stride in zip(tensor.shape[1:], tensor.stride()[1:], strict=True)
+            if size > 1
+        ),
+        key=lambda d: d[1],
+    )
+    expected = 1
+    for size, stride in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    if tensor.shape[0] > 1 and tensor.stride(0) < expected:
+        return None
+    return expected
+
+
+def _plane(tensor: torch.Tensor, name: str) -> Plane:
+    page = _dense_page_elems(tensor)
+    if page is None:
+        raise ConfigError(
+            f"unknown KV cache layout for {name}: shape {tuple(tensor.shape)}, strides "
+            f"{tuple(tensor.stride())}: a block's page is not one dense run of memory"
+        )
+    view = torch.as_strided(
+        tensor, (tensor.shape[0], page), (tensor.stride(0), 1), tensor.storage_offset()
+    )
+    return Plane(view, name)
+
+
+def _planes_of(name: str, cache: Any, num_blocks: int | None) -> list[Plane]:
+    if isinstance(cache, list | tuple):
+        if len(cache) != 2:
+            raise ConfigError(f"unknown KV cache layout for {name}: a {len(cache)}-tuple")
+        return [_plane(cache[0], f"{name}.k"), _plane(cache[1], f"{name}.v")]
+    if not isinstance(cache, torch.Tensor) or cache.dim() < 2:
+        raise ConfigError(f"unknown KV cache layout for {name}: {type(cache).__name__}")
+    if (
+        cache.shape[0] == 2
+        and cache.dim() >= 4
+        and (num_blocks is None or cache.shape[1] == num_blocks)
+    ):
+        return [_plane(cache[0], f"{name}.k"), _plane(cache[1], f"{name}.v")]
+    return [_plane(cache, name)]
+
+
+class PagedLayout:
+    """Gather and scatter whole blocks between a worker's paged KV cache and pool blocks."""
+
+    def __init__(self, planes: list[Plane]):
+        if not planes:
+            raise ConfigError("no KV cache layers registered")
+        first = planes[0].view
+        for plane in planes:
+            if plane.view.shape != first.shape or plane.view.dtype != first.dtype:
+                raise ConfigError(
+                    f"KV cache planes differ: {plane.name} is {tuple(plane.view.shape)} "
+                    f"{plane.view.dtype}, {planes[0].name} is {tuple(first.shape)} {first.dtype}"
+                )
+            if plane.view.device != first.device:
+                raise ConfigError("KV cache layers live on different devices")
+        self.planes = planes
+        self.num_blocks, self.page_elems = first.shape
+        self.dtype = first.dtype
+        self.device = first.device
+        self.num_planes = len(planes)
+        self.page_bytes = self.page_elems * first.element_size()
+        self.block_bytes = self.page_bytes * self.num_planes
+        self._combined = self._evenly_spaced()
+
+    @classmethod
+    def detect(cls, kv_caches: Mapping[str, Any]) -> PagedLayout:
+        """Planes of every distinct layer cache (layers that share a cache count once)."""
+        seen: set[int] = set()
+        planes: list[Plane] = []
+        num_blocks: int | None = None
+        for name, cache in kv_caches.items():
+            first = cache[0] if isinstance(cache, list | tuple) else cache
+            key = first.data_ptr() if isinstance(first, torch.Tensor) else id(cache)
+            if key in seen:
+                continue
+            seen.add(key)
+            layer_planes = _planes_of(name, cache, num_blocks)
+            num_blocks = layer_planes[0].view.shape[0]
+            planes.extend(layer_planes)
+        return cls(planes)
+
+    def _evenly_spaced(self) -> torch.Tensor | None:
+        """One ``[num_blocks, planes, page]`` view over all planes, if they are evenly spaced
+        in one storage (so a whole batch moves with a single indexed copy)."""
+        views = [p.view for p in self.planes]
+        base = views[0]
+        if any(v.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() for v in views):
+            return None
+        if any(v.stride(0) != base.stride(0) for v in views):
+            return None
+        offsets = [int(v.storage_offset()) for v in views]
+        step = offsets[1] - offsets[0] if len(offsets) > 1 else self.page_elems
+        if any(b - a != step for a, b in pairwise(offsets)):
+            return None
+        if len(offsets) > 1 and abs(step) < self.page_elems:
+            return None
+        return torch.as_strided(
+            base,
+            (self.num_blocks, self.num_planes, self.page_elems),
+            (base.stride(0), step, 1),
+            offsets[0],
+        )
+
+    @property
+    def is_single_copy(self) -> bool:
+        return self._combined is not None
+
+    def pool_view(self, buffer: Any, num_blocks: int) -> torch.Tensor:
+        """``num_blocks`` pool blocks laid out in ``buffer`` (writable) as a tensor."""
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=num_blocks * self.block_bytes)
+        return flat.view(self.dtype).view(num_blocks, self.num_planes, self.page_elems)
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks ``block_ids`` of the cache into ``out`` ([n, planes, page], host)."""
+        if self._combined is not None and self.device.type == "cpu":
+            torch.index_select(self._combined, 0, block_ids, out=out)
+            return
+        ids = block_ids.to(self.device)
+        if self._combined is not None:
+            out.copy_(self._combined.index_select(0, ids))
+            return
+        for p, plane in enumerate(self.planes):
+            out[:, p].copy_(plane.view.index_select(0, ids))
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` ([n, planes, page], host) into blocks ``block_ids`` of the cache."""
+        ids = block_ids.to(self.device)
+        if self._combined is not None:
+            self._combined.index_copy_(0, ids, src.to(self.device))
+            return
+        for p, plane in enumerate(self.planes):
+            plane.view.index_copy_(0, ids, src[:, p].to(self.device))
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_planes} planes x {self.num_blocks} blocks x {self.page_bytes} B pages "
+            f"({self.dtype}, {self.device.type}, "
+            f"{'one copy per batch' if self.is_single_copy else 'one copy per plane'})"
+        )

@@ -1,0 +1,108 @@
+"""What passes between the connector's scheduler half and its worker half.
+
+vLLM pickles the metadata from the scheduler process to the worker processes, so it holds
+only plain values: request ids, block ids and block hashes (each worker turns hashes into
+keys under its own namespace).  Stats travel back the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+@dataclass
+class TransferJob:
+    """Blocks of one request to move between the paged KV cache and the pool."""
+
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    loads: list[TransferJob] = field(default_factory=list)
+    saves: list[TransferJob] = field(default_factory=list)
+
+
+_SUMS = (
+    "lookups", "lookup_blocks", "hit_blocks", "loads", "loaded_blocks", "load_errors",
+    "saves", "saved_blocks", "save_errors", "skipped_unhealthy", "load_s", "save_s",
+)  # fmt: skip
+
+
+@dataclass
+class KVPoolStats(KVConnectorStats):
+    """Counters of one interval; load_s / save_s sum the latencies, with their min and max."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, name: str, value: float = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self.add(f"{kind}_s", seconds)
+        low, high = f"{kind}_min_s", f"{kind}_max_s"
+        self.data[low] = min(self.data.get(low, seconds), seconds)
+        self.data[high] = max(self.data.get(high, seconds), seconds)
+
+    def aggregate(self, other: KVConnectorStats) -> KVPoolStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data[key] = [*self.data.get(key, []), *value]
+            elif key.endswith("_min_s"):
+                self.data[key] = min(self.data.get(key, value), value)
+            elif key.endswith("_max_s"):
+                self.data[key] = max(self.data.get(key, value), value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in _SUMS)
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {
+            "loads": int(d.get("loads", 0)),
+            "saves": int(d.get("saves", 0)),
+            "blocks_loaded": int(d.get("loaded_blocks", 0)),
+            "blocks_saved": int(d.get("saved_blocks", 0)),
+            "load_errors": int(d.get("load_errors", 0)),
+            "hit_rate": round(d.get("hit_blocks", 0) / d["lookup_blocks"], 4)
+            if d.get("lookup_blocks")
+            else 0.0,
+        }
+        for kind in ("load", "save"):
+            count = d.get(f"{kind}s", 0)
+            if count:
+                out[f"{kind}_avg_ms"] = round(1e3 * d.get(f"{kind}_s", 0) / count, 3)
+                out[f"{kind}_min_ms"] = round(1e3 * d.get(f"{kind}_min_s", 0), 3)
+                out[f"{kind}_max_ms"] = round(1e3 * d.get(f"{kind}_max_s", 0), 3)
+        return out
+
+    def line(self) -> str:
+        r = self.reduce()
+        parts = [
+            f"loads={r['loads']}", f"saves={r['saves']}", f"blocks loaded={r['blocks_loaded']}",
+            f"saved={r['blocks_saved']}", f"hit rate={100 * r['hit_rate']:.1f}%",
+        ]  # fmt: skip
+        for kind in ("load", "save"):
+            if f"{kind}_avg_ms" in r:
+                parts.append(
+                    f"{kind} ms avg/min/max={r[f'{kind}_avg_ms']:.2f}/{r[f'{kind}_min_ms']:.2f}/"
+                    f"{r[f'{kind}_max_ms']:.2f}"
+                )
+        if r["load_errors"]:
+            parts.append(f"load errors={r['load_errors']}")
+        return " ".join(parts)
+
+
+def merge(stats: KVPoolStats, data: dict[str, Any] | None) -> None:
+    if data:
+        stats.aggregate(KVPoolStats(data=dict(data)))

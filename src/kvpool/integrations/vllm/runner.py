@@ -1,0 +1,159 @@
+"""Run a vLLM engine (offline ``LLM``) through a plan of steps and report each as one JSON
+line: the engine side of ``kvpool demo``, the benchmarks and the tests.
+
+    python -m kvpool.integrations.vllm.runner plan.json
+
+The plan::
+
+    {"model": "<dir>", "engine": {...LLM keyword arguments...},
+     "connector": null | {"kv_connector": ..., "kv_role": ..., ...},
+     "steps": [{"op": "generate", "name": "...", "prompts": [...], "max_tokens": 16},
+               {"op": "chat", "name": "...", "conversations": [[user turns], ...],
+                "max_tokens": 16, "system": "..."},
+               {"op": "reset_prefix_cache"},
+               {"op": "pause", "tag": "..."}]}
+
+Each step prints ``KVPOOL_RESULT {json}``; ``pause`` prints ``KVPOOL_PAUSE tag`` and waits
+for a line on stdin (so a test can kill or corrupt the pool between steps).  Every result
+carries the external prefix-cache counters vLLM keeps (tokens queried / hit in the pool).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+RESULT_PREFIX = "KVPOOL_RESULT "
+PAUSE_PREFIX = "KVPOOL_PAUSE "
+
+ENGINE_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def _emit(prefix: str, payload: Any) -> None:
+    sys.stdout.write(prefix + (payload if isinstance(payload, str) else json.dumps(payload)) + "\n")
+    sys.stdout.flush()
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    wanted = {
+        "vllm:external_prefix_cache_queries": "external_queries",
+        "vllm:external_prefix_cache_hits": "external_hits",
+        "vllm:prefix_cache_queries": "local_queries",
+        "vllm:prefix_cache_hits": "local_hits",
+    }
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in wanted:
+            out[wanted[metric.name]] += float(getattr(metric, "value", 0) or 0)
+    return out
+
+
+def _ttft_ms(output: Any) -> float | None:
+    metrics = getattr(output, "metrics", None)
+    latency = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+    return round(latency * 1e3, 3) if latency else None
+
+
+def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 16)), ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate(step["prompts"], params, use_tqdm=False)
+    return {
+        "texts": [o.outputs[0].text for o in outputs],
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+        "ttft_ms": [_ttft_ms(o) for o in outputs],
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _chat(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    """Multi-turn conversations, interleaved turn by turn, one request at a time, so that
+    each time to first token is one request's own."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 16)), ignore_eos=True)
+    tokenizer = llm.get_tokenizer()
+    conversations = step["conversations"]
+    histories: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": step.get("system", "")}] for _ in conversations
+    ]
+    turns: list[dict[str, Any]] = []
+    num_turns = max(len(c) for c in conversations)
+    for turn in range(num_turns):
+        for index, user_turns in enumerate(conversations):
+            if turn >= len(user_turns):
+                continue
+            history = histories[index]
+            history.append({"role": "user", "content": user_turns[turn]})
+            prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            (output,) = llm.generate([prompt], params, use_tqdm=False)
+            reply = output.outputs[0].text
+            history.append({"role": "assistant", "content": reply})
+            turns.append({
+                "conversation": index,
+                "turn": turn,
+                "prompt_tokens": len(output.prompt_token_ids or ()),
+                "cached_tokens": output.num_cached_tokens,
+                "ttft_ms": _ttft_ms(output),
+                "token_ids": list(output.outputs[0].token_ids),
+            })  # fmt: skip
+    return {"turns": turns}
+
+
+def run(plan: dict[str, Any]) -> None:
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM
+
+    engine: dict[str, Any] = {
+        "enforce_eager": True,
+        "disable_log_stats": False,
+        "seed": 0,
+        **plan.get("engine", {}),
+    }
+    if plan.get("connector"):
+        engine["kv_transfer_config"] = plan["connector"]
+    started = time.perf_counter()
+    llm = LLM(model=plan["model"], **engine)
+    _emit(RESULT_PREFIX, {"op": "ready", "seconds": round(time.perf_counter() - started, 3)})
+    for step in plan["steps"]:
+        op = step["op"]
+        result: dict[str, Any] = {"op": op, "name": step.get("name", op)}
+        if op == "generate":
+            result.update(_generate(llm, step))
+        elif op == "chat":
+            result.update(_chat(llm, step))
+        elif op == "reset_prefix_cache":
+            result["ok"] = bool(llm.reset_prefix_cache())
+        elif op == "pause":
+            _emit(PAUSE_PREFIX, str(step.get("tag", "")))
+            sys.stdin.readline()
+        elif op == "sleep":
+            time.sleep(float(step.get("seconds", 1)))
+        else:
+            raise ValueError(f"unknown step {op!r}")
+        result["counters"] = _counters(llm)
+        _emit(RESULT_PREFIX, result)
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    run(plan)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The scheduler half of the connector: matching, policy and request state.  No tensors;
+its only I/O is the pool lookup, under a short deadline.
+
+Per request:
+1. ``get_num_new_matched_tokens`` looks the request's full prompt blocks up in the pool
+   (every rank's namespace) and offers the blocks past the engine's own prefix-cache hit
+   as an asynchronous load.  It keeps at least one prompt token to compute.  A consumer
+   whose next block is still being written by a producer defers the request (vLLM asks
+   again next step) for up to ``consumer_wait``.
+2. ``update_state_after_alloc`` turns the offer into a load job for the allocated blocks.
+3. ``build_connector_meta`` hands the step's load jobs to the workers, and a save job for
+   every prompt block that becomes full in this step and is not in the pool yet.
+4. ``request_finished`` forgets the request.  Workers copy a save's pages out of the paged
+   cache before the step ends, so blocks are never held back.
+
+When the pool is unhealthy, lookups report misses and saves are skipped: the engine
+recomputes, and never waits on the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.client.client import Client
+from kvpool.client.health import HealthMonitor
+from kvpool.errors import KVPoolError
+from kvpool.keys import Namespace
+
+from .config import ConnectorConfig
+from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
+
+log = logging.getLogger("kvpool.vllm")
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    num_local_tokens: int = 0  # the engine's own prefix-cache hit, as last reported
+    num_pool_blocks: int = 0  # leading prompt blocks found in the pool
+    next_save_block: int = 0  # prompt blocks before this one are saved or in the pool
+    waiting_since: float | None = None
+    load_failed: bool = False
+
+
+class KVPoolScheduler:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        namespaces: dict[tuple[int, int], Namespace],
+        block_size: int,
+        *,
+        can_load: bool,
+        can_save: bool,
+        wait_for_pending: bool,
+    ):
+        self.config = config
+        self.wait_for_pending = wait_for_pending
+        self.namespaces = list(namespaces.values())
+        self.block_size = block_size
+        self.can_load = can_load
+        self.can_save = can_save
+        self._client: Client | None = None
+        self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
+        self._requests: dict[str, _RequestState] = {}
+        self._loads: list[TransferJob] = []
+        self.stats = KVPoolStats()  # drained by vLLM (get_kv_connector_stats)
+        self._interval = KVPoolStats()  # drained by the periodic log line, workers' included
+        self._last_log = time.monotonic()
+
+    # -- pool -----------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(config=self.config.client)
+            self.health.start()
+            try:
+                for ns in self.namespaces:
+                    self._client.describe(ns, timeout=self.config.lookup_timeout_s)
+            except KVPoolError as exc:
+                self.health.report_failure(exc)
+        return self._client
+
+    def _probe(self) -> None:
+        self.client.health(timeout=self.config.lookup_timeout_s)
+
+    def _lookup(self, hashes: list[bytes]) -> tuple[int, bool]:
+        """Leading blocks every rank has, and whether a rank is still writing the next."""
+        num_prefix, pending = len(hashes), False
+        for ns in self.namespaces:
+            state = self.client.lookup_state(ns.keys(hashes), timeout=self.config.lookup_timeout_s)
+            if state.num_prefix < num_prefix:
+                num_prefix, pending = state.num_prefix, state.is_next_pending
+            elif state.num_prefix == num_prefix:
+                pending = pending or state.is_next_pending
+        return num_prefix, pending
+
+    # -- connector hooks ------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self._requests[request.request_id] = _RequestState(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        state.num_local_tokens = num_computed_tokens
+        bs = self.block_size
+        num_local_blocks = num_computed_tokens // bs
+        state.num_pool_blocks = 0
+        state.next_save_block = num_local_blocks
+        # Keep at least one prompt token to compute: vLLM must run a forward to sample.
+        num_blocks = min((request.num_prompt_tokens - 1) // bs, len(request.block_hashes))
+        if num_blocks <= 0:
+            return 0, False
+        if not self.health.is_healthy:
+            self._record("skipped_unhealthy")
+            return 0, False
+        started = time.perf_counter()
+        try:
+            num_pool, pending = self._lookup(list(request.block_hashes[:num_blocks]))
+        except KVPoolError as exc:
+            self.health.report_failure(exc)
+            return 0, False
+        self._record("lookups")
+        self._record("lookup_blocks", num_blocks)
+        self._record("hit_blocks", num_pool)
+        self._observe("lookup", time.perf_counter() - started)
+        # Blocks before num_pool are in the pool; local prefix-cache hits past them are saved.
+        state.num_pool_blocks = state.next_save_block = num_pool
+        if not self.can_load or state.load_failed:
+            return 0, False
+        if pending and self.wait_for_pending and num_pool < num_blocks:
+            # A producer is still writing the next block: ask again next step, boundedly.
+            now = time.monotonic()
+            if state.waiting_since is None:
+                state.waiting_since = now
+            if now - state.waiting_since < self.config.consumer_wait_s:
+                return None, False
+        state.waiting_since = None
+        num_new = num_pool - num_local_blocks
+        if num_new < self.config.min_load_blocks or num_new * bs < self.config.min_load_tokens:
+            return 0, False
+        return num_new * bs, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        state = self._requests[request.request_id]
+        bs = self.block_size
+        first = state.num_local_tokens // bs
+        last = first + num_external_tokens // bs
+        block_ids = list(blocks.get_block_ids()[0][first:last])
+        hashes = [bytes(h) for h in request.block_hashes[first:last]]
+        self._loads.append(TransferJob(request.request_id, block_ids, hashes))
+        state.next_save_block = max(state.next_save_block, last)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVPoolMetadata:
+        meta = KVPoolMetadata(loads=self._loads)
+        self._loads = []
+        if self.can_save and self.health.is_healthy:
+            for req_id, num_computed in self._scheduled(scheduler_output):
+                job = self._save_job(scheduler_output, req_id, num_computed)
+                if job is not None:
+                    meta.saves.append(job)
+        elif self.can_save:
+            self._record("skipped_unhealthy")
+        self._maybe_log()
+        return meta
+
+    def _scheduled(self, scheduler_output: Any) -> list[tuple[str, int]]:
+        scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return scheduled
+
+    def _save_job(
+        self, scheduler_output: Any, req_id: str, num_computed: int
+    ) -> TransferJob | None:
+        state = self._requests.get(req_id)
+        if state is None:
+            return None
+        request = state.request
+        num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        end = min(num_computed + num_scheduled, request.num_prompt_tokens)
+        last = min(end // self.block_size, len(request.block_hashes))
+        first = state.next_save_block
+        if last <= first:
+            return None
+        block_ids = self._block_ids(scheduler_output, req_id)
+        if block_ids is None or len(block_ids) < last:
+            return None
+        state.next_save_block = last
+        hashes = [bytes(h) for h in request.block_hashes[first:last]]
+        return TransferJob(req_id, list(block_ids[first:last]), hashes)
+
+    def _block_ids(self, scheduler_output: Any, req_id: str) -> list[int] | None:
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is not None:
+            ids = block_state.get_block_ids(req_id)
+            if ids is not None:
+                return list(ids[0])
+        return None
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def mark_load_failed(self, req_id: str) -> None:
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.load_failed = True
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Worker stats reach the scheduler here: count them, and remember failed loads so
+        that a request whose load failed is not offered the pool again."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if stats is None:
+            return
+        data = dict(stats.data)
+        for req_id in data.pop("failed_req_ids", ()):
+            self.mark_load_failed(req_id)
+        merge(self._interval, data)
+
+    def take_stats(self) -> KVPoolStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVPoolStats()
+        return stats
+
+    def _record(self, name: str, value: float = 1) -> None:
+        self.stats.add(name, value)
+        self._interval.add(name, value)
+
+    def _observe(self, kind: str, seconds: float) -> None:
+        self.stats.observe(kind, seconds)
+        self._interval.observe(kind, seconds)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.config.stats_interval_s:
+            return
+        self._last_log = now
+        if not self._interval.is_empty():
+            health = "healthy" if self.health.is_healthy else "UNHEALTHY"
+            log.info("kvpool: %s (pool %s)", self._interval.line(), health)
+        self._interval = KVPoolStats()
+
+    def shutdown(self) -> None:
+        self.health.stop()
+        if self._client is not None:
+            self._client.close()
