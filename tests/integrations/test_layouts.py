@@ -14,7 +14,9 @@ def cpu_backend():
     buffer = torch.randn(L * NB * H * BS * 2 * D).to(torch.bfloat16)
     page = H * BS * 2 * D
     return {
-        f"model.layers.{l}.self_attn.attn": buffer[l * NB * page : (l + 1) * NB * page].view(NB, H, BS, 2 * D)
+        f"model.layers.{l}.self_attn.attn": buffer[l * NB * page : (l + 1) * NB * page].view(
+            NB, H, BS, 2 * D
+        )
         for l in range(L)
     }
 
@@ -54,7 +56,10 @@ def test_gather_then_scatter_round_trips_blocks(make, planes, single):
     first = next(iter(caches.values()))
     first = first[0] if isinstance(first, tuple) else first
     # Every page of the pool block is the cache's page, byte for byte.
-    before = {k: (v[0].clone(), v[1].clone()) if isinstance(v, tuple) else v.clone() for k, v in caches.items()}
+    before = {
+        k: (v[0].clone(), v[1].clone()) if isinstance(v, tuple) else v.clone()
+        for k, v in caches.items()
+    }
     targets = torch.tensor([0, 1, 11])
     layout.scatter(targets, out)
     again = torch.empty_like(out)

@@ -46,7 +46,7 @@ from kvpool.config import (
 from kvpool.errors import ConfigError
 from kvpool.keys import Namespace, check_hash_stability
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 DEFAULT_LOOKUP_TIMEOUT_S = 0.2
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0

@@ -34,7 +34,7 @@ from .metadata import KVPoolMetadata, KVPoolStats
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 
 class KVPoolConnector(KVConnectorBase_V1):

@@ -67,13 +67,16 @@ def _ttft_ms(output: Any) -> float | None:
 def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 16)), ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=int(step.get("max_tokens", 16)), ignore_eos=True
+    )
     started = time.perf_counter()
     outputs = llm.generate(step["prompts"], params, use_tqdm=False)
     return {
         "texts": [o.outputs[0].text for o in outputs],
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+        "prompt_tokens": [len(o.prompt_token_ids or ()) for o in outputs],
         "ttft_ms": [_ttft_ms(o) for o in outputs],
         "seconds": round(time.perf_counter() - started, 3),
     }
@@ -84,7 +87,9 @@ def _chat(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     each time to first token is one request's own."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 16)), ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=int(step.get("max_tokens", 16)), ignore_eos=True
+    )
     tokenizer = llm.get_tokenizer()
     conversations = step["conversations"]
     histories: list[list[dict[str, str]]] = [
@@ -98,7 +103,9 @@ def _chat(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
                 continue
             history = histories[index]
             history.append({"role": "user", "content": user_turns[turn]})
-            prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(
+                history, tokenize=False, add_generation_prompt=True
+            )
             (output,) = llm.generate([prompt], params, use_tqdm=False)
             reply = output.outputs[0].text
             history.append({"role": "assistant", "content": reply})

@@ -32,7 +32,7 @@ from kvpool.keys import Namespace
 from .config import ConnectorConfig
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 
 @dataclass
@@ -227,6 +227,9 @@ class KVPoolScheduler:
         data = dict(stats.data)
         for req_id in data.pop("failed_req_ids", ()):
             self.mark_load_failed(req_id)
+            state = self._requests.get(req_id)
+            if state is not None:  # the blocks it could not load are recomputed: save them
+                state.next_save_block = state.num_local_tokens // self.block_size
         merge(self._interval, data)
 
     def take_stats(self) -> KVPoolStats | None:

