@@ -25,7 +25,7 @@ def make(**policy):
 
 
 def test_fails_fast_and_recovers_after_consecutive_successes():
-    monitor, probe, clock = make(recover_after=3, max_flaps=5)
+    monitor, probe, _clock = make(recover_after=3, max_flaps=5)
     assert monitor.is_healthy
     monitor.report_failure("timeout")
     assert not monitor.is_healthy
@@ -43,7 +43,7 @@ def test_fails_fast_and_recovers_after_consecutive_successes():
 
 
 def test_flapping_blocks_recovery_until_the_window_passes():
-    monitor, probe, clock = make(recover_after=1, flap_window_s=30, max_flaps=3)
+    monitor, _probe, clock = make(recover_after=1, flap_window_s=30, max_flaps=3)
     for _ in range(3):
         clock.now += 1
         monitor.report_failure("flap")

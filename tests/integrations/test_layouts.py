@@ -12,32 +12,30 @@ NB, H, BS, D, L = 12, 2, 32, 64, 3
 def cpu_backend():
     # One buffer; per layer [num_blocks, heads, block_size, 2*head_dim] views.
     buffer = torch.randn(L * NB * H * BS * 2 * D).to(torch.bfloat16)
-    page = H * BS * 2 * D
-    return {
-        f"model.layers.{l}.self_attn.attn": buffer[l * NB * page : (l + 1) * NB * page].view(
-            NB, H, BS, 2 * D
-        )
-        for l in range(L)
-    }
+    layers = buffer.view(L, NB, H, BS, 2 * D)
+    return {f"model.layers.{layer}.self_attn.attn": layers[layer] for layer in range(L)}
 
 
 def flash_nhd():
     # Logical [B, H, N, 2D] over a physical [B, N, H, 2D] (NHD) buffer per layer.
     buffer = torch.randn(L, NB, BS, H, 2 * D).to(torch.bfloat16)
-    return {f"layer{l}": buffer[l].permute(0, 2, 1, 3) for l in range(L)}
+    return {f"layer{layer}": buffer[layer].permute(0, 2, 1, 3) for layer in range(L)}
 
 
 def stacked_kv():
-    return {f"layer{l}": torch.randn(2, NB, BS, H, D).to(torch.float16) for l in range(L)}
+    return {f"layer{layer}": torch.randn(2, NB, BS, H, D).to(torch.float16) for layer in range(L)}
 
 
 def separate_kv():
-    return {f"layer{l}": (torch.randn(NB, BS, H, D), torch.randn(NB, BS, H, D)) for l in range(L)}
+    return {
+        f"layer{layer}": (torch.randn(NB, BS, H, D), torch.randn(NB, BS, H, D))
+        for layer in range(L)
+    }
 
 
 def mla():
     buffer = torch.randn(L, NB, BS, 576).to(torch.bfloat16)
-    return {f"layer{l}": buffer[l] for l in range(L)}
+    return {f"layer{layer}": buffer[layer] for layer in range(L)}
 
 
 @pytest.mark.parametrize(

@@ -98,8 +98,9 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
     log = results[0]["log"]
 
     # (a) Greedy outputs are identical with and without the pool, whatever happened to it.
-    for name, ref in (("first", "S1"), ("from_pool", "S1"), ("pool_down", "S1"),
-                      ("save_again", "S2"), ("after_restart", "S2"), ("corrupted", "S2")):  # fmt: skip
+    expected = {"first": "S1", "from_pool": "S1", "pool_down": "S1", "save_again": "S2",
+                "after_restart": "S2", "corrupted": "S2"}  # fmt: skip
+    for name, ref in expected.items():
         assert by_name[name]["token_ids"] == reference[ref], name
 
     # (b) After the engine's own prefix cache is reset, the repeated prompts load >= 90% of

@@ -25,7 +25,6 @@ health_*            interval, recover_after, flap_window, max_flaps         1, 3
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Mapping
