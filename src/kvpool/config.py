@@ -261,10 +261,17 @@ def client_config_from(
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
     known = {f.name for f in dataclasses.fields(ClientConfig)}
+    parsers = {name: parse for name, parse in CLIENT_ENV.values()}
     for given, value in (overrides or {}).items():
         name = _CLIENT_ALIASES.get(given, given)
         if name not in known:
             raise ConfigError(f"unknown client option {given!r}; known: {sorted(known)}")
+        parse = parsers.get(name, str)
+        if isinstance(value, str) and parse is not str:
+            try:
+                value = parse(value)  # type: ignore[operator]
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{given}={value!r}: {exc}") from exc
         values[name] = tuple(value) if name == "peers" and isinstance(value, list) else value
     return ClientConfig(**values).validate()  # type: ignore[arg-type]
 

@@ -1,0 +1,118 @@
+"""The scheduler half against a real node, with plain request objects standing in for
+vLLM's (they carry only the fields the connector reads)."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvpool.client.connection import Connection
+from kvpool.client.ops import commit, reserve
+from kvpool.config import Address
+from kvpool.integrations.vllm.config import connector_config
+from kvpool.integrations.vllm.scheduler import KVPoolScheduler
+from kvpool.keys import Namespace, chained_hashes
+
+BS = 32
+NS = Namespace(model="sched-test", block_size=BS)
+
+
+def request(rid, num_blocks):
+    tokens = list(range(num_blocks * BS + 1))
+    return SimpleNamespace(
+        request_id=rid, num_prompt_tokens=len(tokens), block_hashes=chained_hashes(tokens, BS)
+    )
+
+
+def scheduler(node, role="kv_consumer", **extra):
+    config = connector_config({"address": node.unix_address, **extra}, environ={})
+    return KVPoolScheduler(
+        config, {(0, 0): NS}, BS,
+        can_load=role != "kv_producer", can_save=role != "kv_consumer",
+        wait_for_pending=role == "kv_consumer",
+    )  # fmt: skip
+
+
+def test_consumer_defers_while_a_producer_is_still_writing(node, client):
+    req = request("r1", 5)
+    sched = scheduler(node, consumer_wait=5.0)
+    writer = Connection(Address.parse(node.unix_address), client.config, time.monotonic() + 5)
+    keys = NS.keys(req.block_hashes)
+    reserved = writer.run(reserve(keys, [64] * 5, 30_000), time.monotonic() + 5)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # pending: ask again
+    writer.run(commit(reserved.reservation_id, [0] * 5, False), time.monotonic() + 5)
+    assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    # With the engine's own cache holding 2 blocks, only the 3 after them are loaded.
+    assert sched.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, True)
+    writer.close()
+    sched.shutdown()
+
+
+def test_the_wait_is_bounded(node, client):
+    req = request("r2", 3)
+    sched = scheduler(node, consumer_wait=0.3)
+    writer = Connection(Address.parse(node.unix_address), client.config, time.monotonic() + 5)
+    writer.run(reserve(NS.keys(req.block_hashes), [64] * 3, 30_000), time.monotonic() + 5)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.35)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # gave up: recompute
+    writer.close()
+    sched.shutdown()
+
+
+def test_thresholds_and_roles(node, client):
+    req = request("r3", 4)
+    client.put(NS.keys(req.block_hashes[:2]), [b"x"] * 2)
+    assert scheduler(node, "kv_both", min_load_blocks=3).get_num_new_matched_tokens(req, 0) == (
+        0,
+        False,
+    )
+    assert scheduler(node, "kv_both", min_load_tokens=2 * BS + 1).get_num_new_matched_tokens(
+        req, 0
+    ) == (0, False)
+    assert scheduler(node, "kv_both").get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    assert scheduler(node, "kv_producer").get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_full_prompt_hit_still_leaves_a_token_to_compute(node, client):
+    tokens = list(range(4 * BS))  # exactly 4 full blocks
+    req = SimpleNamespace(
+        request_id="r4", num_prompt_tokens=len(tokens), block_hashes=chained_hashes(tokens, BS)
+    )
+    client.put(NS.keys(req.block_hashes), [b"x"] * 4)
+    assert scheduler(node, "kv_both").get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+
+
+def test_an_unreachable_pool_means_misses_not_waits(run_dir):
+    config = connector_config(
+        {"address": f"unix:{run_dir}/absent.sock", "lookup_timeout": 0.2}, environ={}
+    )
+    sched = KVPoolScheduler(
+        config, {(0, 0): NS}, BS, can_load=True, can_save=True, wait_for_pending=False
+    )
+    req = request("r5", 3)
+    start = time.monotonic()
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not sched.health.is_healthy
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # fails fast now
+    assert time.monotonic() - start < 1.0
+    sched.shutdown()
+
+
+def test_unknown_extra_config_is_refused():
+    from kvpool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key"):
+        connector_config({"adress": "x:1"}, environ={})
+    with pytest.raises(ConfigError):
+        connector_config({"min_load_blocks": 0}, environ={})
+    config = connector_config(
+        {"timeout": "0.5", "write_rcache": "false"}, environ={"KVPOOL_MIN_LOAD_TOKENS": "64"}
+    )
+    assert (
+        config.client.timeout_s == 0.5
+        and not config.client.write_rcache
+        and config.min_load_tokens == 64
+    )
