@@ -262,7 +262,8 @@ def client_config_from(
                 raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
     known = {f.name for f in dataclasses.fields(ClientConfig)}
     parsers = {name: parse for name, parse in CLIENT_ENV.values()}
-    for given, value in (overrides or {}).items():
+    for given, raw in (overrides or {}).items():
+        value = raw
         name = _CLIENT_ALIASES.get(given, given)
         if name not in known:
             raise ConfigError(f"unknown client option {given!r}; known: {sorted(known)}")

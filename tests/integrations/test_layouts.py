@@ -40,9 +40,14 @@ def mla():
 
 @pytest.mark.parametrize(
     ("make", "planes", "single"),
-    [(cpu_backend, L, True), (flash_nhd, L, True), (stacked_kv, 2 * L, False),
-     (separate_kv, 2 * L, False), (mla, L, True)],
-)  # fmt: skip
+    [
+        (cpu_backend, L, True),
+        (flash_nhd, L, True),
+        (stacked_kv, 2 * L, False),
+        (separate_kv, 2 * L, False),
+        (mla, L, True),
+    ],
+)
 def test_gather_then_scatter_round_trips_blocks(make, planes, single):
     caches = make()
     layout = PagedLayout.detect(caches)

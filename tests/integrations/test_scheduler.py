@@ -27,10 +27,13 @@ def request(rid, num_blocks):
 def scheduler(node, role="kv_consumer", **extra):
     config = connector_config({"address": node.unix_address, **extra}, environ={})
     return KVPoolScheduler(
-        config, {(0, 0): NS}, BS,
-        can_load=role != "kv_producer", can_save=role != "kv_consumer",
+        config,
+        {(0, 0): NS},
+        BS,
+        can_load=role != "kv_producer",
+        can_save=role != "kv_consumer",
         wait_for_pending=role == "kv_consumer",
-    )  # fmt: skip
+    )
 
 
 def test_consumer_defers_while_a_producer_is_still_writing(node, client):

@@ -38,8 +38,10 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def reference(model) -> dict[str, list[list[int]]]:
     """Greedy outputs with no connector at all."""
-    steps = [{"op": "generate", "name": name, "prompts": p, "max_tokens": 12} for name, p in
-             (("S1", S1), ("S2", S2), ("S3", S3), ("S4", S4))]  # fmt: skip
+    steps = [
+        {"op": "generate", "name": name, "prompts": p, "max_tokens": 12}
+        for name, p in (("S1", S1), ("S2", S2), ("S3", S3), ("S4", S4))
+    ]
     results = run_engine(model, steps)
     return {r["name"]: r["token_ids"] for r in results}
 
@@ -98,8 +100,14 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
     log = results[0]["log"]
 
     # (a) Greedy outputs are identical with and without the pool, whatever happened to it.
-    expected = {"first": "S1", "from_pool": "S1", "pool_down": "S1", "save_again": "S2",
-                "after_restart": "S2", "corrupted": "S2"}  # fmt: skip
+    expected = {
+        "first": "S1",
+        "from_pool": "S1",
+        "pool_down": "S1",
+        "save_again": "S2",
+        "after_restart": "S2",
+        "corrupted": "S2",
+    }
     for name, ref in expected.items():
         assert by_name[name]["token_ids"] == reference[ref], name
 

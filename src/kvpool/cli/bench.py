@@ -190,13 +190,25 @@ class RedisPeer:
             self.port = probe.getsockname()[1]
         self.proc = subprocess.Popen(
             [
-                binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--protected-mode", "yes", "--proto-max-bulk-len", "1gb",
-                "--client-query-buffer-limit", "2gb",
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+                "--proto-max-bulk-len",
+                "1gb",
+                "--client-query-buffer-limit",
+                "2gb",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         self.client = redis.Redis(host="127.0.0.1", port=self.port)
 
         def ping() -> bool:
@@ -239,9 +251,19 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
         if options.address is None:
             arena_bytes = int(options.total_bytes * 2.5) + 128 * MiB
             node = NodeProcess(
-                ["--name", f"bench-{os.getpid()}", "--memory", str(arena_bytes), "--port", "0",
-                 "--admin-port", "0", "--log-level", "warning"]
-            )  # fmt: skip
+                [
+                    "--name",
+                    f"bench-{os.getpid()}",
+                    "--memory",
+                    str(arena_bytes),
+                    "--port",
+                    "0",
+                    "--admin-port",
+                    "0",
+                    "--log-level",
+                    "warning",
+                ]
+            )
             stack.enter_context(node)
             shm_address, tcp_address = node.unix_address, node.tcp_address
         else:
@@ -309,21 +331,29 @@ def _interleaved(
 
 
 def _case(
-    system: str, op: str, path: str, block_bytes: int, batch_bytes: int,
-    ours: list[list[float]], ceiling: list[list[float]],
-) -> Case:  # fmt: skip
+    system: str,
+    op: str,
+    path: str,
+    block_bytes: int,
+    batch_bytes: int,
+    ours: list[list[float]],
+    ceiling: list[list[float]],
+) -> Case:
     ours_gbps = [batch_bytes * len(r) / sum(r) / 1e9 for r in ours]
     ceiling_gbps = [batch_bytes * len(r) / sum(r) / 1e9 for r in ceiling]
     ratios = [o / c for o, c in zip(ours_gbps, ceiling_gbps, strict=True)]
     flat = [t for r in ours for t in r]
     return Case(
-        system, op, path, block_bytes,
+        system,
+        op,
+        path,
+        block_bytes,
         gbps=round(statistics.median(ours_gbps), 3),
         ceiling_gbps=round(statistics.median(ceiling_gbps), 3),
         ratio=round(statistics.median(ratios), 3),
         p50_ms=round(_percentile(flat, 0.5) * 1e3, 3),
         p99_ms=round(_percentile(flat, 0.99) * 1e3, 3),
-    )  # fmt: skip
+    )
 
 
 def _run_size(
@@ -385,15 +415,25 @@ def _run_size(
                 np.copyto(d, s)
 
         for op, fns in (
-            ("put", {
-                "memcpy": memcpy_in, "shm": put_with(shm_client, "shm"),
-                "stream": lambda _: stream.send(src), "tcp": put_with(tcp_client, "tcp"),
-            }),
-            ("get", {
-                "memcpy": memcpy_out, "shm": get_with(shm_client, "shm"),
-                "stream": lambda _: stream.recv(dst), "tcp": get_with(tcp_client, "tcp"),
-            }),
-        ):  # fmt: skip
+            (
+                "put",
+                {
+                    "memcpy": memcpy_in,
+                    "shm": put_with(shm_client, "shm"),
+                    "stream": lambda _: stream.send(src),
+                    "tcp": put_with(tcp_client, "tcp"),
+                },
+            ),
+            (
+                "get",
+                {
+                    "memcpy": memcpy_out,
+                    "shm": get_with(shm_client, "shm"),
+                    "stream": lambda _: stream.recv(dst),
+                    "tcp": get_with(tcp_client, "tcp"),
+                },
+            ),
+        ):
             if redis_peer is not None:
                 if op == "put":
                     fns["redis"] = lambda call: redis_peer.put(keys_of("redis", call), src)
@@ -453,10 +493,17 @@ def render(report: Report, console: Console) -> None:
         table.add_column(column, justify="left" if column in ("system", "op", "path") else "right")
     for c in report.cases:
         table.add_row(
-            c.system, c.op, c.path, format_size(c.block_bytes), f"{c.gbps:.2f}",
-            f"{c.ceiling_gbps:.2f}", f"{c.ratio:.2f}", f"{c.p50_ms:.2f}", f"{c.p99_ms:.2f}",
+            c.system,
+            c.op,
+            c.path,
+            format_size(c.block_bytes),
+            f"{c.gbps:.2f}",
+            f"{c.ceiling_gbps:.2f}",
+            f"{c.ratio:.2f}",
+            f"{c.p50_ms:.2f}",
+            f"{c.p99_ms:.2f}",
             f"{c.vs_redis:.2f}x" if c.vs_redis else "-",
-        )  # fmt: skip
+        )
     console.print(table)
     lk = report.lookup
     if lk:

@@ -75,8 +75,11 @@ def run_pool_demo(console: Console) -> dict[str, object]:
         table.add_row(
             "recompute", f"only {len(keys2) - num_cached} new blocks of turn 2 need prefill"
         )
-        table.add_row("node", f"{stats.num_blocks} blocks, {format_size(stats.used_bytes)} of "
-                      f"{format_size(stats.capacity_bytes)} used")  # fmt: skip
+        table.add_row(
+            "node",
+            f"{stats.num_blocks} blocks, {format_size(stats.used_bytes)} of "
+            f"{format_size(stats.capacity_bytes)} used",
+        )
         console.print(table)
         return {
             "blocks_saved": saved.num_stored,

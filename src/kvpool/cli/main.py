@@ -144,17 +144,36 @@ def demo(
     pool_only: Annotated[
         bool, typer.Option("--pool-only", help="Only the pool: no engine.")
     ] = False,
+    conversations: Annotated[int, typer.Option(help="Conversations, interleaved.")] = 8,
+    turns: Annotated[int, typer.Option(help="Turns per conversation.")] = 4,
+    compare_example: Annotated[
+        bool, typer.Option("--compare-example", help="Also run vLLM's ExampleConnector.")
+    ] = False,
+    model_dir: Annotated[str | None, typer.Option(help="Where the tiny model is built.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Start a node and show what the pool saves: the multi-turn demo with a real vLLM
-    engine (tiny model built locally), or the pool alone with --pool-only."""
-    import json
+    """Start a node and a vLLM engine with the kvpool connector on a tiny model built
+    locally, replay a multi-turn chat, and compare time to first token with and without
+    the pool (--pool-only: the pool alone, no engine)."""
+    if pool_only:
+        import json
 
-    from kvpool.cli.demo_pool import run_pool_demo
+        from kvpool.cli.demo_pool import run_pool_demo
 
-    result = run_pool_demo(Console())
-    if json_output:
-        sys.stdout.write(json.dumps(result) + "\n")
+        result = run_pool_demo(Console())
+        if json_output:
+            sys.stdout.write(json.dumps(result) + "\n")
+        return
+    from kvpool.cli.demo import run_demo
+
+    run_demo(
+        Console(width=max(Console().width, 120)),
+        num_conversations=conversations,
+        num_turns=turns,
+        compare_example=compare_example,
+        json_output=json_output,
+        model_dir=model_dir,
+    )
 
 
 def main() -> None:

@@ -77,8 +77,14 @@ class WriteLease:
         self._done = False
 
     @classmethod
-    def open(cls, node: NodeClient, keys: Sequence[bytes], sizes: Sequence[int],
-             replicate: bool, timeout: float | None) -> WriteLease:  # fmt: skip
+    def open(
+        cls,
+        node: NodeClient,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        replicate: bool,
+        timeout: float | None,
+    ) -> WriteLease:
         if len(keys) != len(sizes):
             raise UsageError(f"{len(keys)} keys but {len(sizes)} sizes")
         deadline = _deadline(node, timeout)
@@ -111,8 +117,17 @@ class WriteLease:
         if not reserved.reservation_id:
             node.release(conn)
             conn = None
-        return cls(node, keys, statuses, views, list(reserved.offsets), arena, conn,
-                   reserved.reservation_id, replicate)  # fmt: skip
+        return cls(
+            node,
+            keys,
+            statuses,
+            views,
+            list(reserved.offsets),
+            arena,
+            conn,
+            reserved.reservation_id,
+            replicate,
+        )
 
     @property
     def is_shm(self) -> bool:
@@ -191,8 +206,9 @@ class ReadLease:
         self._pin_id = pin_id
 
     @classmethod
-    def open(cls, node: NodeClient, keys: Sequence[bytes], prefix: bool,
-             timeout: float | None) -> ReadLease:  # fmt: skip
+    def open(
+        cls, node: NodeClient, keys: Sequence[bytes], prefix: bool, timeout: float | None
+    ) -> ReadLease:
         deadline = _deadline(node, timeout)
         conn: Connection | None = node.hold(timeout)
         assert conn is not None

@@ -30,9 +30,19 @@ class KVPoolMetadata(KVConnectorMetadata):
 
 
 _SUMS = (
-    "lookups", "lookup_blocks", "hit_blocks", "loads", "loaded_blocks", "load_errors",
-    "saves", "saved_blocks", "save_errors", "skipped_unhealthy", "load_s", "save_s",
-)  # fmt: skip
+    "lookups",
+    "lookup_blocks",
+    "hit_blocks",
+    "loads",
+    "loaded_blocks",
+    "load_errors",
+    "saves",
+    "saved_blocks",
+    "save_errors",
+    "skipped_unhealthy",
+    "load_s",
+    "save_s",
+)
 
 
 @dataclass
@@ -89,9 +99,12 @@ class KVPoolStats(KVConnectorStats):
     def line(self) -> str:
         r = self.reduce()
         parts = [
-            f"loads={r['loads']}", f"saves={r['saves']}", f"blocks loaded={r['blocks_loaded']}",
-            f"saved={r['blocks_saved']}", f"hit rate={100 * r['hit_rate']:.1f}%",
-        ]  # fmt: skip
+            f"loads={r['loads']}",
+            f"saves={r['saves']}",
+            f"blocks loaded={r['blocks_loaded']}",
+            f"saved={r['blocks_saved']}",
+            f"hit rate={100 * r['hit_rate']:.1f}%",
+        ]
         for kind in ("load", "save"):
             if f"{kind}_avg_ms" in r:
                 parts.append(

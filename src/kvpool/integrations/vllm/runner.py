@@ -36,6 +36,10 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM reserves one more CPU core when a KV connector is configured; on a small machine
+    # that changes the worker's thread count, and with it the floating-point reduction order
+    # and greedy outputs.  Reserving one core either way keeps runs comparable.
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
 }
 
 
@@ -109,14 +113,17 @@ def _chat(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
             (output,) = llm.generate([prompt], params, use_tqdm=False)
             reply = output.outputs[0].text
             history.append({"role": "assistant", "content": reply})
-            turns.append({
-                "conversation": index,
-                "turn": turn,
-                "prompt_tokens": len(output.prompt_token_ids or ()),
-                "cached_tokens": output.num_cached_tokens,
-                "ttft_ms": _ttft_ms(output),
-                "token_ids": list(output.outputs[0].token_ids),
-            })  # fmt: skip
+            turns.append(
+                {
+                    "conversation": index,
+                    "turn": turn,
+                    "prompt_tokens": len(output.prompt_token_ids or ()),
+                    "cached_tokens": output.num_cached_tokens,
+                    "ttft_ms": _ttft_ms(output),
+                    "token_ids": list(output.outputs[0].token_ids),
+                    "prompt_token_ids": list(output.prompt_token_ids or ()),
+                }
+            )
     return {"turns": turns}
 
 

@@ -130,8 +130,13 @@ class KVPoolWorker:
             if seconds:
                 self.stats.observe("load", seconds)
             if failed:
-                log.info("kvpool: request %s: %d of %d block(s) recomputed (%s)",
-                         job.req_id, len(failed), len(job.block_ids), reason)  # fmt: skip
+                log.info(
+                    "kvpool: request %s: %d of %d block(s) recomputed (%s)",
+                    job.req_id,
+                    len(failed),
+                    len(job.block_ids),
+                    reason,
+                )
                 self.stats.add("load_errors", len(failed))
                 self.stats.data.setdefault("failed_req_ids", []).append(job.req_id)
                 self._load_errors.update(failed)
