@@ -103,9 +103,14 @@ def run_demo(
         f"pool hit rate {100 * summary['hit_rate']:.1f}% of the prompt tokens the engine's own "
         f"cache missed; outputs identical: {summary['outputs_identical']}"
     )
+    console.print(
+        f"p90 TTFT after the first turn: {summary['ttft_ms_p90_nopool']} ms without the pool, "
+        f"{summary['ttft_ms_p90_pool']} ms with it"
+    )
     if compare_example:
         console.print(
-            f"ExampleConnector: median TTFT {summary['ttft_ms_median_example']} ms, hit rate "
-            f"{100 * summary['hit_rate_example']:.1f}%"
+            f"ExampleConnector: median TTFT {summary['ttft_ms_median_example']} ms, "
+            f"p90 {summary['ttft_ms_p90_example']} ms, "
+            f"hit rate {100 * summary['hit_rate_example']:.1f}%"
         )
     return summary

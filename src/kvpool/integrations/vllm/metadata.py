@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 
 @dataclass
@@ -119,3 +122,60 @@ class KVPoolStats(KVConnectorStats):
 def merge(stats: KVPoolStats, data: dict[str, Any] | None) -> None:
     if data:
         stats.aggregate(KVPoolStats(data=dict(data)))
+
+
+class KVPoolPromMetrics(KVConnectorPromMetrics):
+    """Counters on vLLM's own /metrics: ``vllm:kvpool_*``."""
+
+    COUNTERS = {
+        "loaded_blocks": (
+            "vllm:kvpool_blocks_loaded",
+            "Blocks loaded from kvpool instead of recomputed.",
+        ),
+        "saved_blocks": ("vllm:kvpool_blocks_saved", "Blocks saved into kvpool."),
+        "load_errors": (
+            "vllm:kvpool_load_errors",
+            "Blocks that could not be loaded and were recomputed.",
+        ),
+        "lookup_blocks": ("vllm:kvpool_lookup_blocks", "Prompt blocks looked up in kvpool."),
+        "hit_blocks": ("vllm:kvpool_hit_blocks", "Prompt blocks found in kvpool."),
+        "skipped_unhealthy": (
+            "vllm:kvpool_skipped_unhealthy",
+            "Lookups and saves skipped while kvpool was unhealthy.",
+        ),
+    }
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter_cls: Any = self._counter_cls
+        histogram_cls: Any = self._histogram_cls
+        self._counters = {
+            key: counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            for key, (name, doc) in self.COUNTERS.items()
+        }
+        self._latency = {
+            kind: histogram_cls(
+                name=f"vllm:kvpool_{kind}_seconds",
+                documentation=f"Mean time of one kvpool {kind} in a logging interval.",
+                labelnames=labelnames,
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0],
+            )
+            for kind in ("load", "save")
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, counter in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if isinstance(value, int | float) and value > 0:
+                counter.labels(*labels).inc(value)
+        for kind, histogram in self._latency.items():
+            count = transfer_stats_data.get(f"{kind}s", 0)
+            if count:
+                histogram.labels(*labels).observe(transfer_stats_data.get(f"{kind}_s", 0) / count)

