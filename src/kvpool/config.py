@@ -195,7 +195,10 @@ class ClientConfig:
     max_connections: int = 8
 
     def validate(self) -> ClientConfig:
-        Address.parse(self.address)
+        if self.address:
+            Address.parse(self.address)
+        elif not self.peers and not self.etcd:
+            raise ConfigError("no address: give the local node's address, or peers / etcd")
         for peer in self.peers:
             Address.parse(peer)
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:

@@ -14,15 +14,20 @@ errors come back as values (:class:`PutResult`, :class:`GetResult`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import time
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 from typing import Any, Generic, TypeVar
 
+from kvpool.cluster.placement import group_by_home
 from kvpool.config import ClientConfig, client_config_from
-from kvpool.errors import UsageError
+from kvpool.errors import KVPoolError, Status, TransportError, UsageError
 from kvpool.keys import Namespace
 from kvpool.protocol.messages import Health, NodeStats
 
 from . import ops
+from .cluster import ClusterView
 from .leases import ReadLease, WriteLease
 from .node import AsyncNodeClient, NodeClient
 from .ops import GetResult, LookupState, PutResult
@@ -65,19 +70,50 @@ def _config(
     return config.replace(address=address) if address is not None else config.validate()
 
 
+def _exists_call(keys: list[bytes]) -> Callable[[NodeClient, float], list[bool]]:
+    return lambda node, timeout: node.exists(keys, timeout=timeout)
+
+
+def _put_call(
+    keys: list[bytes], views: list[memoryview]
+) -> Callable[[NodeClient, float], PutResult]:
+    return lambda node, timeout: node.put(keys, views, replicate=True, timeout=timeout)
+
+
+def _get_call(
+    keys: list[bytes], dsts: list[memoryview] | None
+) -> Callable[[NodeClient, float], GetResult]:
+    return lambda node, timeout: node.get(keys, dsts, timeout=timeout)
+
+
+def _delete_call(keys: list[bytes]) -> Callable[[NodeClient, float], list[Any]]:
+    return lambda node, timeout: node.delete(keys, timeout=timeout)
+
+
 class Client:
     """A blocking, thread-safe kvpool client.
 
     ``Client()`` connects to the default local node; ``Client("host:9400")`` to another;
     keyword options override ``KVPOOL_*`` environment variables (see
     :class:`~kvpool.config.ClientConfig`).
+
+    With ``peers=`` or ``etcd=`` it sees a whole cluster: writes go to the local node (which
+    writes them through to their home nodes); lookups and reads try the local node, then the
+    keys' home nodes in parallel (unless ``read_local_only``).  A node that is down or frozen
+    turns its keys into misses; it never makes a call outlast its deadline.  Without a local
+    node (``address=""``), writes go straight to the home nodes.
     """
 
     def __init__(
         self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any
     ):
         self.config = _config(address, config, options)
-        self.local = NodeClient(self.config.address, self.config)
+        self.local: NodeClient | None = (
+            NodeClient(self.config.address, self.config) if self.config.address else None
+        )
+        self.cluster: ClusterView | None = None
+        if self.config.peers or self.config.etcd:
+            self.cluster = ClusterView(self.config, self.local)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __enter__(self) -> Client:
@@ -90,7 +126,27 @@ class Client:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        self.local.close()
+        if self.cluster is not None:
+            self.cluster.close()
+        if self.local is not None:
+            self.local.close()
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (timeout if timeout is not None else self.config.timeout_s)
+
+    def _remote(self) -> ClusterView | None:
+        return None if self.config.read_local_only else self.cluster
+
+    def _local_or_miss(self, call: Callable[[NodeClient], T], miss: T) -> T:
+        """A call to the local node; in a cluster a failing local node is a miss."""
+        if self.local is None:
+            return miss
+        try:
+            return call(self.local)
+        except TransportError:
+            if self.cluster is None:
+                raise
+            return miss
 
     # -- blocks ---------------------------------------------------------------------------
 
@@ -102,7 +158,7 @@ class Client:
         wait_absent: bool = False,
         timeout: float | None = None,
     ) -> int:
-        """The length of the longest stored prefix of ``keys``.
+        """The length of the longest stored prefix of ``keys`` (anywhere in the cluster).
 
         With ``wait`` > 0, keys that are being written are awaited up to ``wait`` seconds
         (and, with ``wait_absent``, keys nobody has started writing yet).
@@ -120,19 +176,86 @@ class Client:
         timeout: float | None = None,
     ) -> LookupState:
         """Like :meth:`lookup`, and whether the key after the prefix is being written."""
-        return self.local.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
+        deadline = self._deadline(timeout) + wait
+        local = self._local_or_miss(
+            lambda node: node.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=timeout),
+            LookupState(0, False),
+        )
+        cluster = self._remote()
+        if cluster is None or local.num_prefix == len(keys):
+            return local
+        rest = list(keys[local.num_prefix :])
+        present = self._remote_presence(cluster, rest, deadline)
+        extra = len(list(takewhile(bool, present)))
+        if extra == 0:
+            return local
+        return LookupState(local.num_prefix + extra, False)
+
+    def _remote_presence(
+        self, cluster: ClusterView, keys: list[bytes], deadline: float
+    ) -> list[bool]:
+        groups = cluster.groups(keys)
+        calls = {
+            member: _exists_call([keys[i] for i in indices]) for member, indices in groups.items()
+        }
+        present = [False] * len(keys)
+        for member, mask in cluster.each_result(cluster.fan_out(calls, deadline)):
+            for i, found in zip(groups[member], mask, strict=True):
+                present[i] = present[i] or found
+        return present
 
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
-        """Whether each key is stored."""
-        return self.local.exists(keys, timeout=timeout)
+        """Whether each key is stored (anywhere in the cluster)."""
+        deadline = self._deadline(timeout)
+        present = self._local_or_miss(
+            lambda node: node.exists(keys, timeout=timeout), [False] * len(keys)
+        )
+        cluster = self._remote()
+        missing = [i for i, p in enumerate(present) if not p]
+        if cluster is not None and missing:
+            remote = self._remote_presence(cluster, [keys[i] for i in missing], deadline)
+            for i, found in zip(missing, remote, strict=True):
+                present[i] = found
+        return present
 
     def put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
     ) -> PutResult:
-        """Store one block per key."""
+        """Store one block per key: on the local node, written through to the keys' homes."""
         views = ops.check_buffers(keys, values, writable=False)
         assert views is not None
-        return self.local.put(keys, views, replicate=self.config.write_rcache, timeout=timeout)
+        if self.local is not None:
+            try:
+                return self.local.put(
+                    keys, views, replicate=self.config.write_rcache, timeout=timeout
+                )
+            except TransportError:
+                if self.cluster is None:
+                    raise
+        if self.cluster is None:
+            raise UsageError("no local node and no cluster to write to")
+        return self._put_to_homes(self.cluster, keys, views, self._deadline(timeout))
+
+    def _put_to_homes(
+        self,
+        cluster: ClusterView,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        deadline: float,
+    ) -> PutResult:
+        members = {m.node_id: m for m in cluster.members()}
+        groups = group_by_home(keys, list(members.values()), 1)
+        calls = {
+            members[node_id]: (_put_call([keys[i] for i in indices], [views[i] for i in indices]))
+            for node_id, indices in groups.items()
+        }
+        statuses = [Status.UNAVAILABLE] * len(keys)
+        for member, result in cluster.fan_out(calls, deadline).items():
+            if isinstance(result, BaseException):
+                continue
+            for i, status in zip(groups[member.node_id], result.statuses, strict=True):
+                statuses[i] = status
+        return PutResult(statuses)
 
     def get(
         self,
@@ -146,10 +269,91 @@ class Client:
         them as ``GetResult.values`` when no buffers are given.  Only verified bytes are
         delivered; with ``prefix``, loading stops at the first missing block."""
         dsts = ops.check_buffers(keys, buffers, writable=True)
-        return self.local.get(keys, dsts, prefix=prefix, timeout=timeout)
+        deadline = self._deadline(timeout)
+        miss = GetResult(
+            [Status.NOT_FOUND] * len(keys),
+            [-1] * len(keys),
+            [None] * len(keys) if dsts is None else [],
+        )
+        cluster = self._remote()
+        result = self._local_or_miss(
+            lambda node: node.get(keys, dsts, prefix=prefix and cluster is None, timeout=timeout),
+            miss,
+        )
+        missing = [i for i, s in enumerate(result.statuses) if s is not Status.OK]
+        if cluster is not None and missing:
+            self._get_remote(cluster, keys, dsts, result, missing, deadline)
+        if prefix:
+            cut = result.num_prefix
+            for i in range(cut, len(keys)):
+                if result.statuses[i] is Status.OK:
+                    result.statuses[i] = Status.NOT_FOUND
+                    result.sizes[i] = -1
+                    if result.values:
+                        result.values[i] = None
+        return result
+
+    def _get_remote(
+        self,
+        cluster: ClusterView,
+        keys: Sequence[bytes],
+        dsts: Sequence[memoryview] | None,
+        result: GetResult,
+        indices: list[int],
+        deadline: float,
+    ) -> None:
+        wanted = [keys[i] for i in indices]
+        groups = cluster.groups(wanted)
+        calls = {}
+        for member, sub in groups.items():
+            sub_keys = [wanted[j] for j in sub]
+            sub_dsts = [dsts[indices[j]] for j in sub] if dsts is not None else None
+            calls[member] = _get_call(sub_keys, sub_dsts)
+        fetched_keys, fetched_views = [], []
+        for member, remote in cluster.each_result(cluster.fan_out(calls, deadline)):
+            positions = groups[member]
+            values = remote.values or [None] * len(positions)
+            for j, status, size, value in zip(
+                positions, remote.statuses, remote.sizes, values, strict=True
+            ):
+                i = indices[j]
+                if status is not Status.OK or result.statuses[i] is Status.OK:
+                    continue
+                result.statuses[i] = Status.OK
+                result.sizes[i] = size
+                if result.values:
+                    result.values[i] = value
+                fetched_keys.append(keys[i])
+                fetched_views.append(memoryview(value) if value is not None else dsts[i][:size])  # type: ignore[index]
+        if fetched_keys and self.local is not None:
+            self._promote(fetched_keys, [bytes(v) for v in fetched_views])
+
+    def _promote(self, keys: list[bytes], values: list[bytes]) -> None:
+        """Copy blocks read from other nodes into the local node, in the background, so the
+        next read is local (best effort)."""
+        local = self.local
+        assert local is not None
+
+        def promote() -> None:
+            with contextlib.suppress(KVPoolError):
+                local.put(keys, [memoryview(v) for v in values], replicate=False)
+
+        self._background().submit(promote)
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
-        return self.local.delete(keys, timeout=timeout)
+        statuses = self._local_or_miss(
+            lambda node: node.delete(keys, timeout=timeout), [Status.NOT_FOUND] * len(keys)
+        )
+        if self.cluster is not None:
+            groups = self.cluster.groups(keys)
+            calls = {member: _delete_call([keys[i] for i in idx]) for member, idx in groups.items()}
+            for member, remote in self.cluster.each_result(
+                self.cluster.fan_out(calls, self._deadline(timeout))
+            ):
+                for i, status in zip(groups[member], remote, strict=True):
+                    if status is Status.OK:
+                        statuses[i] = Status.OK
+        return statuses
 
     # -- zero-copy leases -------------------------------------------------------------------
 
@@ -159,23 +363,50 @@ class Client:
         """Reserve space for blocks and hand out writable views to fill in place (arena
         memory on the node's host, private buffers elsewhere); ``commit()`` publishes them.
         Keys already stored or being written get no view."""
+        if self.local is None:
+            return WriteLease.buffered(keys, sizes, lambda ks, vs, t: self.put(ks, vs, timeout=t))
         return WriteLease.open(self.local, keys, sizes, self.config.write_rcache, timeout)
 
     def acquire(
         self, keys: Sequence[bytes], *, prefix: bool = True, timeout: float | None = None
     ) -> ReadLease:
         """Pin stored blocks and hand out read-only, checksum-verified views of them until
-        ``release()``; with ``prefix``, only the leading run of present keys."""
-        return ReadLease.open(self.local, keys, prefix, timeout)
+        ``release()``; with ``prefix``, only the leading run of present keys.  In a cluster,
+        blocks the local node lacks are fetched from their homes into private buffers."""
+        deadline = self._deadline(timeout)
+        if self.local is None:
+            lease = ReadLease.empty(keys)
+        else:
+            try:
+                lease = ReadLease.open(self.local, keys, prefix, timeout)
+            except TransportError:
+                if self.cluster is None:
+                    raise
+                lease = ReadLease.empty(keys)
+        cluster = self._remote()
+        start = lease.num_prefix
+        if cluster is None or start == len(keys):
+            return lease
+        rest = list(keys[start:])
+        fetched = GetResult([Status.NOT_FOUND] * len(rest), [-1] * len(rest), [None] * len(rest))
+        self._get_remote(cluster, rest, None, fetched, list(range(len(rest))), deadline)
+        for j, (status, value) in enumerate(zip(fetched.statuses, fetched.values, strict=True)):
+            if status is not Status.OK or value is None:
+                break
+            lease.adopt(start + j, memoryview(value))
+        return lease
 
     # -- asynchronous save and load --------------------------------------------------------
 
-    def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> PoolFuture[T]:
+    def _background(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 _BACKGROUND_THREADS, thread_name_prefix="kvpool-io"
             )
-        return PoolFuture(self._executor.submit(fn, *args, **kwargs))
+        return self._executor
+
+    def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> PoolFuture[T]:
+        return PoolFuture(self._background().submit(fn, *args, **kwargs))
 
     def put_async(
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
@@ -200,22 +431,39 @@ class Client:
             timeout=timeout,
         )
 
-    # -- node -----------------------------------------------------------------------------
+    # -- nodes ----------------------------------------------------------------------------
+
+    def _require_local(self) -> NodeClient:
+        if self.local is None:
+            raise UsageError("this client has no local node (address='')")
+        return self.local
 
     def describe(self, namespace: Namespace, *, timeout: float | None = None) -> None:
         """Tell the node a namespace's human-readable label (shown by ``kvpool status``)."""
-        self.local.describe(namespace.id, namespace.describe(), timeout=timeout)
+        self._require_local().describe(namespace.id, namespace.describe(), timeout=timeout)
 
     def stats(self, *, timeout: float | None = None) -> NodeStats:
-        return self.local.stats(timeout=timeout)
+        """The local node's statistics."""
+        return self._require_local().stats(timeout=timeout)
+
+    def cluster_stats(self, *, timeout: float | None = None) -> list[tuple[str, NodeStats | None]]:
+        """Every member's statistics, ``None`` for a node that did not answer."""
+        if self.cluster is None:
+            return [(str(self._require_local().address), self.stats(timeout=timeout))]
+        calls = {m: (lambda node, t: node.stats(timeout=t)) for m in self.cluster.members()}
+        results = self.cluster.fan_out(calls, self._deadline(timeout))
+        return [
+            (m.tcp_address, None if isinstance(r, BaseException) else r)
+            for m, r in sorted(results.items(), key=lambda mr: mr[0].node_id)
+        ]
 
     def health(self, *, timeout: float | None = None) -> Health:
-        return self.local.health(timeout=timeout)
+        return self._require_local().health(timeout=timeout)
 
     @property
     def uses_shm(self) -> bool:
-        """Whether this client copies through the node's shared-memory arena."""
-        return self.local.has_shm
+        """Whether this client copies through the local node's shared-memory arena."""
+        return self.local is not None and self.local.has_shm
 
 
 class AsyncClient:

@@ -18,7 +18,7 @@ and ``open`` of a read lease receives them; the interface is the same.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool import checksum as ck
@@ -75,6 +75,29 @@ class WriteLease:
         self._reservation_id = reservation_id
         self._replicate = replicate
         self._done = False
+        self._send: (
+            Callable[[list[bytes], list[memoryview], float | None], ops.PutResult] | None
+        ) = None
+
+    @classmethod
+    def buffered(
+        cls,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        send: Callable[[list[bytes], list[memoryview], float | None], ops.PutResult],
+    ) -> WriteLease:
+        """A lease over private buffers (one contiguous area) that ``send`` publishes."""
+        area = memoryview(bytearray(sum(sizes)))
+        views: list[memoryview | None] = []
+        offsets = []
+        cursor = 0
+        for size in sizes:
+            views.append(area[cursor : cursor + size])
+            offsets.append(cursor)
+            cursor += size
+        lease = cls(None, keys, [Status.OK] * len(keys), views, offsets, area, None, 0, False)  # type: ignore[arg-type]
+        lease._send = send
+        return lease
 
     @classmethod
     def open(
@@ -92,18 +115,11 @@ class WriteLease:
         assert conn is not None
         try:
             if conn.arena is None:
-                # Another host: private buffers, one contiguous area, sent on commit.
+                # Another host: private buffers, sent on commit.
                 node.release(conn)
-                area = memoryview(bytearray(sum(sizes)))
-                views: list[memoryview | None] = []
-                offsets = []
-                cursor = 0
-                for size in sizes:
-                    views.append(area[cursor : cursor + size])
-                    offsets.append(cursor)
-                    cursor += size
-                statuses = [Status.OK] * len(keys)
-                return cls(node, keys, statuses, views, offsets, area, None, 0, replicate)
+                return cls.buffered(
+                    keys, sizes, lambda ks, vs, t: node.put(ks, vs, replicate=replicate, timeout=t)
+                )
             reserved = conn.run(ops.reserve(keys, sizes, WRITE_LEASE_MS), deadline)
         except BaseException:
             node.release(conn)
@@ -131,7 +147,7 @@ class WriteLease:
 
     @property
     def is_shm(self) -> bool:
-        return self._reservation_id != 0 or self._conn is not None
+        return self._send is None
 
     def extent(self) -> memoryview | None:
         """All the views as one adjacent region, if they are (so one copy fills them)."""
@@ -142,11 +158,13 @@ class WriteLease:
         if self._done:
             raise UsageError("lease already committed or aborted")
         self._done = True
-        deadline = _deadline(self.node, timeout)
-        if self._conn is None and self._reservation_id == 0:
+        if self._send is not None:
             views = [v for v in self.views if v is not None]
             keys = [k for k, v in zip(self.keys, self.views, strict=True) if v is not None]
-            return self.node.call(lambda _: ops.put_stream(keys, views, self._replicate), timeout)
+            return self._send(keys, views, timeout)
+        if self._conn is None:  # nothing was reserved
+            return ops.PutResult(self.statuses)
+        deadline = _deadline(self.node, timeout)
         conn = self._conn
         assert conn is not None
         try:
@@ -247,6 +265,18 @@ class ReadLease:
             node.release(conn)
             conn = None
         return cls(node, keys, statuses, views, list(pinned.offsets), arena, conn, pinned.pin_id)
+
+    @classmethod
+    def empty(cls, keys: Sequence[bytes]) -> ReadLease:
+        """A lease holding nothing yet (no local node, or it is down)."""
+        n = len(keys)
+        return cls(None, keys, [Status.NOT_FOUND] * n, [None] * n, [-1] * n, None, None, 0)  # type: ignore[arg-type]
+
+    def adopt(self, index: int, view: memoryview) -> None:
+        """Hold a verified block fetched from elsewhere (another node) at ``index``."""
+        self.statuses[index] = Status.OK
+        self.views[index] = view
+        self.offsets[index] = -1
 
     @property
     def num_prefix(self) -> int:

@@ -55,7 +55,7 @@ class Daemon:
                 self.server, config.admin_host, config.admin_port, self.is_ready
             )
             if config.peers or config.etcd:
-                from kvpool.cluster.node_agent import NodeAgent
+                from kvpool.node.cluster_agent import NodeAgent
 
                 self.cluster = NodeAgent(self.config, self.server, self.admin_port)
                 await self.cluster.start()

@@ -1,0 +1,154 @@
+"""A daemon's part in a cluster: joining the membership, and writing blocks through to their
+home nodes.
+
+A client writes to the node on its own host (local affinity); that node then copies each
+block it did not already hold as a home to the block's home nodes (rendezvous placement,
+``replicas`` of them), so that any node can find it.  Write-through is best effort and
+bounded: a home that is down or slow makes its blocks misses there, nothing more, and the
+queue drops the oldest keys rather than grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from kvpool.client.node import AsyncNodeClient
+from kvpool.cluster.membership import EtcdMembership, Member, Membership, StaticMembership
+from kvpool.cluster.placement import group_by_home
+from kvpool.config import Address, ClientConfig, NodeConfig
+from kvpool.errors import KVPoolError
+from kvpool.node.server import NodeServer
+
+log = logging.getLogger("kvpool.cluster")
+
+MAX_QUEUED_KEYS = 65536
+BATCH_KEYS = 256
+REPLICATION_TIMEOUT_S = 5.0
+PIN_LEASE_S = 30.0
+OWNER_ID = -1  # pins of the replicator, apart from every connection's
+
+
+class NodeAgent:
+    def __init__(self, config: NodeConfig, server: NodeServer, admin_port: int):
+        self.config = config
+        self.server = server
+        tcp = server.tcp_address
+        self.membership: Membership
+        if config.etcd:
+            self.member = Member(
+                node_id=config.name,
+                tcp_address=tcp,
+                admin_url=f"http://{config.advertise_host or config.admin_host}:{admin_port}",
+                host_id=config.host_id,
+                started_at=time.time(),
+            )
+            self.membership = EtcdMembership(config.etcd, config.etcd_prefix)
+        else:
+            self.member = Member(
+                node_id=str(Address.parse(tcp)), tcp_address=str(Address.parse(tcp))
+            )
+            self.membership = StaticMembership(config.peers)
+        self.client_config = ClientConfig(
+            access_id=config.access_id,
+            access_key=config.access_key,
+            timeout_s=REPLICATION_TIMEOUT_S,
+            use_shm=False,
+            host_id=config.host_id,
+            max_connections=2,
+        )
+        self._peers: dict[str, AsyncNodeClient] = {}
+        self._queue: deque[bytes] = deque(maxlen=MAX_QUEUED_KEYS)
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_replicated = 0
+        self.num_failed = 0
+        self.is_joined = False
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if isinstance(self.membership, EtcdMembership):
+            membership = self.membership
+            await loop.run_in_executor(
+                None, membership.register, self.member, self.config.etcd_ttl_s
+            )
+            await loop.run_in_executor(None, membership.start)
+        elif self.member.node_id not in {m.node_id for m in self.membership.members()}:
+            log.warning(
+                "this node's address %s is not in --peers %s: it will not be any key's home",
+                self.member.tcp_address,
+                ",".join(m.tcp_address for m in self.membership.members()),
+            )
+        self.server.replicate = self.enqueue
+        self.server.peers = lambda: [m.node_id for m in self.membership.members()]
+        self._task = asyncio.ensure_future(self._replicate_loop())
+        self.is_joined = True
+        log.info("joined the cluster as %s (%s)", self.member.node_id, self.member.tcp_address)
+
+    async def stop(self) -> None:
+        self.is_joined = False
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for client in self._peers.values():
+            await client.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
+
+    # -- write-through --------------------------------------------------------------------
+
+    def enqueue(self, keys: Sequence[bytes]) -> None:
+        if len(self.membership.members()) < 2:
+            return  # alone: every key is at home here
+        self._queue.extend(keys)
+        self._wakeup.set()
+
+    async def _replicate_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(BATCH_KEYS, len(self._queue)))]
+                await self._replicate(batch)
+
+    async def _replicate(self, keys: list[bytes]) -> None:
+        members = {m.node_id: m for m in self.membership.members()}
+        groups = group_by_home(
+            keys, list(members.values()), self.config.replicas, skip=self.member.node_id
+        )
+        sends = [
+            self._send(members[node_id], [keys[i] for i in indices])
+            for node_id, indices in groups.items()
+            if node_id in members
+        ]
+        await asyncio.gather(*sends)
+
+    async def _send(self, target: Member, keys: list[bytes]) -> None:
+        store = self.server.store
+        pin_id, blocks = store.pin(keys, OWNER_ID, PIN_LEASE_S)
+        try:
+            present = [(k, b) for k, b in zip(keys, blocks, strict=True) if b is not None]
+            if not present:
+                return
+            views = [self.server.arena.slice(b.offset, b.size) for _, b in present]
+            client = self._peer(target)
+            result = await client.put([k for k, _ in present], views, replicate=False)
+            self.num_replicated += result.num_stored
+        except KVPoolError as exc:
+            self.num_failed += len(keys)
+            log.debug("write-through of %d blocks to %s failed: %s", len(keys), target.node_id, exc)
+        finally:
+            if pin_id:
+                store.unpin(pin_id)
+
+    def _peer(self, member: Member) -> AsyncNodeClient:
+        client = self._peers.get(member.tcp_address)
+        if client is None:
+            client = self._peers[member.tcp_address] = AsyncNodeClient(
+                member.tcp_address, self.client_config
+            )
+        return client
