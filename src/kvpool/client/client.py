@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import ClientConfig, client_config_from
-from kvpool.errors import KVPoolError, Status, TransportError, UsageError
+from kvpool.errors import KVPoolError, PoolTimeout, Status, TransportError, UsageError
 from kvpool.keys import Namespace
 from kvpool.protocol.messages import Health, NodeStats
 
@@ -137,16 +137,22 @@ class Client:
     def _remote(self) -> ClusterView | None:
         return None if self.config.read_local_only else self.cluster
 
-    def _local_or_miss(self, call: Callable[[NodeClient], T], miss: T) -> T:
-        """A call to the local node; in a cluster a failing local node is a miss."""
+    def _local_or_miss(
+        self, call: Callable[[NodeClient, float], T], miss: T, deadline: float
+    ) -> tuple[T, bool]:
+        """A call to the local node with the time left to ``deadline``; in a cluster a
+        failing local node is a miss.  Returns the result and whether the node answered."""
         if self.local is None:
-            return miss
+            return miss, False
+        remaining = deadline - time.monotonic()
         try:
-            return call(self.local)
+            if remaining <= 0:
+                raise PoolTimeout("deadline passed before the local node was asked")
+            return call(self.local, remaining), True
         except TransportError:
             if self.cluster is None:
                 raise
-            return miss
+            return miss, False
 
     # -- blocks ---------------------------------------------------------------------------
 
@@ -177,15 +183,23 @@ class Client:
     ) -> LookupState:
         """Like :meth:`lookup`, and whether the key after the prefix is being written."""
         deadline = self._deadline(timeout) + wait
-        local = self._local_or_miss(
-            lambda node: node.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=timeout),
+        local, answered = self._local_or_miss(
+            lambda node, t: node.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=t - wait),
             LookupState(0, False),
+            deadline,
         )
         cluster = self._remote()
         if cluster is None or local.num_prefix == len(keys):
             return local
         rest = list(keys[local.num_prefix :])
-        present = self._remote_presence(cluster, rest, deadline)
+        # Past the local prefix, a key counts if the local node or one of its homes has it.
+        present = [False] * len(rest)
+        if answered:
+            present, _ = self._local_or_miss(
+                lambda node, t: node.exists(rest, timeout=t), present, deadline
+            )
+        remote = self._remote_presence(cluster, rest, deadline)
+        present = [a or b for a, b in zip(present, remote, strict=True)]
         extra = len(list(takewhile(bool, present)))
         if extra == 0:
             return local
@@ -207,8 +221,8 @@ class Client:
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         """Whether each key is stored (anywhere in the cluster)."""
         deadline = self._deadline(timeout)
-        present = self._local_or_miss(
-            lambda node: node.exists(keys, timeout=timeout), [False] * len(keys)
+        present, _ = self._local_or_miss(
+            lambda node, t: node.exists(keys, timeout=t), [False] * len(keys), deadline
         )
         cluster = self._remote()
         missing = [i for i, p in enumerate(present) if not p]
@@ -224,17 +238,17 @@ class Client:
         """Store one block per key: on the local node, written through to the keys' homes."""
         views = ops.check_buffers(keys, values, writable=False)
         assert views is not None
-        if self.local is not None:
-            try:
-                return self.local.put(
-                    keys, views, replicate=self.config.write_rcache, timeout=timeout
-                )
-            except TransportError:
-                if self.cluster is None:
-                    raise
-        if self.cluster is None:
-            raise UsageError("no local node and no cluster to write to")
-        return self._put_to_homes(self.cluster, keys, views, self._deadline(timeout))
+        deadline = self._deadline(timeout)
+        result, answered = self._local_or_miss(
+            lambda node, t: node.put(keys, views, replicate=self.config.write_rcache, timeout=t),
+            PutResult([Status.UNAVAILABLE] * len(keys)),
+            deadline,
+        )
+        if answered or self.cluster is None:
+            if self.local is None:
+                raise UsageError("no local node and no cluster to write to")
+            return result
+        return self._put_to_homes(self.cluster, keys, views, deadline)
 
     def _put_to_homes(
         self,
@@ -276,9 +290,10 @@ class Client:
             [None] * len(keys) if dsts is None else [],
         )
         cluster = self._remote()
-        result = self._local_or_miss(
-            lambda node: node.get(keys, dsts, prefix=prefix and cluster is None, timeout=timeout),
+        result, _ = self._local_or_miss(
+            lambda node, t: node.get(keys, dsts, prefix=prefix and cluster is None, timeout=t),
             miss,
+            deadline,
         )
         missing = [i for i, s in enumerate(result.statuses) if s is not Status.OK]
         if cluster is not None and missing:
@@ -341,8 +356,10 @@ class Client:
         self._background().submit(promote)
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
-        statuses = self._local_or_miss(
-            lambda node: node.delete(keys, timeout=timeout), [Status.NOT_FOUND] * len(keys)
+        statuses, _ = self._local_or_miss(
+            lambda node, t: node.delete(keys, timeout=t),
+            [Status.NOT_FOUND] * len(keys),
+            self._deadline(timeout),
         )
         if self.cluster is not None:
             groups = self.cluster.groups(keys)

@@ -31,8 +31,10 @@ class NodeProcess:
         env: Mapping[str, str] | None = None,
         log_file: IO[str] | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
+        command_prefix: Sequence[str] = (),
     ):
         self.args = list(args)
+        self.command_prefix = list(command_prefix)  # e.g. ["ip", "netns", "exec", "ns1"]
         self.env = dict(os.environ if env is None else env)
         self.log_file = log_file
         self.ready_timeout = ready_timeout
@@ -41,7 +43,7 @@ class NodeProcess:
         self.output: list[str] = []
 
     def start(self) -> NodeProcess:
-        command = [sys.executable, "-m", "kvpool", "serve", *self.args]
+        command = [*self.command_prefix, sys.executable, "-m", "kvpool", "serve", *self.args]
         self.proc = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,

@@ -1,0 +1,256 @@
+"""Clusters of real node daemons on simulated hosts (network namespaces), with static peers
+and with a real etcd: placement, cross-node hits, membership changes and failures."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from kvpool import Client, Status
+from kvpool.cluster.membership import Member
+from kvpool.cluster.placement import homes
+from tests.cluster.fabric import Etcd, Fabric
+from tests.helpers import content, key, size_of
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def fabric():
+    f = Fabric()
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def etcd(fabric):
+    e = Etcd(fabric.gateway)
+    yield e
+    e.close()
+
+
+def wait_for(predicate, timeout=15.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+# -- placement --------------------------------------------------------------------------
+
+
+def test_rendezvous_is_stable_balanced_and_moves_little():
+    members = [Member(node_id=f"n{i}", tcp_address=f"10.0.0.{i}:1") for i in range(4)]
+    keys = [key(i) for i in range(4000)]
+    owners = [homes(k, members)[0].node_id for k in keys]
+    assert owners == [homes(k, list(reversed(members)))[0].node_id for k in keys]  # order-free
+    counts = Counter(owners)
+    assert all(800 < c < 1200 for c in counts.values()), counts
+    grown = [*members, Member(node_id="n4", tcp_address="10.0.0.4:1")]
+    moved = sum(homes(k, grown)[0].node_id != o for k, o in zip(keys, owners, strict=True))
+    assert 600 < moved < 1000  # about 1/5 of the keys move, all of them to the new node
+    assert all(homes(k, grown)[0].node_id == "n4" for k, o in zip(keys, owners, strict=True)
+               if homes(k, grown)[0].node_id != o)  # fmt: skip
+    two = homes(keys[0], members, replicas=2)
+    assert len({m.node_id for m in two}) == 2
+
+
+# -- static peers -----------------------------------------------------------------------
+
+
+def test_static_cluster_shares_blocks_across_hosts(fabric):
+    hosts = [fabric.add_host(n) for n in ("a", "b", "c")]
+    peers = tuple(h.tcp_address for h in hosts)
+    for host in hosts:
+        host.start_node(peers=list(peers))
+    writer = Client(**hosts[0].client_options(peers=peers))
+    reader = Client(**hosts[1].client_options(peers=peers))
+    local_only = Client(**hosts[1].client_options(peers=peers, read_local_only=True))
+    try:
+        assert writer.uses_shm and reader.uses_shm  # each on its own node's arena
+        keys = [key(f"s{i}") for i in range(60)]
+        values = [content(k, size_of(k, 1000, 200_000)) for k in keys]
+        assert writer.put(keys, values).all_stored
+        # Written through to every key's home: any node finds the whole prefix.
+        assert wait_for(lambda: reader.lookup(keys) == 60)
+        got = reader.get(keys)
+        assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]
+        stats = dict(writer.cluster_stats())
+        assert (
+            stats[hosts[0].tcp_address].num_blocks == 60
+        )  # local affinity: all on the writer's node
+        homed = Counter(homes(k, writer.cluster.members())[0].tcp_address for k in keys)
+        assert stats[hosts[2].tcp_address].num_blocks == homed[hosts[2].tcp_address]
+        # read_local_only stops at the local node: only what it holds itself counts.
+        fresh = [key(f"t{i}") for i in range(30)]
+        writer.put(fresh, [b"x"] * 30)
+        wait_for(lambda: reader.lookup(fresh) == 30)
+        local_present = reader.local.exists(fresh)
+        assert local_only.exists(fresh) == local_present and not all(local_present)
+    finally:
+        for c in (writer, reader, local_only):
+            c.close()
+
+
+def test_a_client_without_a_local_node_writes_to_homes(fabric):
+    hosts = [fabric.add_host(n) for n in ("a", "b")]
+    peers = tuple(h.tcp_address for h in hosts)
+    for host in hosts:
+        host.start_node(peers=list(peers))
+    with Client(address="", peers=peers, access_key=hosts[0].env()["KVPOOL_ACCESS_KEY"]) as router:
+        keys = [key(f"r{i}") for i in range(20)]
+        assert router.put(keys, [content(k, 5000) for k in keys]).all_stored
+        assert router.lookup(keys) == 20
+        with router.reserve(keys[:2], [10, 10]) as lease:
+            for view in lease.views:
+                view[:] = b"0123456789"
+            lease.commit()
+        per_node = [s.num_blocks for _, s in router.cluster_stats()]
+        assert sum(per_node) == 20 and all(n > 0 for n in per_node)  # each key on its home only
+
+
+# -- etcd membership --------------------------------------------------------------------
+
+
+def test_etcd_membership_join_leave_and_rejoin(fabric, etcd):
+    hosts = [fabric.add_host(n) for n in ("a", "b", "c", "d")]
+    etcd_url = etcd.endpoint
+    for host in hosts[:3]:
+        host.start_node(etcd=etcd_url)
+    with Client(**hosts[0].client_options(etcd=etcd_url)) as client:
+        members = lambda: {m.tcp_address for m in client.cluster.members()}  # noqa: E731
+        assert wait_for(lambda: len(members()) == 3)
+        # A node that dies stops heartbeating: it leaves within its lease TTL (5 s).
+        killed = hosts[2].nodes[-1]
+        killed.kill()
+        started = time.monotonic()
+        assert wait_for(lambda: hosts[2].tcp_address not in members(), timeout=12)
+        assert time.monotonic() - started < 9
+        # A joining node is used without restarting anyone.
+        hosts[3].start_node(etcd=etcd_url)
+        assert wait_for(lambda: hosts[3].tcp_address in members())
+        keys = [key(f"j{i}") for i in range(40)]
+        client.put(keys, [b"v" * 100] * 40)
+        new_home = [
+            k
+            for k in keys
+            if homes(k, client.cluster.members())[0].tcp_address == hosts[3].tcp_address
+        ]
+        assert new_home
+        with Client(**hosts[3].client_options()) as on_new:
+            assert wait_for(lambda: all(on_new.local.exists(new_home)))
+        # A restarted node rejoins; a cleanly stopped one leaves at once.
+        hosts[2].start_node(etcd=etcd_url)
+        assert wait_for(lambda: hosts[2].tcp_address in members())
+        hosts[1].nodes[-1].stop()
+        assert wait_for(lambda: hosts[1].tcp_address not in members(), timeout=3)
+        rows = client.cluster_stats()
+        assert {addr for addr, stats in rows if stats is not None} == members()
+
+
+def test_replicas_keep_extra_home_copies(fabric, etcd):
+    hosts = [fabric.add_host(n) for n in ("a", "b", "c")]
+    for host in hosts:
+        host.start_node(etcd=etcd.endpoint, extra=["--replicas", "2"])
+    with Client(**hosts[0].client_options(etcd=etcd.endpoint, replicas=2)) as client:
+        assert wait_for(lambda: len(client.cluster.members()) == 3)
+        keys = [key(f"rep{i}") for i in range(30)]
+        client.put(keys, [b"r" * 64] * 30)
+        members = client.cluster.members()
+        for host in hosts[1:]:
+            with Client(**host.client_options()) as on_host:
+                expected = [
+                    k
+                    for k in keys
+                    if host.tcp_address in {m.tcp_address for m in homes(k, members, 2)}
+                ]
+                assert wait_for(
+                    lambda on_host=on_host, expected=expected: all(on_host.local.exists(expected))
+                )
+        # Losing one home still leaves a copy: every key stays readable from host b.
+        hosts[2].nodes[-1].kill()
+        with Client(
+            **hosts[1].client_options(etcd=etcd.endpoint, replicas=2, timeout=1.0)
+        ) as reader:
+            found = reader.exists(keys)
+            assert sum(found) >= 0.9 * len(keys)  # home copies on a and b cover what c held
+
+
+# -- failures under load ----------------------------------------------------------------
+
+
+def test_chaos_never_wrong_bytes_never_past_deadlines(fabric, etcd):
+    hosts = [fabric.add_host(n) for n in ("a", "b", "c", "d")]
+    for host in hosts[:3]:
+        host.start_node(etcd=etcd.endpoint, memory="32MiB")
+    deadline_s, margin_s = 1.0, 0.75
+    errors: list[BaseException] = []
+    slow: list[float] = []
+    counts = Counter()
+    stop = threading.Event()
+
+    def worker(n: int) -> None:
+        rng = random.Random(n)
+        host = hosts[n % 2]  # clients live on hosts a and b
+        try:
+            with Client(**host.client_options(etcd=etcd.endpoint, timeout=deadline_s)) as c:
+                while not stop.is_set():
+                    batch = [key(f"chaos-{rng.randrange(300)}") for _ in range(4)]
+                    op = rng.choice(("put", "get", "lookup"))
+                    started = time.monotonic()
+                    try:
+                        if op == "put":
+                            c.put(batch, [content(k, size_of(k, 100, 50_000)) for k in batch])
+                        elif op == "get":
+                            got = c.get(batch)
+                            for k, status, value in zip(
+                                batch, got.statuses, got.values, strict=True
+                            ):
+                                if status is Status.OK:
+                                    assert (
+                                        bytes(value)
+                                        == content(k, size_of(k, 100, 50_000)).tobytes()
+                                    )
+                                    counts["hits"] += 1
+                        else:
+                            c.lookup(batch)
+                        counts[op] += 1
+                    except (AssertionError, TypeError):
+                        raise
+                    except Exception as exc:  # a typed pool error is allowed; record the kind
+                        counts[type(exc).__name__] += 1
+                    elapsed = time.monotonic() - started
+                    if elapsed > deadline_s + margin_s:
+                        slow.append(elapsed)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        hosts[2].nodes[-1].kill()  # kill
+        time.sleep(2)
+        frozen = hosts[1].nodes[-1]
+        frozen.signal(signal.SIGSTOP)  # freeze (a client's own local node, even)
+        time.sleep(3)
+        frozen.signal(signal.SIGCONT)
+        time.sleep(1)
+        hosts[2].start_node(etcd=etcd.endpoint, memory="32MiB")  # restart
+        hosts[3].start_node(etcd=etcd.endpoint, memory="32MiB")  # add
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[:3]
+    assert not slow, f"{len(slow)} calls past deadline + margin, worst {max(slow):.2f} s"
+    assert counts["put"] > 20 and counts["get"] > 20 and counts["hits"] > 20, counts
