@@ -82,6 +82,11 @@ def test_static_cluster_shares_blocks_across_hosts(fabric):
         assert wait_for(lambda: reader.lookup(keys) == 60)
         got = reader.get(keys)
         assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]
+        # A read lease (what the vLLM connector loads with) pins the local blocks and fills
+        # the gaps from their homes.
+        with reader.acquire(keys) as lease:
+            assert lease.num_prefix == 60
+            assert [bytes(v) for v in lease.views] == [v.tobytes() for v in values]
         stats = dict(writer.cluster_stats())
         assert (
             stats[hosts[0].tcp_address].num_blocks == 60
@@ -254,3 +259,44 @@ def test_chaos_never_wrong_bytes_never_past_deadlines(fabric, etcd):
     assert not errors, errors[:3]
     assert not slow, f"{len(slow)} calls past deadline + margin, worst {max(slow):.2f} s"
     assert counts["put"] > 20 and counts["get"] > 20 and counts["hits"] > 20, counts
+
+
+# -- management -------------------------------------------------------------------------
+
+
+def test_status_shows_the_whole_cluster(fabric, etcd):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    hosts = [fabric.add_host(n) for n in ("a", "b", "c")]
+    for host in hosts:
+        host.start_node(etcd=etcd.endpoint)
+    peers = ",".join(h.tcp_address for h in hosts)
+    env = {**os.environ, "KVPOOL_ACCESS_KEY": hosts[0].env()["KVPOOL_ACCESS_KEY"]}
+    with Client(**hosts[0].client_options(etcd=etcd.endpoint)) as client:
+        assert wait_for(lambda: len(client.cluster.members()) == 3)
+        client.put([key(f"st{i}") for i in range(9)], [b"s" * 4096] * 9)
+        client.lookup([key(f"st{i}") for i in range(12)])
+
+    def status(*args):
+        proc = subprocess.run([sys.executable, "-m", "kvpool", "status", *args], capture_output=True,
+                              text=True, env=env, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    nodes = json.loads(status("--etcd", etcd.endpoint, "--json"))["nodes"]
+    assert {n["address"] for n in nodes} == {h.tcp_address for h in hosts}
+    assert all(n["state"] == "up" and n["capacity_bytes"] == 64 << 20 for n in nodes)
+    assert sum(n["hits"] for n in nodes) >= 9 and max(n["num_blocks"] for n in nodes) == 9
+    table = status("--etcd", etcd.endpoint)
+    assert all(h.tcp_address in table for h in hosts) and "hit rate" in table
+    hosts[2].nodes[-1].kill()
+    nodes = json.loads(status("--peers", peers, "--json"))["nodes"]
+    states = {n["address"]: n["state"] for n in nodes}
+    assert states == {
+        hosts[0].tcp_address: "up",
+        hosts[1].tcp_address: "up",
+        hosts[2].tcp_address: "down",
+    }

@@ -39,6 +39,7 @@ def run_engine(
     on_pause: Callable[[str], None] | None = None,
     engine: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    command_prefix: list[str] | None = None,
     timeout: float = 600,
 ) -> list[dict[str, Any]]:
     """Run one engine process through ``steps``; returns one result per step (after the
@@ -54,7 +55,13 @@ def run_engine(
         plan_file.write_text(json.dumps(plan))
         cache = Path(tmp) / "vllm-cache"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.integrations.vllm.runner", str(plan_file)],
+            [
+                *(command_prefix or []),
+                sys.executable,
+                "-m",
+                "kvpool.integrations.vllm.runner",
+                str(plan_file),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -172,3 +172,34 @@ def test_prefill_producer_and_decode_consumer(model, reference, start_node):
         blocks = c.stats().num_blocks
     # The consumer saved nothing: only the producer's blocks are in the pool.
     assert blocks == sum((n // 32) for n in prefill["prompt_tokens"])
+
+
+@pytest.mark.cluster
+def test_engines_on_different_nodes_share_prefixes_through_the_cluster(model, reference):
+    from tests.cluster.fabric import Fabric
+
+    fabric = Fabric()
+    try:
+        hosts = [fabric.add_host(n) for n in ("a", "b", "c")]
+        peers = [h.tcp_address for h in hosts]
+        for host in hosts:
+            host.start_node(peers=peers, memory="256MiB")
+
+        def on(host, batch):
+            cfg = connector(host.unix_address, peers=",".join(peers))
+            (result,) = run_engine(model, [gen("run", batch)], connector_config=cfg,
+                                   env=host.env(), command_prefix=host.prefix)  # fmt: skip
+            return result
+
+        first = on(hosts[0], S3)
+        assert first["token_ids"] == reference["S3"]
+        second = on(hosts[1], S3)  # another host, another node: blocks come over the network
+        assert second["token_ids"] == reference["S3"]
+        assert (
+            hit_fraction({"external_hits": 0}, second["counters"], second["prompt_tokens"]) >= 0.9
+        )
+        assert second["counters"]["kvpool_blocks_loaded"] >= 0.9 * sum(
+            (n - 1) // 32 for n in second["prompt_tokens"]
+        )
+    finally:
+        fabric.close()

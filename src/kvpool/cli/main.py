@@ -103,12 +103,15 @@ def status(
     address: Annotated[
         str | None, typer.Option(help="Node address (default: the local node, or KVPOOL_ADDRESS).")
     ] = None,
+    peers: Annotated[str | None, typer.Option(help="A static cluster: host:port,...")] = None,
+    etcd: Annotated[str | None, typer.Option(help="A cluster in etcd: http://host:2379")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Show capacity, usage, hit rate and namespaces of the node (or the whole cluster)."""
+    """Show capacity, usage, hit rate and namespaces of the node, or of every node of a
+    cluster (--peers / --etcd)."""
     from kvpool.cli.status import show_status
 
-    show_status(address, json_output)
+    show_status(address, peers, etcd, json_output)
 
 
 @app.command()

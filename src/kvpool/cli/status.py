@@ -1,15 +1,17 @@
-"""``kvpool status``: the node's (or cluster's) capacity, usage, hit rate and namespaces."""
+"""``kvpool status``: capacity, usage, hit rate and namespaces of a node or of a whole
+cluster (``--peers`` / ``--etcd``, or ``KVPOOL_PEERS`` / ``KVPOOL_ETCD``)."""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import msgspec
 from rich.console import Console
 from rich.table import Table
 
 from kvpool.client.client import Client
-from kvpool.config import format_size
+from kvpool.config import client_config_from, format_size
 from kvpool.protocol.messages import NodeStats
 
 
@@ -17,9 +19,9 @@ def hit_rate(hits: int, misses: int) -> str:
     return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
 
 
-def node_table(rows: list[tuple[NodeStats | None, str, str]]) -> Table:
+def node_table(rows: list[tuple[str, NodeStats | None]]) -> Table:
     table = Table(title="kvpool nodes")
-    for column in (
+    columns = (
         "node",
         "address",
         "state",
@@ -29,22 +31,22 @@ def node_table(rows: list[tuple[NodeStats | None, str, str]]) -> Table:
         "hit rate",
         "puts",
         "evictions",
-    ):
+    )
+    for column in columns:
         table.add_column(
             column, justify="left" if column in ("node", "address", "state") else "right"
         )
-    for stats, address, state in rows:
+    for address, stats in rows:
         if stats is None:
-            table.add_row(address, address, f"[red]{state}[/]", *["-"] * 6)
+            table.add_row("?", address, "[red]down[/]", *["-"] * 6)
             continue
         percent = 100 * stats.used_bytes / max(stats.capacity_bytes, 1)
-        used = f"{format_size(stats.used_bytes)} ({percent:.0f}%)"
         table.add_row(
             stats.node_id,
             stats.tcp_address,
-            f"[green]{state}[/]",
+            "[green]up[/]",
             format_size(stats.capacity_bytes),
-            used,
+            f"{format_size(stats.used_bytes)} ({percent:.0f}%)",
             str(stats.num_blocks),
             hit_rate(stats.hits, stats.misses),
             str(stats.puts),
@@ -71,13 +73,34 @@ def namespace_table(stats: list[NodeStats]) -> Table:
     return table
 
 
-def show_status(address: str | None, json_output: bool) -> None:
-    with Client(address) as client:
-        stats = client.stats()
+def show_status(
+    address: str | None, peers: str | None, etcd: str | None, json_output: bool
+) -> None:
+    options: dict[str, Any] = {}
+    if peers:
+        options["peers"] = [p for p in peers.split(",") if p.strip()]
+    if etcd:
+        options["etcd"] = etcd
+    config = client_config_from(options)
+    if address is not None:
+        config = config.replace(address=address)
+    elif config.peers or config.etcd:
+        config = config.replace(address="")  # the cluster view needs no local node
+    with Client(config=config) as client:
+        rows = client.cluster_stats()
     if json_output:
-        sys.stdout.write(msgspec.json.encode({"nodes": [stats]}).decode() + "\n")
+        nodes = [
+            {
+                "address": addr,
+                "state": "up" if s else "down",
+                **(msgspec.to_builtins(s) if s else {}),
+            }
+            for addr, s in rows
+        ]
+        sys.stdout.write(msgspec.json.encode({"nodes": nodes}).decode() + "\n")
         return
     console = Console(width=max(Console().width, 140))
-    console.print(node_table([(stats, stats.tcp_address, "up")]))
-    if stats.namespaces:
-        console.print(namespace_table([stats]))
+    console.print(node_table(rows))
+    up = [s for _, s in rows if s is not None]
+    if any(s.namespaces for s in up):
+        console.print(namespace_table(up))

@@ -391,26 +391,28 @@ class Client:
         ``release()``; with ``prefix``, only the leading run of present keys.  In a cluster,
         blocks the local node lacks are fetched from their homes into private buffers."""
         deadline = self._deadline(timeout)
+        cluster = self._remote()
+        # In a cluster, pin every block the local node has, not just its leading run: the
+        # gaps are filled from the other nodes.
+        local_prefix = prefix and cluster is None
         if self.local is None:
             lease = ReadLease.empty(keys)
         else:
             try:
-                lease = ReadLease.open(self.local, keys, prefix, timeout)
+                lease = ReadLease.open(self.local, keys, local_prefix, timeout)
             except TransportError:
                 if self.cluster is None:
                     raise
                 lease = ReadLease.empty(keys)
-        cluster = self._remote()
-        start = lease.num_prefix
-        if cluster is None or start == len(keys):
+        if cluster is None or lease.num_prefix == len(keys):
             return lease
-        rest = list(keys[start:])
-        fetched = GetResult([Status.NOT_FOUND] * len(rest), [-1] * len(rest), [None] * len(rest))
-        self._get_remote(cluster, rest, None, fetched, list(range(len(rest))), deadline)
-        for j, (status, value) in enumerate(zip(fetched.statuses, fetched.values, strict=True)):
-            if status is not Status.OK or value is None:
-                break
-            lease.adopt(start + j, memoryview(value))
+        missing = [i for i, view in enumerate(lease.views) if view is None]
+        fetched = GetResult([Status.NOT_FOUND] * len(keys), [-1] * len(keys), [None] * len(keys))
+        self._get_remote(cluster, keys, None, fetched, missing, deadline)
+        for i in missing:
+            value = fetched.values[i]
+            if fetched.statuses[i] is Status.OK and value is not None:
+                lease.adopt(i, memoryview(value))
         return lease
 
     # -- asynchronous save and load --------------------------------------------------------
