@@ -74,13 +74,34 @@ class Host:
     def env(self) -> dict[str, str]:
         return {**os.environ, "KVPOOL_HOST_ID": self.host_id, "KVPOOL_ACCESS_KEY": ACCESS_KEY}
 
-    def start_node(self, *, peers: list[str] | None = None, etcd: str = "", memory: str = "64MiB",
-                   extra: list[str] | None = None) -> NodeProcess:  # fmt: skip
+    def start_node(
+        self,
+        *,
+        peers: list[str] | None = None,
+        etcd: str = "",
+        memory: str = "64MiB",
+        extra: list[str] | None = None,
+    ) -> NodeProcess:
         args = [
-            "--name", self.name, "--run-dir", str(self.run_dir), "--memory", memory,
-            "--host", self.ip, "--port", str(self.port), "--admin-host", self.ip,
-            "--admin-port", str(self.admin_port), "--host-id", self.host_id, "--log-level", "warning",
-        ]  # fmt: skip
+            "--name",
+            self.name,
+            "--run-dir",
+            str(self.run_dir),
+            "--memory",
+            memory,
+            "--host",
+            self.ip,
+            "--port",
+            str(self.port),
+            "--admin-host",
+            self.ip,
+            "--admin-port",
+            str(self.admin_port),
+            "--host-id",
+            self.host_id,
+            "--log-level",
+            "warning",
+        ]
         if peers:
             args += ["--peers", ",".join(peers)]
         if etcd:
@@ -91,8 +112,12 @@ class Host:
 
     def client_options(self, **options: object) -> dict[str, object]:
         """Options of a client running on this host."""
-        return {"address": self.unix_address, "host_id": self.host_id, "access_key": ACCESS_KEY,
-                **options}  # fmt: skip
+        return {
+            "address": self.unix_address,
+            "host_id": self.host_id,
+            "access_key": ACCESS_KEY,
+            **options,
+        }
 
 
 class Fabric:
@@ -120,8 +145,11 @@ class Fabric:
             _ip("link", "set", outside, "master", self.bridge)
             _ip("link", "set", outside, "up")
             ip = f"{self.subnet}.{index}"
-            for args in (["addr", "add", f"{ip}/24", "dev", inside], ["link", "set", inside, "up"],
-                         ["link", "set", "lo", "up"]):  # fmt: skip
+            for args in (
+                ["addr", "add", f"{ip}/24", "dev", inside],
+                ["link", "set", inside, "up"],
+                ["link", "set", "lo", "up"],
+            ):
                 _ip("netns", "exec", ns, "ip", *args)
             host = Host(name, ip, ns, self.run_dir, 9400, 9401)
         else:
@@ -158,12 +186,26 @@ class Etcd:
             "" if host == "127.0.0.1" else f",http://127.0.0.1:{self.port}"
         )
         self.proc = subprocess.Popen(
-            [binary, "--data-dir", self.data, "--listen-client-urls", urls,
-             "--advertise-client-urls", self.endpoint, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"default=http://127.0.0.1:{peer}", "--name", "default"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                binary,
+                "--data-dir",
+                self.data,
+                "--listen-client-urls",
+                urls,
+                "--advertise-client-urls",
+                self.endpoint,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer}",
+                "--name",
+                "default",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with (

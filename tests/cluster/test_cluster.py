@@ -56,8 +56,11 @@ def test_rendezvous_is_stable_balanced_and_moves_little():
     grown = [*members, Member(node_id="n4", tcp_address="10.0.0.4:1")]
     moved = sum(homes(k, grown)[0].node_id != o for k, o in zip(keys, owners, strict=True))
     assert 600 < moved < 1000  # about 1/5 of the keys move, all of them to the new node
-    assert all(homes(k, grown)[0].node_id == "n4" for k, o in zip(keys, owners, strict=True)
-               if homes(k, grown)[0].node_id != o)  # fmt: skip
+    assert all(
+        homes(k, grown)[0].node_id == "n4"
+        for k, o in zip(keys, owners, strict=True)
+        if homes(k, grown)[0].node_id != o
+    )
     two = homes(keys[0], members, replicas=2)
     assert len({m.node_id for m in two}) == 2
 
@@ -281,8 +284,13 @@ def test_status_shows_the_whole_cluster(fabric, etcd):
         client.lookup([key(f"st{i}") for i in range(12)])
 
     def status(*args):
-        proc = subprocess.run([sys.executable, "-m", "kvpool", "status", *args], capture_output=True,
-                              text=True, env=env, timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpool", "status", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 

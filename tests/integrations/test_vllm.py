@@ -187,8 +187,13 @@ def test_engines_on_different_nodes_share_prefixes_through_the_cluster(model, re
 
         def on(host, batch):
             cfg = connector(host.unix_address, peers=",".join(peers))
-            (result,) = run_engine(model, [gen("run", batch)], connector_config=cfg,
-                                   env=host.env(), command_prefix=host.prefix)  # fmt: skip
+            (result,) = run_engine(
+                model,
+                [gen("run", batch)],
+                connector_config=cfg,
+                env=host.env(),
+                command_prefix=host.prefix,
+            )
             return result
 
         first = on(hosts[0], S3)
