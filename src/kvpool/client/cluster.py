@@ -15,7 +15,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, membership_for
-from kvpool.cluster.placement import group_by_home
+from kvpool.cluster.placement import Placement
 from kvpool.config import Address, ClientConfig
 from kvpool.errors import KVPoolError, TransportError
 
@@ -41,6 +41,7 @@ class ClusterView:
         self._local_address: str | None = None
         self._clients: dict[str, NodeClient] = {}
         self._down_until: dict[str, float] = {}
+        self._placement = Placement([], config.replicas)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(FAN_OUT_THREADS, thread_name_prefix="kvpool-fanout")
 
@@ -88,12 +89,20 @@ class ClusterView:
 
     # -- fan-out --------------------------------------------------------------------------
 
+    def placement(self, members: Sequence[Member]) -> Placement:
+        """The placement of the current members (remembered while they do not change)."""
+        node_ids = tuple(sorted(m.node_id for m in members))
+        placement = self._placement
+        if placement.node_ids != node_ids:
+            placement = self._placement = Placement(members, self.config.replicas)
+        return placement
+
     def groups(self, keys: Sequence[bytes]) -> dict[Member, list[int]]:
         """Indices of ``keys`` per home node that is not the local node and not down."""
         members = {m.node_id: m for m in self.members()}
         out: dict[Member, list[int]] = {}
-        for node_id, indices in group_by_home(keys, list(members.values()), self.config.replicas,
-                                              skip=self.local_id).items():  # fmt: skip
+        placement = self.placement(list(members.values()))
+        for node_id, indices in placement.group(keys, skip=self.local_id).items():
             member = members[node_id]
             if not self.is_down(member):
                 out[member] = indices

@@ -83,8 +83,14 @@ def _etcd_client(endpoint: str, timeout: float) -> object:
 class EtcdMembership(Membership):
     """Members under ``prefix`` in etcd, kept current by a watch and a periodic re-read."""
 
-    def __init__(self, endpoint: str, prefix: str, *, timeout: float = 2.0,
-                 on_change: Callable[[list[Member]], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        prefix: str,
+        *,
+        timeout: float = 2.0,
+        on_change: Callable[[list[Member]], None] | None = None,
+    ):
         self.endpoint = endpoint
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.timeout = timeout
