@@ -179,6 +179,56 @@ def demo(
     )
 
 
+@app.command()
+def router(
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine",
+            help="An engine: URL[,role=both|prefill|decode][,node=host:port]. Repeatable.",
+        ),
+    ] = None,
+    config: Annotated[
+        str | None, typer.Option(help="A TOML or JSON file of router settings.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address.")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port.")] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="round_robin, least_load, session or cache_aware.")
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="The model's tokenizer (cache_aware).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="The model name the engines' pool namespaces carry.")
+    ] = None,
+    block_size: Annotated[int | None, typer.Option(help="The engines' KV block size.")] = None,
+    cache_weight: Annotated[
+        float | None, typer.Option(help="cache_aware: weight of the prefix share.")
+    ] = None,
+    load_weight: Annotated[
+        float | None, typer.Option(help="cache_aware: weight of the load share.")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """An OpenAI-compatible proxy in front of vLLM engines: prefill/decode disaggregation
+    and cache-aware, load-aware routing."""
+    from kvpool.router.main import run_router
+
+    _logging(log_level)
+    overrides = {
+        "host": host,
+        "port": port,
+        "policy": policy,
+        "tokenizer": tokenizer,
+        "model": model,
+        "block_size": block_size,
+        "cache_weight": cache_weight,
+        "load_weight": load_weight,
+    }
+    run_router(config, overrides, engine or [])
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,370 @@
+"""``kvpool router``: an OpenAI-compatible proxy in front of vLLM engines.
+
+- ``/v1/completions`` and ``/v1/chat/completions``, streaming or not; SSE chunks are passed
+  through as they arrive.  ``/v1/models``, ``/health`` and ``/metrics`` too.
+- With prefill and decode engines, a request first goes to a prefill engine with
+  ``max_tokens=1`` and streaming off (it computes the prompt's KV and saves it to the pool),
+  then, unchanged, to a decode engine, which loads that KV from the pool.  A failed prefill
+  is retried on another prefill engine, and failing that the request goes to decode alone
+  (with a warning).  A failure before the first byte of the answer is retried on another
+  engine; once bytes flow, the answer is the engine's.
+- A client that disconnects cancels the upstream requests.
+- ``/admin/engines``: list (GET), add (POST ``{"url", "role", "node"}``) and remove (DELETE
+  ``?url=…``; drained first) engines at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from .engines import Engine, EngineSet
+from .policies import LeastLoad, Policy, RoutedRequest
+
+log = logging.getLogger("kvpool.router")
+
+MAX_BODY_BYTES = 32 << 20
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "content-encoding",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "upgrade",
+    "host",
+}
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+)
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    prefill_timeout_s: float = 120.0
+    drain_timeout_s: float = 60.0
+    session_header: str = "x-session-id"
+    engines: list[Engine] = field(default_factory=list)
+
+
+class UpstreamFailed(Exception):
+    """An engine failed before sending the first byte of its answer (so: retry)."""
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        engines: EngineSet,
+        policy: Policy,
+        prefill_policy: Policy | None = None,
+    ):
+        self.config = config
+        self.engines = engines
+        self.policy = policy
+        self.prefill_policy = prefill_policy or LeastLoad()
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvpool_router_requests",
+            "Requests answered, by route and status.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "kvpool_router_retries",
+            "Requests retried on another engine.",
+            ["phase"],
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "kvpool_router_prefill_fallbacks",
+            "Requests sent to decode alone after every prefill failed.",
+            registry=self.registry,
+        )
+        self.first_byte = Histogram(
+            "kvpool_router_first_byte_seconds",
+            "Time from a request's arrival to the first byte of its answer.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.overhead = Histogram(
+            "kvpool_router_overhead_seconds",
+            "Time the router spends before the request leaves for its engine.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "kvpool_router_engines_healthy",
+            "Engines available, by role.",
+            ["role"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "kvpool_router_in_flight",
+            "Requests open on each engine.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        await self.engines.start()
+
+    async def stop(self) -> None:
+        await self.engines.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- completions ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        route = request.path
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._error(route, 400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return self._error(route, 400, "the request body must be a JSON object")
+        session = request.headers.get(self.config.session_header, "") or str(body.get("user") or "")
+        routed = RoutedRequest(route, body, session=session)
+        if self.engines.has_disaggregation:
+            await self._prefill(routed, request)
+            candidates = self.engines.available("decode")
+        else:
+            candidates = self.engines.available("any") or self.engines.available("decode")
+        if not candidates:
+            return self._error(route, 503, "no healthy engine can serve this request")
+        ordered = await self.policy.order(candidates, routed)
+        self.overhead.observe(time.perf_counter() - arrived)
+        return await self._forward(request, routed, ordered, arrived)
+
+    async def _prefill(self, routed: RoutedRequest, request: web.Request) -> None:
+        candidates = self.engines.available("prefill")
+        body = dict(routed.body, max_tokens=1, stream=False)
+        body.pop("stream_options", None)
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        ordered = await self.prefill_policy.order(candidates, routed)
+        for attempt, engine in enumerate(ordered[: self.config.max_attempts]):
+            if attempt:
+                self.retries.labels("prefill").inc()
+            self.engines.started(engine)
+            try:
+                timeout = aiohttp.ClientTimeout(
+                    total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s
+                )
+                assert self._session is not None
+                async with self._session.post(
+                    engine.url + routed.route,
+                    json=body,
+                    timeout=timeout,
+                    headers=_forward_headers(request),
+                ) as upstream:
+                    await upstream.read()
+                    if upstream.status < 500:
+                        routed.notes["prefill"] = engine.url
+                        return  # a 4xx will come back from decode the same way
+                    raise UpstreamFailed(f"status {upstream.status}")
+            except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as exc:
+                self.engines.failed(engine, exc)
+            finally:
+                self.engines.finished(engine)
+        self.fallbacks.inc()
+        log.warning(
+            "prefill failed on every prefill engine (%d tried); sending the request to "
+            "decode alone, which recomputes the prompt",
+            min(len(ordered), self.config.max_attempts),
+        )
+
+    async def _forward(
+        self, request: web.Request, routed: RoutedRequest, ordered: list[Engine], arrived: float
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        for attempt, engine in enumerate(ordered[: self.config.max_attempts]):
+            if attempt:
+                self.retries.labels("decode").inc()
+            response: web.StreamResponse | None = None
+            self.engines.started(engine)
+            try:
+                async with self._session.post(
+                    engine.url + routed.route, json=routed.body, headers=_forward_headers(request)
+                ) as upstream:
+                    if upstream.status >= 500:
+                        await upstream.read()
+                        raise UpstreamFailed(f"status {upstream.status}")
+                    response = web.StreamResponse(
+                        status=upstream.status, headers=_reply_headers(upstream)
+                    )
+                    response.headers["x-kvpool-engine"] = engine.url
+                    await response.prepare(request)
+                    first = True
+                    async for chunk in upstream.content.iter_any():
+                        if first:
+                            self.first_byte.observe(time.perf_counter() - arrived)
+                            first = False
+                        await response.write(chunk)
+                    await response.write_eof()
+                    self.requests.labels(routed.route, str(upstream.status)).inc()
+                    return response
+            except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as exc:
+                if response is not None:  # bytes already went to the client: cannot retry
+                    log.warning("engine %s failed mid-answer: %s", engine.url, exc)
+                    raise
+                self.engines.failed(engine, exc)
+            finally:
+                self.engines.finished(engine)
+        return self._error(routed.route, 502, "every engine tried failed before answering")
+
+    def _error(self, route: str, status: int, message: str) -> web.Response:
+        self.requests.labels(route, str(status)).inc()
+        body = {"error": {"message": message, "type": "router_error", "code": status}}
+        return web.json_response(body, status=status)
+
+    # -- other routes -----------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        for engine in self.engines.available("decode") + self.engines.available("prefill"):
+            try:
+                async with self._session.get(engine.url + "/v1/models") as upstream:
+                    return web.Response(
+                        body=await upstream.read(),
+                        status=upstream.status,
+                        content_type="application/json",
+                    )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.engines.failed(engine, exc)
+        return self._error("/v1/models", 503, "no healthy engine")
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = bool(self.engines.available("decode") or self.engines.available("any"))
+        return web.json_response(
+            {"healthy": ok, "engines": len(self.engines.engines)}, status=200 if ok else 503
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        for role in ("both", "prefill", "decode"):
+            self.healthy.labels(role).set(
+                sum(1 for e in self.engines.engines if e.role == role and e.is_available)
+            )
+        for engine in self.engines.engines:
+            self.in_flight.labels(engine.url).set(engine.in_flight)
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def list_engines(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"policy": self.policy.name, "engines": [e.describe() for e in self.engines.engines]}
+        )
+
+    async def add_engine(self, request: web.Request) -> web.Response:
+        try:
+            spec = await request.json()
+            engine = Engine(
+                url=str(spec["url"]), role=spec.get("role", "both"), node=str(spec.get("node", ""))
+            )
+            self.engines.add(engine)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        await self.engines.check(engine)
+        return web.json_response(engine.describe(), status=201)
+
+    async def remove_engine(self, request: web.Request) -> web.Response:
+        url = request.query.get("url", "")
+        timeout = float(request.query.get("timeout", self.config.drain_timeout_s))
+        try:
+            drained = await self.engines.remove(url, timeout)
+        except KeyError:
+            return web.json_response({"error": f"no engine {url}"}, status=404)
+        return web.json_response({"removed": url, "drained": drained})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/admin/engines", self.list_engines)
+        app.router.add_post("/admin/engines", self.add_engine)
+        app.router.add_delete("/admin/engines", self.remove_engine)
+
+        async def lifecycle(_: web.Application) -> Any:
+            await self.start()
+            yield
+            await self.stop()
+
+        app.cleanup_ctx.append(lifecycle)
+        return app
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+def _reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+async def serve(router: Router, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled.  Client disconnects cancel their handlers (and so the upstream
+    requests)."""
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    await site.start()
+    log.info(
+        "kvpool router on http://%s:%d, %d engines, policy %s",
+        host,
+        port,
+        len(router.engines.engines),
+        router.policy.name,
+    )
+    print(f"KVPOOL_ROUTER_READY http://{host}:{port}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

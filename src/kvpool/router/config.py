@@ -1,0 +1,95 @@
+"""The router's configuration: flags, or a TOML / JSON file with the same names.
+
+A file::
+
+    policy = "cache_aware"        # round_robin | least_load | session | cache_aware
+    tokenizer = "/models/llama"   # the model's tokenizer (cache_aware)
+    block_size = 16
+    [[engines]]
+    url = "http://10.0.0.2:8000"
+    role = "both"                 # both | prefill | decode
+    node = "10.0.0.2:9400"        # the kvpool node on the engine's host
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.errors import ConfigError
+
+from .engines import ROLES, Engine
+
+
+@dataclass
+class RouterSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    prefill_policy: str = "least_load"
+    tokenizer: str = ""
+    model: str = ""
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    cache_weight: float = 1.0
+    load_weight: float = 0.5
+    max_load_gap: float = 4.0
+    health_interval: float = 1.0
+    max_attempts: int = 3
+    session_header: str = "x-session-id"
+    engines: list[Engine] = field(default_factory=list)
+
+
+def parse_engine(spec: str) -> Engine:
+    """``URL`` or ``URL,role=prefill,node=host:port``."""
+    url, *options = [part.strip() for part in spec.split(",") if part.strip()]
+    values: dict[str, str] = {}
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep or name not in ("role", "node", "name"):
+            raise ConfigError(f"engine option {option!r}: use role=..., node=... or name=...")
+        values[name] = value
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"engine URL {url!r} must start with http:// or https://")
+    role = values.get("role", "both")
+    if role not in ROLES:
+        raise ConfigError(f"engine role {role!r}: one of {', '.join(ROLES)}")
+    return Engine(url=url, role=role, node=values.get("node", ""), name=values.get("name", ""))
+
+
+def load_file(path: str) -> dict[str, Any]:
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of settings")
+    return data
+
+
+def settings_from(
+    file: str | None, overrides: dict[str, Any], engine_specs: list[str]
+) -> RouterSettings:
+    values: dict[str, Any] = load_file(file) if file else {}
+    engines = [
+        parse_engine(",".join([e["url"], *(f"{k}={v}" for k, v in e.items() if k != "url")]))
+        if isinstance(e, dict)
+        else parse_engine(str(e))
+        for e in values.pop("engines", [])
+    ]
+    engines += [parse_engine(spec) for spec in engine_specs]
+    known = set(RouterSettings.__dataclass_fields__) - {"engines"}
+    for name in values:
+        if name not in known:
+            raise ConfigError(f"unknown router setting {name!r}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    settings = RouterSettings(**values, engines=engines)
+    if not settings.engines:
+        raise ConfigError("no engines: give --engine URL (repeatable) or a config file")
+    if settings.policy == "cache_aware" and not settings.tokenizer:
+        raise ConfigError("the cache_aware policy needs --tokenizer (the model's tokenizer)")
+    return settings

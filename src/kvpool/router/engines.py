@@ -1,0 +1,212 @@
+"""The engines behind the router: their roles, health and load.
+
+An engine is an OpenAI-compatible server (vLLM).  Its role is ``both`` (a plain engine),
+``prefill`` or ``decode``; ``node`` names the kvpool node on its host (for cache-aware
+routing).  A background task checks ``/health`` (an engine is taken out after a failure
+and back after ``recover_after`` consecutive successes) and reads vLLM's ``/metrics`` for
+the load: requests running and waiting, and KV cache usage.  Engines added at run time are
+used at once; an engine being removed is drained first: it takes no new requests, and it
+goes once the requests it is serving have finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("kvpool.router")
+
+Role = Literal["both", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
+
+LOAD_METRICS = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+@dataclass(eq=False)
+class Engine:
+    url: str
+    role: Role = "both"
+    node: str = ""  # the kvpool node on the engine's host
+    name: str = ""
+    is_healthy: bool = True
+    is_draining: bool = False
+    in_flight: int = 0  # requests the router has open on it now
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    successes: int = 0
+    num_requests: int = 0
+    num_failures: int = 0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self.name = self.name or self.url
+        if self.role not in ROLES:
+            raise ValueError(f"engine role must be one of {ROLES}, not {self.role!r}")
+
+    @property
+    def is_available(self) -> bool:
+        return self.is_healthy and not self.is_draining
+
+    @property
+    def load(self) -> float:
+        """Requests ahead of a new one: the engine's own count, or the router's if higher
+        (the engine's metrics lag)."""
+        return max(self.running + self.waiting, float(self.in_flight))
+
+    def can_serve(self, phase: Literal["prefill", "decode", "any"]) -> bool:
+        if phase == "any":
+            return self.role == "both"
+        return self.role in (phase, "both")
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "node": self.node,
+            "healthy": self.is_healthy,
+            "draining": self.is_draining,
+            "in_flight": self.in_flight,
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": self.kv_usage,
+            "requests": self.num_requests,
+            "failures": self.num_failures,
+        }
+
+
+class EngineSet:
+    """The engines, and the task that checks them."""
+
+    def __init__(
+        self,
+        engines: list[Engine],
+        *,
+        interval_s: float = 1.0,
+        recover_after: int = 2,
+        timeout_s: float = 2.0,
+    ):
+        self.engines: list[Engine] = list(engines)
+        self.interval_s = interval_s
+        self.recover_after = recover_after
+        self.timeout_s = timeout_s
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def available(self, phase: Literal["prefill", "decode", "any"]) -> list[Engine]:
+        return [e for e in self.engines if e.is_available and e.can_serve(phase)]
+
+    @property
+    def has_disaggregation(self) -> bool:
+        roles = {e.role for e in self.engines if not e.is_draining}
+        return "prefill" in roles and "decode" in roles
+
+    def find(self, url: str) -> Engine | None:
+        url = url.rstrip("/")
+        return next((e for e in self.engines if e.url == url), None)
+
+    def add(self, engine: Engine) -> Engine:
+        if self.find(engine.url) is not None:
+            raise ValueError(f"engine {engine.url} is already registered")
+        self.engines.append(engine)
+        log.info("engine added: %s (%s)", engine.url, engine.role)
+        return engine
+
+    async def remove(self, url: str, timeout: float) -> bool:
+        """Drain the engine (no new requests), wait for its requests up to ``timeout``, then
+        drop it; returns whether it drained before the timeout."""
+        engine = self.find(url)
+        if engine is None:
+            raise KeyError(url)
+        engine.is_draining = True
+        if engine.in_flight == 0:
+            engine.drained.set()
+        drained = True
+        try:
+            await asyncio.wait_for(engine.drained.wait(), timeout)
+        except TimeoutError:
+            drained = False
+        self.engines.remove(engine)
+        log.info("engine removed: %s (%s)", url, "drained" if drained else "drain timed out")
+        return drained
+
+    def started(self, engine: Engine) -> None:
+        engine.in_flight += 1
+        engine.num_requests += 1
+
+    def finished(self, engine: Engine) -> None:
+        engine.in_flight -= 1
+        if engine.is_draining and engine.in_flight == 0:
+            engine.drained.set()
+
+    def failed(self, engine: Engine, reason: object) -> None:
+        engine.num_failures += 1
+        if engine.is_healthy:
+            log.warning("engine %s unhealthy: %s", engine.url, reason)
+        engine.is_healthy = False
+        engine.successes = 0
+
+    # -- background checks ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        await self.check_all()
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._session is not None:
+            await self._session.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(e) for e in list(self.engines)))
+
+    async def check(self, engine: Engine) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{engine.url}/health") as response:
+                ok = response.status == 200
+            if ok:
+                async with self._session.get(f"{engine.url}/metrics") as response:
+                    self._read_load(engine, await response.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.failed(engine, exc)
+            return
+        if not ok:
+            self.failed(engine, "health check failed")
+            return
+        engine.successes += 1
+        if not engine.is_healthy and engine.successes >= self.recover_after:
+            engine.is_healthy = True
+            log.warning("engine %s healthy again", engine.url)
+
+    @staticmethod
+    def _read_load(engine: Engine, text: str) -> None:
+        values = dict.fromkeys(LOAD_METRICS.values(), 0.0)
+        for family in text_string_to_metric_families(text):
+            attribute = LOAD_METRICS.get(family.name)
+            if attribute is None:
+                continue
+            values[attribute] = sum(sample.value for sample in family.samples)
+        engine.running = values["running"]
+        engine.waiting = values["waiting"]
+        engine.kv_usage = values["kv_usage"]

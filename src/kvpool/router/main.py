@@ -1,0 +1,59 @@
+"""Assemble and run the router from its settings."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvpool.config import client_config_from
+
+from .app import Router, RouterConfig, serve
+from .config import RouterSettings, settings_from
+from .engines import EngineSet
+from .policies import make_policy
+from .prefix import PrefixLocator, PromptHasher
+
+
+def build_router(settings: RouterSettings) -> Router:
+    locator = None
+    if settings.policy == "cache_aware":
+        hasher = PromptHasher(settings.tokenizer, settings.block_size, settings.hash_algo)
+        pool = client_config_from(
+            {
+                "address": "",
+                "peers": [e.node for e in settings.engines if e.node] or ["127.0.0.1:1"],
+                "timeout": 0.5,
+                "use_shm": False,
+            }
+        )
+        locator = PrefixLocator(hasher, pool, settings.model)
+    policy = (
+        make_policy(
+            settings.policy,
+            locator,
+            cache_weight=settings.cache_weight,
+            load_weight=settings.load_weight,
+            max_load_gap=settings.max_load_gap,
+        )
+        if settings.policy == "cache_aware"
+        else make_policy(settings.policy)
+    )
+    config = RouterConfig(
+        host=settings.host,
+        port=settings.port,
+        max_attempts=settings.max_attempts,
+        session_header=settings.session_header.lower(),
+    )
+    engines = EngineSet(settings.engines, interval_s=settings.health_interval)
+    return Router(config, engines, policy, make_policy(settings.prefill_policy))
+
+
+def run_router(config_file: str | None, overrides: dict[str, Any], engine_specs: list[str]) -> None:
+    settings = settings_from(config_file, overrides, engine_specs)
+    router = build_router(settings)
+    try:
+        import uvloop
+
+        uvloop.run(serve(router, settings.host, settings.port))
+    except ImportError:  # pragma: no cover
+        asyncio.run(serve(router, settings.host, settings.port))

@@ -1,0 +1,132 @@
+"""Where a request's prompt prefix is cached: the cache-aware policy's eyes.
+
+The router tokenizes a request as vLLM will (the model's own tokenizer and chat template),
+hashes its full blocks with vLLM's own block-hash function and seed, and asks each engine's
+pool node how long a prefix of those blocks it holds.  Keys are ``namespace id + block
+hash``; the namespaces are read from the nodes (the connector labels them with the model),
+so the router needs no copy of the engines' configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.client.node import NodeClient
+from kvpool.config import ClientConfig
+from kvpool.errors import KVPoolError
+from kvpool.keys import NAMESPACE_ID_BYTES, block_key
+
+log = logging.getLogger("kvpool.router")
+
+NAMESPACE_REFRESH_S = 5.0
+
+
+class PromptHasher:
+    """Token ids and vLLM block hashes of a completions or chat request."""
+
+    def __init__(self, tokenizer_path: str, block_size: int, hash_algo: str = "sha256"):
+        from transformers import AutoTokenizer
+
+        try:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+        except ImportError as exc:  # pragma: no cover - vllm is a dependency of the extra
+            raise RuntimeError(
+                "cache-aware routing hashes blocks with vLLM's own code: install vllm"
+            ) from exc
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.block_size = block_size
+        self._hash_fn = get_hash_fn_by_name(hash_algo)
+        init_none_hash(self._hash_fn)
+        self._hash_block_tokens = hash_block_tokens
+
+    def token_ids(self, route: str, body: dict[str, Any]) -> list[int]:
+        if route.endswith("/chat/completions"):
+            text = self.tokenizer.apply_chat_template(
+                body.get("messages", []), tokenize=False, add_generation_prompt=True
+            )
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        if isinstance(prompt, list):
+            prompt = prompt[0] if prompt else ""
+        return list(self.tokenizer(str(prompt))["input_ids"])
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        hashes: list[bytes] = []
+        parent = None
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            parent = self._hash_block_tokens(
+                self._hash_fn, parent, token_ids[start : start + bs], None
+            )
+            hashes.append(bytes(parent))
+        return hashes
+
+
+class PrefixLocator:
+    """How many leading blocks of a prompt each pool node holds."""
+
+    def __init__(self, hasher: PromptHasher, client_config: ClientConfig, model: str = ""):
+        self.hasher = hasher
+        self.client_config = client_config
+        self.model = model
+        self._clients: dict[str, NodeClient] = {}
+        self._namespaces: dict[str, tuple[float, list[bytes]]] = {}
+
+    def _client(self, node: str) -> NodeClient:
+        client = self._clients.get(node)
+        if client is None:
+            client = self._clients[node] = NodeClient(node, self.client_config)
+        return client
+
+    def _namespace_ids(self, node: str) -> list[bytes]:
+        cached = self._namespaces.get(node)
+        if cached is not None and time.monotonic() - cached[0] < NAMESPACE_REFRESH_S:
+            return cached[1]
+        stats = self._client(node).stats(timeout=self.client_config.timeout_s)
+        ids = [
+            bytes.fromhex(ns.namespace_id)
+            for ns in stats.namespaces
+            if ns.label and (not self.model or ns.label.startswith(self.model))
+        ]
+        ids = [i for i in ids if len(i) == NAMESPACE_ID_BYTES]
+        self._namespaces[node] = (time.monotonic(), ids)
+        return ids
+
+    def _prefix_on(self, node: str, hashes: list[bytes]) -> int:
+        best = 0
+        client = self._client(node)
+        for namespace_id in self._namespace_ids(node):
+            keys = [block_key(namespace_id, h) for h in hashes]
+            best = max(best, client.lookup(keys, timeout=self.client_config.timeout_s).num_prefix)
+        return best
+
+    async def locate(
+        self, route: str, body: dict[str, Any], nodes: Sequence[str]
+    ) -> tuple[int, dict[str, int]]:
+        """The prompt's number of full blocks, and the prefix (in blocks) each node holds.
+        A node that cannot be asked holds nothing."""
+        token_ids = await asyncio.to_thread(self.hasher.token_ids, route, body)
+        hashes = self.hasher.block_hashes(token_ids)
+        if not hashes:
+            return 0, {}
+
+        async def one(node: str) -> tuple[str, int]:
+            try:
+                return node, await asyncio.to_thread(self._prefix_on, node, hashes)
+            except KVPoolError as exc:
+                log.debug("prefix lookup on %s failed: %s", node, exc)
+                return node, 0
+
+        found = await asyncio.gather(*(one(n) for n in sorted(set(nodes)) if n))
+        return len(hashes), dict(found)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()

@@ -1,0 +1,249 @@
+"""The router as a real process in front of stand-in engines (no model needed here; the
+real-vLLM router tests are in tests/integrations/test_router_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+
+from tests.router.servers import FakeEngine, RouterProc, get_json, post
+
+
+@pytest.fixture
+def fakes():
+    started: list[FakeEngine] = []
+
+    def make(n: int, **names: str) -> list[FakeEngine]:
+        for i in range(n):
+            started.append(FakeEngine(name=f"e{len(started)}"))
+        return started[-n:]
+
+    yield make
+    for fake in started:
+        fake.stop()
+
+
+@pytest.fixture
+def routers():
+    started: list[RouterProc] = []
+
+    def make(engines: list[str], *args: str) -> RouterProc:
+        router = RouterProc(engines, *args)
+        started.append(router)
+        return router
+
+    yield make
+    for router in started:
+        router.stop()
+
+
+def complete(
+    router: RouterProc, body: dict | None = None, headers: dict | None = None, chat: bool = False
+):
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    payload = body or {"model": "m", "prompt": "hello", "max_tokens": 4}
+    request = urllib.request.Request(
+        router.url + route,
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.headers.get("x-kvpool-engine"), response.read().decode()
+
+
+def test_round_robin_and_non_streaming_answers(fakes, routers):
+    a, b = fakes(2)
+    router = routers([a.url, b.url], "--policy", "round_robin")
+    served = [complete(router)[0] for _ in range(6)]
+    assert served.count(a.url) == 3 and served.count(b.url) == 3
+    engine, text = complete(
+        router, chat=True, body={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert json.loads(text)["choices"][0]["message"]["content"]
+    assert get_json(router.url + "/v1/models")["data"][0]["id"] == "m"
+    assert get_json(router.url + "/health")["healthy"]
+    with urllib.request.urlopen(router.url + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'kvpool_router_requests_total{route="/v1/completions",status="200"} 6.0' in metrics
+
+
+def test_streaming_is_passed_through_chunk_by_chunk(fakes, routers):
+    (a,) = fakes(1)
+    a.configure(chunks=5, delay=0.3)
+    router = routers([a.url])
+
+    async def stream():
+        arrivals = []
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                router.url + "/v1/completions",
+                json={"model": "m", "prompt": "p", "max_tokens": 5, "stream": True},
+            ) as response,
+        ):
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            start = time.monotonic()
+            async for chunk in response.content.iter_any():
+                arrivals.append((time.monotonic() - start, chunk))
+        return arrivals
+
+    arrivals = asyncio.run(stream())
+    body = b"".join(c for _, c in arrivals).decode()
+    assert body.count("data: ") == 6 and body.rstrip().endswith("data: [DONE]")
+    assert (
+        arrivals[0][0] < 0.2 and arrivals[-1][0] > 1.0
+    )  # the first chunk did not wait for the last
+
+
+def test_least_load_uses_the_engines_metrics(fakes, routers):
+    a, b = fakes(2)
+    a.configure(running=8, waiting=4)
+    router = routers([a.url, b.url], "--policy", "least_load")
+    time.sleep(1.5)  # one metrics scrape
+    assert {complete(router)[0] for _ in range(5)} == {b.url}
+
+
+def test_session_affinity_by_header_and_user(fakes, routers):
+    engines = fakes(3)
+    router = routers([e.url for e in engines], "--policy", "session")
+    for session in ("alice", "bob", "carol", "dave"):
+        served = {complete(router, headers={"X-Session-Id": session})[0] for _ in range(3)}
+        assert len(served) == 1
+        by_user = {
+            complete(router, body={"model": "m", "prompt": "x", "user": session})[0]
+            for _ in range(3)
+        }
+        assert by_user == served
+
+
+def test_unhealthy_and_killed_engines_are_skipped_and_taken_back(fakes, routers):
+    a, b = fakes(2)
+    router = routers([a.url, b.url], "--policy", "round_robin")
+    b.configure(healthy=False)
+    time.sleep(1.5)
+    assert {complete(router)[0] for _ in range(4)} == {a.url}
+    b.configure(healthy=True)
+    time.sleep(3)  # two successful checks
+    assert b.url in {complete(router)[0] for _ in range(4)}
+    a.kill()
+    results = [complete(router)[0] for _ in range(6)]  # the first may hit dead a: retried on b
+    assert set(results) == {b.url}
+
+
+def test_failures_before_the_first_byte_are_retried(fakes, routers):
+    a, b = fakes(2)
+    a.configure(fail=100)
+    router = routers([a.url, b.url], "--policy", "round_robin")
+    assert all(complete(router)[0] == b.url for _ in range(4))
+    with urllib.request.urlopen(router.url + "/metrics", timeout=10) as response:
+        assert 'kvpool_router_retries_total{phase="decode"}' in response.read().decode()
+
+
+def test_prefill_decode_disaggregation(fakes, routers):
+    p1, p2, d = fakes(3)
+    router = routers([f"{p1.url},role=prefill", f"{p2.url},role=prefill", f"{d.url},role=decode"])
+    body = {
+        "model": "m",
+        "prompt": "long prompt",
+        "max_tokens": 7,
+        "stream": True,
+        "stream_options": {"x": 1},
+    }
+    engine, text = complete(router, body=body)
+    assert engine == d.url and text.count("data: ") == 6  # 5 chunks and [DONE]
+    prefills = p1.log() + p2.log()
+    assert len(prefills) == 1
+    sent = prefills[0]["body"]
+    assert sent["max_tokens"] == 1 and sent["stream"] is False and "stream_options" not in sent
+    assert sent["prompt"] == "long prompt"
+    assert d.log()[0]["body"] == body  # decode gets the request unchanged
+    # A failing prefill is retried on the other prefill engine ...
+    p1.configure(fail=1)
+    p2.configure(fail=1)
+    complete(router, body=body)
+    assert sum(len(p.log()) for p in (p1, p2)) == 3
+    # ... and when every prefill fails, decode serves alone, with a warning.
+    p1.configure(fail=100)
+    p2.configure(fail=100)
+    engine, text = complete(router, body=body)
+    assert engine == d.url and "[DONE]" in text
+    time.sleep(0.2)
+    assert any("falling back" in line or "decode alone" in line for line in router.output)
+
+
+def test_a_client_that_disconnects_cancels_the_upstream_request(fakes, routers):
+    (a,) = fakes(1)
+    a.configure(chunks=100, delay=0.2)
+    router = routers([a.url])
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(
+                router.url + "/v1/completions",
+                json={"model": "m", "prompt": "p", "stream": True, "max_tokens": 100},
+            )
+            await response.content.readany()
+            response.close()  # the client goes away mid-stream
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not a.log()[-1]["cancelled"]:
+        time.sleep(0.1)
+    entry = a.log()[-1]
+    assert entry["cancelled"] and not entry["done"]
+
+
+def test_engines_added_and_removed_at_run_time_with_drain(fakes, routers):
+    a, b = fakes(2)
+    router = routers([a.url], "--policy", "round_robin")
+    added = post(router.url + "/admin/engines", {"url": b.url, "role": "both"})
+    assert added["url"] == b.url
+    assert {complete(router)[0] for _ in range(4)} == {a.url, b.url}
+    # Removing b while it serves a slow request: the request completes, then b goes.
+    b.configure(chunks=5, delay=0.3)
+    a.configure(chunks=5, delay=0.3)
+    results = []
+
+    def slow():
+        results.append(
+            complete(router, body={"model": "m", "prompt": "s", "stream": True, "max_tokens": 5})
+        )
+
+    threads = [threading.Thread(target=slow) for _ in range(2)]  # one on each engine
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    removed = post(f"{router.url}/admin/engines?url={b.url}", {}, method="DELETE")
+    assert removed["drained"] and time.monotonic() - started > 0.5
+    for t in threads:
+        t.join(10)
+    assert len(results) == 2 and all("[DONE]" in text for _, text in results)
+    engines = get_json(router.url + "/admin/engines")["engines"]
+    assert [e["url"] for e in engines] == [a.url]
+    assert {complete(router)[0] for _ in range(3)} == {a.url}
+
+
+def test_bad_requests_are_refused_clearly(fakes, routers):
+    (a,) = fakes(1)
+    router = routers([a.url])
+    request = urllib.request.Request(
+        router.url + "/v1/completions",
+        data=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=10)
+    assert error.value.code == 400
+    error.value.close()
+    with pytest.raises(urllib.error.HTTPError) as error:
+        post(router.url + "/admin/engines", {"url": "ftp://nope", "role": "sideways"})
+    assert error.value.code == 400
+    error.value.close()
