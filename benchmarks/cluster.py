@@ -30,7 +30,9 @@ LOOKUP_KEYS = 1000
 LOOKUP_ROUNDS = 300
 
 
-def _client_phase(options: dict[str, Any], my_index: int, num_hosts: int, start: Any, results: Any) -> None:
+def _client_phase(
+    options: dict[str, Any], my_index: int, num_hosts: int, start: Any, results: Any
+) -> None:
     from kvpool import Client
     from kvpool.keys import Namespace
 
@@ -38,7 +40,9 @@ def _client_phase(options: dict[str, Any], my_index: int, num_hosts: int, start:
     payload = np.random.default_rng(my_index).integers(0, 256, BLOCK_BYTES, dtype=np.uint8)
     with Client(**options) as client:
         mine = [ns.key(f"{my_index}-{i}".encode()) for i in range(BLOCKS_PER_CLIENT)]
-        everyone = [ns.key(f"{h}-{i}".encode()) for h in range(num_hosts) for i in range(BLOCKS_PER_CLIENT)]
+        everyone = [
+            ns.key(f"{h}-{i}".encode()) for h in range(num_hosts) for i in range(BLOCKS_PER_CLIENT)
+        ]
         client.lookup(mine[:1])  # connect before the clock starts
         start.wait()
         t0 = time.perf_counter()
@@ -53,8 +57,15 @@ def _client_phase(options: dict[str, Any], my_index: int, num_hosts: int, start:
             chunk = everyone[i : i + BATCH]
             found += client.get(chunk, buffers[: len(chunk)]).num_found
         get_s = time.perf_counter() - t0
-        results.put({"index": my_index, "put_s": put_s, "get_s": get_s, "found": found,
-                     "wanted": len(everyone)})
+        results.put(
+            {
+                "index": my_index,
+                "put_s": put_s,
+                "get_s": get_s,
+                "found": found,
+                "wanted": len(everyone),
+            }
+        )
 
 
 def run_cluster(num_hosts: int) -> dict[str, Any]:
@@ -72,7 +83,9 @@ def run_cluster(num_hosts: int) -> dict[str, Any]:
         procs = []
         for i, host in enumerate(hosts):
             options = host.client_options(peers=tuple(peers) if num_hosts > 1 else (), timeout=60)
-            procs.append(ctx.Process(target=_client_phase, args=(options, i, num_hosts, start, results)))
+            procs.append(
+                ctx.Process(target=_client_phase, args=(options, i, num_hosts, start, results))
+            )
         for p in procs:
             p.start()
         rows = [results.get(timeout=600) for _ in procs]
@@ -88,7 +101,9 @@ def run_cluster(num_hosts: int) -> dict[str, Any]:
         "nodes": num_hosts,
         "put_gbps": round(put_bytes / max(r["put_s"] for r in rows) / 1e9, 3),
         "get_gbps": round(get_bytes / max(r["get_s"] for r in rows) / 1e9, 3),
-        "get_found_fraction": round(sum(r["found"] for r in rows) / sum(r["wanted"] for r in rows), 4),
+        "get_found_fraction": round(
+            sum(r["found"] for r in rows) / sum(r["wanted"] for r in rows), 4
+        ),
         "cross_node_lookup": lookup,
     }
 

@@ -159,14 +159,16 @@ class Router:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
         route = request.path
+        raw = await request.read()
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return self._error(route, 400, "the request body is not JSON")
         if not isinstance(body, dict):
             return self._error(route, 400, "the request body must be a JSON object")
         session = request.headers.get(self.config.session_header, "") or str(body.get("user") or "")
         routed = RoutedRequest(route, body, session=session)
+        routed.notes["raw"] = raw  # forwarded as received: no second serialization
         if self.engines.has_disaggregation:
             await self._prefill(routed, request)
             candidates = self.engines.available("decode")
@@ -227,7 +229,9 @@ class Router:
             self.engines.started(engine)
             try:
                 async with self._session.post(
-                    engine.url + routed.route, json=routed.body, headers=_forward_headers(request)
+                    engine.url + routed.route,
+                    data=routed.notes["raw"],
+                    headers=_forward_headers(request),
                 ) as upstream:
                     if upstream.status >= 500:
                         await upstream.read()
