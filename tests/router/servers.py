@@ -35,7 +35,10 @@ class Proc:
             raise RuntimeError("process exited before it was ready:\n" + "".join(self.output[-40:]))
         import threading
 
-        threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True).start()
+        self._reader = threading.Thread(
+            target=lambda: self.output.extend(self.proc.stdout), daemon=True
+        )
+        self._reader.start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -45,7 +48,9 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdout.close()
+        self._reader.join(10)
+        if not self._reader.is_alive():
+            self.proc.stdout.close()
 
     def kill(self) -> None:
         self.proc.kill()
@@ -78,7 +83,7 @@ class FakeEngine(Proc):
 
 
 class RouterProc(Proc):
-    def __init__(self, engines: list[str], *args: str):
+    def __init__(self, engines: list[str], *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
@@ -93,7 +98,7 @@ class RouterProc(Proc):
         ]
         for engine in engines:
             command += ["--engine", engine]
-        super().__init__([*command, *args], "KVPOOL_ROUTER_READY", timeout=120)
+        super().__init__([*command, *args], "KVPOOL_ROUTER_READY", env=env, timeout=120)
 
 
 def post(url: str, body: object, method: str = "POST", timeout: float = 30) -> dict:

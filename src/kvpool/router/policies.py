@@ -56,7 +56,7 @@ class RoundRobin(Policy):
 
 
 def by_load(engines: list[Engine]) -> list[Engine]:
-    return sorted(engines, key=lambda e: (e.load, e.kv_usage, e.in_flight, e.url))
+    return sorted(engines, key=lambda e: (e.load, e.kv_usage, e.in_flight, e.num_requests, e.url))
 
 
 class LeastLoad(Policy):
@@ -113,7 +113,9 @@ class CacheAware(Policy):
                 share = 0.0
             return self.cache_weight * share - self.load_weight * engine.load / most
 
-        ranked = sorted(engines, key=lambda e: (-score(e), e.load, e.url))
+        # Ties (no prefix anywhere, equal load) go to the engine that has had the fewest
+        # requests, so newcomers spread out.
+        ranked = sorted(engines, key=lambda e: (-round(score(e), 6), e.load, e.num_requests, e.url))
         request.notes["prefix_blocks"] = {e.url: prefix_by_node.get(e.node, 0) for e in engines}
         request.notes["num_blocks"] = num_blocks
         return ranked

