@@ -20,8 +20,8 @@ from tests.router.servers import FakeEngine, RouterProc, get_json, post
 def fakes():
     started: list[FakeEngine] = []
 
-    def make(n: int, **names: str) -> list[FakeEngine]:
-        for i in range(n):
+    def make(n: int) -> list[FakeEngine]:
+        for _ in range(n):
             started.append(FakeEngine(name=f"e{len(started)}"))
         return started[-n:]
 
@@ -63,7 +63,7 @@ def test_round_robin_and_non_streaming_answers(fakes, routers):
     router = routers([a.url, b.url], "--policy", "round_robin")
     served = [complete(router)[0] for _ in range(6)]
     assert served.count(a.url) == 3 and served.count(b.url) == 3
-    engine, text = complete(
+    _, text = complete(
         router, chat=True, body={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     )
     assert json.loads(text)["choices"][0]["message"]["content"]
