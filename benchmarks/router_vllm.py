@@ -33,9 +33,20 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _chat_turn(session: aiohttp.ClientSession, url: str, model: str,
-                     messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str, str]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+async def _chat_turn(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+) -> tuple[float, str, str]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     start = time.perf_counter()
     ttft = 0.0
     text = ""
@@ -67,21 +78,29 @@ async def _run_chat(router_url: str, model: str, workload: Workload) -> dict[str
         for turn in range(workload.num_turns):
             for index, turns in enumerate(conversations):
                 histories[index].append({"role": "user", "content": turns[turn]})
-                ttft, reply, engine = await _chat_turn(session, router_url, model, histories[index],
-                                                       workload.reply_tokens)
+                ttft, reply, engine = await _chat_turn(
+                    session, router_url, model, histories[index], workload.reply_tokens
+                )
                 histories[index].append({"role": "assistant", "content": reply})
                 if turn > 0:
                     ttfts.append(1e3 * ttft)
                     moves += homes.get(index) != engine
                 homes[index] = engine
-    return {"ttft_ms_median": round(statistics.median(ttfts), 2), "ttft_ms_p90": round(_percentile(ttfts, 0.9), 2),
-            "returning_turns": len(ttfts), "returning_turns_that_changed_engine": moves}
+    return {
+        "ttft_ms_median": round(statistics.median(ttfts), 2),
+        "ttft_ms_p90": round(_percentile(ttfts, 0.9), 2),
+        "returning_turns": len(ttfts),
+        "returning_turns_that_changed_engine": moves,
+    }
 
 
 def _counters(servers: list[Any]) -> dict[str, float]:
-    names = {"vllm:prompt_tokens_total": "prompt", "vllm:prefix_cache_hits_total": "local_hits",
-             "vllm:external_prefix_cache_hits_total": "pool_hits",
-             "vllm:external_prefix_cache_queries_total": "pool_queries"}
+    names = {
+        "vllm:prompt_tokens_total": "prompt",
+        "vllm:prefix_cache_hits_total": "local_hits",
+        "vllm:external_prefix_cache_hits_total": "pool_hits",
+        "vllm:external_prefix_cache_queries_total": "pool_queries",
+    }
     return {short: sum(s.metric(name) for s in servers) for name, short in names.items()}
 
 
@@ -89,7 +108,11 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: after[k] - before[k] for k in after}
 
 
-def run(num_conversations: int, num_turns: int) -> dict[str, Any]:
+def run(
+    num_conversations: int,
+    num_turns: int,
+    policies: tuple[str, ...] = ("round_robin", "cache_aware"),
+) -> dict[str, Any]:
     from tests.cluster.fabric import Fabric
     from tests.integrations.vllm_server import VllmServer, connector_config
     from tests.router.servers import RouterProc
@@ -105,22 +128,35 @@ def run(num_conversations: int, num_turns: int) -> dict[str, Any]:
             host.start_node(peers=peers, memory="512MiB")
         for host in hosts:
             cfg = connector_config(host.unix_address, "kv_both", peers=",".join(peers))
-            servers.append(VllmServer(model, kv_transfer_config=cfg, host=host.ip, port=8000,
-                                      env=host.env(), prefix=host.prefix))
+            servers.append(
+                VllmServer(
+                    model,
+                    kv_transfer_config=cfg,
+                    host=host.ip,
+                    port=8000,
+                    env=host.env(),
+                    prefix=host.prefix,
+                )
+            )
         engines = [f"{s.url},node={h.tcp_address}" for s, h in zip(servers, hosts, strict=True)]
-        for seed, policy in enumerate(("round_robin", "cache_aware")):
+        for seed, policy in enumerate(policies):
             args = ["--policy", policy, "--log-level", "warning"]
             if policy == "cache_aware":
                 args += ["--tokenizer", model, "--block-size", str(BLOCK), "--model", model]
             router = RouterProc(engines, *args, env=hosts[0].env())
             try:
                 before = _counters(servers)
-                workload = Workload(num_conversations=num_conversations, num_turns=num_turns, seed=100 + seed)
+                workload = Workload(
+                    num_conversations=num_conversations, num_turns=num_turns, seed=100 + seed
+                )
                 chat = asyncio.run(_run_chat(router.url, model, workload))
                 counts = _delta(_counters(servers), before)
                 chat["prompt_tokens_cached_share"] = round(
-                    (counts["local_hits"] + counts["pool_hits"]) / max(counts["prompt"], 1), 4)
-                chat["pool_hit_rate"] = round(counts["pool_hits"] / max(counts["pool_queries"], 1), 4)
+                    (counts["local_hits"] + counts["pool_hits"]) / max(counts["prompt"], 1), 4
+                )
+                chat["pool_hit_rate"] = round(
+                    counts["pool_hits"] / max(counts["pool_queries"], 1), 4
+                )
                 results[policy] = chat
             finally:
                 router.stop()
@@ -132,15 +168,23 @@ def run(num_conversations: int, num_turns: int) -> dict[str, Any]:
     return results
 
 
-def _shared_prefix(engines: list[str], model: str, servers: list[Any], hosts: list[Any]) -> dict[str, Any]:
+def _shared_prefix(
+    engines: list[str], model: str, servers: list[Any], hosts: list[Any]
+) -> dict[str, Any]:
     """5 documents x 6 questions, round-robin over the engines (so a document's later
     questions land on both engines)."""
     from tests.router.servers import RouterProc
 
     workload = Workload(num_conversations=5, num_turns=1, document_words=250, seed=7)
     _, docs = workload.conversations()
-    requests = [(d, f"{docs[d][0]}\n\nQuestion {q}: what does line {q} do?") for q in range(6) for d in range(5)]
-    router = RouterProc(engines, "--policy", "round_robin", "--log-level", "warning", env=hosts[0].env())
+    requests = [
+        (d, f"{docs[d][0]}\n\nQuestion {q}: what does line {q} do?")
+        for q in range(6)
+        for d in range(5)
+    ]
+    router = RouterProc(
+        engines, "--policy", "round_robin", "--log-level", "warning", env=hosts[0].env()
+    )
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(model)
     seen: set[int] = set()
     saved_blocks = 0
@@ -152,11 +196,18 @@ def _shared_prefix(engines: list[str], model: str, servers: list[Any], hosts: li
             async with aiohttp.ClientSession() as session:
                 for doc, prompt in requests:
                     if doc in seen:
-                        text = tokenizer.apply_chat_template([{"role": "user", "content": docs[doc][0]}],
-                                                             tokenize=False, add_generation_prompt=False)
-                        saved_blocks += len(tokenizer(text, add_special_tokens=False)["input_ids"]) // BLOCK
+                        text = tokenizer.apply_chat_template(
+                            [{"role": "user", "content": docs[doc][0]}],
+                            tokenize=False,
+                            add_generation_prompt=False,
+                        )
+                        saved_blocks += (
+                            len(tokenizer(text, add_special_tokens=False)["input_ids"]) // BLOCK
+                        )
                     seen.add(doc)
-                    await _chat_turn(session, router.url, model, [{"role": "user", "content": prompt}], 4)
+                    await _chat_turn(
+                        session, router.url, model, [{"role": "user", "content": prompt}], 4
+                    )
 
         asyncio.run(go())
         counts = _delta(_counters(servers), before)
@@ -174,11 +225,12 @@ def _shared_prefix(engines: list[str], model: str, servers: list[Any], hosts: li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--conversations", type=int, default=15)  # odd: round-robin moves them
+    parser.add_argument("--policies", default="round_robin,cache_aware")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = run(args.conversations, args.turns)
+    result = run(args.conversations, args.turns, tuple(args.policies.split(",")))
     sys.stdout.write((json.dumps(result) if args.json else json.dumps(result, indent=2)) + "\n")
 
 

@@ -39,22 +39,9 @@ def start_node(run_dir: Path) -> Iterator[NodeFactory]:
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> NodeProcess:
-        args = [
-            "--name",
-            name,
-            "--run-dir",
-            str(run_dir),
-            "--memory",
-            memory,
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-            "--log-level",
-            "warning",
-            *(extra or []),
-        ]
-        node = NodeProcess(args, env={**os.environ, **(env or {})})
+        node = NodeProcess.private(
+            name, memory, run_dir=str(run_dir), extra=extra or [], env={**os.environ, **(env or {})}
+        )
         started.append(node)
         return node.start()
 

@@ -4,13 +4,11 @@ disaggregation meeting in the pool, and cache-aware routing across two hosts."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 
 import aiohttp
 import pytest
 
-from kvpool.integrations.vllm.tiny_model import build_tiny_model
 from tests.cluster.fabric import Fabric
 from tests.integrations.engine import prompts, run_engine
 from tests.integrations.vllm_server import VllmServer, connector_config
@@ -19,17 +17,6 @@ from tests.router.servers import RouterProc
 pytestmark = [pytest.mark.vllm]
 
 PROMPTS = prompts(7, 2, words=250)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    cache = os.environ.get("KVPOOL_CACHE_DIR")
-    target = (
-        os.path.join(cache, "tiny-llama")
-        if cache
-        else str(tmp_path_factory.mktemp("model") / "tiny-llama")
-    )
-    return str(build_tiny_model(target))
 
 
 def complete(

@@ -13,7 +13,6 @@ import random
 import pytest
 
 from kvpool import Client
-from kvpool.integrations.vllm.tiny_model import build_tiny_model
 from tests.integrations.engine import connector, hit_fraction, prompts, run_engine
 
 pytestmark = pytest.mark.vllm
@@ -22,17 +21,6 @@ S1 = prompts(1, 3)  # ~1,000-token prompts
 S2 = prompts(2, 2)
 S3 = prompts(3, 3)
 S4 = prompts(4, 2)
-
-
-@pytest.fixture(scope="session")
-def model(tmp_path_factory) -> str:
-    cache = os.environ.get("KVPOOL_CACHE_DIR")
-    target = (
-        os.path.join(cache, "tiny-llama")
-        if cache
-        else str(tmp_path_factory.mktemp("model") / "tiny-llama")
-    )
-    return str(build_tiny_model(target))
 
 
 @pytest.fixture(scope="session")

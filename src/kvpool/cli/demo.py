@@ -41,20 +41,7 @@ def run_demo(
     workload = Workload(num_conversations=num_conversations, num_turns=num_turns)
     name = f"demo-{os.getpid()}"
     with (
-        NodeProcess(
-            [
-                "--name",
-                name,
-                "--memory",
-                "1GiB",
-                "--port",
-                "0",
-                "--admin-port",
-                "0",
-                "--log-level",
-                "warning",
-            ]
-        ) as node,
+        NodeProcess.private(name, "1GiB") as node,
         tempfile.TemporaryDirectory() as example_dir,
     ):
         configs: dict[str, dict[str, Any] | None] = {

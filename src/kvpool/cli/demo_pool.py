@@ -25,9 +25,7 @@ def run_pool_demo(console: Console) -> dict[str, object]:
     turn1 = rng.integers(0, 2000, 40 * BLOCK_TOKENS).tolist()
     turn2 = turn1 + rng.integers(0, 2000, 8 * BLOCK_TOKENS).tolist()
     with (
-        NodeProcess(
-            ["--name", "demo", "--memory", "256MiB", "--port", "0", "--admin-port", "0"]
-        ) as node,
+        NodeProcess.private("demo", "256MiB", log_level="info") as node,
         Client(node.unix_address) as client,
     ):
         client.describe(ns)

@@ -42,6 +42,34 @@ class NodeProcess:
         self.info: dict[str, Any] = {}
         self.output: list[str] = []
 
+    @classmethod
+    def private(
+        cls,
+        name: str,
+        memory: str | int,
+        *,
+        run_dir: str | None = None,
+        log_level: str = "warning",
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> NodeProcess:
+        """A node on any free ports (loopback), for tools and tests: not yet started."""
+        args = [
+            "--name",
+            name,
+            "--memory",
+            str(memory),
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+            "--log-level",
+            log_level,
+        ]
+        if run_dir is not None:
+            args += ["--run-dir", run_dir]
+        return cls([*args, *extra], env=env)
+
     def start(self) -> NodeProcess:
         command = [*self.command_prefix, sys.executable, "-m", "kvpool", "serve", *self.args]
         self.proc = subprocess.Popen(

@@ -1,0 +1,51 @@
+"""The admin dashboard page, rendered by a real browser (Debian's headless Chromium)."""
+
+import shutil
+import subprocess
+import tempfile
+
+from kvpool import Client, Namespace
+from tests.helpers import content
+
+
+def render(url: str) -> str:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "chromium is not installed (make test installs Debian's chromium)"
+    with tempfile.TemporaryDirectory() as profile:
+        result = subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_dashboard_shows_the_node_live(node):
+    ns = Namespace(model="dash-model", dtype="bfloat16")
+    with Client(node.unix_address) as client:
+        client.describe(ns)
+        keys = ns.keys([bytes([i]) * 32 for i in range(7)])
+        client.put(keys, [content(k, 10_000) for k in keys])
+        client.lookup([*keys, ns.key(b"absent" * 6)])
+    dom = render(node.admin_url + "/")
+    assert '<span id="node">node</span>' in dom  # filled in by the page's script
+    assert "dash-model bfloat16" in dom
+    assert "<th>blocks</th><td>7</td>" in dom
+    assert "87.5%" in dom  # 7 of 8 looked-up blocks hit
+    assert '<div id="error"></div>' in dom  # no fetch error shown
