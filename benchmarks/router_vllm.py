@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -134,7 +135,13 @@ def run(
                     kv_transfer_config=cfg,
                     host=host.ip,
                     port=8000,
-                    env=host.env(),
+                    # Each engine's worker on its own core: vLLM's worker spins for a second
+                    # after every step, and two spinning on one core starve each other.
+                    env={
+                        **host.env(),
+                        "VLLM_CPU_OMP_THREADS_BIND": str(len(servers) % (os.cpu_count() or 1)),
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                    },
                     prefix=host.prefix,
                 )
             )
