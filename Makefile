@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
-SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium chromium-driver
+SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
 
 .PHONY: demo test lint pytest system-deps bench clean
 
@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 # membership), Chromium (the dashboard page).
 system-deps:
 	@missing=""; \
-	for bin in redis-server etcd chromium; do command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
+	for bin in redis-server etcd chromium ip; do command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			echo "installing Debian packages for:$$missing"; \
