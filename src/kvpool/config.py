@@ -165,6 +165,11 @@ class NodeConfig:
                 f"refusing to listen on {self.host} without an access key: set --access-key "
                 "(or KVPOOL_ACCESS_KEY), or listen on loopback"
             )
+        if not self.access_key and not is_loopback(self.admin_host):
+            raise ConfigError(
+                f"refusing to serve the admin HTTP on {self.admin_host} without an access key "
+                "(its status names every namespace): set --access-key, or keep it on loopback"
+            )
         if len(self.socket_path.as_posix()) > 100:
             raise ConfigError(f"unix socket path too long: {self.socket_path}")
         if self.replicas < 1:

@@ -14,6 +14,7 @@ import pytest
 from kvpool import Client, Status
 from kvpool.cluster.membership import Member
 from kvpool.cluster.placement import homes
+from kvpool.errors import KVPoolError
 from tests.cluster.fabric import Etcd, Fabric
 from tests.helpers import content, key, size_of
 
@@ -188,7 +189,7 @@ def test_replicas_keep_extra_home_copies(fabric, etcd):
             **hosts[1].client_options(etcd=etcd.endpoint, replicas=2, timeout=1.0)
         ) as reader:
             found = reader.exists(keys)
-            assert sum(found) >= 0.9 * len(keys)  # home copies on a and b cover what c held
+            assert all(found), f"{found.count(False)} keys lost with one home"  # a and b hold them
 
 
 # -- failures under load ----------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_chaos_never_wrong_bytes_never_past_deadlines(fabric, etcd):
                     try:
                         if op == "put":
                             c.put(batch, [content(k, size_of(k, 100, 50_000)) for k in batch])
-                        elif op == "get":
+                        elif op == "get" and rng.random() < 0.5:
                             got = c.get(batch)
                             for k, status, value in zip(
                                 batch, got.statuses, got.values, strict=True
@@ -227,12 +228,24 @@ def test_chaos_never_wrong_bytes_never_past_deadlines(fabric, etcd):
                                         == content(k, size_of(k, 100, 50_000)).tobytes()
                                     )
                                     counts["hits"] += 1
+                        elif op == "get":  # into the caller's own buffers
+                            buffers = [bytearray(50_100) for _ in batch]
+                            got = c.get(batch, buffers)
+                            for k, status, buf in zip(batch, got.statuses, buffers, strict=True):
+                                want = content(k, size_of(k, 100, 50_000)).tobytes()
+                                if status is Status.OK:
+                                    assert bytes(buf[: len(want)]) == want
+                                    counts["hits"] += 1
+                            time.sleep(0.05)  # nothing may write into them after the call
+                            for status, buf in zip(got.statuses, buffers, strict=True):
+                                if status is not Status.OK:
+                                    assert not any(buf), "a buffer written after a miss"
                         else:
                             c.lookup(batch)
                         counts[op] += 1
                     except (AssertionError, TypeError):
                         raise
-                    except Exception as exc:  # a typed pool error is allowed; record the kind
+                    except KVPoolError as exc:  # a typed pool error is allowed; record it
                         counts[type(exc).__name__] += 1
                     elapsed = time.monotonic() - started
                     if elapsed > deadline_s + margin_s:

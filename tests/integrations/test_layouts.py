@@ -88,6 +88,23 @@ def test_pool_view_over_a_buffer():
     assert any(buffer)  # written in place, no staging copy
 
 
+def test_blocks_held_apart_are_staged_into_one_copy():
+    layout = PagedLayout.detect(stacked_kv())
+    out = torch.empty(2, layout.num_planes, layout.page_elems, dtype=layout.dtype)
+    layout.gather(torch.tensor([3, 8]), out)
+    rows = out.view(2, -1).view(torch.uint8)
+    # Two blocks from different places, one of them read-only (as pinned arena views are).
+    views = [memoryview(bytes(rows[1].numpy())), memoryview(bytearray(rows[0].numpy()))]
+    staged = layout.stage(views)
+    assert torch.equal(staged[0], out[1]) and torch.equal(staged[1], out[0])
+    layout.scatter(torch.tensor([10, 11]), staged)
+    again = torch.empty_like(out)
+    layout.gather(torch.tensor([11, 10]), again)
+    assert torch.equal(again, out)
+    with pytest.raises(ValueError, match="bytes"):
+        layout.stage([memoryview(b"short")])
+
+
 def test_unknown_layouts_fail_fast_with_a_clear_message():
     strided = torch.randn(NB, 4, 2 * BS)[:, :, ::2]  # pages with holes
     with pytest.raises(ConfigError, match="unknown KV cache layout"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from itertools import takewhile
@@ -22,7 +23,14 @@ from typing import Any, Generic, TypeVar
 
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import ClientConfig, client_config_from
-from kvpool.errors import KVPoolError, PoolTimeout, Status, TransportError, UsageError
+from kvpool.errors import (
+    KVPoolError,
+    NodeUnavailable,
+    PoolTimeout,
+    Status,
+    TransportError,
+    UsageError,
+)
 from kvpool.keys import Namespace
 from kvpool.protocol.messages import Health, NodeStats
 
@@ -35,6 +43,10 @@ from .ops import GetResult, LookupState, PutResult
 T = TypeVar("T")
 
 _BACKGROUND_THREADS = 4
+# Blocks read from other nodes that are being copied into the local node, at most.
+MAX_PROMOTING_BYTES = 256 << 20
+# A read asks the nodes other than the keys' homes only with at least this much time left.
+MIN_SECOND_ROUND_S = 0.01
 
 
 class PoolFuture(Generic[T]):
@@ -115,6 +127,8 @@ class Client:
         if self.config.peers or self.config.etcd:
             self.cluster = ClusterView(self.config, self.local)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._promote_lock = threading.Lock()
+        self._promoting_bytes = 0
 
     def __enter__(self) -> Client:
         return self
@@ -208,7 +222,9 @@ class Client:
     def _remote_presence(
         self, cluster: ClusterView, keys: list[bytes], deadline: float
     ) -> list[bool]:
-        groups = cluster.groups(keys)
+        # Every live node, not only the homes: a block can sit on its writer's node before
+        # it is written through to its home (or when writing through failed).
+        groups = cluster.groups(keys, everywhere=True)
         calls = {
             member: _exists_call([keys[i] for i in indices]) for member, indices in groups.items()
         }
@@ -259,8 +275,11 @@ class Client:
     ) -> PutResult:
         members = {m.node_id: m for m in cluster.members()}
         groups = group_by_home(keys, list(members.values()), 1)
+        # Private copies: a call still streaming at the deadline must not read the caller's
+        # buffers after this returns (they may be reused, and would be stored as they are).
+        copies = [memoryview(bytes(v)) for v in views]
         calls = {
-            members[node_id]: (_put_call([keys[i] for i in indices], [views[i] for i in indices]))
+            members[node_id]: (_put_call([keys[i] for i in indices], [copies[i] for i in indices]))
             for node_id, indices in groups.items()
         }
         statuses = [Status.UNAVAILABLE] * len(keys)
@@ -317,56 +336,85 @@ class Client:
         indices: list[int],
         deadline: float,
     ) -> None:
+        self._fetch_remote(cluster, keys, dsts, result, indices, deadline, everywhere=False)
+        # What the homes lack may still sit on the node that wrote it (not yet written
+        # through): ask the others, if there is time left.
+        missing = [i for i in indices if result.statuses[i] is not Status.OK]
+        if missing and deadline - time.monotonic() > MIN_SECOND_ROUND_S:
+            self._fetch_remote(cluster, keys, dsts, result, missing, deadline, everywhere=True)
+
+    def _fetch_remote(
+        self,
+        cluster: ClusterView,
+        keys: Sequence[bytes],
+        dsts: Sequence[memoryview] | None,
+        result: GetResult,
+        indices: list[int],
+        deadline: float,
+        *,
+        everywhere: bool,
+    ) -> None:
         wanted = [keys[i] for i in indices]
-        groups = cluster.groups(wanted)
-        calls = {}
-        for member, sub in groups.items():
-            sub_keys = [wanted[j] for j in sub]
-            sub_dsts = [dsts[indices[j]] for j in sub] if dsts is not None else None
-            calls[member] = _get_call(sub_keys, sub_dsts)
-        fetched_keys, fetched_views = [], []
+        groups = cluster.groups(wanted, everywhere=everywhere, skip_homes=everywhere)
+        # Every node streams into buffers of its own, never into the caller's: a call still
+        # running at the deadline, or a second replica, must not write there after (or
+        # while) the first verified copy is delivered.  Copies land in the caller's thread.
+        calls = {
+            member: _get_call([wanted[j] for j in sub], None) for member, sub in groups.items()
+        }
+        fetched_keys, fetched_values = [], []
         for member, remote in cluster.each_result(cluster.fan_out(calls, deadline)):
             positions = groups[member]
-            values = remote.values or [None] * len(positions)
-            for j, status, size, value in zip(
-                positions, remote.statuses, remote.sizes, values, strict=True
-            ):
+            assert remote.values is not None
+            for j, status, value in zip(positions, remote.statuses, remote.values, strict=True):
                 i = indices[j]
-                if status is not Status.OK or result.statuses[i] is Status.OK:
+                if status is not Status.OK or value is None or result.statuses[i] is Status.OK:
                     continue
+                if dsts is not None:
+                    if len(dsts[i]) < len(value):
+                        result.statuses[i] = Status.REFUSED  # the caller's buffer is too small
+                        continue
+                    dsts[i][: len(value)] = value
                 result.statuses[i] = Status.OK
-                result.sizes[i] = size
+                result.sizes[i] = len(value)
                 if result.values:
                     result.values[i] = value
                 fetched_keys.append(keys[i])
-                fetched_views.append(memoryview(value) if value is not None else dsts[i][:size])  # type: ignore[index]
+                fetched_values.append(value)
         if fetched_keys and self.local is not None:
-            self._promote(fetched_keys, [bytes(v) for v in fetched_views])
+            self._promote(fetched_keys, fetched_values)
 
     def _promote(self, keys: list[bytes], values: list[bytes]) -> None:
         """Copy blocks read from other nodes into the local node, in the background, so the
         next read is local (best effort)."""
         local = self.local
         assert local is not None
+        num_bytes = sum(len(v) for v in values)
+        with self._promote_lock:
+            # Bounded: when the local node is slow, promotions are dropped, not queued.
+            if self._promoting_bytes + num_bytes > MAX_PROMOTING_BYTES:
+                return
+            self._promoting_bytes += num_bytes
 
         def promote() -> None:
-            with contextlib.suppress(KVPoolError):
-                local.put(keys, [memoryview(v) for v in values], replicate=False)
+            try:
+                with contextlib.suppress(KVPoolError):
+                    local.put(keys, [memoryview(v) for v in values], replicate=False)
+            finally:
+                with self._promote_lock:
+                    self._promoting_bytes -= num_bytes
 
         self._background().submit(promote)
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
+        deadline = self._deadline(timeout)
         statuses, _ = self._local_or_miss(
-            lambda node, t: node.delete(keys, timeout=t),
-            [Status.NOT_FOUND] * len(keys),
-            self._deadline(timeout),
+            lambda node, t: node.delete(keys, timeout=t), [Status.NOT_FOUND] * len(keys), deadline
         )
         if self.cluster is not None:
-            groups = self.cluster.groups(keys)
+            groups = self.cluster.groups(keys, everywhere=True)
             calls = {member: _delete_call([keys[i] for i in idx]) for member, idx in groups.items()}
-            for member, remote in self.cluster.each_result(
-                self.cluster.fan_out(calls, self._deadline(timeout))
-            ):
+            for member, remote in self.cluster.each_result(self.cluster.fan_out(calls, deadline)):
                 for i, status in zip(groups[member], remote, strict=True):
                     if status is Status.OK:
                         statuses[i] = Status.OK
@@ -458,8 +506,17 @@ class Client:
         return self.local
 
     def describe(self, namespace: Namespace, *, timeout: float | None = None) -> None:
-        """Tell the node a namespace's human-readable label (shown by ``kvpool status``)."""
-        self._require_local().describe(namespace.id, namespace.describe(), timeout=timeout)
+        """Tell the node a namespace's human-readable label (shown by ``kvpool status``);
+        without a local node, every member."""
+        if self.local is not None or self.cluster is None:
+            self._require_local().describe(namespace.id, namespace.describe(), timeout=timeout)
+            return
+        label = namespace.describe()
+        calls = {
+            m: (lambda node, t: node.describe(namespace.id, label, timeout=t))
+            for m in self.cluster.members()
+        }
+        self.cluster.fan_out(calls, self._deadline(timeout))
 
     def stats(self, *, timeout: float | None = None) -> NodeStats:
         """The local node's statistics."""
@@ -477,7 +534,16 @@ class Client:
         ]
 
     def health(self, *, timeout: float | None = None) -> Health:
-        return self._require_local().health(timeout=timeout)
+        """The local node's health; without a local node, that of the first member of the
+        cluster that answers (raises if none does)."""
+        if self.local is not None or self.cluster is None:
+            return self._require_local().health(timeout=timeout)
+        calls = {m: (lambda node, t: node.health(timeout=t)) for m in self.cluster.members()}
+        results = self.cluster.fan_out(calls, self._deadline(timeout))
+        answers = self.cluster.each_result(results)
+        if answers:
+            return answers[0][1]
+        raise NodeUnavailable("no member of the cluster answered")
 
     @property
     def uses_shm(self) -> bool:
@@ -486,12 +552,17 @@ class Client:
 
 
 class AsyncClient:
-    """An asyncio kvpool client; the same operations as :class:`Client`, awaitable."""
+    """An asyncio kvpool client of one node (no cluster); the operations of :class:`Client`,
+    awaitable."""
 
     def __init__(
         self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any
     ):
         self.config = _config(address, config, options)
+        if self.config.peers or self.config.etcd or not self.config.address:
+            raise UsageError(
+                "AsyncClient talks to one node; use Client for a cluster (peers= or etcd=)"
+            )
         self.local = AsyncNodeClient(self.config.address, self.config)
 
     async def __aenter__(self) -> AsyncClient:

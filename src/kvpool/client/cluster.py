@@ -7,6 +7,8 @@ A node that fails a call is marked down for a short cool-down, during which call
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,13 +19,15 @@ from typing import Any, TypeVar
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, membership_for
 from kvpool.cluster.placement import Placement
 from kvpool.config import Address, ClientConfig
-from kvpool.errors import KVPoolError, TransportError
+from kvpool.errors import KVPoolError, PoolTimeout, TransportError
 
 from .node import NodeClient
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 DOWN_COOLDOWN_S = 0.5
+MIN_FAIR_BUDGET_S = 0.05
 FAN_OUT_THREADS = 16
 ETCD_SYNC_TIMEOUT_S = 5.0
 
@@ -64,8 +68,13 @@ class ClusterView:
         if self.local is None:
             return ""
         if self._local_address is None:
+            # Only from a handshake already made: asking here could outlast the caller's
+            # deadline.  Until then the local node is treated like any other member.
+            welcome = self.local.last_welcome
+            if welcome is None:
+                return ""
             try:
-                self._local_address = str(Address.parse(self.local.welcome.tcp_address))
+                self._local_address = str(Address.parse(welcome.tcp_address))
             except KVPoolError:
                 return ""
         for member in self.members():
@@ -97,16 +106,30 @@ class ClusterView:
             placement = self._placement = Placement(members, self.config.replicas)
         return placement
 
-    def groups(self, keys: Sequence[bytes]) -> dict[Member, list[int]]:
-        """Indices of ``keys`` per home node that is not the local node and not down."""
+    def groups(
+        self, keys: Sequence[bytes], *, everywhere: bool = False, skip_homes: bool = False
+    ) -> dict[Member, list[int]]:
+        """Indices of ``keys`` per node to ask, leaving out the local node and nodes marked
+        down: each key's home nodes, or with ``everywhere`` every node for every key (with
+        ``skip_homes``, but a key's homes)."""
         members = {m.node_id: m for m in self.members()}
-        out: dict[Member, list[int]] = {}
+        local_id = self.local_id
         placement = self.placement(list(members.values()))
-        for node_id, indices in placement.group(keys, skip=self.local_id).items():
-            member = members[node_id]
-            if not self.is_down(member):
-                out[member] = indices
-        return out
+        by_node: dict[str, list[int]]
+        if not everywhere:
+            by_node = placement.group(keys, skip=local_id)
+        else:
+            by_node = {node_id: [] for node_id in members if node_id != local_id}
+            for index, key in enumerate(keys):
+                homes = placement.homes(key) if skip_homes else ()
+                for node_id, indices in by_node.items():
+                    if node_id not in homes:
+                        indices.append(index)
+        return {
+            members[node_id]: indices
+            for node_id, indices in by_node.items()
+            if indices and not self.is_down(members[node_id])
+        }
 
     def fan_out(
         self, calls: dict[Member, Callable[[NodeClient, float], T]], deadline: float
@@ -115,27 +138,48 @@ class ClusterView:
         node that fails or does not answer in time yields its exception."""
         if not calls:
             return {}
-        futures: dict[Future[T], Member] = {}
+        futures: dict[Future[T | BaseException], tuple[Member, list[float]]] = {}
         for member, call in calls.items():
-            remaining = deadline - time.monotonic()
-            client = self.client(member)
-            futures[self._executor.submit(call, client, max(remaining, 0.001))] = member
+            budget: list[float] = []
+            job = functools.partial(_run_until, call, self.client(member), deadline, budget)
+            futures[self._executor.submit(job)] = (member, budget)
         done, _ = wait_futures(futures, timeout=max(deadline - time.monotonic(), 0))
         results: dict[Member, T | BaseException] = {}
-        for future, member in futures.items():
+        for future, (member, budget) in futures.items():
             if future in done:
-                exc = future.exception()
-                if exc is None:
-                    results[member] = future.result()
-                    continue
-                results[member] = exc
+                results[member] = future.result()
             else:
+                future.cancel()  # one still queued never starts
                 results[member] = TransportError(
                     "no answer before the deadline", node=member.node_id
                 )
-            if isinstance(results[member], TransportError):
+            # A node is marked down only when it had a fair chance to answer: not when the
+            # caller's own deadline was (nearly) spent before its call started.
+            fair = bool(budget) and budget[0] >= MIN_FAIR_BUDGET_S
+            if fair and isinstance(results[member], TransportError):
                 self.mark_down(member)
         return results
 
     def each_result(self, results: dict[Member, Any]) -> list[tuple[Member, Any]]:
         return [(m, r) for m, r in results.items() if not isinstance(r, BaseException)]
+
+
+def _run_until(
+    call: Callable[[NodeClient, float], T],
+    client: NodeClient,
+    deadline: float,
+    budget: list[float],
+) -> T | BaseException:
+    """Run ``call`` with the time left to ``deadline`` when it *starts* (a call that waited
+    in the queue gets less, and one that starts too late does not touch the node); notes
+    that time in ``budget``.  Failures come back as values: nothing raises into callers."""
+    remaining = deadline - time.monotonic()
+    budget.append(remaining)
+    if remaining <= 0:
+        return PoolTimeout("deadline passed before the call started")
+    try:
+        return call(client, remaining)
+    except Exception as exc:
+        if not isinstance(exc, KVPoolError):
+            log.exception("call to %s failed", client.name)
+        return exc

@@ -39,7 +39,8 @@ def _deadline(node: NodeClient, timeout: float | None) -> float:
 def _extent(views: Sequence[memoryview | None], offsets: Sequence[int], base: Any) -> Any:
     """One view over all the views if they are adjacent in ``base``, else ``None``."""
     present = [(o, len(v)) for v, o in zip(views, offsets, strict=True) if v is not None]
-    if not present or len(present) != len(views):
+    # Views adopted from other nodes have no place in ``base`` (offset -1).
+    if not present or len(present) != len(views) or any(o < 0 for o, _ in present):
         return None
     start = present[0][0]
     cursor = start

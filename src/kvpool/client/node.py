@@ -76,6 +76,7 @@ class NodeClient:
         self._cond = threading.Condition()
         self._arenas = _ArenaCache(config)
         self._closed = False
+        self.last_welcome: Welcome | None = None  # from the newest connection, if any
 
     # -- pool -----------------------------------------------------------------------------
 
@@ -101,6 +102,7 @@ class NodeClient:
             raise
         conn.arena = self._arenas.for_welcome(conn.welcome)
         self.name = conn.node
+        self.last_welcome = conn.welcome
         return conn, True
 
     def _release(self, conn: Connection) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from kvpool.client.node import AsyncNodeClient
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, StaticMembership
 from kvpool.cluster.placement import group_by_home
-from kvpool.config import Address, ClientConfig, NodeConfig
+from kvpool.config import DEFAULT_NODE_NAME, Address, ClientConfig, NodeConfig
 from kvpool.errors import KVPoolError
 from kvpool.node.server import NodeServer
 
@@ -41,7 +41,8 @@ class NodeAgent:
         self.membership: Membership
         if config.etcd:
             self.member = Member(
-                node_id=config.name,
+                # Nodes left with the default name would overwrite each other in etcd.
+                node_id=config.name if config.name != DEFAULT_NODE_NAME else tcp,
                 tcp_address=tcp,
                 admin_url=f"http://{config.advertise_host or config.admin_host}:{admin_port}",
                 host_id=config.host_id,

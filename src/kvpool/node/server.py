@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -46,7 +47,6 @@ from kvpool.protocol.frames import (
 )
 from kvpool.protocol.messages import (
     CHECKSUM_BYTES,
-    MAX_KEYS_PER_REQUEST,
     SUPPORTED_VERSIONS,
     AbortRequest,
     Challenge,
@@ -406,22 +406,30 @@ class Session:
         if problem:
             await self.channel.skip(header.payload_len)
             raise BadRequest(problem)
-        result = self.store.reserve(keys, sizes, self.owner, self.server.config.reserve_lease_s)
+        # The reservation does not expire while this session fills it (another key could be
+        # given the memory mid-receive); the receive itself is bounded instead, and a session
+        # that fails or times out closes, which returns the memory.
+        result = self.store.reserve(keys, sizes, self.owner, math.inf)
         statuses = list(result.statuses)
         checksums: list[int | None] = []
-        for i, block in enumerate(result.blocks):
-            expected = int.from_bytes(await self.channel.recv_meta(CHECKSUM_BYTES), "little")
-            if block is None:
-                await self.channel.skip(sizes[i])
-                checksums.append(None)
-                continue
-            hasher = ck.new_hasher()
-            await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
-            if hasher.intdigest() == expected:
-                checksums.append(expected)
-            else:
-                statuses[i] = Status.CHECKSUM_MISMATCH
-                checksums.append(None)
+        try:
+            async with asyncio.timeout(self.server.config.reserve_lease_s):
+                for i, block in enumerate(result.blocks):
+                    meta = await self.channel.recv_meta(CHECKSUM_BYTES)
+                    expected = int.from_bytes(meta, "little")
+                    if block is None:
+                        await self.channel.skip(sizes[i])
+                        checksums.append(None)
+                        continue
+                    hasher = ck.new_hasher()
+                    await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
+                    if hasher.intdigest() == expected:
+                        checksums.append(expected)
+                    else:
+                        statuses[i] = Status.CHECKSUM_MISMATCH
+                        checksums.append(None)
+        except TimeoutError:
+            raise NodeUnavailable("timed out receiving a PUT payload") from None
         self.server.bytes_in += header.payload_len
         if result.reservation_id:
             committed = self.store.commit(result.reservation_id, checksums, self.owner)
@@ -429,9 +437,8 @@ class Session:
         await self._reply(header, Op.PUT, StatusResponse(statuses=[int(s) for s in statuses]))
 
     async def _get(self, header: FrameHeader, req: GetRequest) -> None:
-        pin_id, blocks = self.store.pin(
-            req.keys, self.owner, self.server.config.pin_lease_s, prefix=req.prefix
-        )
+        # As for PUT: the pin lasts as long as the send, and the send is bounded.
+        pin_id, blocks = self.store.pin(req.keys, self.owner, math.inf, prefix=req.prefix)
         try:
             statuses: list[int] = []
             sizes: list[int] = []
@@ -449,7 +456,11 @@ class Session:
                     views.append(self.arena.slice(block.offset, block.size))
             total = sum(sizes)
             response = GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
-            await self._reply(header, Op.GET, response, views, total)
+            try:
+                async with asyncio.timeout(self.server.config.pin_lease_s):
+                    await self._reply(header, Op.GET, response, views, total)
+            except TimeoutError:
+                raise NodeUnavailable("timed out sending a GET payload") from None
             self.server.bytes_out += total
         finally:
             if pin_id:
@@ -510,11 +521,7 @@ class Session:
         await self._reply(header, Op.REPORT_CORRUPT, response)
 
     async def _describe(self, header: FrameHeader, req: DescribeRequest) -> None:
-        if (
-            len(self.store.namespaces) < MAX_KEYS_PER_REQUEST
-            or req.namespace_id in self.store.namespaces
-        ):
-            self.store.describe(req.namespace_id, req.label)
+        self.store.describe(req.namespace_id, req.label)
         await self._reply(header, Op.DESCRIBE, Empty())
 
     async def _stats(self, header: FrameHeader, req: Empty) -> None:

@@ -31,6 +31,10 @@ from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
 from kvpool.store.block import Block, BlockState, Pin, Reservation
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 
+# Namespaces tracked one by one (each is a row in STATS and /metrics); past this, together.
+MAX_NAMESPACES = 1024
+OTHER_NAMESPACE = b"\xff" * 16
+
 Clock = Callable[[], float]
 
 
@@ -225,8 +229,9 @@ class BlockStore:
     def _count_lookup(self, keys: Sequence[bytes], num_prefix: int) -> None:
         self.counters.lookup_hits += num_prefix
         self.counters.lookup_misses += len(keys) - num_prefix
-        if keys:
-            usage = self._usage(keys[0])
+        # Only namespaces the node already knows: a lookup must not grow the table.
+        usage = self.namespaces.get(namespace_of(keys[0])) if keys else None
+        if usage is not None:
             usage.hits += num_prefix
             usage.misses += len(keys) - num_prefix
 
@@ -301,9 +306,14 @@ class BlockStore:
         block.state = BlockState.REMOVED
         self.committed_bytes -= block.size
         self.num_committed -= 1
-        usage = self._usage(block.key)
+        ns = namespace_of(block.key)
+        if ns not in self.namespaces:
+            ns = OTHER_NAMESPACE
+        usage = self.namespaces[ns]
         usage.num_blocks -= 1
         usage.used_bytes -= block.size
+        if not usage.num_blocks and not usage.label:
+            del self.namespaces[ns]  # nothing left to report
         if block.num_pins == 0:
             self.allocator.free(block.offset)
 
@@ -371,7 +381,11 @@ class BlockStore:
     # -- introspection --------------------------------------------------------------------
 
     def describe(self, namespace_id: bytes, label: str) -> None:
-        self.namespaces.setdefault(namespace_id, NamespaceUsage()).label = label
+        usage = self.namespaces.get(namespace_id)
+        if usage is None and len(self.namespaces) < MAX_NAMESPACES:
+            usage = self.namespaces[namespace_id] = NamespaceUsage()
+        if usage is not None:
+            usage.label = label
 
     @property
     def num_pinned(self) -> int:
@@ -388,7 +402,13 @@ class BlockStore:
         ns = namespace_of(key)
         usage = self.namespaces.get(ns)
         if usage is None:
-            usage = self.namespaces[ns] = NamespaceUsage()
+            if len(self.namespaces) >= MAX_NAMESPACES:
+                ns = OTHER_NAMESPACE  # past the cap, the rest are counted together
+                usage = self.namespaces.get(ns)
+            if usage is None:
+                usage = self.namespaces[ns] = NamespaceUsage()
+                if ns == OTHER_NAMESPACE:
+                    usage.label = "(other namespaces)"
         return usage
 
     def _changed(self) -> None:

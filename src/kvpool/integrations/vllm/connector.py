@@ -47,6 +47,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.config = connector_config(transfer.kv_connector_extra_config)
         spaces = namespaces(vllm_config, self.config)
         kv_role = str(transfer.kv_role)
+        if transfer.kv_load_failure_policy != "recompute":
+            # vLLM reads the policy right after creating the scheduler's connector.  The pool
+            # is a cache: a block it cannot deliver is recomputed, never a failed request.
+            log.warning(
+                "kvpool: kv_load_failure_policy=%r would fail requests whose pool load "
+                "fails; using 'recompute'",
+                transfer.kv_load_failure_policy,
+            )
+            transfer.kv_load_failure_policy = "recompute"
         if role == KVConnectorRole.SCHEDULER:
             log.info("kvpool connector (%s, scheduler): %s", kv_role, self.config.describe())
             self._scheduler: KVPoolScheduler | None = KVPoolScheduler(

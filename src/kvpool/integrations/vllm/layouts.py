@@ -17,11 +17,12 @@ plane — never a copy per block.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpool.errors import ConfigError
@@ -153,6 +154,19 @@ class PagedLayout:
         """``num_blocks`` pool blocks laid out in ``buffer`` (writable) as a tensor."""
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=num_blocks * self.block_bytes)
         return flat.view(self.dtype).view(num_blocks, self.num_planes, self.page_elems)
+
+    def stage(self, views: Sequence[memoryview | None]) -> torch.Tensor:
+        """Blocks held apart in the pool, side by side in one host tensor (so that the copy
+        into the cache is still one copy); read-only views are fine."""
+        batch = torch.empty(len(views), self.num_planes, self.page_elems, dtype=self.dtype)
+        rows = batch.view(len(views), -1).view(torch.uint8).numpy()
+        for row, view in zip(rows, views, strict=True):
+            if view is None or len(view) != self.block_bytes:
+                raise ValueError(
+                    f"a pool block of {len(view or b'')} bytes, not {self.block_bytes}"
+                )
+            row[:] = np.frombuffer(view, dtype=np.uint8)
+        return batch
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of the cache into ``out`` ([n, planes, page], host)."""

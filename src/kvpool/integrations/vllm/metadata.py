@@ -43,6 +43,7 @@ _SUMS = (
     "saved_blocks",
     "save_errors",
     "skipped_unhealthy",
+    "skipped_busy",
     "load_s",
     "save_s",
 )
@@ -142,6 +143,10 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
         "skipped_unhealthy": (
             "vllm:kvpool_skipped_unhealthy",
             "Lookups and saves skipped while kvpool was unhealthy.",
+        ),
+        "skipped_busy": (
+            "vllm:kvpool_skipped_busy",
+            "Blocks not saved because earlier saves were still being committed.",
         ),
     }
 

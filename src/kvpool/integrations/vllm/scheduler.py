@@ -80,7 +80,7 @@ class KVPoolScheduler:
             try:
                 for ns in self.namespaces:
                     self._client.describe(ns, timeout=self.config.lookup_timeout_s)
-            except KVPoolError as exc:
+            except Exception as exc:  # labels are cosmetic: never fail the engine for them
                 self.health.report_failure(exc)
         return self._client
 
@@ -124,7 +124,9 @@ class KVPoolScheduler:
         started = time.perf_counter()
         try:
             num_pool, pending = self._lookup(list(request.block_hashes[:num_blocks]))
-        except KVPoolError as exc:
+        except Exception as exc:  # whatever the pool does, the engine recomputes
+            if not isinstance(exc, KVPoolError):
+                log.exception("kvpool lookup failed")
             self.health.report_failure(exc)
             return 0, False
         self._record("lookups")

@@ -36,6 +36,9 @@ from .metadata import KVPoolMetadata, KVPoolStats, TransferJob
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 IO_THREADS = 2
+# Saves whose commit is still running, at most; past it a step's save is skipped rather than
+# held up (each holds a pooled connection until it commits).
+MAX_SAVES_IN_FLIGHT = 4
 
 
 class KVPoolWorker:
@@ -46,7 +49,9 @@ class KVPoolWorker:
         self.layout: PagedLayout | None = None
         self._client: Client | None = None
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (worker)")
-        self._executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-transfer")
+        self._executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-load")
+        # Commits have their own thread: loads never hold them up, nor they the loads.
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-commit")
         self._lock = threading.Lock()
         self._done_loading: set[str] = set()
         self._load_errors: set[int] = set()
@@ -106,10 +111,8 @@ class KVPoolWorker:
                     extent = lease.extent(num_loaded)
                     if extent is not None:
                         self.layout.scatter(ids, self.layout.pool_view(extent, num_loaded))
-                    else:
-                        for i in range(num_loaded):
-                            src = self.layout.pool_view(_writable(lease.views[i]), 1)
-                            self.layout.scatter(ids[i : i + 1], src)
+                    else:  # scattered in the pool: stage them, still one copy into the cache
+                        self.layout.scatter(ids, self.layout.stage(lease.views[:num_loaded]))
             if num_loaded < len(job.block_ids):
                 reason = f"{len(job.block_ids) - num_loaded} block(s) missing or corrupt"
         except KVPoolError as exc:
@@ -153,6 +156,12 @@ class KVPoolWorker:
             return
         block_ids = [b for job in meta.saves for b in job.block_ids]
         hashes = [h for job in meta.saves for h in job.block_hashes]
+        with self._lock:
+            busy = len(self._saving) >= MAX_SAVES_IN_FLIGHT
+            if busy:
+                self.stats.add("skipped_busy", len(block_ids))
+        if busy:
+            return  # the pool is behind: these blocks stay computable, the step goes on
         started = time.perf_counter()
         try:
             self._save(block_ids, hashes, started)
@@ -169,8 +178,9 @@ class KVPoolWorker:
         assert self.layout is not None
         layout = self.layout
         keys = self.namespace.keys(hashes)
+        # This runs inside the forward step: only a short wait for the reservation.
         lease = self.client.reserve(
-            keys, [layout.block_bytes] * len(keys), timeout=self.config.transfer_timeout_s
+            keys, [layout.block_bytes] * len(keys), timeout=self.config.lookup_timeout_s
         )
         try:
             wanted = [i for i, view in enumerate(lease.views) if view is not None]
@@ -193,7 +203,7 @@ class KVPoolWorker:
             lease.abort()
             raise
         # The pages are copied out: the rest (checksums, commit) need not hold up the step.
-        future = self._executor.submit(self._commit, lease, len(wanted), started)
+        future = self._committer.submit(self._commit, lease, len(wanted), started)
         with self._lock:
             self._saving.add(future)
         future.add_done_callback(self._saving_done)
@@ -236,6 +246,7 @@ class KVPoolWorker:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
+        self._committer.shutdown(wait=True, cancel_futures=False)
         self.health.stop()
         if self._client is not None:
             self._client.close()
@@ -247,8 +258,3 @@ def _distinct(kv_caches: dict[str, Any]) -> set[int]:
         first = cache[0] if isinstance(cache, list | tuple) else cache
         out.add(first.data_ptr())
     return out
-
-
-def _writable(view: memoryview | None) -> memoryview:
-    assert view is not None
-    return view if not view.readonly else memoryview(bytearray(view))
