@@ -5,6 +5,7 @@ serves /health and vLLM-style /metrics, and records what it received.
     python -m tests.router.fake_engine --port 9000
 
 ``POST /_config`` changes its behaviour: ``{"fail": n}`` fails the next n requests with 500,
+``{"drop": n}`` drops the next n streams after their headers, before any chunk,
 ``{"hang": true}`` never answers, ``{"running": r, "waiting": w}`` sets the reported load,
 ``{"healthy": false}`` fails /health, ``{"chunks": n, "delay": s}`` shapes the stream.
 """
@@ -20,6 +21,7 @@ from aiohttp import web
 
 STATE = {
     "fail": 0,
+    "drop": 0,
     "hang": False,
     "running": 0.0,
     "waiting": 0.0,
@@ -76,6 +78,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
+    if STATE["drop"] > 0:  # dies during prefill: headers went out, no chunk ever will
+        STATE["drop"] -= 1
+        assert request.transport is not None
+        request.transport.close()
+        return response
     try:
         for i in range(chunks):
             delta = {"delta": {"content": text_of(i)}} if chat else {"text": text_of(i)}

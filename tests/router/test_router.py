@@ -146,6 +146,35 @@ def test_failures_before_the_first_byte_are_retried(fakes, routers):
         assert 'kvpool_router_retries_total{phase="decode"}' in response.read().decode()
 
 
+def test_a_stream_that_dies_before_its_first_chunk_is_retried(fakes, routers):
+    # vLLM sends a stream's headers at once; an engine that dies during the prefill leaves
+    # no chunk: the router must not have answered yet, and retries elsewhere.
+    a, b = fakes(2)
+    a.configure(drop=100)
+    router = routers([a.url, b.url], "--policy", "round_robin")
+    for _ in range(4):
+        engine, body = complete(
+            router, {"model": "m", "prompt": "p", "max_tokens": 5, "stream": True}
+        )
+        assert engine == b.url and body.rstrip().endswith("data: [DONE]")
+    a.configure(drop=0)
+    time.sleep(2.5)  # a is taken back after its health checks
+    assert {complete(router)[0] for _ in range(4)} == {a.url, b.url}
+    # A 500 is retried too, but one bad answer does not take an engine out of rotation.
+    b.configure(fail=1)
+    assert [complete(router)[0] for _ in range(2)] == [a.url, a.url]  # b's 500: retried on a
+    assert {complete(router)[0] for _ in range(4)} == {a.url, b.url}  # no health check since
+
+
+def test_a_silent_engine_is_given_up_on_and_the_request_retried(fakes, routers):
+    a, b = fakes(2)
+    a.configure(hang=True)
+    router = routers([a.url, b.url], "--policy", "round_robin", "--read-timeout", "1")
+    started = time.monotonic()
+    assert {complete(router)[0] for _ in range(3)} == {b.url}
+    assert time.monotonic() - started < 10
+
+
 def test_prefill_decode_disaggregation(fakes, routers):
     p1, p2, d = fakes(3)
     router = routers([f"{p1.url},role=prefill", f"{p2.url},role=prefill", f"{d.url},role=decode"])

@@ -209,6 +209,10 @@ def router(
     load_weight: Annotated[
         float | None, typer.Option(help="cache_aware: weight of the load share.")
     ] = None,
+    read_timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds an engine may stay silent before it counts as failed."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """An OpenAI-compatible proxy in front of vLLM engines: prefill/decode disaggregation
@@ -225,6 +229,7 @@ def router(
         "block_size": block_size,
         "cache_weight": cache_weight,
         "load_weight": load_weight,
+        "read_timeout": read_timeout,
     }
     run_router(config, overrides, engine or [])
 

@@ -78,6 +78,8 @@ class RouterConfig:
     max_attempts: int = 3
     connect_timeout_s: float = 2.0
     prefill_timeout_s: float = 120.0
+    read_timeout_s: float = 300.0  # an engine silent this long (even before its first byte) failed
+    models_timeout_s: float = 10.0
     drain_timeout_s: float = 60.0
     session_header: str = "x-session-id"
     engines: list[Engine] = field(default_factory=list)
@@ -145,7 +147,9 @@ class Router:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
+        )
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         await self.engines.start()
 
@@ -207,7 +211,9 @@ class Router:
                         routed.notes["prefill"] = engine.url
                         return  # a 4xx will come back from decode the same way
                     raise UpstreamFailed(f"status {upstream.status}")
-            except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as exc:
+            except UpstreamFailed as exc:
+                self.engines.errored(engine, exc)
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 self.engines.failed(engine, exc)
             finally:
                 self.engines.finished(engine)
@@ -236,16 +242,20 @@ class Router:
                     if upstream.status >= 500:
                         await upstream.read()
                         raise UpstreamFailed(f"status {upstream.status}")
+                    # Streaming headers come at once; an engine can still fail before its
+                    # first chunk (during prefill), and until then the request is retried
+                    # elsewhere.  So the answer starts only with the first chunk.
+                    chunks = upstream.content.iter_any()
+                    first = await anext(chunks, b"")
+                    self.first_byte.observe(time.perf_counter() - arrived)
                     response = web.StreamResponse(
                         status=upstream.status, headers=_reply_headers(upstream)
                     )
                     response.headers["x-kvpool-engine"] = engine.url
                     await response.prepare(request)
-                    first = True
-                    async for chunk in upstream.content.iter_any():
-                        if first:
-                            self.first_byte.observe(time.perf_counter() - arrived)
-                            first = False
+                    if first:
+                        await response.write(first)
+                    async for chunk in chunks:
                         await response.write(chunk)
                     await response.write_eof()
                     self.requests.labels(routed.route, str(upstream.status)).inc()
@@ -254,7 +264,10 @@ class Router:
                 if response is not None:  # bytes already went to the client: cannot retry
                     log.warning("engine %s failed mid-answer: %s", engine.url, exc)
                     raise
-                self.engines.failed(engine, exc)
+                if isinstance(exc, UpstreamFailed):
+                    self.engines.errored(engine, exc)
+                else:
+                    self.engines.failed(engine, exc)
             finally:
                 self.engines.finished(engine)
         return self._error(routed.route, 502, "every engine tried failed before answering")
@@ -270,7 +283,10 @@ class Router:
         assert self._session is not None
         for engine in self.engines.available("decode") + self.engines.available("prefill"):
             try:
-                async with self._session.get(engine.url + "/v1/models") as upstream:
+                async with self._session.get(
+                    engine.url + "/v1/models",
+                    timeout=aiohttp.ClientTimeout(total=self.config.models_timeout_s),
+                ) as upstream:
                     return web.Response(
                         body=await upstream.read(),
                         status=upstream.status,
@@ -316,7 +332,12 @@ class Router:
 
     async def remove_engine(self, request: web.Request) -> web.Response:
         url = request.query.get("url", "")
-        timeout = float(request.query.get("timeout", self.config.drain_timeout_s))
+        try:
+            timeout = float(request.query.get("timeout", self.config.drain_timeout_s))
+        except ValueError:
+            return web.json_response({"error": "timeout must be a number of seconds"}, status=400)
+        if not 0 <= timeout <= 3600:
+            return web.json_response({"error": "timeout must be within 0-3600 s"}, status=400)
         try:
             drained = await self.engines.remove(url, timeout)
         except KeyError:

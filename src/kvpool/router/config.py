@@ -39,6 +39,7 @@ class RouterSettings:
     max_load_gap: float = 4.0
     health_interval: float = 1.0
     max_attempts: int = 3
+    read_timeout: float = 300.0
     session_header: str = "x-session-id"
     engines: list[Engine] = field(default_factory=list)
 

@@ -137,7 +137,8 @@ class EngineSet:
             await asyncio.wait_for(engine.drained.wait(), timeout)
         except TimeoutError:
             drained = False
-        self.engines.remove(engine)
+        if engine in self.engines:  # two removals of one engine may race
+            self.engines.remove(engine)
         log.info("engine removed: %s (%s)", url, "drained" if drained else "drain timed out")
         return drained
 
@@ -150,7 +151,14 @@ class EngineSet:
         if engine.is_draining and engine.in_flight == 0:
             engine.drained.set()
 
+    def errored(self, engine: Engine, reason: object) -> None:
+        """The engine answered a request with a server error: retried elsewhere, but one
+        bad request does not take the engine out (health checks judge that)."""
+        engine.num_failures += 1
+        log.info("engine %s answered with an error: %s", engine.url, reason)
+
     def failed(self, engine: Engine, reason: object) -> None:
+        """The engine could not be reached, or went silent: out until it is healthy again."""
         engine.num_failures += 1
         if engine.is_healthy:
             log.warning("engine %s unhealthy: %s", engine.url, reason)

@@ -42,6 +42,7 @@ def build_router(settings: RouterSettings) -> Router:
         host=settings.host,
         port=settings.port,
         max_attempts=settings.max_attempts,
+        read_timeout_s=settings.read_timeout,
         session_header=settings.session_header.lower(),
     )
     engines = EngineSet(settings.engines, interval_s=settings.health_interval)

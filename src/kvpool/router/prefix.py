@@ -13,16 +13,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.client.node import NodeClient
 from kvpool.config import ClientConfig
-from kvpool.errors import KVPoolError
+from kvpool.errors import PoolTimeout
 from kvpool.keys import NAMESPACE_ID_BYTES, block_key
 
 log = logging.getLogger("kvpool.router")
 
 NAMESPACE_REFRESH_S = 5.0
+DOWN_COOLDOWN_S = 1.0
+LOOKUP_THREADS = 8
 
 
 class PromptHasher:
@@ -78,6 +81,9 @@ class PrefixLocator:
         self.model = model
         self._clients: dict[str, NodeClient] = {}
         self._namespaces: dict[str, tuple[float, list[bytes]]] = {}
+        self._down_until: dict[str, float] = {}
+        # Its own threads: a slow node must not take the event loop's default executor.
+        self._executor = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvpool-locate")
 
     def _client(self, node: str) -> NodeClient:
         client = self._clients.get(node)
@@ -85,11 +91,11 @@ class PrefixLocator:
             client = self._clients[node] = NodeClient(node, self.client_config)
         return client
 
-    def _namespace_ids(self, node: str) -> list[bytes]:
+    def _namespace_ids(self, node: str, deadline: float) -> list[bytes]:
         cached = self._namespaces.get(node)
         if cached is not None and time.monotonic() - cached[0] < NAMESPACE_REFRESH_S:
             return cached[1]
-        stats = self._client(node).stats(timeout=self.client_config.timeout_s)
+        stats = self._client(node).stats(timeout=_left(deadline))
         ids = [
             bytes.fromhex(ns.namespace_id)
             for ns in stats.namespaces
@@ -99,34 +105,66 @@ class PrefixLocator:
         self._namespaces[node] = (time.monotonic(), ids)
         return ids
 
-    def _prefix_on(self, node: str, hashes: list[bytes]) -> int:
+    def _prefix_on(self, node: str, hashes: list[bytes], deadline: float) -> int:
         best = 0
         client = self._client(node)
-        for namespace_id in self._namespace_ids(node):
+        for namespace_id in self._namespace_ids(node, deadline):
             keys = [block_key(namespace_id, h) for h in hashes]
-            best = max(best, client.lookup(keys, timeout=self.client_config.timeout_s).num_prefix)
+            best = max(best, client.lookup(keys, timeout=_left(deadline)).num_prefix)
         return best
 
     async def locate(
         self, route: str, body: dict[str, Any], nodes: Sequence[str]
     ) -> tuple[int, dict[str, int]]:
         """The prompt's number of full blocks, and the prefix (in blocks) each node holds.
-        A node that cannot be asked holds nothing."""
-        token_ids = await asyncio.to_thread(self.hasher.token_ids, route, body)
+        A node that cannot be asked in time holds nothing (and is left alone for a moment);
+        the whole answer takes at most the client timeout."""
+        loop = asyncio.get_running_loop()
+        try:
+            token_ids = await loop.run_in_executor(
+                self._executor, self.hasher.token_ids, route, body
+            )
+        except Exception as exc:  # a body vLLM would refuse: it gets the error from vLLM
+            log.debug("cannot tokenize the request: %s", exc)
+            return 0, {}
         hashes = self.hasher.block_hashes(token_ids)
         if not hashes:
             return 0, {}
-
-        async def one(node: str) -> tuple[str, int]:
-            try:
-                return node, await asyncio.to_thread(self._prefix_on, node, hashes)
-            except KVPoolError as exc:
-                log.debug("prefix lookup on %s failed: %s", node, exc)
-                return node, 0
-
-        found = await asyncio.gather(*(one(n) for n in sorted(set(nodes)) if n))
-        return len(hashes), dict(found)
+        deadline = time.monotonic() + self.client_config.timeout_s
+        now = time.monotonic()
+        asked = [n for n in sorted(set(nodes)) if n and self._down_until.get(n, 0.0) <= now]
+        tasks = {
+            node: loop.run_in_executor(self._executor, self._prefix_on, node, hashes, deadline)
+            for node in asked
+        }
+        if tasks:
+            await asyncio.wait(tasks.values(), timeout=_left(deadline))
+        found: dict[str, int] = {}
+        for node, task in tasks.items():
+            if task.done() and task.exception() is None:
+                found[node] = task.result()
+                continue
+            if task.done():
+                log.debug("prefix lookup on %s failed: %s", node, task.exception())
+            else:
+                task.add_done_callback(_consume)  # it ends at its own deadline
+            self._down_until[node] = time.monotonic() + DOWN_COOLDOWN_S
+            found[node] = 0
+        return len(hashes), found
 
     def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
         for client in self._clients.values():
             client.close()
+
+
+def _left(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise PoolTimeout("prefix lookup ran out of time")
+    return remaining
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
