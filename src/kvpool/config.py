@@ -302,6 +302,10 @@ NODE_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_ETCD": ("etcd", str),
     "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
     "KVPOOL_REPLICAS": ("replicas", int),
+    # How long a pin or a reservation lasts without its holder (a dead client's expire),
+    # and the longest a single GET or PUT payload may take to stream.
+    "KVPOOL_PIN_LEASE": ("pin_lease_s", float),
+    "KVPOOL_RESERVE_LEASE": ("reserve_lease_s", float),
 }
 
 

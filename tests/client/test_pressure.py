@@ -16,12 +16,22 @@ from kvpool import Client, Status
 from kvpool.client import ops
 from kvpool.client.connection import Connection
 from kvpool.config import Address
-from kvpool.protocol.messages import Op, PinRequest, PinResponse, ReserveRequest, ReserveResponse
+from kvpool.protocol.frames import encode_frame
+from kvpool.protocol.messages import (
+    CHECKSUM_BYTES,
+    Op,
+    PinRequest,
+    PinResponse,
+    PutRequest,
+    ReserveRequest,
+    ReserveResponse,
+)
 from tests.helpers import content, key, size_of
 
 
 def _check(values, keys, got):
     for k, status, value in zip(keys, got.statuses, got.values, strict=True):
+        assert status in (Status.OK, Status.NOT_FOUND), f"{status!r}: torn or corrupt memory"
         if status is Status.OK:
             assert bytes(value) == content(k, len(value)).tobytes(), "wrong bytes served"
             assert len(value) == size_of(k), "wrong size served"
@@ -67,6 +77,7 @@ def test_32_clients_hammering_the_same_keys(node):
         got = c.get(keys)
         _check(None, keys, got)
         assert c.stats().num_connections >= 1
+        assert c.stats().corrupt_reports == 0
 
 
 def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
@@ -96,6 +107,7 @@ def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
                     batch = [key(f"ev-{rng.randrange(400)}") for _ in range(6)]
                     got = c.get(batch)
                     for k, status, value in zip(batch, got.statuses, got.values, strict=True):
+                        assert status in (Status.OK, Status.NOT_FOUND), status
                         if status is Status.OK:
                             assert bytes(value) == content(k, size_of(k, 1000, 400_000)).tobytes()
         except BaseException as exc:
@@ -108,6 +120,8 @@ def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
     for t in threads:
         t.join(60)
     assert not errors, errors[:3]
+    with Client(node.unix_address) as c:
+        assert c.stats().corrupt_reports == 0  # no reader ever met a torn or reused block
     with Client(node.unix_address) as c:
         stats = c.stats()
     assert stats.evictions > 50, stats.evictions
@@ -207,3 +221,27 @@ def test_reservations_that_time_out_are_reclaimed(start_node):
         assert c.stats().reserved_bytes == 0
         assert c.put([key("zombie")], [b"z"]).statuses == [Status.OK]  # the key is free again
         writer.close()
+
+
+def test_a_stalled_put_keeps_its_memory_until_its_connection_is_dropped(start_node):
+    # The reservation of a PUT being received never expires under the session's feet (the
+    # memory could go to another key mid-receive); the receive itself is bounded, and a
+    # sender that stalls past it loses its connection, which returns the memory.
+    node = start_node(name="stall", memory="4MiB", env={"KVPOOL_RESERVE_LEASE": "1"})
+    with Client(node.unix_address) as c:
+        raw = _raw(node, c)
+        request = PutRequest(keys=[key("slow")], sizes=[1 << 20])
+        frame = encode_frame(Op.PUT, request, payload_len=(1 << 20) + CHECKSUM_BYTES)
+        raw.channel.send([frame, b"\0" * CHECKSUM_BYTES, b"x" * 1000])  # then nothing
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and c.stats().reserved_bytes != 1 << 20:
+            time.sleep(0.02)
+        assert c.stats().reserved_bytes == 1 << 20
+        time.sleep(0.6)
+        assert c.stats().reserved_bytes == 1 << 20  # still the stalled session's
+        sock = raw.channel.sock
+        sock.settimeout(5)
+        assert sock.recv(1) == b""  # dropped when the bounded receive ran out
+        assert c.stats().reserved_bytes == 0
+        assert c.put([key("slow")], [b"s"]).statuses == [Status.OK]
+        raw.close()

@@ -58,6 +58,7 @@ class _StatsCollector(Collector):
             ("kvpool_evictions", "Blocks evicted.", s.evictions),
             ("kvpool_bytes_in", "Payload bytes written into the arena.", s.bytes_in),
             ("kvpool_bytes_out", "Payload bytes read out of the arena.", s.bytes_out),
+            ("kvpool_corrupt_blocks", "Blocks readers found corrupt.", s.corrupt_reports),
         ):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric(node, value)

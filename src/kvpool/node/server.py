@@ -226,6 +226,7 @@ class NodeServer:
             uptime_s=time.monotonic() - self.started_at,
             namespaces=namespaces,
             peers=self.peers(),
+            corrupt_reports=counters.corrupt_reports,
         )
 
     @property
@@ -336,13 +337,13 @@ class Session:
             if header.op == Op.PUT:
                 payload_left = 0  # from here on the PUT handler consumes the payload itself
             await handler(self, header, request)
+        except (NodeUnavailable, ConnectionError, asyncio.CancelledError):
+            raise  # the connection is lost, or its framing is: close it
         except (ProtocolError, KVPoolError) as exc:
             if payload_left:
                 await self.channel.skip(payload_left)
             if header.wants_reply:
                 await self._reply_error(header.op, header.request_id, exc)
-        except (NodeUnavailable, ConnectionError, asyncio.CancelledError):
-            raise
         except Exception as exc:  # a bug: report it, keep the connection if framing is intact
             log.exception("internal error serving %s", op_name)
             if header.op == Op.PUT:

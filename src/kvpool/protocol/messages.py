@@ -241,6 +241,7 @@ class NodeStats(Message):
     uptime_s: float
     namespaces: list[NamespaceStats] = []
     peers: list[str] = []
+    corrupt_reports: int = 0  # blocks readers found corrupt (and the node dropped)
 
 
 class Health(Message):
