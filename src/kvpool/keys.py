@@ -22,6 +22,7 @@ import msgspec
 from kvpool.errors import ConfigError
 
 NAMESPACE_ID_BYTES = 16
+MAX_LABEL_CHARS = 200  # within the protocol's bound on names
 MIN_BLOCK_ID_BYTES = 1
 MAX_BLOCK_ID_BYTES = 64
 MIN_KEY_BYTES = NAMESPACE_ID_BYTES + MIN_BLOCK_ID_BYTES
@@ -71,7 +72,7 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
             parts.append(self.layout)
         if self.tp_size > 1 or self.pp_size > 1:
             parts.append(f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size}")
-        return " ".join(parts)
+        return " ".join(parts)[:MAX_LABEL_CHARS]
 
     def key(self, block_hash: bytes) -> bytes:
         """The pool key of one block."""

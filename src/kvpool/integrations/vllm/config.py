@@ -178,7 +178,7 @@ def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int
         model=str(model.model),
         revision=str(model.revision or ""),
         dtype=_kv_dtype(vllm_config),
-        layout=str(current_platform.device_type),
+        layout=_physical_layout(vllm_config, current_platform),
         num_layers=int(getattr(model.hf_text_config, "num_hidden_layers", 0)),
         block_size=int(cache.block_size),
         num_kv_heads=int(model.get_num_kv_heads(parallel)),
@@ -195,6 +195,28 @@ def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int
         for tp in range(base.tp_size)
         for pp in range(base.pp_size)
     }
+
+
+def _physical_layout(vllm_config: Any, platform: Any) -> str:
+    """What decides how a page's bytes are ordered, beyond its shape: the device, the
+    attention backend (chosen, or picked automatically for the GPU generation), the KV
+    cache layout override, and vLLM's version.  Engines that differ in any of these never
+    share blocks."""
+    import vllm
+
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    capability = platform.get_device_capability()
+    parts = [
+        str(platform.device_type),
+        f"attn={getattr(backend, 'name', backend) or 'auto'}",
+        f"cc={capability.major}.{capability.minor}" if capability is not None else "",
+        f"kv_layout={os.environ['VLLM_KV_CACHE_LAYOUT']}"
+        if os.environ.get("VLLM_KV_CACHE_LAYOUT")
+        else "",
+        "vllm=" + ".".join(str(vllm.__version__).split(".")[:2]),
+    ]
+    return "/".join(p for p in parts if p)
 
 
 def _engine_environ() -> Mapping[str, str]:
