@@ -134,6 +134,62 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
     assert "kvpool: loads=" in log and "hit rate=" in log and "load ms avg/min/max=" in log
 
 
+def test_pool_killed_while_a_generate_loads_and_saves(model, start_node):
+    """(e), mid-flight: the node dies while a generate is loading and saving (not between
+    generates).  No request fails and the outputs are the engine's own.  float32, whose
+    numerics do not depend on which blocks were loaded and which recomputed."""
+    import threading
+    import time
+
+    node = start_node(name="midrun", memory="256MiB")
+    timeline: dict[str, float] = {}
+
+    def on_pause(tag: str) -> None:
+        if tag == "kill_soon":
+            timeline["armed"] = time.monotonic()
+            with Client(node.unix_address) as c:
+                before = c.stats().bytes_out
+
+            def kill_once_loading() -> None:
+                with Client(node.unix_address) as c:
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline and c.stats().bytes_out == before:
+                        time.sleep(0.002)
+                timeline["loading"] = time.monotonic()
+                node.kill()  # the loads have begun; saves are still to come
+                timeline["killed"] = time.monotonic()
+
+            threading.Thread(target=kill_once_loading, daemon=True).start()
+
+    batch = S3 + S4  # S3 is in the pool by then, S4 is not: loads and saves both in flight
+    steps = [
+        gen("warm", S3),
+        gen("first", batch),
+        {"op": "reset_prefix_cache"},
+        gen("seed", S3),
+        {"op": "reset_prefix_cache"},
+        {"op": "pause", "tag": "kill_soon"},
+        gen("killed", batch),
+        gen("after", batch),
+    ]
+    extra = {"health_interval": 0.5, "timeout": 1.0}
+    results = run_engine(
+        model,
+        steps,
+        connector_config=connector(node.unix_address, **extra),
+        on_pause=on_pause,
+        engine={"dtype": "float32"},
+    )
+    by_name = {r["name"]: r for r in results if r["op"] == "generate"}
+    killed = by_name["killed"]
+    # The node died once the generate's loads had begun, and before the generate ended.
+    assert "killed" in timeline and timeline["loading"] - timeline["armed"] < 30
+    assert timeline["killed"] - timeline["armed"] < killed["seconds"], (timeline, killed)
+    for name in ("killed", "after"):
+        assert by_name[name]["token_ids"] == by_name["first"]["token_ids"], name
+    assert all(len(t) == 12 for t in killed["token_ids"])
+
+
 def test_a_second_engine_hits_what_the_first_saved(model, reference, start_node):
     node = start_node(name="shared", memory="256MiB")
     cfg = connector(node.unix_address)
