@@ -4,6 +4,8 @@ disaggregation meeting in the pool, and cache-aware routing across two hosts."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.request
 
 import aiohttp
@@ -139,10 +141,39 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
                 )
                 assert served_by == first[i], f"conversation {i} turn {turn + 2} moved"
                 conversations[i] += f" next question {turn}" + reply
-        # An engine dies mid-run: every request still succeeds, on the other one.
+        # An engine dies while it is answering: every request still succeeds.  Answers are
+        # not streamed here, so nothing has reached the client before the engine's last
+        # byte, and the router retries them on the other engine.
+        outcomes: dict[int, tuple[str, str] | BaseException] = {}
+
+        def ask(i: int) -> None:
+            try:
+                outcomes[i] = complete(
+                    router.url, model, conversations[i] + " after the crash", max_tokens=200
+                )
+            except BaseException as exc:
+                outcomes[i] = exc
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not servers[1].metric("vllm:num_requests_running"):
+            time.sleep(0.05)
+        assert servers[1].metric("vllm:num_requests_running") > 0
         servers[1].kill()
-        for i in range(len(conversations)):
-            served_by, reply = complete(router.url, model, conversations[i] + " after the crash")
+        for t in threads:
+            t.join(300)
+        assert all(isinstance(o, tuple) and o[1] for o in outcomes.values()), outcomes
+        assert len(outcomes) == len(conversations)
+        with urllib.request.urlopen(router.url + "/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        retried = [
+            line for line in metrics.splitlines() if line.startswith("kvpool_router_retries_total")
+        ]
+        assert any('phase="decode"' in line and float(line.split()[-1]) >= 1 for line in retried)
+        for i in range(len(conversations)):  # and afterwards, on the survivor
+            served_by, reply = complete(router.url, model, conversations[i] + " again")
             assert served_by == servers[0].url and reply
     finally:
         if router is not None:
