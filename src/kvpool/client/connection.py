@@ -290,7 +290,15 @@ class AsyncConnection(_Driver):
             return None
         if isinstance(effect, ops.Compute):
             if effect.num_bytes >= ASYNC_COPY_OFFLOAD_BYTES:
-                return await asyncio.get_running_loop().run_in_executor(None, effect.fn)
+                copy = asyncio.get_running_loop().run_in_executor(None, effect.fn)
+                try:
+                    return await asyncio.shield(copy)
+                except asyncio.CancelledError:
+                    # A copy into the arena must end before the connection (and with it
+                    # the reservation) goes: the memory could be another key's after.
+                    with contextlib.suppress(Exception):
+                        await copy
+                    raise
             return effect.fn()
         raise TypeError(f"unknown effect {effect!r}")
 

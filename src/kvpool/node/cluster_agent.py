@@ -30,6 +30,7 @@ MAX_QUEUED_KEYS = 65536
 BATCH_KEYS = 256
 REPLICATION_TIMEOUT_S = 5.0
 PIN_LEASE_S = 30.0
+DOWN_COOLDOWN_S = 2.0  # a home that failed a write-through is skipped this long
 OWNER_ID = -1  # pins of the replicator, apart from every connection's
 
 
@@ -68,6 +69,8 @@ class NodeAgent:
         self._task: asyncio.Task[None] | None = None
         self.num_replicated = 0
         self.num_failed = 0
+        self.num_dropped = 0  # queued past MAX_QUEUED_KEYS: never written through
+        self._down_until: dict[str, float] = {}
         self.is_joined = False
 
     async def start(self) -> None:
@@ -105,6 +108,11 @@ class NodeAgent:
     def enqueue(self, keys: Sequence[bytes]) -> None:
         if len(self.membership.members()) < 2:
             return  # alone: every key is at home here
+        overflow = len(self._queue) + len(keys) - MAX_QUEUED_KEYS
+        if overflow > 0:  # the oldest go: their homes will miss them, nothing is wrong
+            if not self.num_dropped:
+                log.warning("write-through is behind: dropping the oldest queued keys")
+            self.num_dropped += overflow
         self._queue.extend(keys)
         self._wakeup.set()
 
@@ -114,18 +122,24 @@ class NodeAgent:
             self._wakeup.clear()
             while self._queue:
                 batch = [self._queue.popleft() for _ in range(min(BATCH_KEYS, len(self._queue)))]
-                await self._replicate(batch)
+                try:
+                    await self._replicate(batch)
+                except Exception:  # a bug must not end write-through for good
+                    log.exception("write-through of %d keys failed", len(batch))
+                    self.num_failed += len(batch)
 
     async def _replicate(self, keys: list[bytes]) -> None:
         members = {m.node_id: m for m in self.membership.members()}
         groups = group_by_home(
             keys, list(members.values()), self.config.replicas, skip=self.member.node_id
         )
-        sends = [
-            self._send(members[node_id], [keys[i] for i in indices])
-            for node_id, indices in groups.items()
-            if node_id in members
-        ]
+        now = time.monotonic()
+        sends = []
+        for node_id, indices in groups.items():
+            if self._down_until.get(node_id, 0.0) > now:
+                self.num_failed += len(indices)  # a home that just failed is not waited on
+            elif node_id in members:
+                sends.append(self._send(members[node_id], [keys[i] for i in indices]))
         await asyncio.gather(*sends)
 
     async def _send(self, target: Member, keys: list[bytes]) -> None:
@@ -141,6 +155,7 @@ class NodeAgent:
             self.num_replicated += result.num_stored
         except KVPoolError as exc:
             self.num_failed += len(keys)
+            self._down_until[target.node_id] = time.monotonic() + DOWN_COOLDOWN_S
             log.debug("write-through of %d blocks to %s failed: %s", len(keys), target.node_id, exc)
         finally:
             if pin_id:
