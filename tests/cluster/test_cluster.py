@@ -103,6 +103,17 @@ def test_static_cluster_shares_blocks_across_hosts(fabric):
         wait_for(lambda: reader.lookup(fresh) == 30)
         local_present = reader.local.exists(fresh)
         assert local_only.exists(fresh) == local_present and not all(local_present)
+        # A block another host is still writing is pending here too (a consumer waits for
+        # a producer on another host), and found once it is committed.
+        later = [key(f"p{i}") for i in range(4)]
+        lease = writer.reserve(later, [4096] * 4)
+        state = reader.lookup_state(later)
+        assert state.num_prefix == 0 and state.is_next_pending
+        for view in lease.views:
+            view[:] = b"p" * 4096
+        assert lease.commit().all_stored
+        state = reader.lookup_state(later)
+        assert state.num_prefix == 4 and not state.is_next_pending
     finally:
         for c in (writer, reader, local_only):
             c.close()

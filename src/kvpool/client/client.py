@@ -82,8 +82,10 @@ def _config(
     return config.replace(address=address) if address is not None else config.validate()
 
 
-def _exists_call(keys: list[bytes]) -> Callable[[NodeClient, float], list[bool]]:
-    return lambda node, timeout: node.exists(keys, timeout=timeout)
+def _presence_call(
+    keys: list[bytes],
+) -> Callable[[NodeClient, float], tuple[list[bool], list[bool]]]:
+    return lambda node, timeout: node.presence(keys, timeout=timeout)
 
 
 def _put_call(
@@ -206,33 +208,38 @@ class Client:
         if cluster is None or local.num_prefix == len(keys):
             return local
         rest = list(keys[local.num_prefix :])
-        # Past the local prefix, a key counts if the local node or one of its homes has it.
+        # Past the local prefix, a key counts if any node has it; the key after the prefix
+        # is pending if any node is writing it (a producer on another host, say).
         present = [False] * len(rest)
         if answered:
             present, _ = self._local_or_miss(
                 lambda node, t: node.exists(rest, timeout=t), present, deadline
             )
-        remote = self._remote_presence(cluster, rest, deadline)
+        remote, pending = self._remote_presence(cluster, rest, deadline)
         present = [a or b for a, b in zip(present, remote, strict=True)]
         extra = len(list(takewhile(bool, present)))
-        if extra == 0:
-            return local
-        return LookupState(local.num_prefix + extra, False)
+        is_next_pending = extra < len(rest) and (
+            pending[extra] or (extra == 0 and local.is_next_pending)
+        )
+        return LookupState(local.num_prefix + extra, is_next_pending)
 
     def _remote_presence(
         self, cluster: ClusterView, keys: list[bytes], deadline: float
-    ) -> list[bool]:
+    ) -> tuple[list[bool], list[bool]]:
+        """Which keys another node has, and which another node is writing."""
         # Every live node, not only the homes: a block can sit on its writer's node before
         # it is written through to its home (or when writing through failed).
         groups = cluster.groups(keys, everywhere=True)
         calls = {
-            member: _exists_call([keys[i] for i in indices]) for member, indices in groups.items()
+            member: _presence_call([keys[i] for i in indices]) for member, indices in groups.items()
         }
         present = [False] * len(keys)
-        for member, mask in cluster.each_result(cluster.fan_out(calls, deadline)):
-            for i, found in zip(groups[member], mask, strict=True):
-                present[i] = present[i] or found
-        return present
+        pending = [False] * len(keys)
+        for member, (found, writing) in cluster.each_result(cluster.fan_out(calls, deadline)):
+            for i, is_found, is_writing in zip(groups[member], found, writing, strict=True):
+                present[i] = present[i] or is_found
+                pending[i] = pending[i] or is_writing
+        return present, pending
 
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         """Whether each key is stored (anywhere in the cluster)."""
@@ -243,7 +250,7 @@ class Client:
         cluster = self._remote()
         missing = [i for i, p in enumerate(present) if not p]
         if cluster is not None and missing:
-            remote = self._remote_presence(cluster, [keys[i] for i in missing], deadline)
+            remote, _ = self._remote_presence(cluster, [keys[i] for i in missing], deadline)
             for i, found in zip(missing, remote, strict=True):
                 present[i] = found
         return present

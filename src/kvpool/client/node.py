@@ -192,6 +192,12 @@ class NodeClient:
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return self.call(lambda _: ops.exists(keys), timeout) if keys else []
 
+    def presence(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> tuple[list[bool], list[bool]]:
+        """Which keys are stored, and which are being written."""
+        return self.call(lambda _: ops.presence(keys), timeout) if keys else ([], [])
+
     def put(
         self,
         keys: Sequence[bytes],

@@ -213,10 +213,18 @@ def lookup(
 
 
 def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
+    present, _ = yield from presence(keys)
+    return present
+
+
+def presence(keys: Sequence[bytes]) -> Op_[tuple[list[bool], list[bool]]]:
+    """Which keys are stored, and which are being written."""
     yield Request(Op.LOOKUP, LookupRequest(keys=list(keys), mask=True))
     response, _ = yield Recv(Op.LOOKUP, LookupResponse)
     _check_len("presence flags", response.present, len(keys))
-    return list(response.present)
+    pending = list(response.pending) or [False] * len(keys)  # a node that does not say
+    _check_len("pending flags", pending, len(keys))
+    return list(response.present), pending
 
 
 # -- writes -------------------------------------------------------------------------------

@@ -382,7 +382,9 @@ class Session:
         keys = req.keys
         if req.mask:
             present = self.store.lookup_mask(keys)
-            await self._reply(header, Op.LOOKUP, LookupResponse(num_prefix=0, present=present))
+            writing = self.store.pending_mask(keys)
+            response = LookupResponse(num_prefix=0, present=present, pending=writing)
+            await self._reply(header, Op.LOOKUP, response)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.wait_ms / 1000

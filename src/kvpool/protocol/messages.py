@@ -127,6 +127,8 @@ class LookupResponse(Message):
     num_prefix: int
     present: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
     num_pending: int = 0
+    # With ``mask``: which keys are being written (reserved, not yet committed).
+    pending: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
 
 
 class PutRequest(Message):

@@ -226,6 +226,11 @@ class BlockStore:
             self.counters.lookup_misses += len(keys) - hits
         return present
 
+    def pending_mask(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is being written (reserved, not committed yet)."""
+        index, committed = self._index, self._committed
+        return [k in index and k not in committed for k in keys]
+
     def _count_lookup(self, keys: Sequence[bytes], num_prefix: int) -> None:
         self.counters.lookup_hits += num_prefix
         self.counters.lookup_misses += len(keys) - num_prefix
