@@ -112,8 +112,9 @@ class Client:
     :class:`~kvpool.config.ClientConfig`).
 
     With ``peers=`` or ``etcd=`` it sees a whole cluster: writes go to the local node (which
-    writes them through to their home nodes); lookups and reads try the local node, then the
-    keys' home nodes in parallel (unless ``read_local_only``).  A node that is down or frozen
+    writes them through to their home nodes); reads try the local node, then the keys' home
+    nodes in parallel, then the other nodes; lookups ask every node in parallel (unless
+    ``read_local_only``).  A node that is down or frozen
     turns its keys into misses; it never makes a call outlast its deadline.  Without a local
     node (``address=""``), writes go straight to the home nodes.
     """
