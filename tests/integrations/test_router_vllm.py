@@ -139,7 +139,10 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
                 served_by, reply = complete(
                     router.url, model, conversations[i] + f" next question {turn}"
                 )
-                assert served_by == first[i], f"conversation {i} turn {turn + 2} moved"
+                assert served_by == first[i], (
+                    f"conversation {i} turn {turn + 2} moved; the router said:\n"
+                    + "".join(router.output[-30:])
+                )
                 conversations[i] += f" next question {turn}" + reply
         # An engine dies while it is answering: every request still succeeds.  Answers are
         # not streamed here, so nothing has reached the client before the engine's last

@@ -22,7 +22,7 @@ def build_router(settings: RouterSettings) -> Router:
             {
                 "address": "",
                 "peers": [e.node for e in settings.engines if e.node] or ["127.0.0.1:1"],
-                "timeout": 0.5,
+                "timeout": 1.0,  # the most a request waits on the pool to be placed
                 "use_shm": False,
             }
         )

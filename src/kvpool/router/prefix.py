@@ -25,6 +25,7 @@ log = logging.getLogger("kvpool.router")
 
 NAMESPACE_REFRESH_S = 5.0
 DOWN_COOLDOWN_S = 1.0
+MAX_SLOW_ANSWERS = 3
 LOOKUP_THREADS = 8
 
 
@@ -82,6 +83,7 @@ class PrefixLocator:
         self._clients: dict[str, NodeClient] = {}
         self._namespaces: dict[str, tuple[float, list[bytes]]] = {}
         self._down_until: dict[str, float] = {}
+        self._timeouts: dict[str, int] = {}  # slow answers in a row, per node
         # Its own threads: a slow node must not take the event loop's default executor.
         self._executor = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvpool-locate")
 
@@ -141,15 +143,22 @@ class PrefixLocator:
             await asyncio.wait(tasks.values(), timeout=_left(deadline))
         found: dict[str, int] = {}
         for node, task in tasks.items():
+            found[node] = 0
             if task.done() and task.exception() is None:
                 found[node] = task.result()
+                self._timeouts[node] = 0
                 continue
-            if task.done():
-                log.debug("prefix lookup on %s failed: %s", node, task.exception())
-            else:
+            if not task.done():
                 task.add_done_callback(_consume)  # it ends at its own deadline
-            self._down_until[node] = time.monotonic() + DOWN_COOLDOWN_S
-            found[node] = 0
+            error = task.exception() if task.done() else None
+            # A node that cannot be reached is left alone for a moment; a slow one (a busy
+            # host) only after several slow answers in a row.
+            slow = error is None or isinstance(error, PoolTimeout)
+            self._timeouts[node] = self._timeouts.get(node, 0) + 1 if slow else 0
+            if not slow or self._timeouts[node] >= MAX_SLOW_ANSWERS:
+                self._down_until[node] = time.monotonic() + DOWN_COOLDOWN_S
+                self._timeouts[node] = 0
+            log.info("prefix lookup on %s: %s", node, error or "no answer in time")
         return len(hashes), found
 
     def close(self) -> None:
