@@ -230,7 +230,7 @@ class Client:
         """Which keys another node has, and which another node is writing."""
         # Every live node, not only the homes: a block can sit on its writer's node before
         # it is written through to its home (or when writing through failed).
-        groups = cluster.groups(keys, everywhere=True)
+        groups = cluster.groups(keys, among="all")
         calls = {
             member: _presence_call([keys[i] for i in indices]) for member, indices in groups.items()
         }
@@ -344,51 +344,43 @@ class Client:
         indices: list[int],
         deadline: float,
     ) -> None:
-        self._fetch_remote(cluster, keys, dsts, result, indices, deadline, everywhere=False)
-        # What the homes lack may still sit on the node that wrote it (not yet written
-        # through): ask the others, if there is time left.
-        missing = [i for i in indices if result.statuses[i] is not Status.OK]
-        if missing and deadline - time.monotonic() > MIN_SECOND_ROUND_S:
-            self._fetch_remote(cluster, keys, dsts, result, missing, deadline, everywhere=True)
+        """Fetch ``keys[indices]`` from the keys' homes, then what they lack (a block its
+        writer has not written through yet, say) from the other nodes, time allowing.
 
-    def _fetch_remote(
-        self,
-        cluster: ClusterView,
-        keys: Sequence[bytes],
-        dsts: Sequence[memoryview] | None,
-        result: GetResult,
-        indices: list[int],
-        deadline: float,
-        *,
-        everywhere: bool,
-    ) -> None:
-        wanted = [keys[i] for i in indices]
-        groups = cluster.groups(wanted, everywhere=everywhere, skip_homes=everywhere)
-        # Every node streams into buffers of its own, never into the caller's: a call still
-        # running at the deadline, or a second replica, must not write there after (or
-        # while) the first verified copy is delivered.  Copies land in the caller's thread.
-        calls = {
-            member: _get_call([wanted[j] for j in sub], None) for member, sub in groups.items()
-        }
+        Every node streams into buffers of its own, never into the caller's: a call still
+        running at the deadline, or a second replica, must not write there after (or while)
+        the first verified copy is delivered.  Copies land in the caller's thread."""
         fetched_keys, fetched_values = [], []
-        for member, remote in cluster.each_result(cluster.fan_out(calls, deadline)):
-            positions = groups[member]
-            assert remote.values is not None
-            for j, status, value in zip(positions, remote.statuses, remote.values, strict=True):
-                i = indices[j]
-                if status is not Status.OK or value is None or result.statuses[i] is Status.OK:
-                    continue
-                if dsts is not None:
-                    if len(dsts[i]) < len(value):
-                        result.statuses[i] = Status.REFUSED  # the caller's buffer is too small
+        for among in ("homes", "others"):
+            done = (Status.OK, Status.REFUSED)  # refused: the caller's buffer is too small
+            todo = [i for i in indices if result.statuses[i] not in done]
+            if not todo or (among == "others" and deadline - time.monotonic() < MIN_SECOND_ROUND_S):
+                break
+            groups = cluster.groups([keys[i] for i in todo], among=among)
+            calls = {
+                member: _get_call([keys[todo[j]] for j in sub], None)
+                for member, sub in groups.items()
+            }
+            for member, remote in cluster.each_result(cluster.fan_out(calls, deadline)):
+                assert remote.values is not None
+                for j, status, value in zip(
+                    groups[member], remote.statuses, remote.values, strict=True
+                ):
+                    i = todo[j]
+                    if status is not Status.OK or value is None or result.statuses[i] is Status.OK:
                         continue
-                    dsts[i][: len(value)] = value
-                result.statuses[i] = Status.OK
-                result.sizes[i] = len(value)
-                if result.values:
-                    result.values[i] = value
-                fetched_keys.append(keys[i])
-                fetched_values.append(value)
+                    if dsts is not None:
+                        if len(dsts[i]) < len(value):
+                            result.statuses[i] = Status.REFUSED  # the caller's buffer is too small
+                            continue
+                        dsts[i][: len(value)] = value
+                    result.statuses[i] = Status.OK
+                    result.sizes[i] = len(value)
+                    if result.values:
+                        result.values[i] = value
+                    fetched_keys.append(keys[i])
+                    # The caller may change what it was handed before the promotion runs.
+                    fetched_values.append(value if dsts is not None else bytes(value))
         if fetched_keys and self.local is not None:
             self._promote(fetched_keys, fetched_values)
 
@@ -420,7 +412,7 @@ class Client:
             lambda node, t: node.delete(keys, timeout=t), [Status.NOT_FOUND] * len(keys), deadline
         )
         if self.cluster is not None:
-            groups = self.cluster.groups(keys, everywhere=True)
+            groups = self.cluster.groups(keys, among="all")
             calls = {member: _delete_call([keys[i] for i in idx]) for member, idx in groups.items()}
             for member, remote in self.cluster.each_result(self.cluster.fan_out(calls, deadline)):
                 for i, status in zip(groups[member], remote, strict=True):

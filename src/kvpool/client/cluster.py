@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, membership_for
 from kvpool.cluster.placement import Placement
@@ -107,21 +107,20 @@ class ClusterView:
         return placement
 
     def groups(
-        self, keys: Sequence[bytes], *, everywhere: bool = False, skip_homes: bool = False
+        self, keys: Sequence[bytes], among: Literal["homes", "all", "others"] = "homes"
     ) -> dict[Member, list[int]]:
-        """Indices of ``keys`` per node to ask, leaving out the local node and nodes marked
-        down: each key's home nodes, or with ``everywhere`` every node for every key (with
-        ``skip_homes``, but a key's homes)."""
+        """Indices of ``keys`` per node to ask: each key's home nodes, every node, or every
+        node but a key's homes; never the local node nor a node marked down."""
         members = {m.node_id: m for m in self.members()}
         local_id = self.local_id
         placement = self.placement(list(members.values()))
         by_node: dict[str, list[int]]
-        if not everywhere:
+        if among == "homes":
             by_node = placement.group(keys, skip=local_id)
         else:
             by_node = {node_id: [] for node_id in members if node_id != local_id}
             for index, key in enumerate(keys):
-                homes = placement.homes(key) if skip_homes else ()
+                homes = placement.homes(key) if among == "others" else ()
                 for node_id, indices in by_node.items():
                     if node_id not in homes:
                         indices.append(index)
