@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
-from kvpool.integrations.vllm.tiny_model import build_tiny_model
-from kvpool.integrations.vllm.workload import Workload
+from kvpool.demo.tiny_model import build_tiny_model
+from kvpool.demo.workload import Workload
 
 BLOCK = 32
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.node.process import NodeProcess
+from kvpool.demo.process import NodeProcess
 
 SHM = Path("/dev/shm")
 

@@ -25,3 +25,27 @@ def size_of(k: bytes, low: int = 1, high: int = 300_000) -> int:
     return low + int.from_bytes(hashlib.blake2b(k + b"size", digest_size=4).digest(), "little") % (
         high - low
     )
+
+
+def reserve_op(keys, sizes, lease_ms=0):
+    """A RESERVE on a raw connection (``Connection.run``): its response."""
+    from kvpool.client import ops
+    from kvpool.protocol.messages import Op, ReserveRequest, ReserveResponse
+
+    request = ReserveRequest(keys=list(keys), sizes=list(sizes), lease_ms=lease_ms)
+    yield ops.Request(Op.RESERVE, request)
+    response, _ = yield ops.Recv(Op.RESERVE, ReserveResponse)
+    return response
+
+
+def commit_op(reservation_id, checksums, replicate=False):
+    """A COMMIT on a raw connection: the statuses."""
+    from kvpool.client import ops
+    from kvpool.protocol.messages import CommitRequest, Op, StatusResponse
+
+    request = CommitRequest(
+        reservation_id=reservation_id, checksums=list(checksums), replicate=replicate
+    )
+    yield ops.Request(Op.COMMIT, request)
+    response, _ = yield ops.Recv(Op.COMMIT, StatusResponse)
+    return response.statuses

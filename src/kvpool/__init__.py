@@ -3,7 +3,8 @@
 The public surface is flat: clients, configuration, keys, and the error hierarchy.
 """
 
-from kvpool.client.client import AsyncClient, Client, PoolFuture
+from kvpool.client.aio import AsyncClient
+from kvpool.client.client import Client, PoolFuture
 from kvpool.client.ops import GetResult, PutResult
 from kvpool.config import ClientConfig, NodeConfig
 from kvpool.errors import (

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.errors import ConfigError
+from kvpool.timing import DEFAULT_PIN_LEASE_S, DEFAULT_RESERVE_LEASE_S, LeasePolicy
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -27,8 +28,6 @@ DEFAULT_RUN_DIR = "/dev/shm/kvpool"
 DEFAULT_TCP_PORT = 9400
 DEFAULT_ADMIN_PORT = 9401
 DEFAULT_MEMORY_BYTES = 1 * GiB
-DEFAULT_PIN_LEASE_S = 10.0
-DEFAULT_RESERVE_LEASE_S = 30.0
 DEFAULT_HIGH_WATERMARK = 0.95
 DEFAULT_LOW_WATERMARK = 0.90
 DEFAULT_TIMEOUT_S = 2.0
@@ -151,6 +150,10 @@ class NodeConfig:
     def tcp_address(self) -> str:
         return f"{self.advertise_host or self.host}:{self.port}"
 
+    @property
+    def leases(self) -> LeasePolicy:
+        return LeasePolicy(pin_s=self.pin_lease_s, reserve_s=self.reserve_lease_s)
+
     def validate(self) -> NodeConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
             raise ConfigError(f"node name {self.name!r}: use 1-64 letters, digits, '_', '.', '-'")
@@ -158,8 +161,7 @@ class NodeConfig:
             raise ConfigError(f"--memory must be at least {format_size(MIN_ARENA_BYTES)}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("watermarks must satisfy 0 < low <= high <= 1")
-        if self.pin_lease_s <= 0 or self.reserve_lease_s <= 0:
-            raise ConfigError("lease durations must be positive")
+        self.leases.validate()
         if not self.access_key and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host} without an access key: set --access-key "

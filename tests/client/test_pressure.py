@@ -11,8 +11,9 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
-from kvpool import Client, Status
+from kvpool import Client, LeaseExpired, Status
 from kvpool.client import ops
 from kvpool.client.connection import Connection
 from kvpool.config import Address
@@ -26,7 +27,7 @@ from kvpool.protocol.messages import (
     ReserveRequest,
     ReserveResponse,
 )
-from tests.helpers import content, key, size_of
+from tests.helpers import commit_op, content, key, reserve_op, size_of
 
 
 def _check(values, keys, got):
@@ -158,6 +159,35 @@ def test_pins_protect_blocks_until_their_lease_expires(start_node):
         assert c.stats().num_pinned == 0
         _fill(c, "flood-2", 12 << 20)
         assert c.lookup([key("precious")]) == 0
+        holder.close()
+
+
+def test_the_node_clamps_every_lease_to_its_bound(start_node):
+    # A client asking for 600 s gets what KVPOOL_PIN_LEASE / KVPOOL_RESERVE_LEASE allow.
+    bounds = {"KVPOOL_PIN_LEASE": "1", "KVPOOL_RESERVE_LEASE": "1.5"}
+    node = start_node(name="clamp", memory="4MiB", env=bounds)
+    with Client(node.unix_address) as c:
+        c.put([key("pinned")], [b"p" * 10_000])
+        holder = _raw(node, c)
+        pinned = holder.run(_pin([key("pinned")], lease_ms=600_000), time.monotonic() + 5)
+        assert pinned.statuses == [Status.OK] and pinned.lease_ms == 1000
+        reserved = holder.run(reserve_op([key("half")], [50_000], 600_000), time.monotonic() + 5)
+        assert reserved.statuses == [Status.OK] and reserved.lease_ms == 1500
+        assert c.stats().num_pinned == 1 and c.stats().reserved_bytes == 50_000
+        deadline = time.monotonic() + 10  # both expire though the holder stays connected
+        while time.monotonic() < deadline and (c.stats().num_pinned or c.stats().reserved_bytes):
+            time.sleep(0.05)
+        assert c.stats().num_pinned == 0 and c.stats().reserved_bytes == 0
+        with pytest.raises(LeaseExpired):
+            holder.run(commit_op(reserved.reservation_id, [0]), time.monotonic() + 5)
+        assert c.lookup([key("half")]) == 0 and c.put([key("half")], [b"h"]).all_stored
+        # The SDK's own leases ask for nothing, and get the bound too.
+        with c.acquire([key("pinned")]) as lease:
+            assert lease.num_prefix == 1 and c.stats().num_pinned == 1
+            started = time.monotonic()
+            while time.monotonic() - started < 10 and c.stats().num_pinned:
+                time.sleep(0.05)
+            assert c.stats().num_pinned == 0 and time.monotonic() - started >= 0.9
         holder.close()
 
 

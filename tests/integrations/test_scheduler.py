@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from kvpool.client.connection import Connection
-from kvpool.client.ops import commit, reserve
 from kvpool.config import Address
 from kvpool.integrations.vllm.config import connector_config
 from kvpool.integrations.vllm.scheduler import KVPoolScheduler
 from kvpool.keys import Namespace, chained_hashes
+from tests.helpers import commit_op, reserve_op
 
 BS = 32
 NS = Namespace(model="sched-test", block_size=BS)
@@ -20,7 +20,10 @@ NS = Namespace(model="sched-test", block_size=BS)
 def request(rid, num_blocks):
     tokens = list(range(num_blocks * BS + 1))
     return SimpleNamespace(
-        request_id=rid, num_prompt_tokens=len(tokens), block_hashes=chained_hashes(tokens, BS)
+        request_id=rid,
+        num_prompt_tokens=len(tokens),
+        block_hashes=chained_hashes(tokens, BS),
+        arrival_time=time.time(),
     )
 
 
@@ -41,10 +44,11 @@ def test_consumer_defers_while_a_producer_is_still_writing(node, client):
     sched = scheduler(node, consumer_wait=5.0)
     writer = Connection(Address.parse(node.unix_address), client.config, time.monotonic() + 5)
     keys = NS.keys(req.block_hashes)
-    reserved = writer.run(reserve(keys, [64] * 5, 30_000), time.monotonic() + 5)
+    reserved = writer.run(reserve_op(keys, [64] * 5), time.monotonic() + 5)
+    req.arrival_time = time.time()
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # pending: ask again
-    writer.run(commit(reserved.reservation_id, [0] * 5, False), time.monotonic() + 5)
+    writer.run(commit_op(reserved.reservation_id, [0] * 5), time.monotonic() + 5)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
     # With the engine's own cache holding 2 blocks, only the 3 after them are loaded.
     assert sched.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, True)
@@ -54,14 +58,33 @@ def test_consumer_defers_while_a_producer_is_still_writing(node, client):
 
 def test_the_wait_is_bounded(node, client):
     req = request("r2", 3)
-    sched = scheduler(node, consumer_wait=0.3)
+    sched = scheduler(node, consumer_wait=1.0)
     writer = Connection(Address.parse(node.unix_address), client.config, time.monotonic() + 5)
-    writer.run(reserve(NS.keys(req.block_hashes), [64] * 3, 30_000), time.monotonic() + 5)
+    writer.run(reserve_op(NS.keys(req.block_hashes), [64] * 3), time.monotonic() + 5)
+    req.arrival_time = time.time()  # the wait counts from the request's arrival
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    time.sleep(0.35)
+    time.sleep(1.05)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # gave up: recompute
     writer.close()
+    sched.shutdown()
+
+
+def test_matching_is_side_effect_free_and_acted_on_once_scheduled(node, client):
+    req = request("r6", 6)
+    client.put(NS.keys(req.block_hashes[:4]), [b"x"] * 4)
+    sched = scheduler(node, "kv_both")
+    sched.on_new_request(req)
+    for _ in range(3):  # vLLM may ask several times: nothing changes but the answer's memo
+        assert sched.get_num_new_matched_tokens(req, BS) == (3 * BS, True)
+    assert sched.stats.is_empty() and not sched._loads
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14, 15, 16],))
+    sched.update_state_after_alloc(req, blocks, 3 * BS)
+    assert sched.stats.data["lookups"] == 1 and sched.stats.data["hit_blocks"] == 4
+    (job,) = sched._loads
+    assert job.block_ids == [11, 12, 13] and job.block_hashes == req.block_hashes[1:4]
+    sched.update_state_after_alloc(req, blocks, 0)  # again, once the load is done
+    assert sched.stats.data["lookups"] == 1 and len(sched._loads) == 1
     sched.shutdown()
 
 
@@ -82,7 +105,10 @@ def test_thresholds_and_roles(node, client):
 def test_a_full_prompt_hit_still_leaves_a_token_to_compute(node, client):
     tokens = list(range(4 * BS))  # exactly 4 full blocks
     req = SimpleNamespace(
-        request_id="r4", num_prompt_tokens=len(tokens), block_hashes=chained_hashes(tokens, BS)
+        request_id="r4",
+        num_prompt_tokens=len(tokens),
+        block_hashes=chained_hashes(tokens, BS),
+        arrival_time=time.time(),
     )
     client.put(NS.keys(req.block_hashes), [b"x"] * 4)
     assert scheduler(node, "kv_both").get_num_new_matched_tokens(req, 0) == (3 * BS, True)

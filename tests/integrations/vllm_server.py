@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 
+from kvpool.demo.runner import ENGINE_ENV
 from tests.cluster.fabric import free_port
 
 ENGINE_ARGS = [
@@ -75,7 +76,7 @@ class VllmServer:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "VLLM_CACHE_ROOT": self.cache, **(env or {})},
+            env={**ENGINE_ENV, **os.environ, "VLLM_CACHE_ROOT": self.cache, **(env or {})},
             start_new_session=True,
         )
         self.log: list[str] = []

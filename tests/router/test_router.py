@@ -207,6 +207,73 @@ def test_prefill_decode_disaggregation(fakes, routers):
     assert any("falling back" in line or "decode alone" in line for line in router.output)
 
 
+def test_one_prefill_and_one_decode_ride_out_single_failures(fakes, routers):
+    # The guide's 1P1D layout: each role has one engine, so a failure cannot go elsewhere.
+    # The router retries the same engine after a short backoff, and never takes the last
+    # engine of a role out of rotation on one failure.
+    p, d = fakes(2)
+    router = routers([f"{p.url},role=prefill", f"{d.url},role=decode"])
+    body = {"model": "m", "prompt": "pd", "max_tokens": 3, "stream": True}
+    d.configure(fail=1)  # a decode 500, once
+    engine, text = complete(router, body=body)
+    assert engine == d.url and "[DONE]" in text
+    assert sum(1 for e in d.log() if e["body"] == body) == 2  # the same engine, twice
+    d.configure(drop=1)  # a decode stream dropped before its first byte, once
+    started = time.monotonic()
+    engine, text = complete(router, body=body)
+    assert engine == d.url and "[DONE]" in text
+    for _ in range(5):  # and the only decoder stayed in rotation: no 503 in between
+        engine, text = complete(router, body=body)
+        assert engine == d.url and "[DONE]" in text
+    assert time.monotonic() - started < 5
+    p.configure(fail=1)  # a prefill 500, once: retried on the same prefill engine
+    before = len(p.log())
+    engine, text = complete(router, body=body)
+    assert engine == d.url and len(p.log()) == before + 2
+    assert not any("decode alone" in line for line in router.output)
+    with urllib.request.urlopen(router.url + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'kvpool_router_retries_total{phase="decode"} 2.0' in metrics
+    assert 'kvpool_router_retries_total{phase="prefill"} 1.0' in metrics
+    # A decoder that is really gone goes out after a few failures in a row.
+    d.kill()
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        complete(router, body=body)
+    assert failed.value.code == 502
+    failed.value.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and get_json_status(router.url + "/health") == 200:
+        time.sleep(0.2)
+    assert get_json_status(router.url + "/health") == 503
+
+
+def get_json_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return exc.code
+
+
+def test_routing_decisions_are_explained(fakes, routers):
+    a, b = fakes(2)
+    a.configure(running=3)
+    router = routers([a.url, b.url], "--policy", "least_load", "--log-level", "debug")
+    time.sleep(1.5)  # a health check has read the engines' load
+    request = urllib.request.Request(
+        router.url + "/v1/completions",
+        data=json.dumps({"model": "m", "prompt": "why", "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["x-kvpool-engine"] == b.url
+        assert response.headers["x-kvpool-route"] == "policy=least_load; load=0"
+    time.sleep(0.2)
+    decisions = [line for line in router.output if "route /v1/completions to" in line]
+    assert decisions and b.url in decisions[-1] and "load=3" in decisions[-1]
+
+
 def test_a_client_that_disconnects_cancels_the_upstream_request(fakes, routers):
     (a,) = fakes(1)
     a.configure(chunks=100, delay=0.2)

@@ -7,6 +7,7 @@ from kvpool.errors import LeaseExpired, Status
 from kvpool.store.block import BlockState
 from kvpool.store.eviction import LRUPolicy, NoEviction
 from kvpool.store.pool import BlockStore
+from kvpool.timing import LeasePolicy
 from tests.helpers import key
 
 
@@ -37,13 +38,14 @@ def test_rule1_reserved_keys_are_pending_not_readable(store):
     result = store.reserve([key(1)], [100], owner=1, lease_s=30)
     assert result.statuses == [Status.OK]
     assert store.lookup([key(1)]) == (0, True)
-    assert store.pin([key(1)], 2, 10) == (0, [None])
+    pinned = store.pin([key(1)], 2, 10)
+    assert (pinned.pin_id, pinned.blocks) == (0, [None])
     assert store.reserve([key(1)], [100], owner=2, lease_s=30).statuses == [Status.PENDING]
 
 
 def test_rule2_commit_is_atomic_and_refused_after_abort(store):
     first = store.reserve([key(1), key(2)], [100, 100], owner=1, lease_s=30)
-    assert store.commit(first.reservation_id, [11, 22], owner=1) == [Status.OK, Status.OK]
+    assert store.commit(first.reservation_id, [11, 22], owner=1).statuses == [Status.OK] * 2
     assert store.lookup([key(1), key(2)]) == (2, False)
     assert store.get_block(key(2)).checksum == 22
     second = store.reserve([key(3)], [100], owner=1, lease_s=30)
@@ -70,7 +72,7 @@ def test_rule3_expired_reservations_and_gone_owners_return_memory(store, clock):
 def test_rule4_pins_block_eviction_until_unpinned_or_expired(clock):
     store = BlockStore(4 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
     put(store, [key(1), key(2), key(3), key(4)])
-    _pin_id, blocks = store.pin([key(1)], owner=9, lease_s=10)
+    blocks = store.pin([key(1)], owner=9, lease_s=10).blocks
     assert blocks[0] is not None and blocks[0].num_pins == 1
     put(store, [key(5)])  # needs one victim: key 1 is oldest but pinned, so key 2 goes
     assert store.lookup([key(1)]) == (1, False) and store.lookup([key(2)]) == (0, False)
@@ -84,7 +86,23 @@ def test_rule4_pins_block_eviction_until_unpinned_or_expired(clock):
     assert store.used_bytes == used - PAGE_BYTES
 
 
-def test_rule5_lru_eviction_on_demand_and_past_the_high_watermark(clock):
+def test_rule5_leases_are_clamped_to_the_policy(clock):
+    store = BlockStore(32 * PAGE_BYTES, clock=clock, leases=LeasePolicy(pin_s=2.0, reserve_s=3.0))
+    asked = store.reserve([key(1)], [100], owner=1, lease_s=600)
+    assert asked.lease_s == 3.0
+    assert store.reserve([key(2)], [100], owner=1).lease_s == 3.0  # 0: the bound
+    assert store.reserve([key(3)], [100], owner=1, lease_s=1).lease_s == 1.0  # less is fine
+    store.commit(store.reserve([key(4)], [100], owner=1).reservation_id, [7], owner=1)
+    assert store.pin([key(4)], owner=2, lease_s=600).lease_s == 2.0
+    clock.now += 2.5
+    assert store.expire() == 2  # the pin and key 3's reservation
+    assert store.num_pinned == 0
+    clock.now += 1
+    assert store.expire() == 2  # keys 1 and 2, asked for 600 s and 30 s
+    assert store.reserved_bytes == 0 and store.lookup([key(1)]) == (0, False)
+
+
+def test_rule6_lru_eviction_on_demand_and_past_the_high_watermark(clock):
     store = BlockStore(10 * PAGE_BYTES, clock=clock, high_watermark=0.8, low_watermark=0.5)
     for i in range(8):
         put(store, [key(i)])
@@ -97,7 +115,7 @@ def test_rule5_lru_eviction_on_demand_and_past_the_high_watermark(clock):
     assert store.counters.evictions >= 4
 
 
-def test_rule5_nothing_evictable_means_no_space(clock):
+def test_rule6_nothing_evictable_means_no_space(clock):
     store = BlockStore(2 * PAGE_BYTES, clock=clock, eviction=NoEviction())
     put(store, [key(1), key(2)])
     result = store.reserve([key(3)], [PAGE_BYTES], owner=1, lease_s=30)
@@ -106,7 +124,7 @@ def test_rule5_nothing_evictable_means_no_space(clock):
     assert too_big.statuses == [Status.REFUSED]
 
 
-def test_rule6_existing_keys_are_never_overwritten(store):
+def test_rule7_existing_keys_are_never_overwritten(store):
     put(store, [key(1)])
     result = store.reserve([key(1), key(2), key(2)], [1, 1, 1], owner=1, lease_s=30)
     assert result.statuses == [Status.EXISTS, Status.OK, Status.PENDING]
@@ -128,7 +146,8 @@ def test_lookup_prefix_and_mask(store):
 
 def test_prefix_pin_stops_at_first_miss(store):
     put(store, [key(1), key(3)])
-    pin_id, blocks = store.pin([key(1), key(2), key(3)], owner=1, lease_s=5, prefix=True)
+    pinned = store.pin([key(1), key(2), key(3)], owner=1, lease_s=5, prefix=True)
+    pin_id, blocks = pinned.pin_id, pinned.blocks
     assert [b is not None for b in blocks] == [True, False, False]
     assert store.unpin(pin_id) and not store.unpin(pin_id)
 

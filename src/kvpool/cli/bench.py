@@ -39,8 +39,8 @@ from rich.table import Table
 
 from kvpool.client.client import Client
 from kvpool.config import MiB, format_size
+from kvpool.demo.process import NodeProcess, wait_until
 from kvpool.keys import Namespace
-from kvpool.node.process import NodeProcess, wait_until
 
 LOOKUP_KEYS = 1000
 LOOKUP_ROUNDS = 2000

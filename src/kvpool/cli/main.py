@@ -161,13 +161,13 @@ def demo(
     if pool_only:
         import json
 
-        from kvpool.cli.demo_pool import run_pool_demo
+        from kvpool.demo.pool import run_pool_demo
 
         result = run_pool_demo(Console())
         if json_output:
             sys.stdout.write(json.dumps(result) + "\n")
         return
-    from kvpool.cli.demo import run_demo
+    from kvpool.demo.chat import run_demo
 
     run_demo(
         Console(width=max(Console().width, 120)),

@@ -14,20 +14,19 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, membership_for
 from kvpool.cluster.placement import Placement
 from kvpool.config import Address, ClientConfig
-from kvpool.errors import KVPoolError, PoolTimeout, TransportError
+from kvpool.errors import ConfigError, KVPoolError, PoolTimeout, TransportError
+from kvpool.timing import CLIENT_NODE_DOWN_S, MIN_FAIR_BUDGET_S
 
 from .node import NodeClient
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-DOWN_COOLDOWN_S = 0.5
-MIN_FAIR_BUDGET_S = 0.05
 FAN_OUT_THREADS = 16
 ETCD_SYNC_TIMEOUT_S = 5.0
 
@@ -35,7 +34,8 @@ ETCD_SYNC_TIMEOUT_S = 5.0
 class ClusterView:
     def __init__(self, config: ClientConfig, local: NodeClient | None):
         membership = membership_for(config.peers, config.etcd, config.etcd_prefix, config.timeout_s)
-        assert membership is not None
+        if membership is None:
+            raise ConfigError("a cluster needs peers or etcd")
         self.membership: Membership = membership
         if isinstance(membership, EtcdMembership):
             membership.start()
@@ -94,7 +94,7 @@ class ClusterView:
         return time.monotonic() < self._down_until.get(member.tcp_address, 0.0)
 
     def mark_down(self, member: Member) -> None:
-        self._down_until[member.tcp_address] = time.monotonic() + DOWN_COOLDOWN_S
+        self._down_until[member.tcp_address] = time.monotonic() + CLIENT_NODE_DOWN_S
 
     # -- fan-out --------------------------------------------------------------------------
 
@@ -159,7 +159,11 @@ class ClusterView:
                 self.mark_down(member)
         return results
 
-    def each_result(self, results: dict[Member, Any]) -> list[tuple[Member, Any]]:
+    def answers(
+        self, calls: dict[Member, Callable[[NodeClient, float], T]], deadline: float
+    ) -> list[tuple[Member, T]]:
+        """:meth:`fan_out`, keeping only the nodes that answered."""
+        results = self.fan_out(calls, deadline)
         return [(m, r) for m, r in results.items() if not isinstance(r, BaseException)]
 
 

@@ -1,15 +1,16 @@
-"""One connection to one node, blocking or asyncio, and the drivers that run the I/O-free
-operations of :mod:`kvpool.client.ops` over it.
+"""One blocking connection to one node, and the driver that runs the I/O-free operations of
+:mod:`kvpool.client.ops` over it.
 
-This is the one place where socket errors become kvpool errors: ``OSError`` turns into
-:class:`ConnectError` (while connecting) or :class:`NodeUnavailable` (after), timeouts
-into :class:`PoolTimeout`.  A connection that failed mid-request is *broken* and must not
-be reused; one that received an error status is still usable.
+This is the client's one error boundary: what sockets raise becomes a kvpool error in
+:func:`transport_error` and nowhere else — ``OSError`` while connecting becomes
+:class:`ConnectError`, a timeout :class:`PoolTimeout`, any other ``OSError`` (the node
+hung up, a reset) :class:`NodeUnavailable`.  A connection that failed mid-request is
+*broken* and must not be reused; one that received an error status from the store is still
+usable.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import mmap
@@ -30,19 +31,35 @@ from kvpool.errors import (
     TransportError,
     error_for_status,
 )
-from kvpool.protocol.channel import AsyncChannel, SyncChannel
-from kvpool.protocol.frames import FLAG_NO_REPLY, decode_error, decode_response, encode_frame
-from kvpool.protocol.messages import Welcome
+from kvpool.protocol.channel import SyncChannel
+from kvpool.protocol.frames import (
+    FLAG_NO_REPLY,
+    FrameHeader,
+    decode_error,
+    decode_response,
+    encode_frame,
+)
+from kvpool.protocol.messages import Op, Welcome
 
 from . import ops
 
 T = TypeVar("T")
 
-ASYNC_COPY_OFFLOAD_BYTES = 1 << 20
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
-def _open_socket(address: Address, timeout: float) -> socket.socket:
+def transport_error(exc: OSError, node: str, *, connecting: bool = False) -> TransportError:
+    """The kvpool error for what a socket raised talking to ``node``."""
+    if connecting:
+        what = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        return ConnectError(f"cannot connect to {node}: {what}", node=node)
+    if isinstance(exc, TimeoutError):
+        return PoolTimeout("timed out waiting for the node", node=node)
+    return NodeUnavailable(f"connection failed: {exc}", node=node)
+
+
+def open_socket(address: Address, timeout: float) -> socket.socket:
+    node = str(address)
     try:
         if address.kind == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -55,12 +72,8 @@ def _open_socket(address: Address, timeout: float) -> socket.socket:
         else:
             sock = socket.create_connection((address.host, address.port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except TimeoutError as exc:
-        raise ConnectError(f"connecting to {address} timed out", node=str(address)) from exc
     except OSError as exc:
-        raise ConnectError(
-            f"cannot connect to {address}: {exc.strerror or exc}", node=str(address)
-        ) from exc
+        raise transport_error(exc, node, connecting=True) from exc
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
@@ -92,20 +105,51 @@ def map_arena(welcome: Welcome, config: ClientConfig) -> memoryview | None:
         os.close(fd)
 
 
-class _Driver:
-    """What the blocking and asyncio connections share."""
+class Connection:
+    """A blocking connection, authenticated at construction."""
 
-    node: str
-    broken: bool
-    welcome: Welcome
-    arena: memoryview | None
-
-    def __init__(self) -> None:
+    def __init__(self, address: Address, config: ClientConfig, deadline: float):
+        self.address = address
+        self.node = str(address)
+        self.broken = False
+        self.arena: memoryview | None = None
         self._request_ids = itertools.count(1)
         self._expected_id = 0
-        self.broken = False
-        self.arena = None
-        self.last_used = time.monotonic()
+        timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
+        self.channel = SyncChannel(open_socket(address, timeout))
+        try:
+            self.welcome: Welcome = self.run(
+                ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-client"),
+                deadline,
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.node = self.welcome.node_id or self.node
+
+    def run(self, op: Generator[Any, Any, T], deadline: float) -> T:
+        """Drive one operation to its end; any failure but a store's error status breaks
+        the connection."""
+        self.channel.deadline = deadline
+        try:
+            effect = next(op)
+            while True:
+                effect = op.send(self._perform(effect))
+        except StopIteration as stop:
+            return stop.value
+        except StoreError:
+            raise
+        except KVPoolError as exc:
+            self.broken = True
+            if exc.node is None:
+                exc.node = self.node
+            raise
+        except OSError as exc:
+            self.broken = True
+            raise transport_error(exc, self.node) from exc
+        except BaseException:
+            self.broken = True
+            raise
 
     def _frame(self, effect: ops.Request) -> list[Any]:
         request_id = next(self._request_ids) & 0xFFFFFFFF
@@ -121,60 +165,15 @@ class _Driver:
         )
         return [frame, *effect.payload]
 
-    def _check_response(self, header: Any, expected_op: int, meta: bytes) -> None:
+    def _check_response(self, header: FrameHeader, expected_op: int, meta: bytes) -> None:
         if header.status != 0:
             raise error_for_status(header.status, decode_error(meta), node=self.node)
         if not header.is_response or header.op != expected_op:
             raise ProtocolError(f"expected a response to op {expected_op}, got op {header.op}")
-        if expected_op != ops.Op.CHALLENGE and header.request_id != self._expected_id:
+        if expected_op != Op.CHALLENGE and header.request_id != self._expected_id:
             raise ProtocolError(
                 f"response to request {header.request_id}, expected {self._expected_id}"
             )
-
-
-class Connection(_Driver):
-    """A blocking connection."""
-
-    def __init__(self, address: Address, config: ClientConfig, deadline: float):
-        super().__init__()
-        self.address = address
-        self.node = str(address)
-        timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
-        self.channel = SyncChannel(_open_socket(address, timeout))
-        try:
-            self.welcome = self.run(
-                ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-client"),
-                deadline,
-            )
-        except BaseException:
-            self.close()
-            raise
-        self.node = self.welcome.node_id or self.node
-
-    def run(self, op: Generator[Any, Any, T], deadline: float) -> T:
-        """Drive one operation to its end; any failure but an error status breaks the
-        connection."""
-        self.channel.deadline = deadline
-        try:
-            effect = next(op)
-            while True:
-                effect = op.send(self._perform(effect))
-        except StopIteration as stop:
-            self.last_used = time.monotonic()
-            return stop.value
-        except StoreError:
-            raise
-        except KVPoolError as exc:
-            self.broken = True
-            if exc.node is None:
-                exc.node = self.node
-            raise
-        except OSError as exc:
-            self.broken = True
-            raise NodeUnavailable(f"connection failed: {exc}", node=self.node) from exc
-        except BaseException:
-            self.broken = True
-            raise
 
     def _perform(self, effect: Any) -> Any:
         channel = self.channel
@@ -203,107 +202,3 @@ class Connection(_Driver):
         self.broken = True
         with contextlib.suppress(OSError):
             self.channel.sock.close()
-
-
-class AsyncConnection(_Driver):
-    """An asyncio connection."""
-
-    def __init__(self, address: Address, config: ClientConfig):
-        super().__init__()
-        self.address = address
-        self.config = config
-        self.node = str(address)
-        self.channel: AsyncChannel | None = None
-
-    async def open(self, deadline: float) -> AsyncConnection:
-        loop = asyncio.get_running_loop()
-        timeout = min(self.config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
-        try:
-            async with asyncio.timeout(timeout):
-                sock = await loop.run_in_executor(None, _open_socket, self.address, timeout)
-        except TimeoutError as exc:
-            raise ConnectError(f"connecting to {self.address} timed out", node=self.node) from exc
-        self.channel = AsyncChannel(sock, loop)
-        config = self.config
-        try:
-            self.welcome = await self.run(
-                ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-async"),
-                deadline,
-            )
-        except BaseException:
-            self.close()
-            raise
-        self.node = self.welcome.node_id or self.node
-        return self
-
-    async def run(self, op: Generator[Any, Any, T], deadline: float) -> T:
-        remaining = deadline - time.monotonic()
-        try:
-            if remaining <= 0:
-                raise PoolTimeout("deadline passed", node=self.node)
-            async with asyncio.timeout(remaining):
-                effect = next(op)
-                while True:
-                    effect = op.send(await self._perform(effect))
-        except StopIteration as stop:
-            self.last_used = time.monotonic()
-            return stop.value
-        except TimeoutError as exc:
-            self.broken = True
-            raise PoolTimeout("timed out waiting for the node", node=self.node) from exc
-        except StoreError:
-            raise
-        except TransportError:
-            self.broken = True
-            raise
-        except KVPoolError as exc:
-            self.broken = True
-            if exc.node is None:
-                exc.node = self.node
-            raise
-        except OSError as exc:
-            self.broken = True
-            raise NodeUnavailable(f"connection failed: {exc}", node=self.node) from exc
-        except BaseException:
-            self.broken = True
-            raise
-
-    async def _perform(self, effect: Any) -> Any:
-        channel = self.channel
-        assert channel is not None
-        if isinstance(effect, ops.Request):
-            await channel.send(self._frame(effect))
-            return None
-        if isinstance(effect, ops.Send):
-            await channel.send(effect.parts)
-            return None
-        if isinstance(effect, ops.Recv):
-            header = await channel.recv_header()
-            meta = await channel.recv_meta(header.meta_len)
-            self._check_response(header, effect.op, meta)
-            return decode_response(header.op, meta, effect.type), header.payload_len
-        if isinstance(effect, ops.RecvInto):
-            await channel.recv_into(effect.view, effect.hasher)
-            return None
-        if isinstance(effect, ops.Skip):
-            await channel.skip(effect.num_bytes)
-            return None
-        if isinstance(effect, ops.Compute):
-            if effect.num_bytes >= ASYNC_COPY_OFFLOAD_BYTES:
-                copy = asyncio.get_running_loop().run_in_executor(None, effect.fn)
-                try:
-                    return await asyncio.shield(copy)
-                except asyncio.CancelledError:
-                    # A copy into the arena must end before the connection (and with it
-                    # the reservation) goes: the memory could be another key's after.
-                    with contextlib.suppress(Exception):
-                        await copy
-                    raise
-            return effect.fn()
-        raise TypeError(f"unknown effect {effect!r}")
-
-    def close(self) -> None:
-        self.broken = True
-        if self.channel is not None:
-            with contextlib.suppress(OSError):
-                self.channel.close()

@@ -8,11 +8,14 @@ hands out read-only views until ``release()``.
 
 Lifecycle: ``open`` → use ``views`` → ``commit()`` / ``abort()`` (write) or ``release()``
 (read).  Both are context managers that abort / release on exit.  A lease holds one
-connection of the client for its life (a reservation or a pin belongs to a connection),
-and the node reclaims what a lease holds when its lease time runs out.
+connection of the client for its life (a reservation or a pin belongs to a connection).
+The node grants the lease its own bound (``KVPOOL_RESERVE_LEASE`` / ``KVPOOL_PIN_LEASE``)
+and reclaims what a lease holds when that runs out.
 
-Off the node's host, the views are private buffers: ``commit()`` streams them to the node
-and ``open`` of a read lease receives them; the interface is the same.
+On the node's host the leases run the same slot operations as ``put`` and ``get``
+(:mod:`kvpool.client.ops`), across calls.  Off the node's host the views are private
+buffers: ``commit()`` streams them to the node and ``open`` of a read lease receives them;
+the interface is the same.
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ from . import ops
 from .connection import Connection
 from .node import NodeClient
 
-WRITE_LEASE_MS = 30_000
-READ_LEASE_MS = 10_000
+SendBlocks = Callable[[list[bytes], list[memoryview], float | None], ops.PutResult]
 
 
 def _deadline(node: NodeClient, timeout: float | None) -> float:
@@ -40,7 +42,7 @@ def _extent(views: Sequence[memoryview | None], offsets: Sequence[int], base: An
     """One view over all the views if they are adjacent in ``base``, else ``None``."""
     present = [(o, len(v)) for v, o in zip(views, offsets, strict=True) if v is not None]
     # Views adopted from other nodes have no place in ``base`` (offset -1).
-    if not present or len(present) != len(views) or any(o < 0 for o, _ in present):
+    if base is None or not present or len(present) != len(views) or any(o < 0 for o, _ in present):
         return None
     start = present[0][0]
     cursor = start
@@ -51,53 +53,54 @@ def _extent(views: Sequence[memoryview | None], offsets: Sequence[int], base: An
     return base[start:cursor]
 
 
+def _private(sizes: Sequence[int]) -> tuple[memoryview, list[memoryview | None], list[int]]:
+    """One private area holding a buffer per size, side by side."""
+    area = memoryview(bytearray(sum(sizes)))
+    views: list[memoryview | None] = []
+    offsets = []
+    cursor = 0
+    for size in sizes:
+        views.append(area[cursor : cursor + size])
+        offsets.append(cursor)
+        cursor += size
+    return area, views, offsets
+
+
 class WriteLease:
     """Reserved space to fill in place, then commit."""
 
     def __init__(
         self,
-        node: NodeClient,
-        keys: Sequence[bytes],
-        statuses: list[Status],
-        views: list[memoryview | None],
-        offsets: list[int],
+        slots: ops.Slots,
         base: Any,
-        conn: Connection | None,
-        reservation_id: int,
-        replicate: bool,
+        commit: Callable[[list[int | None], float | None], ops.PutResult],
+        abort: Callable[[], None],
     ) -> None:
-        self.node = node
-        self.keys = list(keys)
-        self.statuses = statuses
-        self.views = views
-        self.offsets = offsets
+        self.keys = slots.keys
+        self.statuses = slots.statuses
+        self.views = slots.views
+        self.offsets = slots.offsets
+        self._slots = slots
         self._base = base
-        self._conn = conn
-        self._reservation_id = reservation_id
-        self._replicate = replicate
+        self._commit = commit
+        self._abort = abort
         self._done = False
-        self._send: (
-            Callable[[list[bytes], list[memoryview], float | None], ops.PutResult] | None
-        ) = None
+        self.is_shm = True
 
     @classmethod
-    def buffered(
-        cls,
-        keys: Sequence[bytes],
-        sizes: Sequence[int],
-        send: Callable[[list[bytes], list[memoryview], float | None], ops.PutResult],
-    ) -> WriteLease:
+    def buffered(cls, keys: Sequence[bytes], sizes: Sequence[int], send: SendBlocks) -> WriteLease:
         """A lease over private buffers (one contiguous area) that ``send`` publishes."""
-        area = memoryview(bytearray(sum(sizes)))
-        views: list[memoryview | None] = []
-        offsets = []
-        cursor = 0
-        for size in sizes:
-            views.append(area[cursor : cursor + size])
-            offsets.append(cursor)
-            cursor += size
-        lease = cls(None, keys, [Status.OK] * len(keys), views, offsets, area, None, 0, False)  # type: ignore[arg-type]
-        lease._send = send
+        area, views, offsets = _private(sizes)
+        n = len(keys)
+        slots = ops.Slots(list(keys), 0, [Status.OK] * n, offsets, views, [], 0)
+
+        def commit(_: list[int | None], timeout: float | None) -> ops.PutResult:
+            present = [i for i, v in enumerate(views) if v is not None]
+            blocks = [v for v in views if v is not None]
+            return send([slots.keys[i] for i in present], blocks, timeout)
+
+        lease = cls(slots, area, commit, lambda: None)
+        lease.is_shm = False
         return lease
 
     @classmethod
@@ -112,43 +115,36 @@ class WriteLease:
         if len(keys) != len(sizes):
             raise UsageError(f"{len(keys)} keys but {len(sizes)} sizes")
         deadline = _deadline(node, timeout)
-        conn: Connection | None = node.hold(timeout)
-        assert conn is not None
+        conn = node.hold(timeout)
+        if conn.arena is None:  # another host: private buffers, sent on commit
+            node.release(conn)
+            return cls.buffered(
+                keys, sizes, lambda ks, vs, t: node.put(ks, vs, replicate=replicate, timeout=t)
+            )
         try:
-            if conn.arena is None:
-                # Another host: private buffers, sent on commit.
-                node.release(conn)
-                return cls.buffered(
-                    keys, sizes, lambda ks, vs, t: node.put(ks, vs, replicate=replicate, timeout=t)
-                )
-            reserved = conn.run(ops.reserve(keys, sizes, WRITE_LEASE_MS), deadline)
+            slots = conn.run(ops.reserve_slots(keys, sizes, conn.arena), deadline)
         except BaseException:
             node.release(conn)
             raise
-        arena = conn.arena
-        statuses = ops._statuses(reserved.statuses)
-        views = []
-        for status, offset, size in zip(statuses, reserved.offsets, sizes, strict=True):
-            ok = status is Status.OK and offset >= 0 and offset + size <= len(arena)
-            views.append(arena[offset : offset + size] if ok else None)
-        if not reserved.reservation_id:
+        held: list[Connection | None] = [conn if slots.slot_id else None]
+        if not slots.slot_id:
             node.release(conn)
-            conn = None
-        return cls(
-            node,
-            keys,
-            statuses,
-            views,
-            list(reserved.offsets),
-            arena,
-            conn,
-            reserved.reservation_id,
-            replicate,
-        )
 
-    @property
-    def is_shm(self) -> bool:
-        return self._send is None
+        def finish(op: Any, timeout: float | None) -> Any:
+            conn = held[0]
+            held[0] = None
+            if conn is None:
+                return None
+            try:
+                return conn.run(op, _deadline(node, timeout))
+            finally:
+                node.release(conn)
+
+        def commit(checksums: list[int | None], timeout: float | None) -> ops.PutResult:
+            result = finish(ops.commit_slots(slots, checksums, replicate), timeout)
+            return result if result is not None else ops.PutResult(slots.statuses)
+
+        return cls(slots, conn.arena, commit, lambda: finish(ops.abort(slots.slot_id), None))
 
     def extent(self) -> memoryview | None:
         """All the views as one adjacent region, if they are (so one copy fills them)."""
@@ -159,40 +155,14 @@ class WriteLease:
         if self._done:
             raise UsageError("lease already committed or aborted")
         self._done = True
-        if self._send is not None:
-            views = [v for v in self.views if v is not None]
-            keys = [k for k, v in zip(self.keys, self.views, strict=True) if v is not None]
-            return self._send(keys, views, timeout)
-        if self._conn is None:  # nothing was reserved
-            return ops.PutResult(self.statuses)
-        deadline = _deadline(self.node, timeout)
-        conn = self._conn
-        assert conn is not None
-        try:
-            checksums = [ck.checksum(v) if v is not None else None for v in self.views]
-            committed = conn.run(
-                ops.commit(self._reservation_id, checksums, self._replicate), deadline
-            )
-        finally:
-            self.node.release(conn)
-            self._conn = None
-        statuses = list(self.statuses)
-        for i, status in enumerate(committed):
-            if statuses[i] is Status.OK:
-                statuses[i] = status
-        return ops.PutResult(statuses)
+        checksums = [ck.checksum(v) if v is not None else None for v in self.views]
+        return self._commit(checksums, timeout)
 
     def abort(self) -> None:
         """Give the reserved space back without publishing anything."""
-        if self._done:
-            return
-        self._done = True
-        if self._conn is not None:
-            try:
-                self._conn.run(ops.abort(self._reservation_id), _deadline(self.node, None))
-            finally:
-                self.node.release(self._conn)
-                self._conn = None
+        if not self._done:
+            self._done = True
+            self._abort()
 
     def __enter__(self) -> WriteLease:
         return self
@@ -204,74 +174,58 @@ class WriteLease:
 class ReadLease:
     """Pinned, verified blocks to read in place, then release."""
 
-    def __init__(
-        self,
-        node: NodeClient,
-        keys: Sequence[bytes],
-        statuses: list[Status],
-        views: list[memoryview | None],
-        offsets: list[int],
-        base: Any,
-        conn: Connection | None,
-        pin_id: int,
-    ) -> None:
-        self.node = node
-        self.keys = list(keys)
-        self.statuses = statuses
-        self.views = views
-        self.offsets = offsets
+    def __init__(self, slots: ops.Slots, base: Any, release: Callable[[], None]) -> None:
+        self.keys = slots.keys
+        self.statuses = slots.statuses
+        self.views = slots.views
+        self.offsets = slots.offsets
         self._base = base
-        self._conn = conn
-        self._pin_id = pin_id
+        self._release = release
 
     @classmethod
     def open(
         cls, node: NodeClient, keys: Sequence[bytes], prefix: bool, timeout: float | None
     ) -> ReadLease:
         deadline = _deadline(node, timeout)
-        conn: Connection | None = node.hold(timeout)
-        assert conn is not None
-        views: list[memoryview | None] = []
-        if conn.arena is None:
+        conn = node.hold(timeout)
+        if conn.arena is None:  # another host: the blocks in private buffers
             node.release(conn)
             result = node.get(keys, None, prefix=prefix, timeout=timeout)
-            views = [memoryview(v) if v is not None else None for v in result.values]
-            sizes = [len(v) if v is not None else 0 for v in views]
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            return cls(node, keys, result.statuses, views, offsets, None, None, 0)
+            lease = cls.empty(keys)
+            for i, value in enumerate(result.values):
+                if value is not None:
+                    lease.adopt(i, memoryview(value))
+            return lease
         try:
-            pinned = conn.run(ops.pin(keys, prefix, READ_LEASE_MS), deadline)
-            arena = conn.arena
-            statuses = ops._statuses(pinned.statuses)
-            corrupt: list[bytes] = []
-            for i, (status, offset, size) in enumerate(
-                zip(statuses, pinned.offsets, pinned.sizes, strict=True)
-            ):
-                if status is not Status.OK or offset < 0 or offset + size > len(arena):
-                    views.append(None)
-                    continue
-                view = arena[offset : offset + size]
-                if ck.checksum(view) != pinned.checksums[i]:
-                    statuses[i] = Status.CHECKSUM_MISMATCH
-                    corrupt.append(keys[i])
-                    views.append(None)
-                else:
-                    views.append(view.toreadonly())
-            if corrupt:
-                conn.run(ops.report_corrupt(corrupt), deadline)
+            slots = conn.run(ops.pin_slots(keys, conn.arena, prefix), deadline)
+            checksums = [ck.checksum(v) if v is not None else None for v in slots.views]
+            conn.run(ops.verify_slots(keys, slots, checksums), deadline)
         except BaseException:
-            node.release(conn)
+            node.release(conn)  # the connection is broken, and with it the pin goes
             raise
-        if not pinned.pin_id:
+        slots.views = [v.toreadonly() if v is not None else None for v in slots.views]
+        if not slots.slot_id:
             node.release(conn)
-            conn = None
-        return cls(node, keys, statuses, views, list(pinned.offsets), arena, conn, pinned.pin_id)
+            return cls(slots, conn.arena, lambda: None)
+        held: list[Connection | None] = [conn]
+
+        def release() -> None:
+            conn = held[0]
+            held[0] = None
+            if conn is not None:
+                try:
+                    conn.run(ops.unpin(slots.slot_id), _deadline(node, None))
+                finally:
+                    node.release(conn)
+
+        return cls(slots, conn.arena, release)
 
     @classmethod
     def empty(cls, keys: Sequence[bytes]) -> ReadLease:
         """A lease holding nothing yet (no local node, or it is down)."""
         n = len(keys)
-        return cls(None, keys, [Status.NOT_FOUND] * n, [None] * n, [-1] * n, None, None, 0)  # type: ignore[arg-type]
+        slots = ops.Slots(list(keys), 0, [Status.NOT_FOUND] * n, [-1] * n, [None] * n, [], 0)
+        return cls(slots, None, lambda: None)
 
     def adopt(self, index: int, view: memoryview) -> None:
         """Hold a verified block fetched from elsewhere (another node) at ``index``."""
@@ -292,19 +246,11 @@ class ReadLease:
         writable memory of the arena, for zero-copy use by tensor libraries that want a
         writable buffer: never write through it."""
         num = len(self.views) if num is None else num
-        if self._base is None:
-            return None
         return _extent(self.views[:num], self.offsets[:num], self._base)
 
     def release(self) -> None:
         """Drop the pins; the views must not be used afterwards."""
-        if self._conn is None:
-            return
-        conn, self._conn = self._conn, None
-        try:
-            conn.run(ops.unpin(self._pin_id), _deadline(self.node, None))
-        finally:
-            self.node.release(conn)
+        self._release()
 
     def __enter__(self) -> ReadLease:
         return self

@@ -1,4 +1,4 @@
-"""Clients of one node: a pool of reusable connections, the node's mapped arena, and the
+"""The client of one node: a pool of reusable connections, the node's mapped arena, and the
 choice between the same-host shared-memory path and streaming over the socket.
 
 A call takes a connection from the pool, runs one operation under the call's deadline and
@@ -8,7 +8,6 @@ the call is retried once on a fresh connection, so clients recover on their own.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -19,7 +18,7 @@ from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout
 from kvpool.protocol.messages import Health, NodeStats, Welcome
 
 from . import ops
-from .connection import AsyncConnection, Connection, map_arena
+from .connection import Connection, map_arena
 
 T = TypeVar("T")
 OpFactory = Callable[[memoryview | None], Generator[Any, Any, T]]
@@ -242,140 +241,3 @@ class NodeClient:
             return conn.arena is not None
         finally:
             self._release(conn)
-
-
-class AsyncNodeClient:
-    """An asyncio client of one node (one event loop)."""
-
-    def __init__(self, address: str, config: ClientConfig):
-        self.address = Address.parse(address)
-        self.config = config
-        self.name = str(self.address)
-        self._idle: list[AsyncConnection] = []
-        self._num_open = 0
-        self._cond: asyncio.Condition | None = None
-        self._arenas = _ArenaCache(config)
-        self._closed = False
-
-    def _condition(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        return self._cond
-
-    async def _acquire(self, deadline: float) -> tuple[AsyncConnection, bool]:
-        cond = self._condition()
-        async with cond:
-            while True:
-                if self._closed:
-                    raise NodeUnavailable("client closed", node=self.name)
-                if self._idle:
-                    return self._idle.pop(), False
-                if self._num_open < self.config.max_connections:
-                    self._num_open += 1
-                    break
-                remaining = deadline - time.monotonic()
-                try:
-                    async with asyncio.timeout(max(remaining, 0)):
-                        await cond.wait()
-                except TimeoutError:
-                    raise PoolTimeout(
-                        "no free connection before the deadline", node=self.name
-                    ) from None
-        try:
-            conn = await AsyncConnection(self.address, self.config).open(deadline)
-        except BaseException:
-            async with cond:
-                self._num_open -= 1
-                cond.notify()
-            raise
-        conn.arena = self._arenas.for_welcome(conn.welcome)
-        self.name = conn.node
-        return conn, True
-
-    async def _release(self, conn: AsyncConnection) -> None:
-        cond = self._condition()
-        async with cond:
-            if conn.broken or self._closed:
-                conn.close()
-                self._num_open -= 1
-            else:
-                self._idle.append(conn)
-            cond.notify()
-
-    async def call(self, make: OpFactory[T], timeout: float | None = None) -> T:
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout_s)
-        for attempt in range(2):
-            conn, fresh = await self._acquire(deadline)
-            try:
-                return await conn.run(make(conn.arena), deadline)
-            except (NodeUnavailable, ConnectError):
-                if fresh or attempt:
-                    raise
-                for idle in self._idle:  # they all lead to the node that went away
-                    idle.close()
-                self._num_open -= len(self._idle)
-                self._idle.clear()
-            finally:
-                await asyncio.shield(self._release(conn))
-        raise AssertionError("unreachable")
-
-    async def close(self) -> None:
-        self._closed = True
-        for conn in self._idle:
-            conn.close()
-        self._num_open -= len(self._idle)
-        self._idle.clear()
-
-    async def lookup(
-        self,
-        keys: Sequence[bytes],
-        *,
-        wait: float = 0.0,
-        wait_absent: bool = False,
-        timeout: float | None = None,
-    ) -> ops.LookupState:
-        if not keys:
-            return ops.LookupState(0, False)
-        timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
-        return await self.call(lambda _: ops.lookup(keys, wait, wait_absent), timeout)
-
-    async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
-        return await self.call(lambda _: ops.exists(keys), timeout) if keys else []
-
-    async def put(
-        self,
-        keys: Sequence[bytes],
-        views: Sequence[memoryview],
-        *,
-        replicate: bool = True,
-        timeout: float | None = None,
-    ) -> ops.PutResult:
-        if not keys:
-            return ops.PutResult([])
-        return await self.call(_put_op(keys, views, replicate), timeout)
-
-    async def get(
-        self,
-        keys: Sequence[bytes],
-        dsts: Sequence[memoryview] | None,
-        *,
-        prefix: bool = False,
-        timeout: float | None = None,
-    ) -> ops.GetResult:
-        if not keys:
-            return ops.GetResult([], [], [])
-        return await self.call(_get_op(keys, dsts, prefix), timeout)
-
-    async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
-        return await self.call(lambda _: ops.delete(keys), timeout) if keys else []
-
-    async def describe(
-        self, namespace_id: bytes, label: str, *, timeout: float | None = None
-    ) -> None:
-        await self.call(lambda _: ops.describe(namespace_id, label), timeout)
-
-    async def stats(self, *, timeout: float | None = None) -> NodeStats:
-        return await self.call(lambda _: ops.stats(), timeout)
-
-    async def health(self, *, timeout: float | None = None) -> Health:
-        return await self.call(lambda _: ops.health(), timeout)

@@ -1,4 +1,4 @@
-"""Client operations, free of I/O, shared by the blocking and the asyncio clients.
+"""Client operations, free of I/O: the protocol logic of every call, in one place.
 
 Each operation is a generator that yields *effects* and receives their results:
 
@@ -8,11 +8,16 @@ Each operation is a generator that yields *effects* and receives their results:
   status raises the matching exception (see :mod:`kvpool.errors`).
 - :class:`RecvInto` — receive payload bytes into a view, feeding a hasher; no result.
 - :class:`Skip` — receive and drop payload bytes.
-- :class:`Compute` — CPU work such as copies and checksums; result ``fn()``.  The asyncio
-  driver runs large ones off the event loop.
+- :class:`Compute` — CPU work such as copies and checksums; result ``fn()``.
 
-A driver (``Connection.run`` / ``AsyncConnection.run``) performs the effects.  Every
+A driver (:meth:`kvpool.client.connection.Connection.run`) performs the effects.  Every
 outcome that is not an error comes back as a value: statuses per key, never exceptions.
+
+Shared memory has one path per direction, built from :class:`Slots`: ``reserve_slots`` →
+fill → ``commit_slots`` (or ``abort``), and ``pin_slots`` → read → ``verify_slots`` →
+``unpin``.  ``put_shm`` / ``get_shm`` run them in one call; the leases
+(:mod:`kvpool.client.leases`) run them across calls.  Slots are checked against the arena,
+and statuses merged, only there.
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvpool import checksum as ck
-from kvpool.errors import ProtocolError, Status, UsageError
+from kvpool.errors import (
+    AuthenticationError,
+    ProtocolError,
+    Status,
+    UnsupportedVersion,
+    UsageError,
+)
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CHECKSUM_BYTES,
@@ -162,8 +173,6 @@ def _check_len(what: str, values: Sequence[Any], num: int) -> None:
 def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -> Op_[Welcome]:
     challenge, _ = yield Recv(Op.CHALLENGE, Challenge)
     if PROTOCOL_VERSION not in challenge.versions:
-        from kvpool.errors import UnsupportedVersion
-
         raise UnsupportedVersion(f"node speaks versions {challenge.versions}")
     nonce = auth.new_nonce()
     proof = b""
@@ -182,8 +191,6 @@ def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -
     if access_key and not auth.verify(
         access_key, "node", access_id, challenge.nonce, nonce, welcome.proof
     ):
-        from kvpool.errors import AuthenticationError
-
         raise AuthenticationError("node could not prove it knows the access key")
     return welcome
 
@@ -248,52 +255,27 @@ def put_stream(
 
 
 def put_shm(
-    keys: Sequence[bytes],
-    views: Sequence[memoryview],
-    arena: memoryview,
-    replicate: bool,
-    lease_ms: int = 30_000,
+    keys: Sequence[bytes], views: Sequence[memoryview], arena: memoryview, replicate: bool
 ) -> Op_[PutResult]:
     """Reserve arena slots, copy the blocks in directly, then commit them."""
-    sizes = [len(v) for v in views]
-    yield Request(Op.RESERVE, ReserveRequest(keys=list(keys), sizes=sizes, lease_ms=lease_ms))
-    reserved, _ = yield Recv(Op.RESERVE, ReserveResponse)
-    _check_len("offsets", reserved.offsets, len(keys))
-    statuses = _statuses(reserved.statuses)
-    if not reserved.reservation_id:
-        return PutResult(statuses)
-    slots: list[memoryview | None] = []
-    for status, offset, size in zip(statuses, reserved.offsets, sizes, strict=True):
-        if status is Status.OK:
-            if offset < 0 or offset + size > len(arena):
-                raise ProtocolError(f"node reserved an offset outside its arena: {offset}")
-            slots.append(arena[offset : offset + size])
-        else:
-            slots.append(None)
+    slots = yield from reserve_slots(keys, [len(v) for v in views], arena)
+    if not slots.slot_id:
+        return PutResult(slots.statuses)
 
     def copy_in() -> list[int | None] | BaseException:
         try:
             return [
                 ck.copy_with_checksum(slot, view) if slot is not None else None
-                for slot, view in zip(slots, views, strict=True)
+                for slot, view in zip(slots.views, views, strict=True)
             ]
         except BaseException as exc:  # reported after the reservation is aborted
             return exc
 
-    checksums = yield Compute(copy_in, sum(sizes))
+    checksums = yield Compute(copy_in, sum(len(v) for v in views))
     if isinstance(checksums, BaseException):
-        yield Request(Op.ABORT, AbortRequest(reservation_id=reserved.reservation_id), no_reply=True)
+        yield from abort(slots.slot_id)
         raise checksums
-    commit = CommitRequest(
-        reservation_id=reserved.reservation_id, checksums=checksums, replicate=replicate
-    )
-    yield Request(Op.COMMIT, commit)
-    committed, _ = yield Recv(Op.COMMIT, StatusResponse)
-    _check_len("statuses", committed.statuses, len(keys))
-    for i, code in enumerate(committed.statuses):
-        if statuses[i] is Status.OK and code != Status.OK:
-            statuses[i] = Status(code)
-    return PutResult(statuses)
+    return (yield from commit_slots(slots, checksums, replicate))
 
 
 # -- reads --------------------------------------------------------------------------------
@@ -346,47 +328,30 @@ def get_stream(
 
 
 def get_shm(
-    keys: Sequence[bytes],
-    dsts: Sequence[memoryview] | None,
-    arena: memoryview,
-    prefix: bool,
-    lease_ms: int = 10_000,
+    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, arena: memoryview, prefix: bool
 ) -> Op_[GetResult]:
     """Pin the blocks, copy them straight out of the arena, verify, unpin."""
-    yield Request(Op.PIN, PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms))
-    pinned, _ = yield Recv(Op.PIN, PinResponse)
-    for what in ("statuses", "offsets", "sizes", "checksums"):
-        _check_len(what, getattr(pinned, what), len(keys))
-    statuses = _statuses(pinned.statuses)
-    sizes = [s if st is Status.OK else 0 for s, st in zip(pinned.sizes, statuses, strict=True)]
-    for offset, size, status in zip(pinned.offsets, sizes, statuses, strict=True):
-        if status is Status.OK and (offset < 0 or offset + size > len(arena)):
-            raise ProtocolError(f"node pinned an offset outside its arena: {offset}")
-    targets = _destinations(dsts, sizes, statuses)
+    slots = yield from pin_slots(keys, arena, prefix)
+    sizes = [len(v) if v is not None else 0 for v in slots.views]
+    targets = _destinations(dsts, sizes, slots.statuses)
 
     def copy_out() -> list[int | None] | BaseException:
         try:
             return [
-                ck.copy_with_checksum(t, arena[o : o + len(t)]) if t is not None else None
-                for t, o in zip(targets, pinned.offsets, strict=True)
+                ck.copy_with_checksum(t, v[: len(t)]) if t is not None and v is not None else None
+                for t, v in zip(targets, slots.views, strict=True)
             ]
         except BaseException as exc:  # reported after the pin is dropped
             return exc
 
-    checksums: list[int | None] | BaseException = []
-    if pinned.pin_id:
+    checksums: list[int | None] | BaseException = [None] * len(keys)
+    if slots.slot_id:
         checksums = yield Compute(copy_out, sum(sizes))
-        yield Request(Op.UNPIN, UnpinRequest(pin_id=pinned.pin_id), no_reply=True)
+        yield from unpin(slots.slot_id)
     if isinstance(checksums, BaseException):
         raise checksums
-    corrupt = []
-    for i, got in enumerate(checksums):
-        if got is not None and got != pinned.checksums[i]:
-            statuses[i] = Status.CHECKSUM_MISMATCH
-            corrupt.append(keys[i])
-    if corrupt:
-        yield from report_corrupt(corrupt)
-    return _get_result(statuses, sizes, targets, dsts is None)
+    yield from verify_slots(keys, slots, checksums)
+    return _get_result(slots.statuses, sizes, targets, dsts is None)
 
 
 def _get_result(
@@ -402,47 +367,124 @@ def _get_result(
     return GetResult(statuses, delivered, values)
 
 
-# -- maintenance --------------------------------------------------------------------------
+# -- slots: the one shared-memory path, used by put_shm/get_shm and by the leases -------
 
 
-# -- leases: zero-copy writes and reads through the arena ----------------------------------
+@dataclass(slots=True)
+class Slots:
+    """Arena slots of a batch that a node reserved (to fill) or pinned (to read).
+
+    ``slot_id`` is the reservation or pin id (0: nothing held); per key, ``statuses``,
+    ``offsets`` and ``views`` (the slot's arena memory, ``None`` where the status is not
+    OK); ``checksums`` are the stored blocks' (pins only); ``lease_ms`` is the lease the
+    node granted.
+    """
+
+    keys: list[bytes]
+    slot_id: int
+    statuses: list[Status]
+    offsets: list[int]
+    views: list[memoryview | None]
+    checksums: list[int]
+    lease_ms: int
 
 
-def reserve(keys: Sequence[bytes], sizes: Sequence[int], lease_ms: int) -> Op_[ReserveResponse]:
+def _slot_views(
+    statuses: list[Status], offsets: Sequence[int], sizes: Sequence[int], arena: memoryview
+) -> list[memoryview | None]:
+    """The arena memory of each OK slot; a slot outside the arena breaks the protocol."""
+    views: list[memoryview | None] = []
+    for status, offset, size in zip(statuses, offsets, sizes, strict=True):
+        if status is not Status.OK:
+            views.append(None)
+        elif offset < 0 or offset + size > len(arena):
+            raise ProtocolError(f"node handed out a slot outside its arena: {offset}+{size}")
+        else:
+            views.append(arena[offset : offset + size])
+    return views
+
+
+def reserve_slots(
+    keys: Sequence[bytes], sizes: Sequence[int], arena: memoryview, lease_ms: int = 0
+) -> Op_[Slots]:
+    """Reserve a slot per key (``lease_ms`` 0: the node's bound)."""
     request = ReserveRequest(keys=list(keys), sizes=list(sizes), lease_ms=lease_ms)
     yield Request(Op.RESERVE, request)
     response, _ = yield Recv(Op.RESERVE, ReserveResponse)
     _check_len("offsets", response.offsets, len(keys))
     _check_len("statuses", response.statuses, len(keys))
-    return response
+    statuses = _statuses(response.statuses)
+    views = _slot_views(statuses, response.offsets, sizes, arena)
+    return Slots(
+        list(keys),
+        response.reservation_id,
+        statuses,
+        list(response.offsets),
+        views,
+        [],
+        response.lease_ms,
+    )
 
 
-def commit(
-    reservation_id: int, checksums: Sequence[int | None], replicate: bool
-) -> Op_[list[Status]]:
+def commit_slots(slots: Slots, checksums: Sequence[int | None], replicate: bool) -> Op_[PutResult]:
+    """Publish the filled slots (a ``None`` checksum drops that one); the statuses of the
+    reservation and of the commit, merged."""
     request = CommitRequest(
-        reservation_id=reservation_id, checksums=list(checksums), replicate=replicate
+        reservation_id=slots.slot_id, checksums=list(checksums), replicate=replicate
     )
     yield Request(Op.COMMIT, request)
     response, _ = yield Recv(Op.COMMIT, StatusResponse)
     _check_len("statuses", response.statuses, len(checksums))
-    return _statuses(response.statuses)
+    statuses = list(slots.statuses)
+    for i, status in enumerate(_statuses(response.statuses)):
+        if statuses[i] is Status.OK:
+            statuses[i] = status
+    return PutResult(statuses)
+
+
+def pin_slots(
+    keys: Sequence[bytes], arena: memoryview, prefix: bool, lease_ms: int = 0
+) -> Op_[Slots]:
+    """Pin the stored blocks among ``keys`` (only the leading run with ``prefix``)."""
+    yield Request(Op.PIN, PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms))
+    response, _ = yield Recv(Op.PIN, PinResponse)
+    for what in ("statuses", "offsets", "sizes", "checksums"):
+        _check_len(what, getattr(response, what), len(keys))
+    statuses = _statuses(response.statuses)
+    views = _slot_views(statuses, response.offsets, response.sizes, arena)
+    return Slots(
+        list(keys),
+        response.pin_id,
+        statuses,
+        list(response.offsets),
+        views,
+        list(response.checksums),
+        response.lease_ms,
+    )
+
+
+def verify_slots(keys: Sequence[bytes], slots: Slots, checksums: Sequence[int | None]) -> Op_[None]:
+    """Mark every pinned block whose bytes hashed to something else (``checksums``, None
+    where not read) as CHECKSUM_MISMATCH, and report them so the node drops them."""
+    corrupt = []
+    for i, got in enumerate(checksums):
+        if got is not None and got != slots.checksums[i]:
+            slots.statuses[i] = Status.CHECKSUM_MISMATCH
+            slots.views[i] = None
+            corrupt.append(keys[i])
+    if corrupt:
+        yield from report_corrupt(corrupt)
 
 
 def abort(reservation_id: int) -> Op_[None]:
     yield Request(Op.ABORT, AbortRequest(reservation_id=reservation_id), no_reply=True)
 
 
-def pin(keys: Sequence[bytes], prefix: bool, lease_ms: int) -> Op_[PinResponse]:
-    yield Request(Op.PIN, PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms))
-    response, _ = yield Recv(Op.PIN, PinResponse)
-    for what in ("statuses", "offsets", "sizes", "checksums"):
-        _check_len(what, getattr(response, what), len(keys))
-    return response
-
-
 def unpin(pin_id: int) -> Op_[None]:
     yield Request(Op.UNPIN, UnpinRequest(pin_id=pin_id), no_reply=True)
+
+
+# -- maintenance --------------------------------------------------------------------------
 
 
 def report_corrupt(keys: Sequence[bytes]) -> Op_[None]:

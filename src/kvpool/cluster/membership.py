@@ -101,6 +101,7 @@ class EtcdMembership(Membership):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._cancel_watch: Callable[[], None] | None = None
+        self._watch_lock = threading.Lock()
         self.is_synced = False
         # Registration (daemons only).
         self._registered: Member | None = None
@@ -155,7 +156,15 @@ class EtcdMembership(Membership):
         while not self._stop.is_set():
             try:
                 events, cancel = self._client.watch_prefix(self.prefix)  # type: ignore[attr-defined]
-                self._cancel_watch = cancel
+                # The watch streams on a thread of etcd3gw's that only its cancel ends (a
+                # process would not exit past it): a stop that came while it was being
+                # created must still cancel it.
+                with self._watch_lock:
+                    self._cancel_watch = cancel
+                    stopped = self._stop.is_set()
+                if stopped:
+                    cancel()
+                    break
                 for event in events:
                     if self._stop.is_set():
                         break
@@ -212,10 +221,12 @@ class EtcdMembership(Membership):
                 self._lease = None
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._cancel_watch is not None:
+        with self._watch_lock:
+            self._stop.set()
+            cancel = self._cancel_watch
+        if cancel is not None:
             try:
-                self._cancel_watch()
+                cancel()
             except Exception as exc:  # the watch thread may already be gone
                 log.debug("cancelling the etcd watch: %s", exc)
         if self._lease is not None:

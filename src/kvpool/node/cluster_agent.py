@@ -17,53 +17,47 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from kvpool.client.node import AsyncNodeClient
+from kvpool.client.aio import AsyncClient
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, StaticMembership
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import DEFAULT_NODE_NAME, Address, ClientConfig, NodeConfig
 from kvpool.errors import KVPoolError
-from kvpool.node.server import NodeServer
+from kvpool.store.arena import Arena
+from kvpool.store.pool import BlockStore
+from kvpool.timing import WRITE_THROUGH_DOWN_S, WRITE_THROUGH_TIMEOUT_S
 
 log = logging.getLogger("kvpool.cluster")
 
 MAX_QUEUED_KEYS = 65536
 BATCH_KEYS = 256
-REPLICATION_TIMEOUT_S = 5.0
-PIN_LEASE_S = 30.0
-DOWN_COOLDOWN_S = 2.0  # a home that failed a write-through is skipped this long
 OWNER_ID = -1  # pins of the replicator, apart from every connection's
 
 
 class NodeAgent:
-    def __init__(self, config: NodeConfig, server: NodeServer, admin_port: int):
+    """Built before the node's server (which it is handed to as its cluster hooks); joins
+    the cluster once the server listens (:meth:`start`)."""
+
+    def __init__(self, config: NodeConfig, store: BlockStore, arena: Arena):
         self.config = config
-        self.server = server
-        tcp = server.tcp_address
-        self.membership: Membership
-        if config.etcd:
-            self.member = Member(
-                # Nodes left with the default name would overwrite each other in etcd.
-                node_id=config.name if config.name != DEFAULT_NODE_NAME else tcp,
-                tcp_address=tcp,
-                admin_url=f"http://{config.advertise_host or config.admin_host}:{admin_port}",
-                host_id=config.host_id,
-                started_at=time.time(),
-            )
-            self.membership = EtcdMembership(config.etcd, config.etcd_prefix)
-        else:
-            self.member = Member(
-                node_id=str(Address.parse(tcp)), tcp_address=str(Address.parse(tcp))
-            )
-            self.membership = StaticMembership(config.peers)
+        self.store = store
+        self.arena = arena
+        self.membership: Membership = (
+            EtcdMembership(config.etcd, config.etcd_prefix)
+            if config.etcd
+            else StaticMembership(config.peers)
+        )
+        self.member = Member(node_id="", tcp_address="")
         self.client_config = ClientConfig(
+            address="",
             access_id=config.access_id,
             access_key=config.access_key,
-            timeout_s=REPLICATION_TIMEOUT_S,
+            timeout_s=WRITE_THROUGH_TIMEOUT_S,
             use_shm=False,
             host_id=config.host_id,
+            write_rcache=False,  # a home does not write through again
             max_connections=2,
         )
-        self._peers: dict[str, AsyncNodeClient] = {}
+        self._peers: dict[str, AsyncClient] = {}
         self._queue: deque[bytes] = deque(maxlen=MAX_QUEUED_KEYS)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -73,7 +67,26 @@ class NodeAgent:
         self._down_until: dict[str, float] = {}
         self.is_joined = False
 
-    async def start(self) -> None:
+    def _member(self, tcp: str, admin_port: int) -> Member:
+        config = self.config
+        if config.etcd:
+            return Member(
+                # Nodes left with the default name would overwrite each other in etcd.
+                node_id=config.name if config.name != DEFAULT_NODE_NAME else tcp,
+                tcp_address=tcp,
+                admin_url=f"http://{config.advertise_host or config.admin_host}:{admin_port}",
+                host_id=config.host_id,
+                started_at=time.time(),
+            )
+        address = str(Address.parse(tcp))
+        return Member(node_id=address, tcp_address=address)
+
+    def peer_ids(self) -> list[str]:
+        return [m.node_id for m in self.membership.members()]
+
+    async def start(self, tcp_address: str, admin_port: int) -> None:
+        """Join the cluster as the node serving at ``tcp_address``."""
+        self.member = self._member(tcp_address, admin_port)
         loop = asyncio.get_running_loop()
         if isinstance(self.membership, EtcdMembership):
             membership = self.membership
@@ -87,8 +100,6 @@ class NodeAgent:
                 self.member.tcp_address,
                 ",".join(m.tcp_address for m in self.membership.members()),
             )
-        self.server.replicate = self.enqueue
-        self.server.peers = lambda: [m.node_id for m in self.membership.members()]
         self._task = asyncio.ensure_future(self._replicate_loop())
         self.is_joined = True
         log.info("joined the cluster as %s (%s)", self.member.node_id, self.member.tcp_address)
@@ -143,28 +154,29 @@ class NodeAgent:
         await asyncio.gather(*sends)
 
     async def _send(self, target: Member, keys: list[bytes]) -> None:
-        store = self.server.store
-        pin_id, blocks = store.pin(keys, OWNER_ID, PIN_LEASE_S)
+        # Pinned for as long as the send may take: the store's pin lease bounds it, and the
+        # client's own deadline (the write-through timeout) is shorter.
+        pinned = self.store.pin(keys, OWNER_ID)
         try:
-            present = [(k, b) for k, b in zip(keys, blocks, strict=True) if b is not None]
+            present = [(k, b) for k, b in zip(keys, pinned.blocks, strict=True) if b is not None]
             if not present:
                 return
-            views = [self.server.arena.slice(b.offset, b.size) for _, b in present]
+            views = [self.arena.slice(b.offset, b.size) for _, b in present]
             client = self._peer(target)
-            result = await client.put([k for k, _ in present], views, replicate=False)
+            timeout = min(WRITE_THROUGH_TIMEOUT_S, pinned.lease_s / 2)
+            result = await client.put([k for k, _ in present], views, timeout=timeout)
             self.num_replicated += result.num_stored
         except KVPoolError as exc:
             self.num_failed += len(keys)
-            self._down_until[target.node_id] = time.monotonic() + DOWN_COOLDOWN_S
+            self._down_until[target.node_id] = time.monotonic() + WRITE_THROUGH_DOWN_S
             log.debug("write-through of %d blocks to %s failed: %s", len(keys), target.node_id, exc)
         finally:
-            if pin_id:
-                store.unpin(pin_id)
+            if pinned.pin_id:
+                self.store.unpin(pinned.pin_id)
 
-    def _peer(self, member: Member) -> AsyncNodeClient:
+    def _peer(self, member: Member) -> AsyncClient:
         client = self._peers.get(member.tcp_address)
         if client is None:
-            client = self._peers[member.tcp_address] = AsyncNodeClient(
-                member.tcp_address, self.client_config
-            )
+            config = self.client_config.replace(address=member.tcp_address)
+            client = self._peers[member.tcp_address] = AsyncClient(config=config)
         return client

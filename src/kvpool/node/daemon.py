@@ -15,13 +15,16 @@ import json
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.config import NodeConfig, format_size
 from kvpool.node.admin import start_admin
 from kvpool.node.server import NodeServer
 from kvpool.store.arena import Arena, NodeDirLock
 from kvpool.store.pool import BlockStore
+
+if TYPE_CHECKING:
+    from kvpool.node.cluster_agent import NodeAgent
 
 log = logging.getLogger("kvpool.node")
 
@@ -34,7 +37,7 @@ class Daemon:
         self.lock: NodeDirLock | None = None
         self.arena: Arena | None = None
         self.server: NodeServer | None = None
-        self.cluster: Any = None
+        self.cluster: NodeAgent | None = None
         self._admin: Any = None
         self.admin_port = config.admin_port
         self._stopped = asyncio.Event()
@@ -48,17 +51,19 @@ class Daemon:
                 self.arena.num_bytes,
                 high_watermark=config.high_watermark,
                 low_watermark=config.low_watermark,
-            )
-            self.server = NodeServer(config, store, self.arena)
-            await self.server.start()
-            self._admin, self.admin_port = await start_admin(
-                self.server, config.admin_host, config.admin_port, self.is_ready
+                leases=config.leases,
             )
             if config.peers or config.etcd:
                 from kvpool.node.cluster_agent import NodeAgent
 
-                self.cluster = NodeAgent(self.config, self.server, self.admin_port)
-                await self.cluster.start()
+                self.cluster = NodeAgent(config, store, self.arena)
+            self.server = NodeServer(config, store, self.arena, self.cluster)
+            await self.server.start()
+            self._admin, self.admin_port = await start_admin(
+                self.server, config.admin_host, config.admin_port, self.is_ready
+            )
+            if self.cluster is not None:
+                await self.cluster.start(self.server.tcp_address, self.admin_port)
         except BaseException:
             await self.stop()
             raise

@@ -5,6 +5,11 @@ they wait.
 Payloads are received straight into the caller's destination (an arena slot, a user
 buffer) and sent with scatter-gather ``sendmsg`` from where they lie: no staging copies.
 ``recv_into`` can feed a hasher with each piece as it arrives, while it is still in cache.
+
+The channels raise only what sockets raise: :class:`PeerClosed` (an ``OSError``) when the
+other side hangs up, ``TimeoutError`` when the blocking channel's deadline passes, and
+``OSError``.  Each side translates them once: the client into kvpool's transport errors
+(:mod:`kvpool.client.connection`), the daemon into the end of a session.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.errors import NodeUnavailable, PoolTimeout
 from kvpool.protocol.frames import HEADER_BYTES, FrameHeader, RecvBuffer, parse_header
 
 Buffer = bytes | bytearray | memoryview
 IOV_MAX = 512
 DISCARD_BYTES = 1 << 20
 _discard = memoryview(bytearray(DISCARD_BYTES))
+
+
+class PeerClosed(ConnectionError):
+    """The other side closed the connection."""
 
 
 def _advance(parts: list[memoryview], num_sent: int) -> list[memoryview]:
@@ -56,18 +64,15 @@ class SyncChannel:
             return
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise PoolTimeout("deadline passed")
+            raise TimeoutError("deadline passed")
         self.sock.settimeout(remaining)
 
     def _fill(self, want: int) -> None:
         while self.rbuf.num_buffered < want:
             self._arm()
-            try:
-                num = self.sock.recv_into(self.rbuf.writable(want - self.rbuf.num_buffered))
-            except TimeoutError:
-                raise PoolTimeout("timed out waiting for the node") from None
+            num = self.sock.recv_into(self.rbuf.writable(want - self.rbuf.num_buffered))
             if num == 0:
-                raise NodeUnavailable("connection closed by the node")
+                raise PeerClosed("connection closed by the peer")
             self.rbuf.produced(num)
 
     def recv_header(self) -> FrameHeader:
@@ -84,12 +89,9 @@ class SyncChannel:
             hasher.update(dst[:done])
         while done < len(dst):
             self._arm()
-            try:
-                num = self.sock.recv_into(dst[done:])
-            except TimeoutError:
-                raise PoolTimeout("timed out receiving a payload") from None
+            num = self.sock.recv_into(dst[done:])
             if num == 0:
-                raise NodeUnavailable("connection closed mid-payload")
+                raise PeerClosed("connection closed mid-payload")
             if hasher is not None:
                 hasher.update(dst[done : done + num])
             done += num
@@ -104,10 +106,7 @@ class SyncChannel:
         views = _as_views(parts)
         while views:
             self._arm()
-            try:
-                num = self.sock.sendmsg(views[:IOV_MAX])
-            except TimeoutError:
-                raise PoolTimeout("timed out sending to the node") from None
+            num = self.sock.sendmsg(views[:IOV_MAX])
             views = _advance(views, num)
 
 
@@ -145,7 +144,7 @@ class AsyncChannel:
                 await self._readable()
                 continue
             if num == 0:
-                raise NodeUnavailable("connection closed by peer")
+                raise PeerClosed("connection closed by the peer")
             return num
 
     async def _fill(self, want: int) -> None:

@@ -61,7 +61,8 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
 WaitMs = Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
-LeaseMs = Annotated[int, msgspec.Meta(ge=1, le=MAX_LEASE_MS)]
+# A requested lease; 0 asks for the node's bound, and the node never grants more than it.
+LeaseMs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LEASE_MS)]
 
 
 class Op(enum.IntEnum):
@@ -158,13 +159,14 @@ class GetResponse(Message):
 class ReserveRequest(Message):
     keys: Keys
     sizes: Sizes
-    lease_ms: LeaseMs = 30_000
+    lease_ms: LeaseMs = 0
 
 
 class ReserveResponse(Message):
     reservation_id: int
     statuses: Statuses
     offsets: Offsets
+    lease_ms: int = 0  # the lease granted
 
 
 class CommitRequest(Message):
@@ -180,7 +182,7 @@ class AbortRequest(Message):
 class PinRequest(Message):
     keys: Keys
     prefix: bool = False
-    lease_ms: LeaseMs = 10_000
+    lease_ms: LeaseMs = 0
 
 
 class PinResponse(Message):
@@ -189,6 +191,7 @@ class PinResponse(Message):
     offsets: Offsets
     sizes: Sizes
     checksums: Checksums
+    lease_ms: int = 0  # the lease granted
 
 
 class UnpinRequest(Message):

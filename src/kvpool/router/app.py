@@ -7,7 +7,11 @@
   then, unchanged, to a decode engine, which loads that KV from the pool.  A failed prefill
   is retried on another prefill engine, and failing that the request goes to decode alone
   (with a warning).  A failure before the first byte of the answer is retried on another
-  engine; once bytes flow, the answer is the engine's.
+  engine, or, when an engine is the only one of its role (one prefill + one decode), on the
+  same engine after a short backoff; once bytes flow, the answer is the engine's.
+- Every routing decision is logged at debug level with each candidate's inputs (prefix
+  blocks held, load, health), and the answer names its engine and why:
+  ``x-kvpool-engine`` and ``x-kvpool-route``.
 - A client that disconnects cancels the upstream requests.
 - ``/admin/engines``: list (GET), add (POST ``{"url", "role", "node"}``) and remove (DELETE
   ``?url=…``; drained first) engines at run time.
@@ -39,6 +43,7 @@ from .policies import LeastLoad, Policy, RoutedRequest
 log = logging.getLogger("kvpool.router")
 
 MAX_BODY_BYTES = 32 << 20
+RETRY_BACKOFF_S = 0.1  # before retrying the only engine of a role; doubles per attempt
 HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -110,7 +115,7 @@ class Router:
         )
         self.retries = Counter(
             "kvpool_router_retries",
-            "Requests retried on another engine.",
+            "Attempts after the first, by phase (on another engine, or on the only one).",
             ["phase"],
             registry=self.registry,
         )
@@ -182,7 +187,34 @@ class Router:
             return self._error(route, 503, "no healthy engine can serve this request")
         ordered = await self.policy.order(candidates, routed)
         self.overhead.observe(time.perf_counter() - arrived)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route %s to %s; candidates: %s",
+                route,
+                ordered[0].url,
+                " | ".join(
+                    f"{e.url} ({self._state(e)}; {routed.why.get(e.url, '')})" for e in ordered
+                ),
+            )
         return await self._forward(request, routed, ordered, arrived)
+
+    def _state(self, engine: Engine) -> str:
+        return "healthy" if engine.is_available else "unavailable"
+
+    def _attempts(self, ordered: list[Engine]) -> list[Engine]:
+        """The engines to try in turn: the ranked ones, or the only one, several times."""
+        if len(ordered) == 1:
+            return ordered * self.config.max_attempts
+        return ordered[: self.config.max_attempts]
+
+    async def _before_attempt(
+        self, attempt: int, engine: Engine, previous: Engine | None, phase: str
+    ) -> None:
+        if not attempt:
+            return
+        self.retries.labels(phase).inc()
+        if engine is previous:  # the only engine of its role: give it a moment
+            await asyncio.sleep(RETRY_BACKOFF_S * (1 << (attempt - 1)))
 
     async def _prefill(self, routed: RoutedRequest, request: web.Request) -> None:
         candidates = self.engines.available("prefill")
@@ -191,9 +223,10 @@ class Router:
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         ordered = await self.prefill_policy.order(candidates, routed)
-        for attempt, engine in enumerate(ordered[: self.config.max_attempts]):
-            if attempt:
-                self.retries.labels("prefill").inc()
+        previous: Engine | None = None
+        for attempt, engine in enumerate(self._attempts(ordered)):
+            await self._before_attempt(attempt, engine, previous, "prefill")
+            previous = engine
             self.engines.started(engine)
             try:
                 timeout = aiohttp.ClientTimeout(
@@ -228,9 +261,10 @@ class Router:
         self, request: web.Request, routed: RoutedRequest, ordered: list[Engine], arrived: float
     ) -> web.StreamResponse:
         assert self._session is not None
-        for attempt, engine in enumerate(ordered[: self.config.max_attempts]):
-            if attempt:
-                self.retries.labels("decode").inc()
+        previous: Engine | None = None
+        for attempt, engine in enumerate(self._attempts(ordered)):
+            await self._before_attempt(attempt, engine, previous, "decode")
+            previous = engine
             response: web.StreamResponse | None = None
             self.engines.started(engine)
             try:
@@ -252,6 +286,10 @@ class Router:
                         status=upstream.status, headers=_reply_headers(upstream)
                     )
                     response.headers["x-kvpool-engine"] = engine.url
+                    why = routed.why.get(engine.url, "")
+                    response.headers["x-kvpool-route"] = why + (
+                        f"; attempt={attempt + 1}" if attempt else ""
+                    )
                     await response.prepare(request)
                     if first:
                         await response.write(first)

@@ -7,6 +7,10 @@ and back after ``recover_after`` consecutive successes) and reads vLLM's ``/metr
 the load: requests running and waiting, and KV cache usage.  Engines added at run time are
 used at once; an engine being removed is drained first: it takes no new requests, and it
 goes once the requests it is serving have finished.
+
+An engine that fails (unreachable, or silent) is taken out at once while another engine can
+do its job; the last engine of a role is taken out only after ``LAST_ENGINE_FAILURES``
+failures in a row, so that one dropped connection never leaves a role with nobody.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvpool.router")
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
+
+LAST_ENGINE_FAILURES = 3
 
 LOAD_METRICS = {
     "vllm:num_requests_running": "running",
@@ -45,6 +50,7 @@ class Engine:
     waiting: float = 0.0
     kv_usage: float = 0.0
     successes: int = 0
+    failures_in_a_row: int = 0
     num_requests: int = 0
     num_failures: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -158,12 +164,30 @@ class EngineSet:
         log.info("engine %s answered with an error: %s", engine.url, reason)
 
     def failed(self, engine: Engine, reason: object) -> None:
-        """The engine could not be reached, or went silent: out until it is healthy again."""
+        """The engine could not be reached, or went silent: out until it is healthy again
+        (the last of its role only after several failures in a row)."""
         engine.num_failures += 1
-        if engine.is_healthy:
-            log.warning("engine %s unhealthy: %s", engine.url, reason)
-        engine.is_healthy = False
+        engine.failures_in_a_row += 1
         engine.successes = 0
+        if not engine.is_healthy:
+            return
+        if self._is_last_of_role(engine) and engine.failures_in_a_row < LAST_ENGINE_FAILURES:
+            log.warning(
+                "engine %s failed (%s); kept: it is the last of its role (%d/%d failures)",
+                engine.url,
+                reason,
+                engine.failures_in_a_row,
+                LAST_ENGINE_FAILURES,
+            )
+            return
+        log.warning("engine %s unhealthy: %s", engine.url, reason)
+        engine.is_healthy = False
+
+    def _is_last_of_role(self, engine: Engine) -> bool:
+        phases: tuple[Literal["prefill", "decode"], ...] = (
+            ("prefill", "decode") if engine.role == "both" else (engine.role,)
+        )
+        return any(not any(e is not engine for e in self.available(phase)) for phase in phases)
 
     # -- background checks ----------------------------------------------------------------
 
@@ -203,18 +227,37 @@ class EngineSet:
             self.failed(engine, "health check failed")
             return
         engine.successes += 1
+        engine.failures_in_a_row = 0
         if not engine.is_healthy and engine.successes >= self.recover_after:
             engine.is_healthy = True
             log.warning("engine %s healthy again", engine.url)
 
     @staticmethod
     def _read_load(engine: Engine, text: str) -> None:
-        values = dict.fromkeys(LOAD_METRICS.values(), 0.0)
-        for family in text_string_to_metric_families(text):
-            attribute = LOAD_METRICS.get(family.name)
-            if attribute is None:
-                continue
-            values[attribute] = sum(sample.value for sample in family.samples)
+        values = read_gauges(text, LOAD_METRICS)
         engine.running = values["running"]
         engine.waiting = values["waiting"]
         engine.kv_usage = values["kv_usage"]
+
+
+def read_gauges(text: str, wanted: dict[str, str]) -> dict[str, float]:
+    """The sums over their samples of the gauges ``wanted`` names, from Prometheus text.
+
+    A line scan, not a full parse: vLLM's /metrics runs to thousands of lines of histograms,
+    and parsing it all on the event loop every second stalled every request in flight."""
+    values = dict.fromkeys(wanted.values(), 0.0)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:
+            name, _, rest = line.partition(" ")
+        attribute = wanted.get(name)
+        if attribute is None:
+            continue
+        sample = rest.rpartition("}")[2] if "}" in rest else rest
+        try:
+            values[attribute] += float(sample.split()[0])
+        except (IndexError, ValueError):
+            raise ValueError(f"unreadable metric line {line[:200]!r}") from None
+    return values

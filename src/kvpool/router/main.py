@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from kvpool.config import client_config_from
+from kvpool.timing import ROUTER_LOOKUP_BUDGET_S
 
 from .app import Router, RouterConfig, serve
 from .config import RouterSettings, settings_from
@@ -18,14 +19,8 @@ def build_router(settings: RouterSettings) -> Router:
     locator = None
     if settings.policy == "cache_aware":
         hasher = PromptHasher(settings.tokenizer, settings.block_size, settings.hash_algo)
-        pool = client_config_from(
-            {
-                "address": "",
-                "peers": [e.node for e in settings.engines if e.node] or ["127.0.0.1:1"],
-                "timeout": 1.0,  # the most a request waits on the pool to be placed
-                "use_shm": False,
-            }
-        )
+        # One client per engine's node; the most a request waits on the pool to be placed.
+        pool = client_config_from({"timeout": ROUTER_LOOKUP_BUDGET_S, "use_shm": False})
         locator = PrefixLocator(hasher, pool, settings.model)
     policy = (
         make_policy(

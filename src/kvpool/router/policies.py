@@ -10,6 +10,10 @@
   scored together with load: ``cache_weight * prefix share - load_weight * load share``.
   An engine busier than the least-loaded one by more than ``max_load_gap`` requests gets no
   cache bonus, so affinity never piles everything onto one overloaded engine.
+
+Every policy explains its choice: ``RoutedRequest.why`` holds, per engine, the inputs of
+its rank (prefix blocks held, load, score).  The router logs them at debug level and names
+the chosen engine and why in the ``x-kvpool-route`` response header.
 """
 
 from __future__ import annotations
@@ -33,6 +37,17 @@ class RoutedRequest:
     body: dict[str, Any]
     session: str = ""
     notes: dict[str, Any] = field(default_factory=dict)
+    # Per engine url, the inputs of its rank: "policy=...; prefix=3/10; load=1; score=0.25".
+    why: dict[str, str] = field(default_factory=dict)
+
+    def explain(
+        self, policy: str, engines: list[Engine], extra: dict[str, str] | None = None
+    ) -> None:
+        for engine in engines:
+            parts = [f"policy={policy}", f"load={engine.load:g}"]
+            if extra and engine.url in extra:
+                parts.append(extra[engine.url])
+            self.why[engine.url] = "; ".join(parts)
 
 
 class Policy:
@@ -52,6 +67,7 @@ class RoundRobin(Policy):
         if not engines:
             return []
         start = next(self._counter) % len(engines)
+        request.explain(self.name, engines)
         return engines[start:] + engines[:start]
 
 
@@ -63,6 +79,7 @@ class LeastLoad(Policy):
     name = "least_load"
 
     async def order(self, engines: list[Engine], request: RoutedRequest) -> list[Engine]:
+        request.explain(self.name, engines)
         return by_load(engines)
 
 
@@ -71,7 +88,9 @@ class SessionAffinity(Policy):
 
     async def order(self, engines: list[Engine], request: RoutedRequest) -> list[Engine]:
         if not request.session:
+            request.explain("least_load", engines)
             return by_load(engines)
+        request.explain(self.name, engines, {e.url: f"session={request.session}" for e in engines})
         session = request.session.encode()
         return sorted(
             engines,
@@ -100,25 +119,33 @@ class CacheAware(Policy):
 
     async def order(self, engines: list[Engine], request: RoutedRequest) -> list[Engine]:
         if len(engines) <= 1:
+            request.explain(self.name, engines, {e.url: "only engine" for e in engines})
             return engines
-        num_blocks, prefix_by_node = await self.locator.locate(
-            request.route, request.body, [e.node for e in engines]
-        )
+        located = await self.locator.locate(request.route, request.body, [e.node for e in engines])
         least = min(e.load for e in engines)
         most = max(1.0, *(e.load for e in engines))
-
-        def score(engine: Engine) -> float:
-            share = prefix_by_node.get(engine.node, 0) / num_blocks if num_blocks else 0.0
-            if engine.load - least > self.max_load_gap:
+        scores: dict[str, float] = {}
+        details: dict[str, str] = {}
+        for engine in engines:
+            held = located.prefix_by_node.get(engine.node, 0)
+            share = held / located.num_blocks if located.num_blocks else 0.0
+            capped = engine.load - least > self.max_load_gap
+            if capped:
                 share = 0.0
-            return self.cache_weight * share - self.load_weight * engine.load / most
-
+            scores[engine.url] = round(
+                self.cache_weight * share - self.load_weight * engine.load / most, 6
+            )
+            node_state = located.unanswered.get(engine.node, "")
+            details[engine.url] = (
+                f"prefix={held}/{located.num_blocks}"
+                + (f" ({node_state})" if node_state else "")
+                + ("; too busy for affinity" if capped else "")
+                + f"; score={scores[engine.url]:g}"
+            )
+        request.explain(self.name, engines, details)
         # Ties (no prefix anywhere, equal load) go to the engine that has had the fewest
         # requests, so newcomers spread out.
-        ranked = sorted(engines, key=lambda e: (-round(score(e), 6), e.load, e.num_requests, e.url))
-        request.notes["prefix_blocks"] = {e.url: prefix_by_node.get(e.node, 0) for e in engines}
-        request.notes["num_blocks"] = num_blocks
-        return ranked
+        return sorted(engines, key=lambda e: (-scores[e.url], e.load, e.num_requests, e.url))
 
 
 def make_policy(name: str, locator: PrefixLocator | None = None, **weights: float) -> Policy:

@@ -14,18 +14,18 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.client.node import NodeClient
+from kvpool.client.client import Client
 from kvpool.config import ClientConfig
 from kvpool.errors import PoolTimeout
 from kvpool.keys import NAMESPACE_ID_BYTES, block_key
+from kvpool.timing import ROUTER_MAX_SLOW_ANSWERS, ROUTER_NODE_DOWN_S
 
 log = logging.getLogger("kvpool.router")
 
 NAMESPACE_REFRESH_S = 5.0
-DOWN_COOLDOWN_S = 1.0
-MAX_SLOW_ANSWERS = 3
 LOOKUP_THREADS = 8
 
 
@@ -73,6 +73,16 @@ class PromptHasher:
         return hashes
 
 
+@dataclass
+class Located:
+    """A prompt's number of full blocks, the prefix (in blocks) each node holds, and why a
+    node counts as holding nothing without having said so."""
+
+    num_blocks: int = 0
+    prefix_by_node: dict[str, int] = field(default_factory=dict)
+    unanswered: dict[str, str] = field(default_factory=dict)
+
+
 class PrefixLocator:
     """How many leading blocks of a prompt each pool node holds."""
 
@@ -80,17 +90,18 @@ class PrefixLocator:
         self.hasher = hasher
         self.client_config = client_config
         self.model = model
-        self._clients: dict[str, NodeClient] = {}
+        self._clients: dict[str, Client] = {}
         self._namespaces: dict[str, tuple[float, list[bytes]]] = {}
         self._down_until: dict[str, float] = {}
         self._timeouts: dict[str, int] = {}  # slow answers in a row, per node
         # Its own threads: a slow node must not take the event loop's default executor.
         self._executor = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvpool-locate")
 
-    def _client(self, node: str) -> NodeClient:
+    def _client(self, node: str) -> Client:
         client = self._clients.get(node)
         if client is None:
-            client = self._clients[node] = NodeClient(node, self.client_config)
+            config = self.client_config.replace(address=node, peers=(), etcd="")
+            client = self._clients[node] = Client(config=config)
         return client
 
     def _namespace_ids(self, node: str, deadline: float) -> list[bytes]:
@@ -112,40 +123,44 @@ class PrefixLocator:
         client = self._client(node)
         for namespace_id in self._namespace_ids(node, deadline):
             keys = [block_key(namespace_id, h) for h in hashes]
-            best = max(best, client.lookup(keys, timeout=_left(deadline)).num_prefix)
+            best = max(best, client.lookup(keys, timeout=_left(deadline)))
         return best
 
-    async def locate(
-        self, route: str, body: dict[str, Any], nodes: Sequence[str]
-    ) -> tuple[int, dict[str, int]]:
+    async def locate(self, route: str, body: dict[str, Any], nodes: Sequence[str]) -> Located:
         """The prompt's number of full blocks, and the prefix (in blocks) each node holds.
         A node that cannot be asked in time holds nothing (and is left alone for a moment);
         the whole answer takes at most the client timeout."""
         loop = asyncio.get_running_loop()
+        located = Located()
         try:
             token_ids = await loop.run_in_executor(
                 self._executor, self.hasher.token_ids, route, body
             )
         except Exception as exc:  # a body vLLM would refuse: it gets the error from vLLM
             log.debug("cannot tokenize the request: %s", exc)
-            return 0, {}
+            return located
         hashes = self.hasher.block_hashes(token_ids)
+        located.num_blocks = len(hashes)
         if not hashes:
-            return 0, {}
+            return located
         deadline = time.monotonic() + self.client_config.timeout_s
         now = time.monotonic()
-        asked = [n for n in sorted(set(nodes)) if n and self._down_until.get(n, 0.0) <= now]
+        asked = []
+        for node in sorted(set(nodes)):
+            if node and self._down_until.get(node, 0.0) > now:
+                located.unanswered[node] = "skipped: did not answer lately"
+            elif node:
+                asked.append(node)
         tasks = {
             node: loop.run_in_executor(self._executor, self._prefix_on, node, hashes, deadline)
             for node in asked
         }
         if tasks:
             await asyncio.wait(tasks.values(), timeout=_left(deadline))
-        found: dict[str, int] = {}
         for node, task in tasks.items():
-            found[node] = 0
+            located.prefix_by_node[node] = 0
             if task.done() and task.exception() is None:
-                found[node] = task.result()
+                located.prefix_by_node[node] = task.result()
                 self._timeouts[node] = 0
                 continue
             if not task.done():
@@ -155,11 +170,12 @@ class PrefixLocator:
             # host) only after several slow answers in a row.
             slow = error is None or isinstance(error, PoolTimeout)
             self._timeouts[node] = self._timeouts.get(node, 0) + 1 if slow else 0
-            if not slow or self._timeouts[node] >= MAX_SLOW_ANSWERS:
-                self._down_until[node] = time.monotonic() + DOWN_COOLDOWN_S
+            if not slow or self._timeouts[node] >= ROUTER_MAX_SLOW_ANSWERS:
+                self._down_until[node] = time.monotonic() + ROUTER_NODE_DOWN_S
                 self._timeouts[node] = 0
+            located.unanswered[node] = f"no answer: {error or 'not in time'}"
             log.info("prefix lookup on %s: %s", node, error or "no answer in time")
-        return len(hashes), found
+        return located
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -11,9 +11,11 @@ Rules (each has a test in tests/store/test_pool.py):
 4. ``pin`` protects committed blocks from eviction until ``unpin`` or the pin lease expires;
    a pinned block that is deleted disappears from the index at once, and its memory is
    returned when the last pin drops.
-5. Eviction removes least recently used committed, unpinned blocks: on demand when an
+5. Every lease is granted by the store's :class:`~kvpool.timing.LeasePolicy`: whatever a
+   caller asks for, a pin or a reservation lasts at most the policy's bound.
+6. Eviction removes least recently used committed, unpinned blocks: on demand when an
    allocation fails, and down to the low watermark once usage passes the high watermark.
-6. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
+7. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
    overwritten (a key names its content).
 """
 
@@ -30,6 +32,7 @@ from kvpool.keys import namespace_of
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
 from kvpool.store.block import Block, BlockState, Pin, Reservation
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
+from kvpool.timing import LeasePolicy
 
 # Namespaces tracked one by one (each is a row in STATS and /metrics); past this, together.
 MAX_NAMESPACES = 1024
@@ -63,9 +66,33 @@ class StoreCounters:
 
 @dataclass(slots=True)
 class ReserveResult:
+    """Per key, a status and (where it is OK) the reserved block; the lease granted."""
+
     reservation_id: int
     statuses: list[Status]
     blocks: list[Block | None] = field(default_factory=list)
+    lease_s: float = 0.0
+
+
+@dataclass(slots=True)
+class CommitResult:
+    """Per key, whether it became visible; the blocks that did."""
+
+    statuses: list[Status]
+    committed: list[Block] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.size for b in self.committed)
+
+
+@dataclass(slots=True)
+class PinResult:
+    """Per key, the pinned block (``None``: not there); the lease granted."""
+
+    pin_id: int
+    blocks: list[Block | None]
+    lease_s: float = 0.0
 
 
 class BlockStore:
@@ -77,6 +104,7 @@ class BlockStore:
         eviction: EvictionPolicy | None = None,
         high_watermark: float = 0.95,
         low_watermark: float = 0.90,
+        leases: LeasePolicy | None = None,
         clock: Clock = time.monotonic,
     ):
         self.allocator = allocator or SegregatedFitAllocator(capacity)
@@ -84,6 +112,7 @@ class BlockStore:
         self.eviction = eviction or LRUPolicy()
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
+        self.leases = leases or LeasePolicy()
         self.clock = clock
         self.counters = StoreCounters()
         self.namespaces: dict[bytes, NamespaceUsage] = {}
@@ -102,9 +131,10 @@ class BlockStore:
     # -- writes ---------------------------------------------------------------------------
 
     def reserve(
-        self, keys: Sequence[bytes], sizes: Sequence[int], owner: int, lease_s: float
+        self, keys: Sequence[bytes], sizes: Sequence[int], owner: int, lease_s: float = 0.0
     ) -> ReserveResult:
-        """Allocate space for the keys that are neither stored nor pending."""
+        """Allocate space for the keys that are neither stored nor pending, for at most the
+        policy's reservation lease (``lease_s`` 0: exactly that)."""
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         statuses: list[Status] = []
@@ -132,18 +162,19 @@ class BlockStore:
             self.reserved_bytes += block.size
             blocks[i] = block
         reservation_id = 0
+        granted = self.leases.reserve(lease_s)
         if any(b is not None for b in blocks):
             reservation_id = next(self._ids)
-            deadline = self.clock() + lease_s
+            deadline = self.clock() + granted
             self._reservations[reservation_id] = Reservation(
                 reservation_id, owner, blocks, deadline
             )
             self._owner_to_reservation_ids.setdefault(owner, set()).add(reservation_id)
-        return ReserveResult(reservation_id, statuses, blocks)
+        return ReserveResult(reservation_id, statuses, blocks, granted)
 
     def commit(
         self, reservation_id: int, checksums: Sequence[int | None], owner: int
-    ) -> list[Status]:
+    ) -> CommitResult:
         """Make the reserved blocks visible; a ``None`` checksum aborts that block."""
         reservation = self._reservations.get(reservation_id)
         if reservation is None or reservation.owner != owner:
@@ -153,19 +184,20 @@ class BlockStore:
                 f"{len(checksums)} checksums for a reservation of {len(reservation.blocks)}"
             )
         self._forget_reservation(reservation)
-        statuses: list[Status] = []
+        result = CommitResult([])
         for block, checksum in zip(reservation.blocks, checksums, strict=True):
             if block is None:
-                statuses.append(Status.NOT_FOUND)
+                result.statuses.append(Status.NOT_FOUND)
             elif checksum is None:
                 self._fail(block)
-                statuses.append(Status.NOT_FOUND)
+                result.statuses.append(Status.NOT_FOUND)
             else:
                 self._commit(block, checksum)
-                statuses.append(Status.OK)
+                result.statuses.append(Status.OK)
+                result.committed.append(block)
         self._evict_past_high_watermark()
         self._changed()
-        return statuses
+        return result
 
     def abort(self, reservation_id: int, owner: int) -> None:
         reservation = self._reservations.get(reservation_id)
@@ -213,7 +245,7 @@ class BlockStore:
         num_prefix = len(list(takewhile(self._committed.__contains__, keys)))
         pending = num_prefix < len(keys) and keys[num_prefix] in self._index
         if count:
-            self._count_lookup(keys, num_prefix)
+            self.record_lookup(keys, num_prefix)
         return num_prefix, pending
 
     def lookup_mask(self, keys: Sequence[bytes], *, count: bool = True) -> list[bool]:
@@ -231,7 +263,9 @@ class BlockStore:
         index, committed = self._index, self._committed
         return [k in index and k not in committed for k in keys]
 
-    def _count_lookup(self, keys: Sequence[bytes], num_prefix: int) -> None:
+    def record_lookup(self, keys: Sequence[bytes], num_prefix: int) -> None:
+        """Count a lookup of ``keys`` that found ``num_prefix`` leading blocks (for a lookup
+        that waited, counted once at its end)."""
         self.counters.lookup_hits += num_prefix
         self.counters.lookup_misses += len(keys) - num_prefix
         # Only namespaces the node already knows: a lookup must not grow the table.
@@ -241,9 +275,10 @@ class BlockStore:
             usage.misses += len(keys) - num_prefix
 
     def pin(
-        self, keys: Sequence[bytes], owner: int, lease_s: float, *, prefix: bool = False
-    ) -> tuple[int, list[Block | None]]:
-        """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``)."""
+        self, keys: Sequence[bytes], owner: int, lease_s: float = 0.0, *, prefix: bool = False
+    ) -> PinResult:
+        """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``) for
+        at most the policy's pin lease (``lease_s`` 0: exactly that)."""
         found: list[Block | None] = []
         pinned: list[Block] = []
         committed = self._committed
@@ -258,12 +293,13 @@ class BlockStore:
             pinned.append(block)
         self.counters.get_hits += len(pinned)
         self.counters.get_misses += len(keys) - len(pinned)
+        granted = self.leases.pin(lease_s)
         if not pinned:
-            return 0, found
+            return PinResult(0, found, granted)
         pin_id = next(self._ids)
-        self._pins[pin_id] = Pin(pin_id, owner, pinned, self.clock() + lease_s)
+        self._pins[pin_id] = Pin(pin_id, owner, pinned, self.clock() + granted)
         self._owner_to_pin_ids.setdefault(owner, set()).add(pin_id)
-        return pin_id, found
+        return PinResult(pin_id, found, granted)
 
     def unpin(self, pin_id: int, owner: int | None = None) -> bool:
         pin = self._pins.get(pin_id)

@@ -12,9 +12,41 @@ Roles: ``kv_both`` saves and loads; ``kv_producer`` (a prefill instance) only sa
 ``kv_consumer`` (a decode instance) only loads, waiting a bounded time for blocks a producer
 is still saving.
 
-This class is a thin facade: the scheduler half (:mod:`.scheduler`) matches requests against
-the pool and plans transfers; the worker half (:mod:`.worker`) moves blocks; they exchange
-:mod:`.metadata`.  Failures never reach the engine: they become misses and recomputed blocks.
+The hooks, in the order vLLM calls them, and what each promises:
+
+Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensors):
+    on_new_request()             once per request, when it arrives.
+    get_num_new_matched_tokens() the tokens past the engine's own prefix-cache hit that the
+                                 pool can load (asynchronously), or ``None`` to be asked
+                                 again next step (a consumer waiting for its producer).
+                                 May be called several times per request; side-effect free.
+                                 One lookup under ``lookup_timeout``: a slow or dead pool is
+                                 a miss.
+    update_state_after_alloc()   once the request has blocks: plans its load into them and
+                                 where its saves start.  Called again, with no external
+                                 tokens, after an asynchronous load.
+    build_connector_meta()       once per step: the step's loads, and a save for every prompt
+                                 block that becomes full in the step and is not in the pool.
+    update_connector_output()    once per step, with the workers' stats and failed loads.
+    request_finished()           once, before the request's blocks are freed: it never holds
+                                 them back (saves copy their pages out within the step).
+
+Worker side (:mod:`.worker`; transfers in flight only):
+    register_kv_caches()         once, at start: the paged layout, checked against the model.
+    start_load_kv()              per step, before the forward: starts the step's loads in the
+                                 background.
+    wait_for_layer_load()        per layer: a no-op, as a request runs only once its load is
+                                 done (``get_finished``).
+    save_kv_layer()              per layer: a no-op; saves happen once per step.
+    wait_for_save()              per step, after the forward: copies the step's full blocks
+                                 into reserved pool space before returning; checksums and
+                                 commits finish in the background.
+    get_finished()               per step: the requests whose loads finished.
+    get_block_ids_with_load_errors()  per step: blocks that could not be loaded, which vLLM
+                                 recomputes.
+
+Both halves exchange :mod:`.metadata`.  Failures never reach the engine: they become misses
+and recomputed blocks, and every pool call has a deadline.
 """
 
 from __future__ import annotations

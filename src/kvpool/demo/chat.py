@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.node.process import NodeProcess
+from kvpool.demo.process import NodeProcess
 
 
 def run_demo(
@@ -28,8 +28,8 @@ def run_demo(
     json_output: bool,
     model_dir: str | None,
 ) -> dict[str, Any]:
-    from kvpool.integrations.vllm.tiny_model import build_tiny_model
-    from kvpool.integrations.vllm.workload import (
+    from kvpool.demo.tiny_model import build_tiny_model
+    from kvpool.demo.workload import (
         Workload,
         compare,
         example_connector,

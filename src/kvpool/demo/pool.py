@@ -11,8 +11,8 @@ from rich.table import Table
 
 from kvpool.client.client import Client
 from kvpool.config import format_size
+from kvpool.demo.process import NodeProcess
 from kvpool.keys import Namespace, chained_hashes
-from kvpool.node.process import NodeProcess
 
 BLOCK_TOKENS = 32
 # A KV block of a small Llama: 4 layers x 2 (K, V) x 2 KV heads x 32 tokens x 64 dims, bf16.

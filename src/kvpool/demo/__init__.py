@@ -1,0 +1,5 @@
+"""What ``kvpool demo``, ``kvpool bench``, the benchmarks and the tests run, kept out of the
+product packages: a node daemon as a child process (:mod:`.process`), a tiny model built
+locally (:mod:`.tiny_model`), a vLLM engine driven through a plan of steps (:mod:`.runner`),
+the multi-turn chat workload (:mod:`.workload`), and the two demos (:mod:`.chat`,
+:mod:`.pool`)."""

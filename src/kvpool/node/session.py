@@ -1,0 +1,409 @@
+"""One client connection of the node: the handshake, then requests served in order.
+
+- Writes have one path: the store's reserve → commit.  A RESERVE hands the offsets to a
+  same-host client that copies the blocks itself and then sends COMMIT; a PUT carries the
+  blocks, which are received straight into the reserved slots, verified against their
+  checksums piece by piece as they arrive, and committed the same way.  A mismatch is never
+  committed.
+- Reads have one path: the store's pin → unpin.  A PIN hands the offsets to a same-host
+  client, which verifies and copies, then sends UNPIN; a GET sends the pinned blocks with
+  scatter-gather ``sendmsg`` and unpins.
+- Leases are the store's: a client's requested lease is clamped to the node's bound, and a
+  transfer the session streams itself ends before its lease (see :mod:`kvpool.timing`).
+- Bad input gets an error reply: a bad message body (framing intact) keeps the connection;
+  a bad frame header closes it.  Either way the daemon keeps serving everyone else.
+- A client that hangs up (:class:`~kvpool.protocol.channel.PeerClosed`) just ends its
+  session; its reservations are aborted and its pins dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvpool import checksum as ck
+from kvpool.errors import (
+    AuthenticationError,
+    BadRequest,
+    KVPoolError,
+    ProtocolError,
+    Status,
+    UnsupportedVersion,
+    status_for_error,
+)
+from kvpool.protocol import auth
+from kvpool.protocol.channel import AsyncChannel, PeerClosed
+from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
+from kvpool.protocol.messages import (
+    CHECKSUM_BYTES,
+    SUPPORTED_VERSIONS,
+    AbortRequest,
+    Challenge,
+    CommitRequest,
+    DescribeRequest,
+    Empty,
+    ErrorResponse,
+    GetRequest,
+    GetResponse,
+    Health,
+    Hello,
+    KeysRequest,
+    LookupRequest,
+    LookupResponse,
+    Message,
+    Op,
+    PinRequest,
+    PinResponse,
+    PutRequest,
+    ReserveRequest,
+    ReserveResponse,
+    StatusResponse,
+    UnpinRequest,
+    Welcome,
+)
+from kvpool.store.pool import CommitResult, PinResult
+from kvpool.timing import LeasePolicy
+
+if TYPE_CHECKING:
+    from kvpool.node.server import NodeServer
+
+log = logging.getLogger("kvpool.node")
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class TransferTimeout(Exception):
+    """A transfer the session streams ran out of its lease: the connection is closed."""
+
+
+class Session:
+    """One client connection."""
+
+    def __init__(self, server: NodeServer, sock: socket.socket, owner: int):
+        self.server = server
+        self.store = server.store
+        self.arena = server.arena
+        self.owner = owner
+        self.channel = AsyncChannel(sock)
+        self.peer = "unix" if sock.family == socket.AF_UNIX else str(sock.getpeername()[0])
+
+    def close(self) -> None:
+        self.channel.close()
+
+    async def run(self) -> None:
+        self.server.sessions.add(self)
+        try:
+            await asyncio.wait_for(self._handshake(), HANDSHAKE_TIMEOUT_S)
+            while True:
+                header = await self.channel.recv_header()
+                await self._serve(header)
+        except (PeerClosed, asyncio.CancelledError):
+            pass  # the client hung up, or the node stops
+        except TimeoutError:
+            log.info("handshake timed out (%s)", self.peer)
+        except TransferTimeout as exc:
+            log.info("closing connection from %s: %s", self.peer, exc)
+        except ProtocolError as exc:
+            # The frame header itself was bad: we cannot find the next frame.  Say why, close.
+            log.info("closing connection from %s: %s", self.peer, exc)
+            with contextlib.suppress(OSError, KVPoolError):
+                await self._reply_error(0, 0, exc)
+        except OSError as exc:
+            log.debug("connection from %s failed: %s", self.peer, exc)
+        finally:
+            self.server.sessions.discard(self)
+            self.store.release_owner(self.owner)
+            self.channel.close()
+
+    async def _handshake(self) -> None:
+        config = self.server.config
+        server_nonce = auth.new_nonce()
+        challenge = Challenge(
+            versions=list(SUPPORTED_VERSIONS),
+            nonce=server_nonce,
+            node_id=self.server.node_id,
+            auth_required=bool(config.access_key),
+        )
+        await self.channel.send([encode_frame(Op.CHALLENGE, challenge, flags=FLAG_RESPONSE)])
+        header = await self.channel.recv_header()
+        if header.op != Op.HELLO or header.payload_len:
+            raise BadRequest("expected HELLO")
+        hello = decode_request(Op.HELLO, await self.channel.recv_meta(header.meta_len))
+        if not isinstance(hello, Hello):
+            raise BadRequest("expected HELLO")
+        if hello.version not in SUPPORTED_VERSIONS:
+            raise UnsupportedVersion(f"client speaks version {hello.version}")
+        proof = b""
+        if config.access_key:
+            ok = hello.access_id == config.access_id and auth.verify(
+                config.access_key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
+            )
+            if not ok:
+                log.warning(
+                    "authentication failed for access id %r (%s)", hello.access_id, self.peer
+                )
+                raise AuthenticationError("access id or key refused")
+            proof = auth.proof(
+                config.access_key, "node", hello.access_id, server_nonce, hello.nonce
+            )
+        arena = self.arena
+        welcome = Welcome(
+            node_id=self.server.node_id,
+            proof=proof,
+            host_id=config.host_id,
+            tcp_address=self.server.tcp_address,
+            arena_path=str(arena.path),
+            arena_bytes=arena.num_bytes,
+            arena_dev=arena.dev,
+            arena_ino=arena.ino,
+            arena_id=arena.arena_id,
+        )
+        await self._reply(header, Op.HELLO, welcome)
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    async def _serve(self, header: FrameHeader) -> None:
+        started = time.perf_counter()
+        op_name = Op(header.op).name if header.op in Op._value2member_map_ else "UNKNOWN"
+        meta = await self.channel.recv_meta(header.meta_len)
+        payload_left = header.payload_len
+        try:
+            handler = _HANDLERS.get(header.op)
+            if handler is None:
+                raise BadRequest(f"unexpected op {op_name}")
+            request = decode_request(header.op, meta)
+            if header.op != Op.PUT and header.payload_len:
+                raise BadRequest(f"{op_name} carries no payload")
+            if header.op == Op.PUT:
+                payload_left = 0  # from here on the PUT handler consumes the payload itself
+            await handler(self, header, request)
+        except (PeerClosed, TransferTimeout, asyncio.CancelledError):
+            raise  # the connection is lost, or its framing is: close it
+        except KVPoolError as exc:
+            if payload_left:
+                await self.channel.skip(payload_left)
+            if header.wants_reply:
+                await self._reply_error(header.op, header.request_id, exc)
+        except Exception as exc:  # a bug: report it, keep the connection if framing is intact
+            log.exception("internal error serving %s", op_name)
+            if header.op == Op.PUT:
+                raise TransferTimeout("internal error mid-payload") from exc
+            if header.wants_reply:
+                await self._reply_error(header.op, header.request_id, exc)
+        finally:
+            self.server.metrics.op_latency.labels(op_name.lower()).observe(
+                time.perf_counter() - started
+            )
+
+    async def _reply(
+        self,
+        header: FrameHeader,
+        op: int,
+        message: Message,
+        payload: Sequence[memoryview] = (),
+        payload_len: int = 0,
+    ) -> None:
+        if not header.wants_reply:
+            return
+        frame = encode_frame(
+            op, message, payload_len=payload_len, request_id=header.request_id, flags=FLAG_RESPONSE
+        )
+        await self.channel.send([frame, *payload])
+
+    async def _reply_error(self, op: int, request_id: int, exc: BaseException) -> None:
+        status = status_for_error(exc)
+        message = ErrorResponse(message=str(exc)[:1000])
+        frame = encode_frame(op, message, request_id=request_id, flags=FLAG_RESPONSE, status=status)
+        await self.channel.send([frame])
+
+    # -- the write path: reserve -> (fill) -> commit ----------------------------------------
+
+    def _commit(
+        self, reservation_id: int, checksums: Sequence[int | None], replicate: bool
+    ) -> CommitResult:
+        result = self.store.commit(reservation_id, checksums, self.owner)
+        self.server.bytes_in += result.num_bytes
+        if replicate and result.committed:
+            self.server.replicate([b.key for b in result.committed])
+        return result
+
+    async def _reserve(self, header: FrameHeader, req: ReserveRequest) -> None:
+        if len(req.keys) != len(req.sizes):
+            raise BadRequest("keys and sizes differ in length")
+        result = self.store.reserve(req.keys, req.sizes, self.owner, req.lease_ms / 1000)
+        response = ReserveResponse(
+            reservation_id=result.reservation_id,
+            statuses=[int(s) for s in result.statuses],
+            offsets=[b.offset if b is not None else -1 for b in result.blocks],
+            lease_ms=int(result.lease_s * 1000),
+        )
+        await self._reply(header, Op.RESERVE, response)
+
+    async def _commit_request(self, header: FrameHeader, req: CommitRequest) -> None:
+        result = self._commit(req.reservation_id, req.checksums, req.replicate)
+        await self._reply(header, Op.COMMIT, _statuses(result.statuses))
+
+    async def _abort(self, header: FrameHeader, req: AbortRequest) -> None:
+        self.store.abort(req.reservation_id, self.owner)
+        await self._reply(header, Op.ABORT, Empty())
+
+    async def _put(self, header: FrameHeader, req: PutRequest) -> None:
+        keys, sizes = req.keys, req.sizes
+        problem = ""
+        expected = sum(sizes) + CHECKSUM_BYTES * len(sizes)
+        if len(keys) != len(sizes):
+            problem = "keys and sizes differ in length"
+        elif expected != header.payload_len:
+            problem = f"payload of {header.payload_len} bytes, sizes need {expected}"
+        if problem:
+            await self.channel.skip(header.payload_len)
+            raise BadRequest(problem)
+        result = self.store.reserve(keys, sizes, self.owner)
+        statuses = list(result.statuses)
+        checksums: list[int | None] = []
+        async with self._within_lease(result.lease_s, "receiving a PUT payload"):
+            for i, block in enumerate(result.blocks):
+                meta = await self.channel.recv_meta(CHECKSUM_BYTES)
+                expected_checksum = int.from_bytes(meta, "little")
+                if block is None:
+                    await self.channel.skip(sizes[i])
+                    checksums.append(None)
+                    continue
+                hasher = ck.new_hasher()
+                await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
+                if hasher.intdigest() == expected_checksum:
+                    checksums.append(expected_checksum)
+                else:
+                    statuses[i] = Status.CHECKSUM_MISMATCH
+                    checksums.append(None)
+        if result.reservation_id:
+            self._commit(result.reservation_id, checksums, req.replicate)
+        await self._reply(header, Op.PUT, _statuses(statuses))
+
+    # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
+
+    async def _pin(self, header: FrameHeader, req: PinRequest) -> None:
+        result = self.store.pin(req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix)
+        blocks = result.blocks
+        response = PinResponse(
+            pin_id=result.pin_id,
+            statuses=[Status.OK if b is not None else Status.NOT_FOUND for b in blocks],
+            offsets=[b.offset if b is not None else -1 for b in blocks],
+            sizes=[b.size if b is not None else 0 for b in blocks],
+            checksums=[b.checksum if b is not None else 0 for b in blocks],
+            lease_ms=int(result.lease_s * 1000),
+        )
+        self.server.bytes_out += sum(response.sizes)
+        await self._reply(header, Op.PIN, response)
+
+    async def _unpin(self, header: FrameHeader, req: UnpinRequest) -> None:
+        self.store.unpin(req.pin_id, self.owner)
+        await self._reply(header, Op.UNPIN, Empty())
+
+    async def _get(self, header: FrameHeader, req: GetRequest) -> None:
+        result = self.store.pin(req.keys, self.owner, prefix=req.prefix)
+        try:
+            await self._send_pinned(header, result)
+        finally:
+            if result.pin_id:
+                self.store.unpin(result.pin_id)
+
+    async def _send_pinned(self, header: FrameHeader, result: PinResult) -> None:
+        statuses: list[int] = []
+        sizes: list[int] = []
+        checksums: list[int] = []
+        views: list[memoryview] = []
+        for block in result.blocks:
+            if block is None:
+                statuses.append(Status.NOT_FOUND)
+                sizes.append(0)
+                checksums.append(0)
+            else:
+                statuses.append(Status.OK)
+                sizes.append(block.size)
+                checksums.append(block.checksum)
+                views.append(self.arena.slice(block.offset, block.size))
+        total = sum(sizes)
+        response = GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
+        async with self._within_lease(result.lease_s, "sending a GET payload"):
+            await self._reply(header, Op.GET, response, views, total)
+        self.server.bytes_out += total
+
+    @contextlib.asynccontextmanager
+    async def _within_lease(self, lease_s: float, what: str) -> Any:
+        """Bound a transfer into or out of leased memory by that lease: past it, the
+        connection closes (which aborts the reservation or drops the pin) before the
+        memory could change hands."""
+        try:
+            async with asyncio.timeout(LeasePolicy.transfer_budget(lease_s)):
+                yield
+        except TimeoutError:
+            raise TransferTimeout(f"timed out {what}") from None
+
+    # -- the rest -------------------------------------------------------------------------
+
+    async def _lookup(self, header: FrameHeader, req: LookupRequest) -> None:
+        keys = req.keys
+        if req.mask:
+            present = self.store.lookup_mask(keys)
+            writing = self.store.pending_mask(keys)
+            response = LookupResponse(num_prefix=0, present=present, pending=writing)
+            await self._reply(header, Op.LOOKUP, response)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.wait_ms / 1000
+        while True:
+            num_prefix, pending = self.store.lookup(keys, count=False)
+            remaining = deadline - loop.time()
+            if num_prefix == len(keys) or remaining <= 0 or not (pending or req.wait_absent):
+                break
+            await self.server.wait_for_change(remaining)
+        self.store.record_lookup(keys, num_prefix)
+        response = LookupResponse(num_prefix=num_prefix, num_pending=int(pending))
+        await self._reply(header, Op.LOOKUP, response)
+
+    async def _delete(self, header: FrameHeader, req: KeysRequest) -> None:
+        await self._reply(header, Op.DELETE, _statuses(self.store.delete(req.keys)))
+
+    async def _report_corrupt(self, header: FrameHeader, req: KeysRequest) -> None:
+        log.warning("a reader reported %d corrupt block(s); dropping them", len(req.keys))
+        await self._reply(header, Op.REPORT_CORRUPT, _statuses(self.store.report_corrupt(req.keys)))
+
+    async def _describe(self, header: FrameHeader, req: DescribeRequest) -> None:
+        self.store.describe(req.namespace_id, req.label)
+        await self._reply(header, Op.DESCRIBE, Empty())
+
+    async def _stats(self, header: FrameHeader, req: Empty) -> None:
+        await self._reply(header, Op.STATS, self.server.stats())
+
+    async def _health(self, header: FrameHeader, req: Empty) -> None:
+        uptime = time.monotonic() - self.server.started_at
+        await self._reply(
+            header, Op.HEALTH, Health(ok=True, node_id=self.server.node_id, uptime_s=uptime)
+        )
+
+
+def _statuses(statuses: Sequence[Status]) -> StatusResponse:
+    return StatusResponse(statuses=[int(s) for s in statuses])
+
+
+_HANDLERS: dict[int, Callable[[Session, FrameHeader, Any], Any]] = {
+    Op.LOOKUP: Session._lookup,
+    Op.PUT: Session._put,
+    Op.GET: Session._get,
+    Op.RESERVE: Session._reserve,
+    Op.COMMIT: Session._commit_request,
+    Op.ABORT: Session._abort,
+    Op.PIN: Session._pin,
+    Op.UNPIN: Session._unpin,
+    Op.DELETE: Session._delete,
+    Op.REPORT_CORRUPT: Session._report_corrupt,
+    Op.DESCRIBE: Session._describe,
+    Op.STATS: Session._stats,
+    Op.HEALTH: Session._health,
+}
