@@ -233,6 +233,21 @@ def parse_bool(value: str | bool, name: str = "value") -> bool:
     raise ConfigError(f"{name}: expected a boolean, got {value!r}")
 
 
+def options_from_env(
+    mapping: Mapping[str, tuple[str, object]], environ: Mapping[str, str] | None = None
+) -> dict[str, object]:
+    """The options ``mapping`` names, parsed from the ``KVPOOL_*`` variables that are set."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for var, (name, parse) in mapping.items():
+        if var in environ:
+            try:
+                values[name] = parse(environ[var])  # type: ignore[operator]
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
+    return values
+
+
 def _split_list(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
@@ -262,14 +277,7 @@ def client_config_from(
     overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
 ) -> ClientConfig:
     """A client configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides``."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-    for var, (name, parse) in CLIENT_ENV.items():
-        if var in environ:
-            try:
-                values[name] = parse(environ[var])  # type: ignore[operator]
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
+    values = options_from_env(CLIENT_ENV, environ)
     known = {f.name for f in dataclasses.fields(ClientConfig)}
     parsers = {name: parse for name, parse in CLIENT_ENV.values()}
     for given, raw in (overrides or {}).items():
@@ -304,8 +312,9 @@ NODE_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_ETCD": ("etcd", str),
     "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
     "KVPOOL_REPLICAS": ("replicas", int),
-    # How long a pin or a reservation lasts without its holder (a dead client's expire),
-    # and the longest a single GET or PUT payload may take to stream.
+    # The most a pin or a reservation lasts (kvpool.timing.LeasePolicy), whatever a client
+    # asks for: what a dead or stalled client can hold, and the longest a single GET or PUT
+    # payload may take to stream.
     "KVPOOL_PIN_LEASE": ("pin_lease_s", float),
     "KVPOOL_RESERVE_LEASE": ("reserve_lease_s", float),
 }
@@ -316,14 +325,7 @@ def node_config_from(
 ) -> NodeConfig:
     """A node configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides``
     (entries whose value is ``None`` are ignored)."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-    for var, (name, parse) in NODE_ENV.items():
-        if var in environ:
-            try:
-                values[name] = parse(environ[var])  # type: ignore[operator]
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
+    values = options_from_env(NODE_ENV, environ)
     known = {f.name for f in dataclasses.fields(NodeConfig)}
     for name, value in (overrides or {}).items():
         if value is None:
@@ -349,18 +351,3 @@ CONNECTOR_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_HEALTH_FLAP_WINDOW": ("health_flap_window", float),
     "KVPOOL_HEALTH_MAX_FLAPS": ("health_max_flaps", int),
 }
-
-
-def options_from_env(
-    mapping: Mapping[str, tuple[str, object]], environ: Mapping[str, str] | None = None
-) -> dict[str, object]:
-    """The options ``mapping`` names, parsed from the ``KVPOOL_*`` variables that are set."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-    for var, (name, parse) in mapping.items():
-        if var in environ:
-            try:
-                values[name] = parse(environ[var])  # type: ignore[operator]
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
-    return values

@@ -11,25 +11,36 @@ waiting for a free thread counts against it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvpool.config import ClientConfig
-from kvpool.errors import PoolTimeout, Status
-from kvpool.keys import Namespace
-from kvpool.protocol.messages import Health, NodeStats
+from kvpool.errors import PoolTimeout
 
 from .client import Client
-from .ops import GetResult, LookupState, PutResult
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _awaitable(
+    method: Callable[Concatenate[Client, P], T],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """``Client.method``, run on the client's threads and awaited."""
+
+    @functools.wraps(method)
+    async def call(self: AsyncClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(method, args, kwargs)
+
+    return call
 
 
 class AsyncClient:
     """An asyncio kvpool client: the operations of :class:`Client`, awaitable, with the
-    same options."""
+    same options and arguments."""
 
     def __init__(
         self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any
@@ -53,76 +64,25 @@ class AsyncClient:
         self._threads.shutdown(wait=True)
         self.sync.close()
 
-    async def _run(self, method: Callable[..., T], *args: Any, timeout: float | None) -> T:
-        budget = timeout if timeout is not None else self.config.timeout_s
-        deadline = time.monotonic() + budget
+    async def _run(self, method: Callable[..., T], args: Any, kwargs: dict[str, Any]) -> T:
+        timeout = kwargs.get("timeout")
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout_s)
 
         def call() -> T:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PoolTimeout("deadline passed waiting for a free client thread")
-            return method(*args, timeout=remaining)
+            return method(self.sync, *args, **{**kwargs, "timeout": remaining})
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
-    async def lookup(
-        self,
-        keys: Sequence[bytes],
-        *,
-        wait: float = 0.0,
-        wait_absent: bool = False,
-        timeout: float | None = None,
-    ) -> int:
-        state = await self.lookup_state(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
-        return state.num_prefix
-
-    async def lookup_state(
-        self,
-        keys: Sequence[bytes],
-        *,
-        wait: float = 0.0,
-        wait_absent: bool = False,
-        timeout: float | None = None,
-    ) -> LookupState:
-        def lookup(timeout: float) -> LookupState:
-            return self.sync.lookup_state(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
-
-        return await self._run(lookup, timeout=timeout)
-
-    async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
-        return await self._run(self.sync.exists, keys, timeout=timeout)
-
-    async def put(
-        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
-    ) -> PutResult:
-        return await self._run(self.sync.put, keys, values, timeout=timeout)
-
-    async def get(
-        self,
-        keys: Sequence[bytes],
-        buffers: Sequence[Any] | None = None,
-        *,
-        prefix: bool = False,
-        timeout: float | None = None,
-    ) -> GetResult:
-        def get(timeout: float) -> GetResult:
-            return self.sync.get(keys, buffers, prefix=prefix, timeout=timeout)
-
-        return await self._run(get, timeout=timeout)
-
-    async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Status]:
-        return await self._run(self.sync.delete, keys, timeout=timeout)
-
-    async def describe(self, namespace: Namespace, *, timeout: float | None = None) -> None:
-        await self._run(self.sync.describe, namespace, timeout=timeout)
-
-    async def stats(self, *, timeout: float | None = None) -> NodeStats:
-        return await self._run(self.sync.stats, timeout=timeout)
-
-    async def cluster_stats(
-        self, *, timeout: float | None = None
-    ) -> list[tuple[str, NodeStats | None]]:
-        return await self._run(self.sync.cluster_stats, timeout=timeout)
-
-    async def health(self, *, timeout: float | None = None) -> Health:
-        return await self._run(self.sync.health, timeout=timeout)
+    lookup = _awaitable(Client.lookup)
+    lookup_state = _awaitable(Client.lookup_state)
+    exists = _awaitable(Client.exists)
+    put = _awaitable(Client.put)
+    get = _awaitable(Client.get)
+    delete = _awaitable(Client.delete)
+    describe = _awaitable(Client.describe)
+    stats = _awaitable(Client.stats)
+    cluster_stats = _awaitable(Client.cluster_stats)
+    health = _awaitable(Client.health)

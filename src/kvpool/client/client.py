@@ -151,9 +151,7 @@ class Client:
             return self.cluster.lookup_state(
                 keys, wait, wait_absent, self._deadline(timeout) + wait
             )
-        return self._require_local().lookup(
-            keys, wait=wait, wait_absent=wait_absent, timeout=timeout
-        )
+        return self._require_local().lookup(keys, wait, wait_absent, timeout)
 
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         """Whether each key is stored (anywhere in the cluster)."""

@@ -27,7 +27,7 @@ from typing import Any
 from kvpool import checksum as ck
 from kvpool.errors import Status, UsageError
 
-from . import ops
+from . import ops, shm
 from .connection import Connection
 from .node import NodeClient
 
@@ -66,22 +66,29 @@ def _private(sizes: Sequence[int]) -> tuple[memoryview, list[memoryview | None],
     return area, views, offsets
 
 
-class WriteLease:
-    """Reserved space to fill in place, then commit."""
+class _Lease:
+    """What both leases show: per key, a status, a view (``None`` where there is no block)
+    and its offset in ``base`` (the arena, or a private area)."""
 
-    def __init__(
-        self,
-        slots: ops.Slots,
-        base: Any,
-        commit: Callable[[list[int | None], float | None], ops.PutResult],
-        abort: Callable[[], None],
-    ) -> None:
+    def __init__(self, slots: shm.Slots, base: Any) -> None:
         self.keys = slots.keys
         self.statuses = slots.statuses
         self.views = slots.views
         self.offsets = slots.offsets
-        self._slots = slots
         self._base = base
+
+
+class WriteLease(_Lease):
+    """Reserved space to fill in place, then commit."""
+
+    def __init__(
+        self,
+        slots: shm.Slots,
+        base: Any,
+        commit: Callable[[list[int | None], float | None], ops.PutResult],
+        abort: Callable[[], None],
+    ) -> None:
+        super().__init__(slots, base)
         self._commit = commit
         self._abort = abort
         self._done = False
@@ -92,7 +99,7 @@ class WriteLease:
         """A lease over private buffers (one contiguous area) that ``send`` publishes."""
         area, views, offsets = _private(sizes)
         n = len(keys)
-        slots = ops.Slots(list(keys), 0, [Status.OK] * n, offsets, views, [], 0)
+        slots = shm.Slots(list(keys), 0, [Status.OK] * n, offsets, views, [], 0)
 
         def commit(_: list[int | None], timeout: float | None) -> ops.PutResult:
             present = [i for i, v in enumerate(views) if v is not None]
@@ -122,7 +129,7 @@ class WriteLease:
                 keys, sizes, lambda ks, vs, t: node.put(ks, vs, replicate=replicate, timeout=t)
             )
         try:
-            slots = conn.run(ops.reserve_slots(keys, sizes, conn.arena), deadline)
+            slots = conn.run(shm.reserve_slots(keys, sizes, conn.arena), deadline)
         except BaseException:
             node.release(conn)
             raise
@@ -141,7 +148,7 @@ class WriteLease:
                 node.release(conn)
 
         def commit(checksums: list[int | None], timeout: float | None) -> ops.PutResult:
-            result = finish(ops.commit_slots(slots, checksums, replicate), timeout)
+            result = finish(shm.commit_slots(slots, checksums, replicate), timeout)
             return result if result is not None else ops.PutResult(slots.statuses)
 
         return cls(slots, conn.arena, commit, lambda: finish(ops.abort(slots.slot_id), None))
@@ -171,15 +178,11 @@ class WriteLease:
         self.abort()
 
 
-class ReadLease:
+class ReadLease(_Lease):
     """Pinned, verified blocks to read in place, then release."""
 
-    def __init__(self, slots: ops.Slots, base: Any, release: Callable[[], None]) -> None:
-        self.keys = slots.keys
-        self.statuses = slots.statuses
-        self.views = slots.views
-        self.offsets = slots.offsets
-        self._base = base
+    def __init__(self, slots: shm.Slots, base: Any, release: Callable[[], None]) -> None:
+        super().__init__(slots, base)
         self._release = release
 
     @classmethod
@@ -197,9 +200,9 @@ class ReadLease:
                     lease.adopt(i, memoryview(value))
             return lease
         try:
-            slots = conn.run(ops.pin_slots(keys, conn.arena, prefix), deadline)
+            slots = conn.run(shm.pin_slots(keys, conn.arena, prefix), deadline)
             checksums = [ck.checksum(v) if v is not None else None for v in slots.views]
-            conn.run(ops.verify_slots(keys, slots, checksums), deadline)
+            conn.run(shm.verify_slots(keys, slots, checksums), deadline)
         except BaseException:
             node.release(conn)  # the connection is broken, and with it the pin goes
             raise
@@ -224,7 +227,7 @@ class ReadLease:
     def empty(cls, keys: Sequence[bytes]) -> ReadLease:
         """A lease holding nothing yet (no local node, or it is down)."""
         n = len(keys)
-        slots = ops.Slots(list(keys), 0, [Status.NOT_FOUND] * n, [-1] * n, [None] * n, [], 0)
+        slots = shm.Slots(list(keys), 0, [Status.NOT_FOUND] * n, [-1] * n, [None] * n, [], 0)
         return cls(slots, None, lambda: None)
 
     def adopt(self, index: int, view: memoryview) -> None:

@@ -17,7 +17,7 @@ from kvpool.config import Address, ClientConfig
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout
 from kvpool.protocol.messages import Health, NodeStats, Welcome
 
-from . import ops
+from . import ops, shm
 from .connection import Connection, map_arena
 
 T = TypeVar("T")
@@ -41,26 +41,12 @@ class _ArenaCache:
             return self._arena
 
 
-def _put_op(
-    keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool
-) -> OpFactory[ops.PutResult]:
-    def make(arena: memoryview | None) -> Generator[Any, Any, ops.PutResult]:
-        if arena is not None:
-            return ops.put_shm(keys, views, arena, replicate)
-        return ops.put_stream(keys, views, replicate)
-
-    return make
-
-
-def _get_op(
-    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, prefix: bool
-) -> OpFactory[ops.GetResult]:
-    def make(arena: memoryview | None) -> Generator[Any, Any, ops.GetResult]:
-        if arena is not None:
-            return ops.get_shm(keys, dsts, arena, prefix)
-        return ops.get_stream(keys, dsts, prefix)
-
-    return make
+def _shm_or_stream(
+    shm: Callable[[memoryview], Generator[Any, Any, T]],
+    stream: Callable[[], Generator[Any, Any, T]],
+) -> OpFactory[T]:
+    """An operation through the arena when the client maps it, else over the socket."""
+    return lambda arena: shm(arena) if arena is not None else stream()
 
 
 class NodeClient:
@@ -157,13 +143,10 @@ class NodeClient:
     # -- operations -----------------------------------------------------------------------
 
     def lookup(
-        self,
-        keys: Sequence[bytes],
-        *,
-        wait: float = 0.0,
-        wait_absent: bool = False,
-        timeout: float | None = None,
+        self, keys: Sequence[bytes], wait: float, wait_absent: bool, timeout: float | None
     ) -> ops.LookupState:
+        """The longest stored prefix; keys being written (and, with ``wait_absent``, keys
+        nobody writes yet) are awaited up to ``wait`` seconds, on top of ``timeout``."""
         if not keys:
             return ops.LookupState(0, False)
         timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
@@ -207,7 +190,13 @@ class NodeClient:
     ) -> ops.PutResult:
         if not keys:
             return ops.PutResult([])
-        return self.call(_put_op(keys, views, replicate), timeout)
+        return self.call(
+            _shm_or_stream(
+                lambda arena: shm.put_shm(keys, views, arena, replicate),
+                lambda: ops.put_stream(keys, views, replicate),
+            ),
+            timeout,
+        )
 
     def get(
         self,
@@ -219,7 +208,13 @@ class NodeClient:
     ) -> ops.GetResult:
         if not keys:
             return ops.GetResult([], [], [])
-        return self.call(_get_op(keys, dsts, prefix), timeout)
+        return self.call(
+            _shm_or_stream(
+                lambda arena: shm.get_shm(keys, dsts, arena, prefix),
+                lambda: ops.get_stream(keys, dsts, prefix),
+            ),
+            timeout,
+        )
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
         return self.call(lambda _: ops.delete(keys), timeout) if keys else []

@@ -13,11 +13,7 @@ Each operation is a generator that yields *effects* and receives their results:
 A driver (:meth:`kvpool.client.connection.Connection.run`) performs the effects.  Every
 outcome that is not an error comes back as a value: statuses per key, never exceptions.
 
-Shared memory has one path per direction, built from :class:`Slots`: ``reserve_slots`` →
-fill → ``commit_slots`` (or ``abort``), and ``pin_slots`` → read → ``verify_slots`` →
-``unpin``.  ``put_shm`` / ``get_shm`` run them in one call; the leases
-(:mod:`kvpool.client.leases`) run them across calls.  Slots are checked against the arena,
-and statuses merged, only there.
+The same-host path through the node's arena is in :mod:`kvpool.client.shm`.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ from kvpool.protocol.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
     Challenge,
-    CommitRequest,
     DescribeRequest,
     Empty,
     GetRequest,
@@ -54,11 +49,7 @@ from kvpool.protocol.messages import (
     Message,
     NodeStats,
     Op,
-    PinRequest,
-    PinResponse,
     PutRequest,
-    ReserveRequest,
-    ReserveResponse,
     StatusResponse,
     UnpinRequest,
     Welcome,
@@ -152,7 +143,7 @@ class GetResult:
         return len(self.statuses)
 
 
-def _statuses(codes: Sequence[int]) -> list[Status]:
+def statuses_of(codes: Sequence[int]) -> list[Status]:
     out = []
     for code in codes:
         try:
@@ -162,7 +153,7 @@ def _statuses(codes: Sequence[int]) -> list[Status]:
     return out
 
 
-def _check_len(what: str, values: Sequence[Any], num: int) -> None:
+def check_len(what: str, values: Sequence[Any], num: int) -> None:
     if len(values) != num:
         raise ProtocolError(f"node answered {len(values)} {what} for {num} keys")
 
@@ -228,9 +219,9 @@ def presence(keys: Sequence[bytes]) -> Op_[tuple[list[bool], list[bool]]]:
     """Which keys are stored, and which are being written."""
     yield Request(Op.LOOKUP, LookupRequest(keys=list(keys), mask=True))
     response, _ = yield Recv(Op.LOOKUP, LookupResponse)
-    _check_len("presence flags", response.present, len(keys))
+    check_len("presence flags", response.present, len(keys))
     pending = list(response.pending) or [False] * len(keys)  # a node that does not say
-    _check_len("pending flags", pending, len(keys))
+    check_len("pending flags", pending, len(keys))
     return list(response.present), pending
 
 
@@ -250,38 +241,14 @@ def put_stream(
         digest = yield Compute(partial(ck.checksum, view), len(view))
         yield Send([digest.to_bytes(CHECKSUM_BYTES, "little"), view])
     response, _ = yield Recv(Op.PUT, StatusResponse)
-    _check_len("statuses", response.statuses, len(keys))
-    return PutResult(_statuses(response.statuses))
-
-
-def put_shm(
-    keys: Sequence[bytes], views: Sequence[memoryview], arena: memoryview, replicate: bool
-) -> Op_[PutResult]:
-    """Reserve arena slots, copy the blocks in directly, then commit them."""
-    slots = yield from reserve_slots(keys, [len(v) for v in views], arena)
-    if not slots.slot_id:
-        return PutResult(slots.statuses)
-
-    def copy_in() -> list[int | None] | BaseException:
-        try:
-            return [
-                ck.copy_with_checksum(slot, view) if slot is not None else None
-                for slot, view in zip(slots.views, views, strict=True)
-            ]
-        except BaseException as exc:  # reported after the reservation is aborted
-            return exc
-
-    checksums = yield Compute(copy_in, sum(len(v) for v in views))
-    if isinstance(checksums, BaseException):
-        yield from abort(slots.slot_id)
-        raise checksums
-    return (yield from commit_slots(slots, checksums, replicate))
+    check_len("statuses", response.statuses, len(keys))
+    return PutResult(statuses_of(response.statuses))
 
 
 # -- reads --------------------------------------------------------------------------------
 
 
-def _destinations(
+def destinations(
     dsts: Sequence[memoryview] | None, sizes: Sequence[int], statuses: list[Status]
 ) -> list[memoryview | None]:
     out: list[memoryview | None] = []
@@ -305,12 +272,12 @@ def get_stream(
     yield Request(Op.GET, GetRequest(keys=list(keys), prefix=prefix))
     response, payload_len = yield Recv(Op.GET, GetResponse)
     for what in ("statuses", "sizes", "checksums"):
-        _check_len(what, getattr(response, what), len(keys))
-    statuses = _statuses(response.statuses)
+        check_len(what, getattr(response, what), len(keys))
+    statuses = statuses_of(response.statuses)
     sizes = [s if st is Status.OK else 0 for s, st in zip(response.sizes, statuses, strict=True)]
     if sum(sizes) != payload_len:
         raise ProtocolError(f"GET payload of {payload_len} bytes, sizes add up to {sum(sizes)}")
-    targets = _destinations(dsts, sizes, statuses)
+    targets = destinations(dsts, sizes, statuses)
     corrupt: list[bytes] = []
     for i, target in enumerate(targets):
         if target is None:
@@ -324,37 +291,10 @@ def get_stream(
             corrupt.append(keys[i])
     if corrupt:
         yield from report_corrupt(corrupt)
-    return _get_result(statuses, sizes, targets, dsts is None)
+    return get_result(statuses, sizes, targets, dsts is None)
 
 
-def get_shm(
-    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, arena: memoryview, prefix: bool
-) -> Op_[GetResult]:
-    """Pin the blocks, copy them straight out of the arena, verify, unpin."""
-    slots = yield from pin_slots(keys, arena, prefix)
-    sizes = [len(v) if v is not None else 0 for v in slots.views]
-    targets = _destinations(dsts, sizes, slots.statuses)
-
-    def copy_out() -> list[int | None] | BaseException:
-        try:
-            return [
-                ck.copy_with_checksum(t, v[: len(t)]) if t is not None and v is not None else None
-                for t, v in zip(targets, slots.views, strict=True)
-            ]
-        except BaseException as exc:  # reported after the pin is dropped
-            return exc
-
-    checksums: list[int | None] | BaseException = [None] * len(keys)
-    if slots.slot_id:
-        checksums = yield Compute(copy_out, sum(sizes))
-        yield from unpin(slots.slot_id)
-    if isinstance(checksums, BaseException):
-        raise checksums
-    yield from verify_slots(keys, slots, checksums)
-    return _get_result(slots.statuses, sizes, targets, dsts is None)
-
-
-def _get_result(
+def get_result(
     statuses: list[Status], sizes: list[int], targets: list[memoryview | None], keep: bool
 ) -> GetResult:
     delivered = [s if st is Status.OK else -1 for s, st in zip(sizes, statuses, strict=True)]
@@ -365,115 +305,6 @@ def _get_result(
             for t, st in zip(targets, statuses, strict=True)
         ]
     return GetResult(statuses, delivered, values)
-
-
-# -- slots: the one shared-memory path, used by put_shm/get_shm and by the leases -------
-
-
-@dataclass(slots=True)
-class Slots:
-    """Arena slots of a batch that a node reserved (to fill) or pinned (to read).
-
-    ``slot_id`` is the reservation or pin id (0: nothing held); per key, ``statuses``,
-    ``offsets`` and ``views`` (the slot's arena memory, ``None`` where the status is not
-    OK); ``checksums`` are the stored blocks' (pins only); ``lease_ms`` is the lease the
-    node granted.
-    """
-
-    keys: list[bytes]
-    slot_id: int
-    statuses: list[Status]
-    offsets: list[int]
-    views: list[memoryview | None]
-    checksums: list[int]
-    lease_ms: int
-
-
-def _slot_views(
-    statuses: list[Status], offsets: Sequence[int], sizes: Sequence[int], arena: memoryview
-) -> list[memoryview | None]:
-    """The arena memory of each OK slot; a slot outside the arena breaks the protocol."""
-    views: list[memoryview | None] = []
-    for status, offset, size in zip(statuses, offsets, sizes, strict=True):
-        if status is not Status.OK:
-            views.append(None)
-        elif offset < 0 or offset + size > len(arena):
-            raise ProtocolError(f"node handed out a slot outside its arena: {offset}+{size}")
-        else:
-            views.append(arena[offset : offset + size])
-    return views
-
-
-def reserve_slots(
-    keys: Sequence[bytes], sizes: Sequence[int], arena: memoryview, lease_ms: int = 0
-) -> Op_[Slots]:
-    """Reserve a slot per key (``lease_ms`` 0: the node's bound)."""
-    request = ReserveRequest(keys=list(keys), sizes=list(sizes), lease_ms=lease_ms)
-    yield Request(Op.RESERVE, request)
-    response, _ = yield Recv(Op.RESERVE, ReserveResponse)
-    _check_len("offsets", response.offsets, len(keys))
-    _check_len("statuses", response.statuses, len(keys))
-    statuses = _statuses(response.statuses)
-    views = _slot_views(statuses, response.offsets, sizes, arena)
-    return Slots(
-        list(keys),
-        response.reservation_id,
-        statuses,
-        list(response.offsets),
-        views,
-        [],
-        response.lease_ms,
-    )
-
-
-def commit_slots(slots: Slots, checksums: Sequence[int | None], replicate: bool) -> Op_[PutResult]:
-    """Publish the filled slots (a ``None`` checksum drops that one); the statuses of the
-    reservation and of the commit, merged."""
-    request = CommitRequest(
-        reservation_id=slots.slot_id, checksums=list(checksums), replicate=replicate
-    )
-    yield Request(Op.COMMIT, request)
-    response, _ = yield Recv(Op.COMMIT, StatusResponse)
-    _check_len("statuses", response.statuses, len(checksums))
-    statuses = list(slots.statuses)
-    for i, status in enumerate(_statuses(response.statuses)):
-        if statuses[i] is Status.OK:
-            statuses[i] = status
-    return PutResult(statuses)
-
-
-def pin_slots(
-    keys: Sequence[bytes], arena: memoryview, prefix: bool, lease_ms: int = 0
-) -> Op_[Slots]:
-    """Pin the stored blocks among ``keys`` (only the leading run with ``prefix``)."""
-    yield Request(Op.PIN, PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms))
-    response, _ = yield Recv(Op.PIN, PinResponse)
-    for what in ("statuses", "offsets", "sizes", "checksums"):
-        _check_len(what, getattr(response, what), len(keys))
-    statuses = _statuses(response.statuses)
-    views = _slot_views(statuses, response.offsets, response.sizes, arena)
-    return Slots(
-        list(keys),
-        response.pin_id,
-        statuses,
-        list(response.offsets),
-        views,
-        list(response.checksums),
-        response.lease_ms,
-    )
-
-
-def verify_slots(keys: Sequence[bytes], slots: Slots, checksums: Sequence[int | None]) -> Op_[None]:
-    """Mark every pinned block whose bytes hashed to something else (``checksums``, None
-    where not read) as CHECKSUM_MISMATCH, and report them so the node drops them."""
-    corrupt = []
-    for i, got in enumerate(checksums):
-        if got is not None and got != slots.checksums[i]:
-            slots.statuses[i] = Status.CHECKSUM_MISMATCH
-            slots.views[i] = None
-            corrupt.append(keys[i])
-    if corrupt:
-        yield from report_corrupt(corrupt)
 
 
 def abort(reservation_id: int) -> Op_[None]:
@@ -495,8 +326,8 @@ def report_corrupt(keys: Sequence[bytes]) -> Op_[None]:
 def delete(keys: Sequence[bytes]) -> Op_[list[Status]]:
     yield Request(Op.DELETE, KeysRequest(keys=list(keys)))
     response, _ = yield Recv(Op.DELETE, StatusResponse)
-    _check_len("statuses", response.statuses, len(keys))
-    return _statuses(response.statuses)
+    check_len("statuses", response.statuses, len(keys))
+    return statuses_of(response.statuses)
 
 
 def describe(namespace_id: bytes, label: str) -> Op_[None]:

@@ -88,7 +88,7 @@ class ClusterClient:
         self, keys: Sequence[bytes], wait: float, wait_absent: bool, deadline: float
     ) -> LookupState:
         local, answered = self._local(
-            lambda node, t: node.lookup(keys, wait=wait, wait_absent=wait_absent, timeout=t - wait),
+            lambda node, t: node.lookup(keys, wait, wait_absent, t - wait),
             LookupState(0, False),
             deadline,
         )

@@ -11,21 +11,8 @@ from prometheus_client.registry import Collector
 
 from kvpool.protocol.messages import NodeStats
 
-LATENCY_BUCKETS = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-)
+# 50 µs .. 1 s, three buckets a decade.
+LATENCY_BUCKETS = (*(m * 10.0**e for e in range(-5, -1) for m in (5, 10, 25)), 1.0)
 
 
 class _StatsCollector(Collector):
@@ -36,33 +23,40 @@ class _StatsCollector(Collector):
         s = self._stats()
         labels = ["node"]
         node = [s.node_id]
-        for name, doc, value in (
-            ("kvpool_capacity_bytes", "Arena capacity.", s.capacity_bytes),
-            ("kvpool_used_bytes", "Arena bytes allocated (committed and reserved).", s.used_bytes),
+        families = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+        for kind, name, doc, value in (
+            ("gauge", "kvpool_capacity_bytes", "Arena capacity.", s.capacity_bytes),
             (
+                "gauge",
+                "kvpool_used_bytes",
+                "Arena bytes allocated (committed and reserved).",
+                s.used_bytes,
+            ),
+            (
+                "gauge",
                 "kvpool_reserved_bytes",
                 "Arena bytes reserved by writes in flight.",
                 s.reserved_bytes,
             ),
-            ("kvpool_blocks", "Committed blocks.", s.num_blocks),
-            ("kvpool_pinned_blocks", "Blocks pinned by readers.", s.num_pinned),
-            ("kvpool_connections", "Open client connections.", s.num_connections),
+            ("gauge", "kvpool_blocks", "Committed blocks.", s.num_blocks),
+            ("gauge", "kvpool_pinned_blocks", "Blocks pinned by readers.", s.num_pinned),
+            ("gauge", "kvpool_connections", "Open client connections.", s.num_connections),
+            ("counter", "kvpool_hits", "Blocks found by lookups.", s.hits),
+            ("counter", "kvpool_misses", "Blocks not found by lookups.", s.misses),
+            ("counter", "kvpool_puts", "Blocks committed.", s.puts),
+            ("counter", "kvpool_evictions", "Blocks evicted.", s.evictions),
+            ("counter", "kvpool_bytes_in", "Payload bytes written into the arena.", s.bytes_in),
+            ("counter", "kvpool_bytes_out", "Payload bytes read out of the arena.", s.bytes_out),
+            (
+                "counter",
+                "kvpool_corrupt_blocks",
+                "Blocks readers found corrupt.",
+                s.corrupt_reports,
+            ),
         ):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric(node, value)
-            yield gauge
-        for name, doc, value in (
-            ("kvpool_hits", "Blocks found by lookups.", s.hits),
-            ("kvpool_misses", "Blocks not found by lookups.", s.misses),
-            ("kvpool_puts", "Blocks committed.", s.puts),
-            ("kvpool_evictions", "Blocks evicted.", s.evictions),
-            ("kvpool_bytes_in", "Payload bytes written into the arena.", s.bytes_in),
-            ("kvpool_bytes_out", "Payload bytes read out of the arena.", s.bytes_out),
-            ("kvpool_corrupt_blocks", "Blocks readers found corrupt.", s.corrupt_reports),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric(node, value)
-            yield counter
+            family = families[kind](name, doc, labels=labels)
+            family.add_metric(node, value)
+            yield family
         ns_blocks = GaugeMetricFamily(
             "kvpool_namespace_blocks", "Committed blocks per namespace.", labels=["namespace"]
         )

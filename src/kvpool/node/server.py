@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
+
 from kvpool.config import NodeConfig
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.session import Session
-from kvpool.protocol.messages import NamespaceStats, NodeStats
+from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.pool import BlockStore
 from kvpool.timing import EXPIRE_INTERVAL_S
@@ -161,18 +163,7 @@ class NodeServer:
     def stats(self) -> NodeStats:
         store = self.store
         counters = store.counters
-        namespaces = [
-            NamespaceStats(
-                namespace_id=ns.hex(),
-                label=usage.label,
-                num_blocks=usage.num_blocks,
-                used_bytes=usage.used_bytes,
-                hits=usage.hits,
-                misses=usage.misses,
-                puts=usage.puts,
-            )
-            for ns, usage in store.namespaces.items()
-        ]
+        namespaces = [msgspec.structs.replace(usage) for usage in store.namespaces.values()]
         return NodeStats(
             node_id=self.node_id,
             host_id=self.config.host_id,

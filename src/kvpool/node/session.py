@@ -37,35 +37,10 @@ from kvpool.errors import (
     status_for_error,
 )
 from kvpool.protocol import auth
+from kvpool.protocol import messages as msg
 from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
-from kvpool.protocol.messages import (
-    CHECKSUM_BYTES,
-    SUPPORTED_VERSIONS,
-    AbortRequest,
-    Challenge,
-    CommitRequest,
-    DescribeRequest,
-    Empty,
-    ErrorResponse,
-    GetRequest,
-    GetResponse,
-    Health,
-    Hello,
-    KeysRequest,
-    LookupRequest,
-    LookupResponse,
-    Message,
-    Op,
-    PinRequest,
-    PinResponse,
-    PutRequest,
-    ReserveRequest,
-    ReserveResponse,
-    StatusResponse,
-    UnpinRequest,
-    Welcome,
-)
+from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.store.pool import CommitResult, PinResult
 from kvpool.timing import LeasePolicy
 
@@ -123,7 +98,7 @@ class Session:
     async def _handshake(self) -> None:
         config = self.server.config
         server_nonce = auth.new_nonce()
-        challenge = Challenge(
+        challenge = msg.Challenge(
             versions=list(SUPPORTED_VERSIONS),
             nonce=server_nonce,
             node_id=self.server.node_id,
@@ -134,7 +109,7 @@ class Session:
         if header.op != Op.HELLO or header.payload_len:
             raise BadRequest("expected HELLO")
         hello = decode_request(Op.HELLO, await self.channel.recv_meta(header.meta_len))
-        if not isinstance(hello, Hello):
+        if not isinstance(hello, msg.Hello):
             raise BadRequest("expected HELLO")
         if hello.version not in SUPPORTED_VERSIONS:
             raise UnsupportedVersion(f"client speaks version {hello.version}")
@@ -152,7 +127,7 @@ class Session:
                 config.access_key, "node", hello.access_id, server_nonce, hello.nonce
             )
         arena = self.arena
-        welcome = Welcome(
+        welcome = msg.Welcome(
             node_id=self.server.node_id,
             proof=proof,
             host_id=config.host_id,
@@ -204,7 +179,7 @@ class Session:
         self,
         header: FrameHeader,
         op: int,
-        message: Message,
+        message: msg.Message,
         payload: Sequence[memoryview] = (),
         payload_len: int = 0,
     ) -> None:
@@ -217,7 +192,7 @@ class Session:
 
     async def _reply_error(self, op: int, request_id: int, exc: BaseException) -> None:
         status = status_for_error(exc)
-        message = ErrorResponse(message=str(exc)[:1000])
+        message = msg.ErrorResponse(message=str(exc)[:1000])
         frame = encode_frame(op, message, request_id=request_id, flags=FLAG_RESPONSE, status=status)
         await self.channel.send([frame])
 
@@ -232,11 +207,11 @@ class Session:
             self.server.replicate([b.key for b in result.committed])
         return result
 
-    async def _reserve(self, header: FrameHeader, req: ReserveRequest) -> None:
+    async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):
             raise BadRequest("keys and sizes differ in length")
         result = self.store.reserve(req.keys, req.sizes, self.owner, req.lease_ms / 1000)
-        response = ReserveResponse(
+        response = msg.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=[int(s) for s in result.statuses],
             offsets=[b.offset if b is not None else -1 for b in result.blocks],
@@ -244,15 +219,15 @@ class Session:
         )
         await self._reply(header, Op.RESERVE, response)
 
-    async def _commit_request(self, header: FrameHeader, req: CommitRequest) -> None:
+    async def _commit_request(self, header: FrameHeader, req: msg.CommitRequest) -> None:
         result = self._commit(req.reservation_id, req.checksums, req.replicate)
         await self._reply(header, Op.COMMIT, _statuses(result.statuses))
 
-    async def _abort(self, header: FrameHeader, req: AbortRequest) -> None:
+    async def _abort(self, header: FrameHeader, req: msg.AbortRequest) -> None:
         self.store.abort(req.reservation_id, self.owner)
-        await self._reply(header, Op.ABORT, Empty())
+        await self._reply(header, Op.ABORT, msg.Empty())
 
-    async def _put(self, header: FrameHeader, req: PutRequest) -> None:
+    async def _put(self, header: FrameHeader, req: msg.PutRequest) -> None:
         keys, sizes = req.keys, req.sizes
         problem = ""
         expected = sum(sizes) + CHECKSUM_BYTES * len(sizes)
@@ -287,10 +262,10 @@ class Session:
 
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
 
-    async def _pin(self, header: FrameHeader, req: PinRequest) -> None:
+    async def _pin(self, header: FrameHeader, req: msg.PinRequest) -> None:
         result = self.store.pin(req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix)
         blocks = result.blocks
-        response = PinResponse(
+        response = msg.PinResponse(
             pin_id=result.pin_id,
             statuses=[Status.OK if b is not None else Status.NOT_FOUND for b in blocks],
             offsets=[b.offset if b is not None else -1 for b in blocks],
@@ -301,11 +276,11 @@ class Session:
         self.server.bytes_out += sum(response.sizes)
         await self._reply(header, Op.PIN, response)
 
-    async def _unpin(self, header: FrameHeader, req: UnpinRequest) -> None:
+    async def _unpin(self, header: FrameHeader, req: msg.UnpinRequest) -> None:
         self.store.unpin(req.pin_id, self.owner)
-        await self._reply(header, Op.UNPIN, Empty())
+        await self._reply(header, Op.UNPIN, msg.Empty())
 
-    async def _get(self, header: FrameHeader, req: GetRequest) -> None:
+    async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
         result = self.store.pin(req.keys, self.owner, prefix=req.prefix)
         try:
             await self._send_pinned(header, result)
@@ -329,7 +304,7 @@ class Session:
                 checksums.append(block.checksum)
                 views.append(self.arena.slice(block.offset, block.size))
         total = sum(sizes)
-        response = GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
+        response = msg.GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
         async with self._within_lease(result.lease_s, "sending a GET payload"):
             await self._reply(header, Op.GET, response, views, total)
         self.server.bytes_out += total
@@ -347,12 +322,12 @@ class Session:
 
     # -- the rest -------------------------------------------------------------------------
 
-    async def _lookup(self, header: FrameHeader, req: LookupRequest) -> None:
+    async def _lookup(self, header: FrameHeader, req: msg.LookupRequest) -> None:
         keys = req.keys
         if req.mask:
             present = self.store.lookup_mask(keys)
             writing = self.store.pending_mask(keys)
-            response = LookupResponse(num_prefix=0, present=present, pending=writing)
+            response = msg.LookupResponse(num_prefix=0, present=present, pending=writing)
             await self._reply(header, Op.LOOKUP, response)
             return
         loop = asyncio.get_running_loop()
@@ -364,32 +339,32 @@ class Session:
                 break
             await self.server.wait_for_change(remaining)
         self.store.record_lookup(keys, num_prefix)
-        response = LookupResponse(num_prefix=num_prefix, num_pending=int(pending))
+        response = msg.LookupResponse(num_prefix=num_prefix, num_pending=int(pending))
         await self._reply(header, Op.LOOKUP, response)
 
-    async def _delete(self, header: FrameHeader, req: KeysRequest) -> None:
+    async def _delete(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         await self._reply(header, Op.DELETE, _statuses(self.store.delete(req.keys)))
 
-    async def _report_corrupt(self, header: FrameHeader, req: KeysRequest) -> None:
+    async def _report_corrupt(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         log.warning("a reader reported %d corrupt block(s); dropping them", len(req.keys))
         await self._reply(header, Op.REPORT_CORRUPT, _statuses(self.store.report_corrupt(req.keys)))
 
-    async def _describe(self, header: FrameHeader, req: DescribeRequest) -> None:
+    async def _describe(self, header: FrameHeader, req: msg.DescribeRequest) -> None:
         self.store.describe(req.namespace_id, req.label)
-        await self._reply(header, Op.DESCRIBE, Empty())
+        await self._reply(header, Op.DESCRIBE, msg.Empty())
 
-    async def _stats(self, header: FrameHeader, req: Empty) -> None:
+    async def _stats(self, header: FrameHeader, req: msg.Empty) -> None:
         await self._reply(header, Op.STATS, self.server.stats())
 
-    async def _health(self, header: FrameHeader, req: Empty) -> None:
+    async def _health(self, header: FrameHeader, req: msg.Empty) -> None:
         uptime = time.monotonic() - self.server.started_at
         await self._reply(
-            header, Op.HEALTH, Health(ok=True, node_id=self.server.node_id, uptime_s=uptime)
+            header, Op.HEALTH, msg.Health(ok=True, node_id=self.server.node_id, uptime_s=uptime)
         )
 
 
-def _statuses(statuses: Sequence[Status]) -> StatusResponse:
-    return StatusResponse(statuses=[int(s) for s in statuses])
+def _statuses(statuses: Sequence[Status]) -> msg.StatusResponse:
+    return msg.StatusResponse(statuses=[int(s) for s in statuses])
 
 
 _HANDLERS: dict[int, Callable[[Session, FrameHeader, Any], Any]] = {

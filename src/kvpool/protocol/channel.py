@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.protocol.frames import HEADER_BYTES, FrameHeader, RecvBuffer, parse_header
@@ -121,20 +121,18 @@ class AsyncChannel:
         self._fd = sock.fileno()
 
     async def _readable(self) -> None:
-        future = self.loop.create_future()
-        self.loop.add_reader(self._fd, _wake, future)
-        try:
-            await future
-        finally:
-            self.loop.remove_reader(self._fd)
+        await self._ready(self.loop.add_reader, self.loop.remove_reader)
 
     async def _writable(self) -> None:
+        await self._ready(self.loop.add_writer, self.loop.remove_writer)
+
+    async def _ready(self, add: Callable[..., Any], remove: Callable[[int], Any]) -> None:
         future = self.loop.create_future()
-        self.loop.add_writer(self._fd, _wake, future)
+        add(self._fd, _wake, future)
         try:
             await future
         finally:
-            self.loop.remove_writer(self._fd)
+            remove(self._fd)
 
     async def _recv_into(self, view: memoryview) -> int:
         while True:

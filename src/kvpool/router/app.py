@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -37,6 +36,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from .config import RouterSettings
 from .engines import Engine, EngineSet
 from .policies import LeastLoad, Policy, RoutedRequest
 
@@ -57,37 +57,8 @@ HOP_BY_HOP = {
     "upgrade",
     "host",
 }
-LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-)
-
-
-@dataclass
-class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_attempts: int = 3
-    connect_timeout_s: float = 2.0
-    prefill_timeout_s: float = 120.0
-    read_timeout_s: float = 300.0  # an engine silent this long (even before its first byte) failed
-    models_timeout_s: float = 10.0
-    drain_timeout_s: float = 60.0
-    session_header: str = "x-session-id"
-    engines: list[Engine] = field(default_factory=list)
+# 0.5 ms .. 25 s, three buckets a decade.
+LATENCY_BUCKETS = tuple(m * 10.0**e for e in range(-4, 1) for m in (5, 10, 25))
 
 
 class UpstreamFailed(Exception):
@@ -97,7 +68,7 @@ class UpstreamFailed(Exception):
 class Router:
     def __init__(
         self,
-        config: RouterConfig,
+        config: RouterSettings,
         engines: EngineSet,
         policy: Policy,
         prefill_policy: Policy | None = None,
@@ -153,7 +124,7 @@ class Router:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
+            total=None, connect=self.config.connect_timeout, sock_read=self.config.read_timeout
         )
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         await self.engines.start()
@@ -175,7 +146,9 @@ class Router:
             return self._error(route, 400, "the request body is not JSON")
         if not isinstance(body, dict):
             return self._error(route, 400, "the request body must be a JSON object")
-        session = request.headers.get(self.config.session_header, "") or str(body.get("user") or "")
+        session = request.headers.get(self.config.session_header.lower(), "") or str(
+            body.get("user") or ""
+        )
         routed = RoutedRequest(route, body, session=session)
         routed.notes["raw"] = raw  # forwarded as received: no second serialization
         if self.engines.has_disaggregation:
@@ -230,7 +203,7 @@ class Router:
             self.engines.started(engine)
             try:
                 timeout = aiohttp.ClientTimeout(
-                    total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s
+                    total=self.config.prefill_timeout, connect=self.config.connect_timeout
                 )
                 assert self._session is not None
                 async with self._session.post(
@@ -323,7 +296,7 @@ class Router:
             try:
                 async with self._session.get(
                     engine.url + "/v1/models",
-                    timeout=aiohttp.ClientTimeout(total=self.config.models_timeout_s),
+                    timeout=aiohttp.ClientTimeout(total=self.config.models_timeout),
                 ) as upstream:
                     return web.Response(
                         body=await upstream.read(),
@@ -371,7 +344,7 @@ class Router:
     async def remove_engine(self, request: web.Request) -> web.Response:
         url = request.query.get("url", "")
         try:
-            timeout = float(request.query.get("timeout", self.config.drain_timeout_s))
+            timeout = float(request.query.get("timeout", self.config.drain_timeout))
         except ValueError:
             return web.json_response({"error": "timeout must be a number of seconds"}, status=400)
         if not 0 <= timeout <= 3600:

@@ -38,8 +38,12 @@ class RouterSettings:
     load_weight: float = 0.5
     max_load_gap: float = 4.0
     health_interval: float = 1.0
-    max_attempts: int = 3
-    read_timeout: float = 300.0
+    max_attempts: int = 3  # tries of one request (on other engines, or the only one)
+    read_timeout: float = 300.0  # an engine silent this long (even before its first byte) failed
+    connect_timeout: float = 2.0
+    prefill_timeout: float = 120.0
+    models_timeout: float = 10.0
+    drain_timeout: float = 60.0  # a removed engine's requests are waited for this long
     session_header: str = "x-session-id"
     engines: list[Engine] = field(default_factory=list)
 

@@ -8,7 +8,7 @@ from typing import Any
 from kvpool.config import client_config_from
 from kvpool.timing import ROUTER_LOOKUP_BUDGET_S
 
-from .app import Router, RouterConfig, serve
+from .app import Router, serve
 from .config import RouterSettings, settings_from
 from .engines import EngineSet
 from .policies import make_policy
@@ -33,15 +33,8 @@ def build_router(settings: RouterSettings) -> Router:
         if settings.policy == "cache_aware"
         else make_policy(settings.policy)
     )
-    config = RouterConfig(
-        host=settings.host,
-        port=settings.port,
-        max_attempts=settings.max_attempts,
-        read_timeout_s=settings.read_timeout,
-        session_header=settings.session_header.lower(),
-    )
     engines = EngineSet(settings.engines, interval_s=settings.health_interval)
-    return Router(config, engines, policy, make_policy(settings.prefill_policy))
+    return Router(settings, engines, policy, make_policy(settings.prefill_policy))
 
 
 def run_router(config_file: str | None, overrides: dict[str, Any], engine_specs: list[str]) -> None:

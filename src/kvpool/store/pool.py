@@ -29,6 +29,7 @@ from itertools import takewhile
 
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import namespace_of
+from kvpool.protocol.messages import NamespaceStats
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
 from kvpool.store.block import Block, BlockState, Pin, Reservation
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
@@ -39,16 +40,6 @@ MAX_NAMESPACES = 1024
 OTHER_NAMESPACE = b"\xff" * 16
 
 Clock = Callable[[], float]
-
-
-@dataclass(slots=True)
-class NamespaceUsage:
-    label: str = ""
-    num_blocks: int = 0
-    used_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
 
 
 @dataclass(slots=True)
@@ -115,7 +106,7 @@ class BlockStore:
         self.leases = leases or LeasePolicy()
         self.clock = clock
         self.counters = StoreCounters()
-        self.namespaces: dict[bytes, NamespaceUsage] = {}
+        self.namespaces: dict[bytes, NamespaceStats] = {}
         self.on_change: Callable[[], None] | None = None
         self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
         self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
@@ -424,7 +415,7 @@ class BlockStore:
     def describe(self, namespace_id: bytes, label: str) -> None:
         usage = self.namespaces.get(namespace_id)
         if usage is None and len(self.namespaces) < MAX_NAMESPACES:
-            usage = self.namespaces[namespace_id] = NamespaceUsage()
+            usage = self.namespaces[namespace_id] = NamespaceStats(namespace_id=namespace_id.hex())
         if usage is not None:
             usage.label = label
 
@@ -439,7 +430,7 @@ class BlockStore:
     def __len__(self) -> int:
         return self.num_committed
 
-    def _usage(self, key: bytes) -> NamespaceUsage:
+    def _usage(self, key: bytes) -> NamespaceStats:
         ns = namespace_of(key)
         usage = self.namespaces.get(ns)
         if usage is None:
@@ -447,7 +438,7 @@ class BlockStore:
                 ns = OTHER_NAMESPACE  # past the cap, the rest are counted together
                 usage = self.namespaces.get(ns)
             if usage is None:
-                usage = self.namespaces[ns] = NamespaceUsage()
+                usage = self.namespaces[ns] = NamespaceStats(namespace_id=ns.hex())
                 if ns == OTHER_NAMESPACE:
                     usage.label = "(other namespaces)"
         return usage

@@ -1,0 +1,76 @@
+"""The package layout follows the data path, and dependencies point one way along it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvpool
+
+ROOT = Path(kvpool.__file__).parent
+# Each layer may import itself and the layers before it, never one after it.
+LAYERS = [
+    {"errors", "timing", "checksum", "keys", "config"},
+    {"protocol"},
+    {"store"},
+    {"cluster"},
+    {"client"},
+    {"node"},
+    {"integrations"},
+    {"router"},
+    {"demo"},
+    {"cli", "__main__", "__init__"},
+]
+MAX_MODULE_LINES = 500
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    for index, names in enumerate(LAYERS):
+        if top in names:
+            return index
+    raise AssertionError(f"kvpool.{module} is in no layer of the layout")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        relative = path.relative_to(ROOT).with_suffix("")
+        out[".".join(relative.parts)] = path
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("kvpool."):
+                found.add(node.module[len("kvpool.") :])
+        elif isinstance(node, ast.Import):
+            found.update(
+                a.name[len("kvpool.") :] for a in node.names if a.name.startswith("kvpool.")
+            )
+    return found
+
+
+def test_dependencies_point_one_way():
+    wrong = []
+    for module, path in _modules().items():
+        for imported in _imports(path):
+            if _layer(imported) > _layer(module):
+                wrong.append(f"kvpool.{module} imports kvpool.{imported}")
+    assert not wrong, wrong
+
+
+def test_the_store_knows_nothing_of_sockets_or_asyncio():
+    for module, path in _modules().items():
+        if module.startswith("store."):
+            tree = ast.parse(path.read_text())
+            names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            assert not names & {"socket", "asyncio", "selectors"}, module
+
+
+def test_no_module_passes_500_lines():
+    long = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
+    assert {m: n for m, n in long.items() if n > MAX_MODULE_LINES} == {}
