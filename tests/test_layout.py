@@ -25,7 +25,7 @@ MAX_MODULE_LINES = 500
 
 
 def _layer(module: str) -> int:
-    top = module.split(".")[0]
+    top = module.split(".", maxsplit=1)[0]
     for index, names in enumerate(LAYERS):
         if top in names:
             return index

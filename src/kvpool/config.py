@@ -350,4 +350,5 @@ CONNECTOR_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_HEALTH_RECOVER_AFTER": ("health_recover_after", int),
     "KVPOOL_HEALTH_FLAP_WINDOW": ("health_flap_window", float),
     "KVPOOL_HEALTH_MAX_FLAPS": ("health_max_flaps", int),
+    "KVPOOL_HEALTH_MAX_SLOW": ("health_max_slow", int),
 }

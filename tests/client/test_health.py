@@ -77,3 +77,21 @@ def test_background_probe_thread():
         assert monitor.is_healthy
     finally:
         monitor.stop()
+
+
+def test_a_slow_pool_is_unhealthy_only_after_several_timeouts_in_a_row():
+    from kvpool.errors import ConnectError, PoolTimeout
+
+    monitor, _probe, _clock = make(max_slow=3)
+    monitor.report_failure(PoolTimeout("slow"))
+    monitor.report_failure(PoolTimeout("slow"))
+    assert monitor.is_healthy  # a busy host, not a dead pool
+    monitor.report_call()  # a call that succeeded ends the run
+    monitor.report_failure(PoolTimeout("slow"))
+    monitor.report_failure(PoolTimeout("slow"))
+    assert monitor.is_healthy
+    monitor.report_failure(PoolTimeout("slow"))
+    assert not monitor.is_healthy
+    other, _, _ = make(max_slow=3)
+    other.report_failure(ConnectError("refused"))
+    assert not other.is_healthy  # unreachable: at once

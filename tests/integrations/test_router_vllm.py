@@ -24,7 +24,14 @@ PROMPTS = prompts(7, 2, words=250)
 def complete(
     url: str, model: str, prompt: str, max_tokens: int = 12, headers: dict | None = None
 ) -> tuple[str, str]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    # ignore_eos: every answer runs its max_tokens (the tiny model may say EOS at once).
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     request = urllib.request.Request(
         url + "/v1/completions",
         data=json.dumps(body).encode(),
@@ -32,7 +39,18 @@ def complete(
     )
     with urllib.request.urlopen(request, timeout=300) as response:
         engine = response.headers.get("x-kvpool-engine", "")
+        ROUTES.append(response.headers.get("x-kvpool-route", ""))
         return engine, json.loads(response.read())["choices"][0]["text"]
+
+
+ROUTES: list[str] = []  # the x-kvpool-route header of every answer, in order
+
+
+def held_share(route: str) -> float:
+    """The share of the prompt's blocks the chosen engine's node held, from the router's
+    explanation (``...; prefix=12/14; ...``)."""
+    held, _, total = route.split("prefix=")[1].split(" ", maxsplit=1)[0].rstrip(";").partition("/")
+    return int(held) / int(total)
 
 
 def test_prefill_decode_through_the_router(model, start_node):
@@ -125,6 +143,8 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
             "32",
             "--model",
             model,
+            "--log-level",
+            "debug",
             env=hosts[0].env(),
         )
         # Four conversations; each returning turn must go where its history is.
@@ -134,19 +154,22 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
             first[i], reply = complete(router.url, model, opening)
             conversations[i] = opening + reply
         assert set(first.values()) == {s.url for s in servers}  # load spread the newcomers
-        for turn in range(2):
-            for i in range(len(conversations)):
+        # The returning turns come in other orders than the openings did, so that spreading
+        # by load alone would move conversations: only the cache keeps them home.
+        for turn, order in enumerate(([3, 2, 1, 0], [1, 3, 0, 2])):
+            for i in order:
                 served_by, reply = complete(
                     router.url, model, conversations[i] + f" next question {turn}"
                 )
+                said = "".join(line for line in router.output[-400:] if "kvpool" in line)
                 assert served_by == first[i], (
-                    f"conversation {i} turn {turn + 2} moved; the router said:\n"
-                    + "".join(router.output[-30:])
+                    f"conversation {i} turn {turn + 2} moved; the router said:\n" + said[-6000:]
                 )
+                assert held_share(ROUTES[-1]) > 0.5, f"{ROUTES[-1]}; the router said:\n{said}"
                 conversations[i] += f" next question {turn}" + reply
         # An engine dies while it is answering: every request still succeeds.  Answers are
         # not streamed here, so nothing has reached the client before the engine's last
-        # byte, and the router retries them on the other engine.
+        # byte, and the router retries them on the other engine.  Each runs 200 tokens.
         outcomes: dict[int, tuple[str, str] | BaseException] = {}
 
         def ask(i: int) -> None:
@@ -160,10 +183,17 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
         for t in threads:
             t.start()
+
+        # The router's own count of what it has open on the engine (vLLM's gauges lag).
+        def in_flight(server: VllmServer) -> int:
+            with urllib.request.urlopen(router.url + "/admin/engines", timeout=10) as response:
+                engines = json.loads(response.read())["engines"]
+            return next(e["in_flight"] for e in engines if e["url"] == server.url)
+
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not servers[1].metric("vllm:num_requests_running"):
-            time.sleep(0.05)
-        assert servers[1].metric("vllm:num_requests_running") > 0
+        while time.monotonic() < deadline and not in_flight(servers[1]):
+            time.sleep(0.01)
+        assert in_flight(servers[1]) > 0, "".join(router.output[-60:])
         servers[1].kill()
         for t in threads:
             t.join(300)

@@ -2,7 +2,9 @@
 down: it reports misses and recomputes instead.
 
 Rules:
-- Fail fast: one failed pool call (or probe) makes the monitor unhealthy at once.
+- Fail fast: one failed pool call (or probe) makes the monitor unhealthy at once, but a
+  slow one (:class:`~kvpool.errors.PoolTimeout`: a busy host, not a dead pool) only after
+  ``max_slow`` in a row; a call that succeeds in between ends the run.
 - Recover slowly: a background probe runs every ``interval_s``; ``recover_after``
   consecutive successful probes make it healthy again.
 - Flapping blocks recovery: after ``max_flaps`` failures that each ended a healthy period
@@ -19,12 +21,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpool.errors import PoolTimeout
+
 log = logging.getLogger("kvpool.health")
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_RECOVER_AFTER = 3
 DEFAULT_FLAP_WINDOW_S = 30.0
 DEFAULT_MAX_FLAPS = 3
+DEFAULT_MAX_SLOW = 3
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class HealthPolicy:
     recover_after: int = DEFAULT_RECOVER_AFTER
     flap_window_s: float = DEFAULT_FLAP_WINDOW_S
     max_flaps: int = DEFAULT_MAX_FLAPS
+    max_slow: int = DEFAULT_MAX_SLOW
 
 
 class HealthMonitor:
@@ -51,6 +57,7 @@ class HealthMonitor:
         self._healthy = True
         self._successes = 0
         self._flaps: deque[float] = deque()
+        self._slow_in_a_row = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -64,6 +71,11 @@ class HealthMonitor:
         with self._lock:
             self.num_failures += 1
             self._successes = 0
+            if isinstance(reason, PoolTimeout) and self._healthy:
+                self._slow_in_a_row += 1
+                if self._slow_in_a_row < self.policy.max_slow:
+                    return
+            self._slow_in_a_row = 0
             if self._healthy:
                 self._healthy = False
                 self._flaps.append(self.clock())
@@ -71,8 +83,13 @@ class HealthMonitor:
                     "%s unhealthy: %s; engines recompute until it recovers", self.name, reason
                 )
 
+    def report_call(self) -> None:
+        """A pool call succeeded: it ends a run of slow ones."""
+        self._slow_in_a_row = 0
+
     def report_success(self) -> None:
         with self._lock:
+            self._slow_in_a_row = 0
             if self._healthy:
                 return
             self._successes += 1

@@ -26,6 +26,7 @@ from kvpool.timing import ROUTER_MAX_SLOW_ANSWERS, ROUTER_NODE_DOWN_S
 log = logging.getLogger("kvpool.router")
 
 NAMESPACE_REFRESH_S = 5.0
+NAMESPACE_RETRY_S = 0.2
 LOOKUP_THREADS = 8
 
 
@@ -105,9 +106,14 @@ class PrefixLocator:
         return client
 
     def _namespace_ids(self, node: str, deadline: float) -> list[bytes]:
+        """The node's namespaces of the model.  Kept for a while once known; while a node
+        has none (no engine has saved there yet, as right after start), asked again soon:
+        keeping "none" as long made every request in that window a miss everywhere."""
         cached = self._namespaces.get(node)
-        if cached is not None and time.monotonic() - cached[0] < NAMESPACE_REFRESH_S:
-            return cached[1]
+        if cached is not None:
+            since, ids = cached
+            if time.monotonic() - since < (NAMESPACE_REFRESH_S if ids else NAMESPACE_RETRY_S):
+                return ids
         stats = self._client(node).stats(timeout=_left(deadline))
         ids = [
             bytes.fromhex(ns.namespace_id)

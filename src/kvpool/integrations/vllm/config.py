@@ -19,7 +19,8 @@ read_local_only     in a cluster, look only at the local node               fals
 peers / etcd        cluster membership (see ``kvpool serve``)               none
 tenant              isolates the blocks of one tenant                       ""
 stats_interval      seconds between stats log lines                         10.0
-health_*            interval, recover_after, flap_window, max_flaps         1, 3, 30, 3
+health_*            interval, recover_after, flap_window, max_flaps,        1, 3, 30, 3,
+                    max_slow (timeouts in a row before unhealthy)           3
 ==================  ======================================================  ============
 """
 
@@ -126,6 +127,7 @@ def connector_config(
             recover_after=int(values.get("health_recover_after", HealthPolicy.recover_after)),  # type: ignore[call-overload]
             flap_window_s=float(values.get("health_flap_window", HealthPolicy.flap_window_s)),  # type: ignore[arg-type]
             max_flaps=int(values.get("health_max_flaps", HealthPolicy.max_flaps)),  # type: ignore[call-overload]
+            max_slow=int(values.get("health_max_slow", HealthPolicy.max_slow)),  # type: ignore[call-overload]
         )
         kwargs: dict[str, Any] = {}
         for key, name, parse in _CONNECTOR_FIELDS:

@@ -137,6 +137,7 @@ class KVPoolScheduler:
                 log.exception("kvpool lookup failed")
             self.health.report_failure(exc)
             return 0, False
+        self.health.report_call()
         self._matches[request.request_id] = _Match(
             num_local_blocks, num_pool, num_blocks, time.perf_counter() - started
         )

@@ -113,6 +113,7 @@ class KVPoolWorker:
                         self.layout.scatter(ids, self.layout.pool_view(extent, num_loaded))
                     else:  # scattered in the pool: stage them, still one copy into the cache
                         self.layout.scatter(ids, self.layout.stage(lease.views[:num_loaded]))
+            self.health.report_call()
             if num_loaded < len(job.block_ids):
                 reason = f"{len(job.block_ids) - num_loaded} block(s) missing or corrupt"
         except KVPoolError as exc:
@@ -216,6 +217,7 @@ class KVPoolWorker:
             with self._lock:
                 self.stats.add("save_errors", num_blocks)
             return
+        self.health.report_call()
         with self._lock:
             self.stats.add("saves")
             self.stats.add("saved_blocks", sum(1 for s in result.statuses if s == 0))
