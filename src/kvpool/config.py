@@ -128,6 +128,9 @@ class NodeConfig:
     pin_lease_s: float = DEFAULT_PIN_LEASE_S
     reserve_lease_s: float = DEFAULT_RESERVE_LEASE_S
     hugepages: bool = False
+    fresh: bool = False  # start empty instead of adopting what the last daemon left
+    disk_path: str = ""  # the local disk tier's directory ("" : none)
+    disk_bytes: int = 0
     peers: tuple[str, ...] = ()
     etcd: str = ""
     etcd_prefix: str = DEFAULT_ETCD_PREFIX
@@ -145,6 +148,10 @@ class NodeConfig:
     @property
     def socket_path(self) -> Path:
         return self.node_dir / "kvpool.sock"
+
+    @property
+    def journal_path(self) -> Path:
+        return self.node_dir / "index"
 
     @property
     def tcp_address(self) -> str:
@@ -176,6 +183,10 @@ class NodeConfig:
             raise ConfigError(f"unix socket path too long: {self.socket_path}")
         if self.replicas < 1:
             raise ConfigError("--replicas must be at least 1")
+        if bool(self.disk_path) != bool(self.disk_bytes):
+            raise ConfigError("the disk tier needs both --disk PATH and --disk-size")
+        if self.disk_bytes < 0:
+            raise ConfigError("--disk-size must be positive")
         for port in (self.port, self.admin_port):
             if not 0 <= port < 65536:
                 raise ConfigError(f"invalid port {port}")
@@ -312,6 +323,9 @@ NODE_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_ETCD": ("etcd", str),
     "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
     "KVPOOL_REPLICAS": ("replicas", int),
+    "KVPOOL_FRESH": ("fresh", parse_bool),
+    "KVPOOL_DISK": ("disk_path", str),
+    "KVPOOL_DISK_SIZE": ("disk_bytes", parse_size),
     # The most a pin or a reservation lasts (kvpool.timing.LeasePolicy), whatever a client
     # asks for: what a dead or stalled client can hold, and the longest a single GET or PUT
     # payload may take to stream.

@@ -1,4 +1,4 @@
-"""A daemon restart: clients recover on their own, on the new arena."""
+"""A daemon restart: clients recover on their own, and find the blocks again."""
 
 import socket
 import threading
@@ -31,9 +31,11 @@ def test_clients_recover_after_a_restart(start_node, path):
         second = start_node(name="restart", extra=["--port", str(port)])
         assert second.info["arena"] == first.info["arena"]
         # Same client object, no reconnect call: the pooled connections are stale, the
-        # client notices, reconnects and maps the new arena.
-        assert c.lookup(keys) == 0
-        assert c.put(keys, [content(k, 300_000) for k in keys]).all_stored
+        # client notices, reconnects, maps the arena again and finds what it had stored.
+        assert c.lookup(keys) == 4
+        more = [key(f"r{i}") for i in range(4, 8)]
+        assert c.put(more, [content(k, 300_000) for k in more]).all_stored
+        keys += more
         got = c.get(keys)
         assert [bytes(v) for v in got.values] == [content(k, 300_000).tobytes() for k in keys]
         assert c.uses_shm == (path == "shm")

@@ -68,3 +68,18 @@ def test_the_router_config_is_one_the_router_accepts():
         settings = settings_from(f.name, {}, [])
     assert settings.policy == "cache_aware" and len(settings.engines) == 2
     assert all(e.node for e in settings.engines)
+
+
+def test_the_node_keeps_its_contents_across_a_rolling_update():
+    daemonset = by_kind("DaemonSet", "kvpool-node")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    node = containers(daemonset)[0]
+    env = {e["name"]: e.get("value") for e in node["env"]}
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in node["volumeMounts"]}
+    # The arena, its journal and the disk tier live on hostPaths, which outlive the pod.
+    assert host_paths["kvpool-run"] == mounts["kvpool-run"] == env["KVPOOL_RUN_DIR"]
+    assert host_paths["kvpool-disk"] == mounts["kvpool-disk"] == env["KVPOOL_DISK"]
+    assert "KVPOOL_FRESH" not in env  # a new pod adopts what the old one left
+    assert "--fresh" not in node.get("args", [])

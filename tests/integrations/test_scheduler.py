@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvpool import Client
 from kvpool.client.connection import Connection
 from kvpool.config import Address
 from kvpool.integrations.vllm.config import connector_config
@@ -145,3 +146,28 @@ def test_unknown_extra_config_is_refused():
         and not config.client.write_rcache
         and config.min_load_tokens == 64
     )
+
+
+def test_hits_are_counted_by_the_tier_that_holds_them(start_node, tmp_path):
+    node = start_node(
+        name="tiers", memory="4MiB", extra=["--disk", str(tmp_path / "d"), "--disk-size", "32MiB"]
+    )
+    req = request("r7", 40)
+    keys = NS.keys(req.block_hashes)
+    with Client(node.unix_address) as client:
+        for start in range(0, 40, 4):  # 10 MiB through 4 MiB of DRAM: the first ones spill
+            batch = keys[start : start + 4]
+            client.put(batch, [b"b" * (256 << 10)] * len(batch))
+            time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and client.lookup(keys) < 40:
+            time.sleep(0.05)
+    sched = scheduler(node, "kv_both")
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (40 * BS, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(41)),))
+    sched.update_state_after_alloc(req, blocks, 40 * BS)
+    data = sched.stats.data
+    assert data["hit_blocks_disk"] > 0 and data["hit_blocks_dram"] > 0
+    assert data["hit_blocks_disk"] + data["hit_blocks_dram"] == 40
+    sched.shutdown()

@@ -2,7 +2,8 @@
 
 Each engine is a real vLLM process (about 25 s to start on 2 cores), so scenarios share
 engines where they can: the reference run without the pool, then one kv_both engine that
-walks through save, load, pool killed, pool restarted and corrupted blocks.
+walks through save, load, pool killed, pool restarted (finding its blocks again) and
+corrupted blocks.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
         gen("pool_down", S1),
         {"op": "pause", "tag": "restart"},
         {"op": "sleep", "seconds": 3},
+        {"op": "reset_prefix_cache"},
+        gen("adopted", S1),
         gen("save_again", S2),
         {"op": "reset_prefix_cache"},
         gen("after_restart", S2),
@@ -92,6 +95,7 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
         "first": "S1",
         "from_pool": "S1",
         "pool_down": "S1",
+        "adopted": "S1",
         "save_again": "S2",
         "after_restart": "S2",
         "corrupted": "S2",
@@ -117,7 +121,11 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
     down = by_name["pool_down"]
     assert down["counters"]["external_hits"] == loaded["counters"]["external_hits"]
     assert all(c == 0 for c in down["num_cached_tokens"])
-    # ... and after the restart, hits came back.
+    # ... and the restarted node (after a kill -9) adopted its arena: what was saved before
+    # the crash loads again, with identical outputs (above) ...
+    adopted = by_name["adopted"]
+    assert hit_fraction(down["counters"], adopted["counters"], adopted["prompt_tokens"]) >= 0.9
+    # ... and new saves after the restart hit too.
     restarted = by_name["after_restart"]
     assert (
         hit_fraction(

@@ -22,22 +22,27 @@ def test_arena_and_socket_are_private_to_user_and_group(node):
     assert arena.st_size == node.info["arena_bytes"] == 64 << 20
 
 
-def test_clean_exit_removes_arena_and_socket(node):
+def test_clean_exit_removes_the_socket_and_keeps_the_arena(node):
     arena, sock = node.info["arena"], node.info["unix"]
     assert node.stop() == 0
-    assert not os.path.exists(arena) and not os.path.exists(sock)
+    assert os.path.exists(arena) and not os.path.exists(sock)  # for the next start
 
 
-def test_stale_arena_of_a_crashed_daemon_is_reclaimed(start_node):
+def test_a_crashed_daemons_arena_is_adopted_unless_fresh(start_node):
     first = start_node(name="crash")
     with Client(first.unix_address) as c:
         c.put([key(1)], [content(key(1), 1000)])
     first.kill()  # SIGKILL: no cleanup
     assert os.path.exists(first.info["arena"])
     second = start_node(name="crash")
-    assert second.info["arena"] == first.info["arena"]
+    assert second.info["arena"] == first.info["arena"] and second.info["adopted_blocks"] == 1
     with Client(second.unix_address) as c:
-        assert c.lookup([key(1)]) == 0  # a fresh arena, not the stale one
+        assert c.get([key(1)]).values[0] == content(key(1), 1000).tobytes()
+    second.kill()
+    third = start_node(name="crash", extra=["--fresh"])
+    assert third.info["adopted_blocks"] == 0
+    with Client(third.unix_address) as c:
+        assert c.lookup([key(1)]) == 0  # --fresh: an empty arena
         assert c.put([key(2)], [b"x" * 10]).all_stored
 
 
@@ -127,7 +132,7 @@ def test_sigint_also_stops_cleanly(start_node):
     node = start_node(name="int")
     node.signal(signal.SIGINT)
     assert node.proc.wait(20) == 0
-    assert not os.path.exists(node.info["arena"])
+    assert not os.path.exists(node.info["unix"]) and os.path.exists(node.info["arena"])
 
 
 @pytest.mark.parametrize("memory", ["1MiB", "3MiB"])

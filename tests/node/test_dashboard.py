@@ -48,4 +48,5 @@ def test_dashboard_shows_the_node_live(node):
     assert "dash-model bfloat16" in dom
     assert "<th>blocks</th><td>7</td>" in dom
     assert "87.5%" in dom  # 7 of 8 looked-up blocks hit
+    assert '<tr class="tier-dram"><td>dram</td><td>64.0 MiB</td>' in dom  # the tiers table
     assert '<div id="error"></div>' in dom  # no fetch error shown

@@ -112,7 +112,7 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
     with contextlib.ExitStack() as stack:
         if options.address is None:
             arena_bytes = int(options.total_bytes * 2.5) + 128 * MiB
-            node = NodeProcess.private(f"bench-{os.getpid()}", arena_bytes)
+            node = NodeProcess.private(f"bench-{os.getpid()}", arena_bytes, ephemeral=True)
             stack.enter_context(node)
             shm_address, tcp_address = node.unix_address, node.tcp_address
         else:

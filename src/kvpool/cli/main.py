@@ -70,9 +70,24 @@ def serve(
     hugepages: Annotated[
         bool, typer.Option(help="Ask for transparent huge pages on the arena.")
     ] = False,
+    disk: Annotated[
+        str | None, typer.Option(help="A directory for the local disk tier (e.g. on NVMe).")
+    ] = None,
+    disk_size: Annotated[
+        str | None, typer.Option(help="How much of it the disk tier may use, e.g. 500GiB.")
+    ] = None,
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh", help="Start empty: drop what an earlier daemon left (arena and disk)."
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
-    """Run a node daemon: a shared-memory arena served over a Unix socket and TCP."""
+    """Run a node daemon: a shared-memory arena served over a Unix socket and TCP.
+
+    A restart (a crash, kill -9, an upgrade) finds the blocks of the last daemon again;
+    `kvpool drain` empties the node."""
     from kvpool.config import node_config_from
     from kvpool.node.daemon import run_daemon
 
@@ -93,6 +108,9 @@ def serve(
         "etcd": etcd,
         "replicas": replicas,
         "hugepages": hugepages or None,
+        "disk_path": disk,
+        "disk_bytes": parse_size(disk_size) if disk_size else None,
+        "fresh": fresh or None,
     }
     config = node_config_from(overrides)
     run_daemon(config)
@@ -112,6 +130,21 @@ def status(
     from kvpool.cli.status import show_status
 
     show_status(address, peers, etcd, json_output)
+
+
+@app.command()
+def drain(
+    address: Annotated[
+        str | None, typer.Option(help="Node address (default: the local node, or KVPOOL_ADDRESS).")
+    ] = None,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Stop the node but keep its contents (as SIGTERM).")
+    ] = False,
+) -> None:
+    """Stop a node and empty it: its arena, journal and disk tier go."""
+    from kvpool.cli.status import stop_node
+
+    stop_node(address, drain=not keep)
 
 
 @app.command()

@@ -55,6 +55,53 @@ def node_table(rows: list[tuple[str, NodeStats | None]]) -> Table:
     return table
 
 
+def tier_table(stats: list[NodeStats]) -> Table:
+    table = Table(title="tiers")
+    columns = (
+        "node",
+        "tier",
+        "capacity",
+        "used",
+        "blocks",
+        "hits",
+        "reads",
+        "writes",
+        "refused",
+        "dropped",
+        "promotions",
+        "evictions",
+        "corrupt",
+        "recovered",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("node", "tier") else "right")
+    for node in stats:
+        for tier in node.tiers:
+            percent = 100 * tier.used_bytes / max(tier.capacity_bytes, 1)
+            table.add_row(
+                node.node_id,
+                tier.name,
+                format_size(tier.capacity_bytes),
+                f"{format_size(tier.used_bytes)} ({percent:.0f}%)",
+                *(
+                    str(getattr(tier, name))
+                    for name in (
+                        "num_blocks",
+                        "hits",
+                        "reads",
+                        "writes",
+                        "refused",
+                        "dropped",
+                        "promotions",
+                        "evictions",
+                        "corrupt",
+                        "recovered",
+                    )
+                ),
+            )
+    return table
+
+
 def namespace_table(stats: list[NodeStats]) -> Table:
     table = Table(title="namespaces")
     for column in ("namespace", "node", "blocks", "used", "hits", "misses", "hit rate"):
@@ -102,5 +149,31 @@ def show_status(
     console = Console(width=max(Console().width, 140))
     console.print(node_table(rows))
     up = [s for _, s in rows if s is not None]
+    if any(s.tiers for s in up):
+        console.print(tier_table(up))
     if any(s.namespaces for s in up):
         console.print(namespace_table(up))
+
+
+def stop_node(address: str | None, *, drain: bool) -> None:
+    """Ask a node to stop (``drain``: and to empty itself), and wait until it has."""
+    import time
+
+    from kvpool.client import ops
+    from kvpool.errors import TransportError
+
+    options: dict[str, Any] = {} if address is None else {"address": address}
+    config = client_config_from(options)
+    with Client(config=config) as client:
+        node = client._require_local()
+        node.call(lambda _: ops.shutdown(drain), config.timeout_s)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                client.health(timeout=1.0)
+            except TransportError:
+                break
+            time.sleep(0.1)
+    Console(stderr=True).print(
+        f"node at {config.address} stopped" + (" and emptied" if drain else "")
+    )

@@ -50,6 +50,7 @@ from kvpool.protocol.messages import (
     NodeStats,
     Op,
     PutRequest,
+    ShutdownRequest,
     StatusResponse,
     UnpinRequest,
     Welcome,
@@ -191,10 +192,17 @@ def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -
 
 @dataclass(slots=True, frozen=True)
 class LookupState:
-    """The longest stored prefix, and whether the key after it is being written."""
+    """The longest stored prefix, whether the key after it is being written, and where each
+    block of the prefix lives (``kvpool.protocol.messages.TIER_*``: DRAM, disk, another
+    node...; empty from a node that does not say)."""
 
     num_prefix: int
     is_next_pending: bool
+    tiers: bytes = b""
+
+    def num_in(self, tier: int) -> int:
+        """How many blocks of the prefix live in ``tier``."""
+        return self.tiers.count(tier)
 
 
 def lookup(
@@ -207,7 +215,10 @@ def lookup(
     response, _ = yield Recv(Op.LOOKUP, LookupResponse)
     if not 0 <= response.num_prefix <= len(keys):
         raise ProtocolError(f"lookup prefix {response.num_prefix} of {len(keys)} keys")
-    return LookupState(response.num_prefix, bool(response.num_pending))
+    tiers = response.tiers
+    if tiers and len(tiers) != response.num_prefix:
+        raise ProtocolError(f"{len(tiers)} tiers for a prefix of {response.num_prefix}")
+    return LookupState(response.num_prefix, bool(response.num_pending), tiers)
 
 
 def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
@@ -339,6 +350,11 @@ def stats() -> Op_[NodeStats]:
     yield Request(Op.STATS, Empty())
     response, _ = yield Recv(Op.STATS, NodeStats)
     return response
+
+
+def shutdown(drain: bool) -> Op_[None]:
+    yield Request(Op.SHUTDOWN, ShutdownRequest(drain=drain))
+    yield Recv(Op.SHUTDOWN, Empty)
 
 
 def health() -> Op_[Health]:

@@ -29,6 +29,7 @@ from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, NodeUnavailable, PoolTimeout, Status, TransportError
 from kvpool.keys import Namespace
 from kvpool.protocol.messages import Health, NodeStats
+from kvpool.stats import TIER_REMOTE
 from kvpool.timing import MIN_SECOND_ROUND_S
 
 from .cluster import ClusterView
@@ -108,7 +109,12 @@ class ClusterClient:
         is_next_pending = extra < len(rest) and (
             pending[extra] or (extra == 0 and local.is_next_pending)
         )
-        return LookupState(local.num_prefix + extra, is_next_pending)
+        tiers = (
+            local.tiers + bytes([TIER_REMOTE]) * extra
+            if local.tiers or not local.num_prefix
+            else b""
+        )
+        return LookupState(local.num_prefix + extra, is_next_pending, tiers)
 
     def _remote_presence(self, keys: list[bytes], deadline: float) -> tuple[list[bool], list[bool]]:
         """Which keys another node has, and which another node is writing."""

@@ -41,7 +41,7 @@ def run_demo(
     workload = Workload(num_conversations=num_conversations, num_turns=num_turns)
     name = f"demo-{os.getpid()}"
     with (
-        NodeProcess.private(name, "1GiB") as node,
+        NodeProcess.private(name, "1GiB", ephemeral=True) as node,
         tempfile.TemporaryDirectory() as example_dir,
     ):
         configs: dict[str, dict[str, Any] | None] = {

@@ -25,7 +25,7 @@ def run_pool_demo(console: Console) -> dict[str, object]:
     turn1 = rng.integers(0, 2000, 40 * BLOCK_TOKENS).tolist()
     turn2 = turn1 + rng.integers(0, 2000, 8 * BLOCK_TOKENS).tolist()
     with (
-        NodeProcess.private("demo", "256MiB", log_level="info") as node,
+        NodeProcess.private("demo", "256MiB", log_level="info", ephemeral=True) as node,
         Client(node.unix_address) as client,
     ):
         client.describe(ns)

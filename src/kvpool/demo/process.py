@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 from kvpool.errors import ConfigError
@@ -32,6 +33,7 @@ class NodeProcess:
         log_file: IO[str] | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
         command_prefix: Sequence[str] = (),
+        ephemeral: bool = False,
     ):
         self.args = list(args)
         self.command_prefix = list(command_prefix)  # e.g. ["ip", "netns", "exec", "ns1"]
@@ -41,6 +43,9 @@ class NodeProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.info: dict[str, Any] = {}
         self.output: list[str] = []
+        # A node for one run of a tool (a demo, a benchmark): its arena and journal go with
+        # it, where a real node keeps them for its next start.
+        self.ephemeral = ephemeral
 
     @classmethod
     def private(
@@ -52,6 +57,7 @@ class NodeProcess:
         log_level: str = "warning",
         extra: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        ephemeral: bool = False,
     ) -> NodeProcess:
         """A node on any free ports (loopback), for tools and tests: not yet started."""
         args = [
@@ -68,7 +74,7 @@ class NodeProcess:
         ]
         if run_dir is not None:
             args += ["--run-dir", run_dir]
-        return cls([*args, *extra], env=env)
+        return cls([*args, *extra], env=env, ephemeral=ephemeral)
 
     def start(self) -> NodeProcess:
         command = [*self.command_prefix, sys.executable, "-m", "kvpool", "serve", *self.args]
@@ -150,7 +156,17 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._close_output()
+        if self.ephemeral and self.info:
+            self.remove_files()
         return self.proc.returncode
+
+    def remove_files(self) -> None:
+        """Remove what the node keeps for its next start (its arena and journal)."""
+        arena = Path(self.info["arena"])
+        for path in (arena, arena.parent / "index"):
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            arena.parent.rmdir()
 
     def __enter__(self) -> NodeProcess:
         return self.start()

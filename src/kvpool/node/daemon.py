@@ -1,10 +1,16 @@
-"""The node daemon (``kvpool serve``): arena, store, protocol server, admin HTTP and cluster
-membership, started and stopped together.
+"""The node daemon (``kvpool serve``): arena, journal, store, lower tiers, protocol server,
+admin HTTP and cluster membership, started and stopped together.
 
-Start-up order: lock the node directory (refusing a second daemon, reclaiming what a
-crashed one left), create the arena, start serving, then join the cluster.  On SIGTERM or
-SIGINT it leaves the cluster, stops serving and removes the arena and the socket.  Once
-ready it prints one line ``KVPOOL_READY {json}`` with its actual addresses.
+Start-up order: lock the node directory (refusing a second daemon), map the arena and
+replay its journal (adopting the blocks an earlier daemon left, unless ``--fresh``), open
+the disk tier (re-indexing its segments), start serving, then join the cluster.  Once ready
+it prints one line ``KVPOOL_READY {json}`` with its actual addresses and what it adopted.
+
+Stopping: on SIGTERM or SIGINT it leaves the cluster, stops serving, writes back what is
+queued for disk, and keeps the arena, the journal and the disk tier: the next start (a
+restart, an upgrade, the next pod of a DaemonSet) finds the blocks again.  A crash or
+``kill -9`` leaves the same state.  ``kvpool drain`` (the SHUTDOWN operation with ``drain``)
+empties the node: it removes the arena, the journal and the disk tier's segments.
 """
 
 from __future__ import annotations
@@ -15,12 +21,17 @@ import json
 import logging
 import signal
 import sys
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpool.config import NodeConfig, format_size
 from kvpool.node.admin import start_admin
 from kvpool.node.server import NodeServer
+from kvpool.node.tiers import Tiers, WriteBack
 from kvpool.store.arena import Arena, NodeDirLock
+from kvpool.store.disk import ID_FILE, SEGMENT_RE, DiskTier
+from kvpool.store.journal import Journal
 from kvpool.store.pool import BlockStore
 
 if TYPE_CHECKING:
@@ -36,28 +47,59 @@ class Daemon:
         self.config = config.validate()
         self.lock: NodeDirLock | None = None
         self.arena: Arena | None = None
+        self.journal: Journal | None = None
+        self.disk: DiskTier | None = None
+        self.store: BlockStore | None = None
         self.server: NodeServer | None = None
         self.cluster: NodeAgent | None = None
         self._admin: Any = None
         self.admin_port = config.admin_port
         self._stopped = asyncio.Event()
+        self._drain = False
+        self.started_in_s = 0.0
 
     async def start(self) -> None:
+        started = time.perf_counter()
         config = self.config
         self.lock = NodeDirLock(config.node_dir)
         try:
-            self.arena = Arena(config.arena_path, config.memory_bytes, hugepages=config.hugepages)
-            store = BlockStore(
-                self.arena.num_bytes,
+            arena = self.arena = Arena(
+                config.arena_path,
+                config.memory_bytes,
+                hugepages=config.hugepages,
+                fresh=config.fresh,
+            )
+            self.journal = Journal(
+                config.journal_path,
+                arena.dev,
+                arena.ino,
+                arena.num_bytes,
+                fresh=config.fresh or not arena.is_kept,
+            )
+            writeback = None
+            if config.disk_path:
+                if config.fresh:
+                    _empty_disk_dir(config.disk_path)
+                disk = self.disk = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: DiskTier(Path(config.disk_path), config.disk_bytes)
+                )
+                writeback = WriteBack(disk, arena)
+            store = self.store = BlockStore(
+                arena.num_bytes,
                 high_watermark=config.high_watermark,
                 low_watermark=config.low_watermark,
                 leases=config.leases,
+                journal=self.journal,
+                spill=writeback,
             )
+            tiers = Tiers(store, arena, self.disk, writeback)
             if config.peers or config.etcd:
                 from kvpool.node.cluster_agent import NodeAgent
 
-                self.cluster = NodeAgent(config, store, self.arena)
-            self.server = NodeServer(config, store, self.arena, self.cluster)
+                self.cluster = NodeAgent(config, store, arena)
+            self.server = NodeServer(
+                config, store, arena, tiers, self.cluster, on_shutdown=self.request_stop
+            )
             await self.server.start()
             self._admin, self.admin_port = await start_admin(
                 self.server, config.admin_host, config.admin_port, self.is_ready
@@ -67,11 +109,16 @@ class Daemon:
         except BaseException:
             await self.stop()
             raise
+        self.started_in_s = time.perf_counter() - started
         log.info(
-            "kvpool node %s ready: %s arena at %s, unix:%s, tcp %s, admin http://%s:%d",
+            "kvpool node %s ready in %.2f s: %s arena at %s (%d blocks adopted%s), unix:%s, "
+            "tcp %s, admin http://%s:%d",
             config.name,
-            format_size(self.arena.num_bytes),
-            self.arena.path,
+            self.started_in_s,
+            format_size(arena.num_bytes),
+            arena.path,
+            store.counters.adopted,
+            f", {len(self.disk)} on disk" if self.disk is not None else "",
             config.socket_path,
             self.server.tcp_address,
             config.admin_host,
@@ -79,7 +126,7 @@ class Daemon:
         )
 
     def ready_info(self) -> dict[str, Any]:
-        assert self.server is not None and self.arena is not None
+        assert self.server is not None and self.arena is not None and self.store is not None
         return {
             "name": self.config.name,
             "unix": str(self.config.socket_path),
@@ -87,10 +134,18 @@ class Daemon:
             "admin": f"http://{self.config.admin_host}:{self.admin_port}",
             "arena": str(self.arena.path),
             "arena_bytes": self.arena.num_bytes,
+            "adopted_blocks": self.store.counters.adopted,
+            "disk_blocks": len(self.disk) if self.disk is not None else 0,
+            "started_in_s": round(self.started_in_s, 3),
         }
 
     def is_ready(self) -> bool:
         return self.server is not None and (self.cluster is None or self.cluster.is_joined)
+
+    def request_stop(self, drain: bool = False) -> None:
+        """Stop soon; with ``drain``, empty the node as it stops."""
+        self._drain = self._drain or drain
+        self._stopped.set()
 
     async def stop(self) -> None:
         if self.cluster is not None:
@@ -101,16 +156,22 @@ class Daemon:
             await self._admin.cleanup()
             self._admin = None
         if self.server is not None:
-            await self.server.stop()
+            await self.server.stop()  # writes back what is queued for disk
             self.server = None
+        if self.journal is not None:
+            self.journal.close(remove=self._drain)
+            self.journal = None
         if self.arena is not None:
-            self.arena.close()
+            self.arena.close(remove=self._drain)
             self.arena = None
+        if self._drain and self.config.disk_path:
+            _empty_disk_dir(self.config.disk_path)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-            with contextlib.suppress(OSError):
-                self.config.node_dir.rmdir()  # only if empty
+            if self._drain:
+                with contextlib.suppress(OSError):
+                    self.config.node_dir.rmdir()  # only if empty
 
     async def run(self) -> None:
         """Start, print the ready line, serve until SIGTERM / SIGINT, then clean up."""
@@ -121,9 +182,25 @@ class Daemon:
         try:
             print(READY_PREFIX + json.dumps(self.ready_info()), flush=True)
             await self._stopped.wait()
-            log.info("kvpool node %s stopping", self.config.name)
+            log.info(
+                "kvpool node %s stopping (%s)",
+                self.config.name,
+                "draining: its contents go"
+                if self._drain
+                else "its contents stay for the next start",
+            )
         finally:
             await self.stop()
+
+
+def _empty_disk_dir(path: str) -> None:
+    """Remove the disk tier's files (only kvpool's: segments and the identity file)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
+            entry.unlink(missing_ok=True)
 
 
 def run_daemon(config: NodeConfig) -> None:

@@ -57,6 +57,7 @@ class _StatsCollector(Collector):
             family = families[kind](name, doc, labels=labels)
             family.add_metric(node, value)
             yield family
+        yield from _tier_families(s)
         ns_blocks = GaugeMetricFamily(
             "kvpool_namespace_blocks", "Committed blocks per namespace.", labels=["namespace"]
         )
@@ -68,6 +69,31 @@ class _StatsCollector(Collector):
             ns_bytes.add_metric([ns.namespace_id], ns.used_bytes)
         yield ns_blocks
         yield ns_bytes
+
+
+TIER_METRICS = (
+    ("gauge", "capacity_bytes", "Capacity of the tier.", "capacity_bytes"),
+    ("gauge", "used_bytes", "Bytes the tier uses.", "used_bytes"),
+    ("gauge", "blocks", "Blocks the tier holds.", "num_blocks"),
+    ("gauge", "recovered_blocks", "Blocks found at start (adopted or re-indexed).", "recovered"),
+    ("counter", "hits", "Blocks lookups found in the tier.", "hits"),
+    ("counter", "reads", "Blocks read out of the tier.", "reads"),
+    ("counter", "writes", "Blocks written into the tier.", "writes"),
+    ("counter", "refused", "Write-backs the admission policy refused.", "refused"),
+    ("counter", "dropped", "Write-backs dropped: the queue was full.", "dropped"),
+    ("counter", "promotions", "Blocks copied from the tier back into DRAM.", "promotions"),
+    ("counter", "evictions", "Blocks evicted from the tier.", "evictions"),
+    ("counter", "corrupt", "Blocks of the tier found corrupt (never served).", "corrupt"),
+)
+
+
+def _tier_families(s: NodeStats) -> Iterator[Metric]:
+    families = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+    for kind, name, doc, attribute in TIER_METRICS:
+        family = families[kind](f"kvpool_tier_{name}", doc, labels=["node", "tier"])
+        for tier in s.tiers:
+            family.add_metric([s.node_id, tier.name], getattr(tier, attribute))
+        yield family
 
 
 class NodeMetrics:

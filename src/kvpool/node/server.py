@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ import msgspec
 from kvpool.config import NodeConfig
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.session import Session
+from kvpool.node.tiers import Tiers
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.pool import BlockStore
@@ -52,12 +53,16 @@ class NodeServer:
         config: NodeConfig,
         store: BlockStore,
         arena: Arena,
+        tiers: Tiers | None = None,
         cluster: ClusterHooks | None = None,
+        on_shutdown: Callable[[bool], None] | None = None,
     ):
         self.config = config
         self.store = store
         self.arena = arena
+        self.tiers = tiers or Tiers(store, arena)
         self.cluster = cluster
+        self._on_shutdown = on_shutdown
         self.node_id = config.name
         self.started_at = time.monotonic()
         self.bytes_in = 0
@@ -75,6 +80,7 @@ class NodeServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self.tiers.start()
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         path = self.config.socket_path
         path.unlink(missing_ok=True)
@@ -104,6 +110,7 @@ class NodeServer:
         for session in list(self.sessions):
             session.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tiers.stop()
         with contextlib.suppress(FileNotFoundError):
             Path(self.config.socket_path).unlink()
 
@@ -153,6 +160,11 @@ class NodeServer:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._changed), timeout)
 
+    def request_shutdown(self, *, drain: bool) -> None:
+        """A client asked the node to stop (and, with ``drain``, to empty itself)."""
+        if self._on_shutdown is not None:
+            self._on_shutdown(drain)
+
     def replicate(self, keys: Sequence[bytes]) -> None:
         """Committed keys a client asked to write through to their homes."""
         if self.cluster is not None:
@@ -163,7 +175,7 @@ class NodeServer:
     def stats(self) -> NodeStats:
         store = self.store
         counters = store.counters
-        namespaces = [msgspec.structs.replace(usage) for usage in store.namespaces.values()]
+        namespaces = [msgspec.structs.replace(usage) for usage in store.namespaces]
         return NodeStats(
             node_id=self.node_id,
             host_id=self.config.host_id,
@@ -184,6 +196,7 @@ class NodeServer:
             namespaces=namespaces,
             peers=self.cluster.peer_ids() if self.cluster is not None else [],
             corrupt_reports=counters.corrupt_reports,
+            tiers=self.tiers.stats(),
         )
 
     @property

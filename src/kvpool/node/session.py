@@ -263,6 +263,7 @@ class Session:
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
 
     async def _pin(self, header: FrameHeader, req: msg.PinRequest) -> None:
+        await self.server.tiers.promote(req.keys, req.prefix)
         result = self.store.pin(req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix)
         blocks = result.blocks
         response = msg.PinResponse(
@@ -281,6 +282,7 @@ class Session:
         await self._reply(header, Op.UNPIN, msg.Empty())
 
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
+        await self.server.tiers.promote(req.keys, req.prefix)
         result = self.store.pin(req.keys, self.owner, prefix=req.prefix)
         try:
             await self._send_pinned(header, result)
@@ -324,26 +326,37 @@ class Session:
 
     async def _lookup(self, header: FrameHeader, req: msg.LookupRequest) -> None:
         keys = req.keys
+        tiers = self.server.tiers
         if req.mask:
-            present = self.store.lookup_mask(keys)
-            writing = self.store.pending_mask(keys)
-            response = msg.LookupResponse(num_prefix=0, present=present, pending=writing)
+            present, writing, in_tiers = tiers.presence(keys)
+            response = msg.LookupResponse(
+                num_prefix=0, present=present, pending=writing, tiers=in_tiers
+            )
             await self._reply(header, Op.LOOKUP, response)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.wait_ms / 1000
         while True:
-            num_prefix, pending = self.store.lookup(keys, count=False)
+            num_prefix, pending, in_tiers = tiers.lookup(keys)
             remaining = deadline - loop.time()
             if num_prefix == len(keys) or remaining <= 0 or not (pending or req.wait_absent):
                 break
             await self.server.wait_for_change(remaining)
-        self.store.record_lookup(keys, num_prefix)
-        response = msg.LookupResponse(num_prefix=num_prefix, num_pending=int(pending))
+        tiers.record_lookup(keys, num_prefix, in_tiers)
+        response = msg.LookupResponse(
+            num_prefix=num_prefix, num_pending=int(pending), tiers=in_tiers
+        )
         await self._reply(header, Op.LOOKUP, response)
 
     async def _delete(self, header: FrameHeader, req: msg.KeysRequest) -> None:
-        await self._reply(header, Op.DELETE, _statuses(self.store.delete(req.keys)))
+        statuses = self.store.delete(req.keys)
+        lower = self.server.tiers
+        on_disk = lower.disk.contains(req.keys) if lower.disk is not None else []
+        lower.delete(req.keys)
+        for i, was_there in enumerate(on_disk):  # gone from every tier
+            if was_there and statuses[i] is Status.NOT_FOUND:
+                statuses[i] = Status.OK
+        await self._reply(header, Op.DELETE, _statuses(statuses))
 
     async def _report_corrupt(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         log.warning("a reader reported %d corrupt block(s); dropping them", len(req.keys))
@@ -361,6 +374,15 @@ class Session:
         await self._reply(
             header, Op.HEALTH, msg.Health(ok=True, node_id=self.server.node_id, uptime_s=uptime)
         )
+
+    async def _shutdown(self, header: FrameHeader, req: msg.ShutdownRequest) -> None:
+        log.warning(
+            "shutdown requested by %s%s",
+            self.peer,
+            " (drain: the node empties)" if req.drain else "",
+        )
+        await self._reply(header, Op.SHUTDOWN, msg.Empty())
+        self.server.request_shutdown(drain=req.drain)
 
 
 def _statuses(statuses: Sequence[Status]) -> msg.StatusResponse:
@@ -381,4 +403,5 @@ _HANDLERS: dict[int, Callable[[Session, FrameHeader, Any], Any]] = {
     Op.DESCRIBE: Session._describe,
     Op.STATS: Session._stats,
     Op.HEALTH: Session._health,
+    Op.SHUTDOWN: Session._shutdown,
 }

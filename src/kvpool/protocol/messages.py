@@ -25,6 +25,7 @@ REPORT_CORRUPT keys a reader found corrupt                status per key
 DESCRIBE       namespace id and label                     -
 STATS          -                                          NodeStats
 HEALTH         -                                          Health
+SHUTDOWN       whether to drain (empty the node)          - (then the node stops)
 =============  ========================================  =====================================
 """
 
@@ -36,6 +37,7 @@ from typing import Annotated
 import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES
+from kvpool.stats import NamespaceStats, TierStats
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -45,6 +47,7 @@ MAX_BLOCK_BYTES = 256 << 20
 MAX_WAIT_MS = 60_000
 MAX_LEASE_MS = 600_000
 MAX_NAME_LEN = 256
+MAX_TIERS = 8
 MAX_MESSAGE_LEN = 4096
 NONCE_BYTES = 32
 CHECKSUM_BYTES = 8
@@ -81,6 +84,7 @@ class Op(enum.IntEnum):
     DESCRIBE = 13
     STATS = 14
     HEALTH = 15
+    SHUTDOWN = 16
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
@@ -130,6 +134,8 @@ class LookupResponse(Message):
     num_pending: int = 0
     # With ``mask``: which keys are being written (reserved, not yet committed).
     pending: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
+    # The tier (TIER_*) of each block of the prefix (with ``mask``: of each present key).
+    tiers: Annotated[bytes, msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = b""
 
 
 class PutRequest(Message):
@@ -217,14 +223,8 @@ class ErrorResponse(Message):
     message: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE_LEN)] = ""
 
 
-class NamespaceStats(Message):
-    namespace_id: str
-    label: str = ""
-    num_blocks: int = 0
-    used_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
+class ShutdownRequest(Message):
+    drain: bool = False  # empty the node (every tier) as it stops
 
 
 class NodeStats(Message):
@@ -247,6 +247,7 @@ class NodeStats(Message):
     namespaces: list[NamespaceStats] = []
     peers: list[str] = []
     corrupt_reports: int = 0  # blocks readers found corrupt (and the node dropped)
+    tiers: Annotated[list[TierStats], msgspec.Meta(max_length=MAX_TIERS)] = []
 
 
 class Health(Message):
@@ -270,6 +271,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.DESCRIBE: DescribeRequest,
     Op.STATS: Empty,
     Op.HEALTH: Empty,
+    Op.SHUTDOWN: ShutdownRequest,
 }
 
 RESPONSE_TYPES: dict[Op, type[Message]] = {
@@ -288,4 +290,5 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.DESCRIBE: Empty,
     Op.STATS: NodeStats,
     Op.HEALTH: Health,
+    Op.SHUTDOWN: Empty,
 }

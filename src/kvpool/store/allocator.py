@@ -3,8 +3,10 @@
 The interface (:class:`Allocator`): ``allocate(num_bytes) -> offset | None`` and
 ``free(offset)``; ``carve(offset, sizes)`` splits one allocated extent into separately
 freeable pieces, so that the blocks of one batch sit contiguously in the arena and move as
-one large copy.  The caller guarantees it frees only offsets it was given, once.  Every
-offset and size is a multiple of the page size.
+one large copy; ``adopt(extents)``, on an allocator that has handed out nothing yet, marks
+extents found in a surviving arena as allocated (a warm restart).  The caller guarantees it
+frees only offsets it was given or adopted, once.  Every offset and size is a multiple of
+the page size.
 
 :class:`SegregatedFitAllocator` is a two-level segregated fit (TLSF) allocator: free
 extents live in bins indexed by (power of two, 8 linear sub-ranges); a bitmap finds the
@@ -33,6 +35,8 @@ class Allocator(Protocol):
     def carve(self, offset: int, sizes: list[int]) -> list[int]: ...
 
     def largest_free(self) -> int: ...
+
+    def adopt(self, extents: list[tuple[int, int]]) -> list[bool]: ...
 
 
 def pages(num_bytes: int) -> int:
@@ -140,6 +144,32 @@ class SegregatedFitAllocator:
         top = self._bitmap.bit_length() - 1
         return max(self._free_start_to_pages[s] for s in self._bins[top]) * PAGE_BYTES
 
+    def adopt(self, extents: list[tuple[int, int]]) -> list[bool]:
+        """Mark ``(offset, num_bytes)`` extents as allocated, on an allocator that has
+        handed out nothing yet; an extent that is misaligned, outside the arena or overlaps
+        an earlier one is refused (``False``), the others are taken (``True``)."""
+        if self._allocated_start_to_pages:
+            raise ValueError("adopt needs an allocator that has handed out nothing")
+        total = self.capacity // PAGE_BYTES
+        if total:
+            self._remove_free(0)
+        taken = [False] * len(extents)
+        cursor = 0
+        for index in sorted(range(len(extents)), key=lambda i: extents[i][0]):
+            offset, num_bytes = extents[index]
+            start, num_pages = offset // PAGE_BYTES, pages(num_bytes)
+            if offset % PAGE_BYTES or start < cursor or start + num_pages > total:
+                continue
+            if start > cursor:
+                self._insert_free(cursor, start - cursor)
+            self._allocated_start_to_pages[start] = num_pages
+            self.used += num_pages * PAGE_BYTES
+            cursor = start + num_pages
+            taken[index] = True
+        if cursor < total:
+            self._insert_free(cursor, total - cursor)
+        return taken
+
     def _insert_free(self, start: int, num_pages: int) -> None:
         self._free_start_to_pages[start] = num_pages
         self._free_end_to_start[start + num_pages] = start
@@ -192,3 +222,19 @@ class BumpAllocator:
 
     def largest_free(self) -> int:
         return self.capacity - self._next
+
+    def adopt(self, extents: list[tuple[int, int]]) -> list[bool]:
+        taken = []
+        for offset, num_bytes in sorted(extents):
+            size = pages(num_bytes) * PAGE_BYTES
+            ok = offset >= self._next and offset + size <= self.capacity
+            if ok:
+                self._sizes[offset] = size
+                self.used += size
+                self._next = offset + size
+            taken.append(ok)
+        order = sorted(range(len(extents)), key=lambda i: extents[i])
+        result = [False] * len(extents)
+        for rank, index in enumerate(order):
+            result[index] = taken[rank]
+        return result

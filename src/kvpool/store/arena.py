@@ -4,12 +4,14 @@ and by every client on the same host.
 Rules:
 - The node directory holding the arena and the Unix socket is created ``0o770`` and the
   arena ``0o660``: only the daemon's user and group can map it.
-- The daemon holds an exclusive ``flock`` on the node directory for its whole life.  At
-  start, an arena or socket left in a directory nobody holds is stale (a crashed daemon)
-  and is reclaimed; a directory somebody holds is refused.
+- The daemon holds an exclusive ``flock`` on the node directory for its whole life; a
+  directory somebody holds is refused.
+- An arena left by an earlier daemon (a crash, ``kill -9``, an upgrade) is kept and mapped
+  again if it has the size asked for, so that its blocks can be adopted (see
+  :mod:`kvpool.store.journal`); otherwise, or with ``fresh``, it is replaced.
 - The whole size is allocated up front (``posix_fallocate``): a size the host cannot give
   is refused at start with a clear message, never discovered later as a SIGBUS.
-- ``close()`` unmaps and removes the arena.
+- ``close()`` unmaps the arena; ``close(remove=True)`` also removes it (a drain).
 """
 
 from __future__ import annotations
@@ -56,14 +58,18 @@ class NodeDirLock:
 class Arena:
     """A mapped shared-memory file of ``num_bytes`` (a multiple of the page size)."""
 
-    def __init__(self, path: Path, num_bytes: int, *, hugepages: bool = False):
+    def __init__(self, path: Path, num_bytes: int, *, hugepages: bool = False, fresh: bool = False):
         self.path = path
         self.num_bytes = round_up(num_bytes, PAGE_BYTES)
         self.arena_id = secrets.token_bytes(16)
-        if path.exists():
-            path.unlink()  # stale: the caller holds the node directory lock
-        _check_free_space(path.parent, self.num_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, ARENA_MODE)
+        self.is_kept = False
+        # The caller holds the node directory lock: what is here was left by an earlier daemon.
+        if path.exists() and (fresh or path.stat().st_size != self.num_bytes):
+            path.unlink()
+        self.is_kept = path.exists()
+        if not self.is_kept:
+            _check_free_space(path.parent, self.num_bytes)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, ARENA_MODE)
         try:
             os.fchmod(fd, ARENA_MODE)
             try:
@@ -84,7 +90,8 @@ class Arena:
             self.dev, self.ino = stat.st_dev, stat.st_ino
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            if not self.is_kept:
+                path.unlink(missing_ok=True)
             raise
         self._fd = fd
         self.view = memoryview(self._mmap)
@@ -92,8 +99,8 @@ class Arena:
     def slice(self, offset: int, num_bytes: int) -> memoryview:
         return self.view[offset : offset + num_bytes]
 
-    def close(self) -> None:
-        """Unmap and remove the arena file."""
+    def close(self, *, remove: bool = False) -> None:
+        """Unmap the arena; with ``remove``, delete its file too."""
         if self._fd < 0:
             return
         self.view.release()
@@ -101,7 +108,8 @@ class Arena:
             self._mmap.close()
         os.close(self._fd)
         self._fd = -1
-        self.path.unlink(missing_ok=True)
+        if remove:
+            self.path.unlink(missing_ok=True)
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -11,6 +11,8 @@
 - COMMITTED: visible, atomically, with its checksum.  Readers pin it under a lease;
   eviction skips pinned blocks.
 - REMOVED: gone from the index; its memory returns to the allocator when ``num_pins`` is 0.
+- An evicted block may first be copied out to a lower tier (``BlockStore.spill``), before
+  its memory returns to the allocator.
 - FAILED: an aborted write; its memory returned at once (nobody could have pinned it).
 """
 
@@ -35,6 +37,7 @@ class Block:
     state: BlockState = BlockState.RESERVED
     checksum: int = 0
     num_pins: int = 0
+    num_reads: int = 0  # pins since it was committed (the admission policy's evidence)
 
     @property
     def is_readable(self) -> bool:

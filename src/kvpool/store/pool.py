@@ -1,7 +1,9 @@
 """The block store: index, two-phase writes, pins under leases, and eviction.
 
-The store is synchronous, owns no I/O and is touched from one thread (the daemon's event
-loop).  It manages offsets into the arena; it never touches the bytes.
+The store is synchronous and touched from one thread (the daemon's event loop).  It
+manages offsets into the arena; it never touches the bytes.  Its only I/O is the journal
+(:mod:`kvpool.store.journal`, small appends to a file on tmpfs) that lets a restarted
+daemon adopt the blocks of a surviving arena.
 
 Rules (each has a test in tests/store/test_pool.py):
 1. ``reserve`` allocates; the key is *pending* (lookups report it, reads never see it).
@@ -17,27 +19,39 @@ Rules (each has a test in tests/store/test_pool.py):
    allocation fails, and down to the low watermark once usage passes the high watermark.
 7. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
    overwritten (a key names its content).
+8. A reservation the node makes for itself (``held``: a promotion from a lower tier) has no
+   lease: it always ends in ``commit`` or ``abort``, once the copy into it is done.
+9. An evicted block is offered to the lower tier (``spill``), which copies it out or
+   refuses, before its memory is freed: eviction never waits for a lower tier.
+10. The journal hears every commit before it is acknowledged and every removal before the
+    memory can be handed out again; a store built on a replayed journal adopts its blocks.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
+from typing import Protocol
 
 from kvpool.errors import BadRequest, LeaseExpired, Status
-from kvpool.keys import namespace_of
-from kvpool.protocol.messages import NamespaceStats
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
 from kvpool.store.block import Block, BlockState, Pin, Reservation
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
+from kvpool.store.journal import Entry, Journal, NoJournal
+from kvpool.store.namespaces import NamespaceTable
 from kvpool.timing import LeasePolicy
 
-# Namespaces tracked one by one (each is a row in STATS and /metrics); past this, together.
-MAX_NAMESPACES = 1024
-OTHER_NAMESPACE = b"\xff" * 16
+
+class SpillTarget(Protocol):
+    """A lower tier that evicted blocks can be handed to."""
+
+    def offer(self, block: Block) -> bool:
+        """Copy the block out now (its memory is freed when this returns), or refuse."""
+
 
 Clock = Callable[[], float]
 
@@ -53,6 +67,8 @@ class StoreCounters:
     expired_reservations: int = 0
     expired_pins: int = 0
     corrupt_reports: int = 0
+    spilled: int = 0  # evicted blocks a lower tier took
+    adopted: int = 0  # blocks found in a surviving arena at start
 
 
 @dataclass(slots=True)
@@ -96,6 +112,8 @@ class BlockStore:
         high_watermark: float = 0.95,
         low_watermark: float = 0.90,
         leases: LeasePolicy | None = None,
+        journal: Journal | NoJournal | None = None,
+        spill: SpillTarget | None = None,
         clock: Clock = time.monotonic,
     ):
         self.allocator = allocator or SegregatedFitAllocator(capacity)
@@ -106,7 +124,7 @@ class BlockStore:
         self.leases = leases or LeasePolicy()
         self.clock = clock
         self.counters = StoreCounters()
-        self.namespaces: dict[bytes, NamespaceStats] = {}
+        self.namespaces = NamespaceTable()
         self.on_change: Callable[[], None] | None = None
         self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
         self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
@@ -118,14 +136,45 @@ class BlockStore:
         self.reserved_bytes = 0
         self.committed_bytes = 0
         self.num_committed = 0
+        self.journal = journal or NoJournal()
+        self.spill = spill
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Take over the blocks a replayed journal describes (a warm restart)."""
+        replayed = self.journal.replayed
+        entries = [e for e in replayed.entries if pages(e.size) * 4096 <= self.capacity]
+        taken = self.allocator.adopt([(e.offset, e.size) for e in entries])
+        dropped = []
+        for entry, ok in zip(entries, taken, strict=True):
+            if not ok:
+                dropped.append(entry.key)
+                continue
+            block = Block(entry.key, entry.offset, entry.size, BlockState.COMMITTED, entry.checksum)
+            self._index[block.key] = block
+            self._insert_committed(block)
+        for namespace_id, label in replayed.labels.items():
+            self.describe(namespace_id, label, journal=False)
+        self.counters.adopted = self.num_committed
+        self.counters.puts = 0
+        self.namespaces.reset_puts()
+        if dropped:
+            self.journal.removed(dropped)
 
     # -- writes ---------------------------------------------------------------------------
 
     def reserve(
-        self, keys: Sequence[bytes], sizes: Sequence[int], owner: int, lease_s: float = 0.0
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        owner: int,
+        lease_s: float = 0.0,
+        *,
+        held: bool = False,
     ) -> ReserveResult:
         """Allocate space for the keys that are neither stored nor pending, for at most the
-        policy's reservation lease (``lease_s`` 0: exactly that)."""
+        policy's reservation lease (``lease_s`` 0: exactly that; ``held``: no lease, for the
+        node's own copies, which always end in commit or abort)."""
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         statuses: list[Status] = []
@@ -153,7 +202,7 @@ class BlockStore:
             self.reserved_bytes += block.size
             blocks[i] = block
         reservation_id = 0
-        granted = self.leases.reserve(lease_s)
+        granted = math.inf if held else self.leases.reserve(lease_s)
         if any(b is not None for b in blocks):
             reservation_id = next(self._ids)
             deadline = self.clock() + granted
@@ -186,7 +235,10 @@ class BlockStore:
                 self._commit(block, checksum)
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
+        self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
         self._evict_past_high_watermark()
+        if self.journal.needs_compaction(self.num_committed):
+            self.journal.compact(self._entries_oldest_first(), self.namespaces.labels())
         self._changed()
         return result
 
@@ -203,15 +255,15 @@ class BlockStore:
     def _commit(self, block: Block, checksum: int) -> None:
         block.state = BlockState.COMMITTED
         block.checksum = checksum
-        self._committed[block.key] = block
         self.reserved_bytes -= block.size
+        self._insert_committed(block)
+
+    def _insert_committed(self, block: Block) -> None:
+        self._committed[block.key] = block
         self.committed_bytes += block.size
         self.num_committed += 1
         self.eviction.touch(block.key)
-        usage = self._usage(block.key)
-        usage.num_blocks += 1
-        usage.used_bytes += block.size
-        usage.puts += 1
+        self.namespaces.added(block.key, block.size)
         self.counters.puts += 1
 
     def _fail(self, block: Block) -> None:
@@ -259,11 +311,7 @@ class BlockStore:
         that waited, counted once at its end)."""
         self.counters.lookup_hits += num_prefix
         self.counters.lookup_misses += len(keys) - num_prefix
-        # Only namespaces the node already knows: a lookup must not grow the table.
-        usage = self.namespaces.get(namespace_of(keys[0])) if keys else None
-        if usage is not None:
-            usage.hits += num_prefix
-            usage.misses += len(keys) - num_prefix
+        self.namespaces.looked_up(keys, num_prefix)
 
     def pin(
         self, keys: Sequence[bytes], owner: int, lease_s: float = 0.0, *, prefix: bool = False
@@ -279,6 +327,7 @@ class BlockStore:
                 found.append(None)
                 continue
             block.num_pins += 1
+            block.num_reads += 1
             self.eviction.touch(key)
             found.append(block)
             pinned.append(block)
@@ -331,21 +380,19 @@ class BlockStore:
         self.counters.corrupt_reports += len(keys)
         return self.delete(keys)
 
-    def _remove(self, block: Block) -> None:
+    def _remove(self, block: Block, *, evicted: bool = False) -> None:
         del self._index[block.key]
         del self._committed[block.key]
         self.eviction.remove(block.key)
+        self.journal.removed([block.key])  # before the memory can be handed out again
         block.state = BlockState.REMOVED
+        if evicted:
+            self.counters.evictions += 1
+            if self.spill is not None and self.spill.offer(block):
+                self.counters.spilled += 1
         self.committed_bytes -= block.size
         self.num_committed -= 1
-        ns = namespace_of(block.key)
-        if ns not in self.namespaces:
-            ns = OTHER_NAMESPACE
-        usage = self.namespaces[ns]
-        usage.num_blocks -= 1
-        usage.used_bytes -= block.size
-        if not usage.num_blocks and not usage.label:
-            del self.namespaces[ns]  # nothing left to report
+        self.namespaces.removed(block.key, block.size)
         if block.num_pins == 0:
             self.allocator.free(block.offset)
 
@@ -369,8 +416,7 @@ class BlockStore:
             block = self._index.get(key)
             if block is None or not block.is_evictable:
                 continue
-            self._remove(block)
-            self.counters.evictions += 1
+            self._remove(block, evicted=True)
             offset = self.allocator.allocate(num_bytes)
             if offset is not None:
                 return offset
@@ -385,8 +431,7 @@ class BlockStore:
                 break
             block = self._index.get(key)
             if block is not None and block.is_evictable:
-                self._remove(block)
-                self.counters.evictions += 1
+                self._remove(block, evicted=True)
 
     # -- leases and owners ----------------------------------------------------------------
 
@@ -412,12 +457,20 @@ class BlockStore:
 
     # -- introspection --------------------------------------------------------------------
 
-    def describe(self, namespace_id: bytes, label: str) -> None:
-        usage = self.namespaces.get(namespace_id)
-        if usage is None and len(self.namespaces) < MAX_NAMESPACES:
-            usage = self.namespaces[namespace_id] = NamespaceStats(namespace_id=namespace_id.hex())
-        if usage is not None:
-            usage.label = label
+    def describe(self, namespace_id: bytes, label: str, *, journal: bool = True) -> None:
+        if self.namespaces.label(namespace_id, label) and journal:
+            self.journal.labelled(namespace_id, label)
+
+    def _entries_oldest_first(self) -> Iterator[Entry]:
+        seen = set()
+        for key in self.eviction.victims():
+            block = self._committed.get(key)
+            if block is not None:
+                seen.add(key)
+                yield Entry(block.key, block.offset, block.size, block.checksum)
+        for key, block in self._committed.items():  # whatever the policy does not order
+            if key not in seen:
+                yield Entry(block.key, block.offset, block.size, block.checksum)
 
     @property
     def num_pinned(self) -> int:
@@ -429,19 +482,6 @@ class BlockStore:
 
     def __len__(self) -> int:
         return self.num_committed
-
-    def _usage(self, key: bytes) -> NamespaceStats:
-        ns = namespace_of(key)
-        usage = self.namespaces.get(ns)
-        if usage is None:
-            if len(self.namespaces) >= MAX_NAMESPACES:
-                ns = OTHER_NAMESPACE  # past the cap, the rest are counted together
-                usage = self.namespaces.get(ns)
-            if usage is None:
-                usage = self.namespaces[ns] = NamespaceStats(namespace_id=ns.hex())
-                if ns == OTHER_NAMESPACE:
-                    usage.label = "(other namespaces)"
-        return usage
 
     def _changed(self) -> None:
         if self.on_change is not None:

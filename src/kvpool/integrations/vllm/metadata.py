@@ -36,6 +36,10 @@ _SUMS = (
     "lookups",
     "lookup_blocks",
     "hit_blocks",
+    "hit_blocks_dram",
+    "hit_blocks_disk",
+    "hit_blocks_object",
+    "hit_blocks_remote",
     "loads",
     "loaded_blocks",
     "load_errors",
@@ -92,6 +96,9 @@ class KVPoolStats(KVConnectorStats):
             if d.get("lookup_blocks")
             else 0.0,
         }
+        for tier in ("dram", "disk", "object", "remote"):
+            if d.get(f"hit_blocks_{tier}"):
+                out[f"hit_blocks_{tier}"] = int(d[f"hit_blocks_{tier}"])
         for kind in ("load", "save"):
             count = d.get(f"{kind}s", 0)
             if count:
@@ -109,6 +116,13 @@ class KVPoolStats(KVConnectorStats):
             f"saved={r['blocks_saved']}",
             f"hit rate={100 * r['hit_rate']:.1f}%",
         ]
+        by_tier = [
+            f"{tier}={r[f'hit_blocks_{tier}']}"
+            for tier in ("dram", "disk", "object", "remote")
+            if f"hit_blocks_{tier}" in r
+        ]
+        if by_tier:
+            parts.append(f"loadable hits by tier: {' '.join(by_tier)}")
         for kind in ("load", "save"):
             if f"{kind}_avg_ms" in r:
                 parts.append(
@@ -140,6 +154,18 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
         ),
         "lookup_blocks": ("vllm:kvpool_lookup_blocks", "Prompt blocks looked up in kvpool."),
         "hit_blocks": ("vllm:kvpool_hit_blocks", "Prompt blocks found in kvpool."),
+        "hit_blocks_dram": (
+            "vllm:kvpool_hit_blocks_dram",
+            "Blocks past the engine's own cache found in the node's DRAM.",
+        ),
+        "hit_blocks_disk": (
+            "vllm:kvpool_hit_blocks_disk",
+            "Blocks past the engine's own cache found on the node's disk tier.",
+        ),
+        "hit_blocks_remote": (
+            "vllm:kvpool_hit_blocks_remote",
+            "Blocks past the engine's own cache found on other nodes.",
+        ),
         "skipped_unhealthy": (
             "vllm:kvpool_skipped_unhealthy",
             "Lookups and saves skipped while kvpool was unhealthy.",

@@ -31,6 +31,7 @@ from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
 from kvpool.errors import KVPoolError
 from kvpool.keys import Namespace
+from kvpool.stats import TIER_NAMES
 
 from .config import ConnectorConfig
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
@@ -46,6 +47,7 @@ class _Match:
     num_pool_blocks: int  # leading prompt blocks found in the pool (or known to be)
     num_lookup_blocks: int = 0  # prompt blocks looked up (0: no lookup was made)
     lookup_s: float = 0.0
+    tiers: bytes = b""  # where each block of the pool's prefix lives (TIER_*)
 
 
 @dataclass
@@ -99,16 +101,19 @@ class KVPoolScheduler:
     def _probe(self) -> None:
         self.client.health(timeout=self.config.lookup_timeout_s)
 
-    def _lookup(self, hashes: list[bytes]) -> tuple[int, bool]:
-        """Leading blocks every rank has, and whether a rank is still writing the next."""
-        num_prefix, pending = len(hashes), False
+    def _lookup(self, hashes: list[bytes]) -> tuple[int, bool, bytes]:
+        """Leading blocks every rank has, whether a rank is still writing the next, and the
+        tier of each leading block (in the rank that holds the fewest)."""
+        num_prefix, pending, tiers = len(hashes), False, b""
         for ns in self.namespaces:
             state = self.client.lookup_state(ns.keys(hashes), timeout=self.config.lookup_timeout_s)
+            if state.num_prefix < num_prefix or not tiers:
+                tiers = state.tiers[: min(num_prefix, state.num_prefix)]
             if state.num_prefix < num_prefix:
                 num_prefix, pending = state.num_prefix, state.is_next_pending
             elif state.num_prefix == num_prefix:
                 pending = pending or state.is_next_pending
-        return num_prefix, pending
+        return num_prefix, pending, tiers[:num_prefix]
 
     # -- connector hooks ------------------------------------------------------------------
 
@@ -131,7 +136,7 @@ class KVPoolScheduler:
         state = self._requests.get(request.request_id)
         started = time.perf_counter()
         try:
-            num_pool, pending = self._lookup(list(request.block_hashes[:num_blocks]))
+            num_pool, pending, tiers = self._lookup(list(request.block_hashes[:num_blocks]))
         except Exception as exc:  # whatever the pool does, the engine recomputes
             if not isinstance(exc, KVPoolError):
                 log.exception("kvpool lookup failed")
@@ -139,7 +144,7 @@ class KVPoolScheduler:
             return 0, False
         self.health.report_call()
         self._matches[request.request_id] = _Match(
-            num_local_blocks, num_pool, num_blocks, time.perf_counter() - started
+            num_local_blocks, num_pool, num_blocks, time.perf_counter() - started, tiers
         )
         if not self.can_load or (state is not None and state.load_failed):
             return 0, False
@@ -166,6 +171,11 @@ class KVPoolScheduler:
             self._record("lookups")
             self._record("lookup_blocks", match.num_lookup_blocks)
             self._record("hit_blocks", match.num_pool_blocks)
+            # Past the engine's own hit: the blocks this request may load, by tier.
+            for tier, name in TIER_NAMES.items():
+                loadable = match.tiers[match.num_local_blocks :].count(tier)
+                if loadable:
+                    self._record(f"hit_blocks_{name}", loadable)
             self._observe("lookup", match.lookup_s)
         elif not self.health.is_healthy:
             self._record("skipped_unhealthy")

@@ -1,0 +1,221 @@
+"""The local disk tier: throughput beside the file system's own, and a vLLM multi-turn chat
+whose working set is four times the DRAM arena.
+
+1. ``throughput``: the disk tier's write-back (``DiskTier.write``, what the writer thread
+   runs) and reads (``DiskTier.read_into`` with its verification, what a promotion runs) of
+   the same bytes as a plain sequential file write and read in one Python thread on the
+   same file system, through the page cache, alternating over several rounds.
+2. ``vllm``: the demo's chat workload, sized so that its history is about four times the
+   node's arena, on three engines one after the other: no pool, the pool without a disk
+   tier, the pool with one.  Reports median TTFT, the pool's hit rate, and the share of
+   the blocks saved in earlier turns that were loaded (or found in the engine's own cache)
+   instead of recomputed.
+
+    .venv/bin/python -m benchmarks.disk_tier [throughput|vllm|all] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvpool.demo.process import NodeProcess
+from kvpool.store.disk import DiskTier
+
+TOTAL_BYTES = 1 << 30
+ROUNDS = 3
+
+
+def _blocks(block_bytes: int) -> list[tuple[bytes, memoryview, int]]:
+    rng = np.random.default_rng(block_bytes)
+    out = []
+    for i in range(TOTAL_BYTES // block_bytes):
+        data = memoryview(rng.integers(0, 256, block_bytes, dtype=np.uint8).tobytes())
+        out.append((b"k" * 16 + i.to_bytes(8, "little"), data, xxhash.xxh3_64_intdigest(data)))
+    return out
+
+
+def _plain(directory: Path, blocks: list[tuple[bytes, memoryview, int]]) -> tuple[float, float]:
+    """Seconds to write the blocks to one file sequentially, and to read them back."""
+    path = directory / "plain.bin"
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _, data, _ in blocks:
+            f.write(data)
+    written = time.perf_counter() - started
+    buffer = memoryview(bytearray(len(blocks[0][1])))
+    started = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        for _ in blocks:
+            f.readinto(buffer)
+    read = time.perf_counter() - started
+    path.unlink()
+    return written, read
+
+
+def _tier(directory: Path, blocks: list[tuple[bytes, memoryview, int]]) -> tuple[float, float]:
+    tier_dir = directory / "tier"
+    disk = DiskTier(tier_dir, 2 * TOTAL_BYTES + (1 << 30))
+    started = time.perf_counter()
+    for start in range(0, len(blocks), max(1, (64 << 20) // len(blocks[0][1]))):
+        disk.write(blocks[start : start + max(1, (64 << 20) // len(blocks[0][1]))])
+    written = time.perf_counter() - started
+    buffer = memoryview(bytearray(len(blocks[0][1])))
+    started = time.perf_counter()
+    for key, _, _ in blocks:
+        if disk.read_into(key, buffer) is None:
+            raise RuntimeError("a block did not read back")
+    read = time.perf_counter() - started
+    disk.close()
+    shutil.rmtree(tier_dir)
+    return written, read
+
+
+def throughput(directory: str | None = None) -> list[dict[str, Any]]:
+    base = Path(tempfile.mkdtemp(prefix="kvpool-disk-bench-", dir=directory))
+    results = []
+    try:
+        for block_bytes in (512 << 10, 2 << 20):
+            blocks = _blocks(block_bytes)
+            runs: dict[str, list[float]] = {
+                k: [] for k in ("plain_w", "plain_r", "tier_w", "tier_r")
+            }
+            for round_ in range(ROUNDS):
+                order = (_plain, _tier) if round_ % 2 == 0 else (_tier, _plain)
+                for fn in order:
+                    w, r = fn(base, blocks)
+                    prefix = "plain" if fn is _plain else "tier"
+                    runs[f"{prefix}_w"].append(TOTAL_BYTES / w / 1e9)
+                    runs[f"{prefix}_r"].append(TOTAL_BYTES / r / 1e9)
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            results.append(
+                {
+                    "block_bytes": block_bytes,
+                    "write_gbps": round(med["tier_w"], 2),
+                    "write_ceiling_gbps": round(med["plain_w"], 2),
+                    "write_ratio": round(med["tier_w"] / med["plain_w"], 2),
+                    "read_gbps": round(med["tier_r"], 2),
+                    "read_ceiling_gbps": round(med["plain_r"], 2),
+                    "read_ratio": round(med["tier_r"] / med["plain_r"], 2),
+                    "file_system": _fs_of(base),
+                }
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return results
+
+
+def _fs_of(path: Path) -> str:
+    best = ("", "?")
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, mount, fs = line.split()[:3]
+            if str(path).startswith(mount) and len(mount) > len(best[0]):
+                best = (mount, fs)
+    return best[1]
+
+
+# -- vLLM -----------------------------------------------------------------------------------
+
+
+def _reused_share(turns: list[dict[str, Any]], block: int) -> float:
+    """Of the full blocks each prompt shares with its conversation's previous prompt (saved
+    then), the share the engine did not recompute (loaded, or in its own cache)."""
+    previous: dict[int, list[int]] = {}
+    reusable = served = 0
+    for turn in turns:
+        tokens = turn["prompt_token_ids"]
+        before = previous.get(turn["conversation"])
+        if before is not None:
+            common = 0
+            for a, b in zip(before, tokens, strict=False):
+                if a != b:
+                    break
+                common += 1
+            blocks = min(common, len(tokens) - 1) // block
+            reusable += blocks
+            served += min(turn["cached_tokens"] // block, blocks)
+        previous[turn["conversation"]] = tokens
+    return served / reusable if reusable else 0.0
+
+
+def vllm(arena: str = "16MiB", disk: str = "256MiB") -> dict[str, Any]:
+    from kvpool.demo.tiny_model import build_tiny_model
+    from kvpool.demo.workload import BLOCK_SIZE, Workload, kvpool_connector, run_workload
+
+    model = str(build_tiny_model(None))
+    workload = Workload(num_conversations=12, num_turns=4)
+    run_dir = tempfile.mkdtemp(prefix="kvpool-disk-vllm-", dir="/dev/shm")
+    disk_dir = tempfile.mkdtemp(prefix="kvpool-disk-vllm-")
+    out: dict[str, Any] = {"arena": arena, "disk": disk, "conversations": 12, "turns": 4}
+    try:
+        nodes = {
+            "dram_only": NodeProcess.private("dram", arena, run_dir=run_dir),
+            "with_disk": NodeProcess.private(
+                "tiered", arena, run_dir=run_dir, extra=["--disk", disk_dir, "--disk-size", disk]
+            ),
+        }
+        for name in ("nopool", "dram_only", "with_disk"):
+            node = nodes.get(name)
+            connector = None
+            if node is not None:
+                node.start()
+                connector = kvpool_connector(node.unix_address)
+            result = run_workload(name, model, workload, connector)
+            ttfts = result.ttfts()
+            out[name] = {
+                "ttft_ms_median": round(statistics.median(ttfts), 2),
+                "ttft_ms_p90": round(sorted(ttfts)[int(0.9 * len(ttfts))], 2),
+                "pool_hit_rate": round(result.hit_rate, 4),
+                "reused_blocks_not_recomputed": round(_reused_share(result.turns, BLOCK_SIZE), 4),
+            }
+            # The history at the last turn: what the pool would hold to serve every turn.
+            last = [t["prompt_tokens"] for t in result.turns if t["turn"] == workload.num_turns - 1]
+            out["history_blocks"] = sum(n // BLOCK_SIZE for n in last)
+            if node is not None:
+                from kvpool import Client
+
+                with Client(node.unix_address) as client:
+                    out[name]["tiers"] = [
+                        {
+                            "name": t.name,
+                            "blocks": t.num_blocks,
+                            "hits": t.hits,
+                            "promotions": t.promotions,
+                        }
+                        for t in client.stats().tiers
+                    ]
+                node.stop()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", default="all", choices=["throughput", "vllm", "all"])
+    parser.add_argument("--dir", default=None, help="where the throughput files go (default: /tmp)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result: dict[str, Any] = {"machine": {"cores": os.cpu_count()}}
+    if args.what in ("throughput", "all"):
+        result["throughput"] = throughput(args.dir)
+    if args.what in ("vllm", "all"):
+        result["vllm"] = vllm()
+    sys.stdout.write(json.dumps(result, indent=None if args.json else 2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,440 @@
+"""The local disk tier: blocks evicted from DRAM, in append-only segment files.
+
+Layout (log-structured, as caches on flash are: large sequential writes, no per-block
+files, no in-place updates)::
+
+    PATH/kvpool-disk.id          the tier's identity (so that a wrong PATH is refused)
+    PATH/seg-00000001.kvs        segment files, up to ``segment_bytes`` each:
+        record*                  header (key, size, checksum, header checksum) + payload
+        [footer, trailer]        once sealed: every record's header again, in one piece
+
+- Writes append whole records to the open segment (one ``pwritev`` per batch); a full
+  segment is sealed with a footer that lists its records, so that a start reads one footer
+  per sealed segment instead of every header.  Only the open segment is scanned at start,
+  header by header, up to the first torn or garbled one.
+- Every read is verified against the block's checksum (xxh3-64, the same the DRAM tier
+  keeps): a payload torn by power loss, garbled or truncated on disk is detected, never
+  served, dropped from the index and counted.
+- Space: when the segments would pass the tier's capacity, the least recently used sealed
+  segment goes (its file is deleted, with every block in it): LRU at segment granularity,
+  which keeps writes sequential and needs no compaction.  A block read from a segment
+  makes that segment recent again.
+- The index lives in memory and is rebuilt at start from the files: a host that lost
+  /dev/shm (a reboot) finds its disk blocks again.
+
+Threads: lookups (``contains``) are cheap and may come from the event loop; reads and
+writes do blocking I/O and come from worker threads.  One lock guards the index and the
+segment table, and is never held during I/O: a writer reserves its place in the open
+segment, writes, then publishes the keys; a reader takes a reference on the segment, so
+that evicting it meanwhile defers closing its file.  There is one writer at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from kvpool.errors import ConfigError
+
+RECORD_MAGIC = b"KVDR"
+# magic, key length, flags, size, checksum (payload), written at (ns), header checksum
+RECORD = struct.Struct("<4sBBHQQQ")
+RECORD_TAIL = struct.Struct("<Q")
+FOOTER_MAGIC = b"KVDFOOT1"
+TRAILER = struct.Struct("<8sQQ")  # magic, footer offset, footer checksum
+ID_FILE = "kvpool-disk.id"
+SEGMENT_RE = re.compile(r"^seg-(\d{8})\.kvs$")
+DEFAULT_SEGMENT_BYTES = 256 << 20
+MIN_SEGMENT_BYTES = 4 << 20
+MAX_KEY_BYTES = 255
+
+
+def _header(key: bytes, size: int, checksum: int) -> bytes:
+    body = RECORD.pack(RECORD_MAGIC, len(key), 0, 0, size, checksum, time.time_ns()) + key
+    return body + RECORD_TAIL.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def header_bytes(key: bytes) -> int:
+    return RECORD.size + len(key) + RECORD_TAIL.size
+
+
+@dataclass(slots=True)
+class Location:
+    segment_id: int
+    offset: int  # of the payload
+    size: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class Segment:
+    segment_id: int
+    path: Path
+    num_bytes: int = 0
+    last_used: float = 0.0
+    sealed: bool = False
+    keys: set[bytes] = field(default_factory=set)
+    headers: list[bytes] = field(default_factory=list)  # for the footer, while open
+    readers: int = 0
+    dropped: bool = False
+
+
+@dataclass(slots=True)
+class DiskCounters:
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    written_bytes: int = 0
+    evicted_blocks: int = 0
+    evicted_segments: int = 0
+    corrupt: int = 0
+    recovered: int = 0
+    torn_records: int = 0
+
+
+class DiskTier:
+    """Blocks on local disk, found by key; see the module docstring for the rules."""
+
+    def __init__(self, path: Path, capacity: int, *, segment_bytes: int = 0):
+        self.path = Path(path)
+        self.capacity = capacity
+        self.segment_bytes = segment_bytes or max(
+            MIN_SEGMENT_BYTES, min(DEFAULT_SEGMENT_BYTES, capacity // 8)
+        )
+        if capacity < 2 * self.segment_bytes:
+            raise ConfigError(
+                f"--disk-size must be at least {2 * self.segment_bytes >> 20} MiB (two segments)"
+            )
+        self.counters = DiskCounters()
+        self._lock = threading.Lock()
+        self._index: dict[bytes, Location] = {}
+        self._segments: dict[int, Segment] = {}
+        self._open: Segment | None = None
+        self._fds: dict[int, int] = {}
+        self._clock = itertools.count(1)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._check_identity()
+        self._recover()
+
+    # -- start ----------------------------------------------------------------------------
+
+    def _check_identity(self) -> None:
+        marker = self.path / ID_FILE
+        try:
+            marker.read_text()
+        except FileNotFoundError:
+            if any(SEGMENT_RE.match(p.name) for p in self.path.iterdir()):
+                raise ConfigError(f"{self.path} holds segments but no {ID_FILE}") from None
+            marker.write_text(secrets.token_hex(16) + "\n")
+
+    def _recover(self) -> None:
+        for entry in sorted(self.path.iterdir()):
+            match = SEGMENT_RE.match(entry.name)
+            if match is None:
+                continue
+            segment = Segment(int(match.group(1)), entry)
+            segment.num_bytes = entry.stat().st_size
+            segment.last_used = next(self._clock)
+            self._segments[segment.segment_id] = segment
+            records = self._read_footer(segment)
+            if records is None:
+                records = self._scan(segment)
+            else:
+                segment.sealed = True
+            for key, location in records:
+                self._place(key, location, segment)
+        # Appends go to a new segment: the last one may end in a torn record.
+        for segment in self._segments.values():
+            segment.sealed = True
+        self.counters.recovered = len(self._index)
+        with self._lock:
+            self._make_room(0)
+
+    def _read_footer(self, segment: Segment) -> list[tuple[bytes, Location]] | None:
+        if segment.num_bytes < TRAILER.size:
+            return None
+        with open(segment.path, "rb") as f:
+            f.seek(segment.num_bytes - TRAILER.size)
+            magic, footer_at, footer_checksum = TRAILER.unpack(f.read(TRAILER.size))
+            if magic != FOOTER_MAGIC or not 0 <= footer_at < segment.num_bytes:
+                return None
+            f.seek(footer_at)
+            footer = f.read(segment.num_bytes - TRAILER.size - footer_at)
+        if xxhash.xxh3_64_intdigest(footer) != footer_checksum:
+            return None
+        records = []
+        position = 0
+        while position < len(footer):
+            parsed = self._parse_header(footer, position)
+            if parsed is None:
+                return None
+            key, size, checksum, end, payload_at = parsed
+            records.append((key, Location(segment.segment_id, payload_at, size, checksum)))
+            position = end
+        return records
+
+    @staticmethod
+    def _parse_header(data: bytes, position: int) -> tuple[bytes, int, int, int, int] | None:
+        """(key, size, checksum, end of this entry in ``data``, payload offset in the file)
+        of a footer entry, which is a record header followed by its payload's offset."""
+        if position + RECORD.size > len(data):
+            return None
+        magic, key_len, _, _, size, checksum, _ = RECORD.unpack_from(data, position)
+        end = position + RECORD.size + key_len
+        if magic != RECORD_MAGIC or end + RECORD_TAIL.size + 8 > len(data):
+            return None
+        (expected,) = RECORD_TAIL.unpack_from(data, end)
+        if xxhash.xxh3_64_intdigest(data[position:end]) != expected:
+            return None
+        (payload_at,) = struct.unpack_from("<Q", data, end + RECORD_TAIL.size)
+        key = data[position + RECORD.size : end]
+        return key, size, checksum, end + RECORD_TAIL.size + 8, payload_at
+
+    def _scan(self, segment: Segment) -> list[tuple[bytes, Location]]:
+        """The records of an unsealed segment, header by header, up to the first that is
+        torn or garbled (what a crash or power loss left at the tail)."""
+        records = []
+        position = 0
+        with open(segment.path, "rb") as f:
+            while position + RECORD.size <= segment.num_bytes:
+                f.seek(position)
+                head = f.read(RECORD.size + MAX_KEY_BYTES + RECORD_TAIL.size)
+                magic, key_len, _, _, size, checksum, _ = RECORD.unpack_from(head)
+                end = RECORD.size + key_len
+                if magic != RECORD_MAGIC or end + RECORD_TAIL.size > len(head):
+                    break
+                (expected,) = RECORD_TAIL.unpack_from(head, end)
+                if xxhash.xxh3_64_intdigest(head[:end]) != expected:
+                    break
+                payload_at = position + end + RECORD_TAIL.size
+                if payload_at + size > segment.num_bytes:
+                    break  # the payload was cut short
+                records.append(
+                    (
+                        head[RECORD.size : end],
+                        Location(segment.segment_id, payload_at, size, checksum),
+                    )
+                )
+                position = payload_at + size
+        if position < segment.num_bytes:
+            self.counters.torn_records += 1
+        return records
+
+    def _place(self, key: bytes, location: Location, segment: Segment) -> None:
+        old = self._index.get(key)
+        if old is not None:
+            previous = self._segments.get(old.segment_id)
+            if previous is not None:
+                previous.keys.discard(key)
+        self._index[key] = location
+        segment.keys.add(key)
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def location(self, key: bytes) -> Location | None:
+        with self._lock:
+            return self._index.get(key)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(s.num_bytes for s in self._segments.values())
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def write(self, blocks: Sequence[tuple[bytes, memoryview, int]]) -> int:
+        """Append ``(key, bytes, checksum)`` blocks as records; returns how many were
+        written (all but those larger than a segment).  One ``pwritev`` per segment
+        touched: large sequential writes.  The keys become visible once their bytes are
+        written.  One writer at a time."""
+        written = 0
+        batch: list[tuple[bytes, memoryview, int]] = []
+        room = self._open.num_bytes if self._open is not None else self.segment_bytes
+        for key, data, checksum in blocks:
+            need = header_bytes(key) + len(data)
+            if len(key) > MAX_KEY_BYTES or need > self.segment_bytes:
+                continue
+            if room + need > self.segment_bytes:
+                written += self._append(batch)
+                batch = []
+                self._roll()
+                room = 0
+            batch.append((key, data, checksum))
+            room += need
+        return written + self._append(batch)
+
+    def _append(self, blocks: list[tuple[bytes, memoryview, int]]) -> int:
+        segment = self._open
+        if not blocks or segment is None:
+            return 0
+        parts: list[bytes | memoryview] = []
+        start = position = segment.num_bytes
+        placed = []
+        headers = []
+        for key, data, checksum in blocks:
+            header = _header(key, len(data), checksum)
+            parts += [header, data]
+            payload_at = position + len(header)
+            placed.append((key, Location(segment.segment_id, payload_at, len(data), checksum)))
+            headers.append(header + struct.pack("<Q", payload_at))
+            position = payload_at + len(data)
+        with self._lock:
+            fd = self._fd(segment.segment_id)
+        _pwritev_all(fd, parts, start)
+        with self._lock:
+            segment.num_bytes = position
+            segment.headers += headers
+            segment.last_used = next(self._clock)
+            if not segment.dropped:
+                for key, location in placed:
+                    self._place(key, location, segment)
+            self.counters.writes += len(blocks)
+            self.counters.written_bytes += position - start
+        return len(blocks)
+
+    def _roll(self) -> None:
+        """Seal the open segment and open a new one, making room for it first."""
+        if self._open is not None:
+            self._seal(self._open)
+        with self._lock:
+            self._make_room(self.segment_bytes)
+            segment_id = max(self._segments, default=0) + 1
+            path = self.path / f"seg-{segment_id:08d}.kvs"
+            self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
+            segment = Segment(segment_id, path, last_used=next(self._clock))
+            self._segments[segment_id] = segment
+            self._open = segment
+
+    def _seal(self, segment: Segment) -> None:
+        with self._lock:
+            footer = b"".join(segment.headers)
+            fd = self._fd(segment.segment_id)
+            at = segment.num_bytes
+        trailer = TRAILER.pack(FOOTER_MAGIC, at, xxhash.xxh3_64_intdigest(footer))
+        _pwritev_all(fd, [footer, trailer], at)
+        with self._lock:
+            segment.num_bytes += len(footer) + len(trailer)
+            segment.sealed = True
+            segment.headers = []
+            if self._open is segment:
+                self._open = None
+
+    def _make_room(self, num_bytes: int) -> None:
+        """Delete least recently used sealed segments until ``num_bytes`` more fit."""
+        while sum(s.num_bytes for s in self._segments.values()) + num_bytes > self.capacity:
+            victims = [s for s in self._segments.values() if s.sealed and s is not self._open]
+            if not victims:
+                return
+            victim = min(victims, key=lambda s: s.last_used)
+            self._drop_segment(victim)
+
+    def _drop_segment(self, segment: Segment) -> None:
+        for key in segment.keys:
+            location = self._index.get(key)
+            if location is not None and location.segment_id == segment.segment_id:
+                del self._index[key]
+                self.counters.evicted_blocks += 1
+        self.counters.evicted_segments += 1
+        segment.dropped = True
+        segment.path.unlink(missing_ok=True)
+        del self._segments[segment.segment_id]
+        if not segment.readers:
+            self._close_fd(segment.segment_id)
+
+    def _close_fd(self, segment_id: int) -> None:
+        fd = self._fds.pop(segment_id, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _fd(self, segment_id: int) -> int:
+        fd = self._fds.get(segment_id)
+        if fd is None:
+            fd = self._fds[segment_id] = os.open(self._segments[segment_id].path, os.O_RDWR)
+        return fd
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def read_into(self, key: bytes, dst: memoryview) -> int | None:
+        """Read the block into ``dst`` (at least its size) and verify it: its checksum, or
+        ``None`` if it is not on disk, could not be read whole, or failed verification
+        (then it is dropped and counted as corrupt)."""
+        with self._lock:
+            location = self._index.get(key)
+            if location is None or len(dst) < location.size:
+                self.counters.misses += 1
+                return None
+            segment = self._segments[location.segment_id]
+            segment.last_used = next(self._clock)
+            segment.readers += 1
+            fd = self._fd(location.segment_id)
+        target = dst[: location.size]
+        try:
+            num_read = os.preadv(fd, [target], location.offset)
+        except OSError:
+            num_read = -1
+        finally:
+            with self._lock:
+                segment.readers -= 1
+                if segment.dropped and not segment.readers:
+                    self._close_fd(segment.segment_id)
+        if num_read == location.size and xxhash.xxh3_64_intdigest(target) == location.checksum:
+            with self._lock:
+                self.counters.hits += 1
+            return location.checksum
+        with self._lock:
+            self.counters.corrupt += 1
+            if self._index.get(key) == location:
+                del self._index[key]
+                segment.keys.discard(key)
+        return None
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Forget these blocks (their space returns when their segment goes)."""
+        with self._lock:
+            num = 0
+            for key in keys:
+                location = self._index.pop(key, None)
+                if location is not None:
+                    num += 1
+                    segment = self._segments.get(location.segment_id)
+                    if segment is not None:
+                        segment.keys.discard(key)
+            return num
+
+    def close(self) -> None:
+        """Seal the open segment (a clean start reads its footer) and close the files."""
+        if self._open is not None:
+            self._seal(self._open)
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _pwritev_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        written = os.pwritev(fd, views[:512], offset)
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]

@@ -1,0 +1,236 @@
+"""The block journal: what lets the DRAM tier outlive its own process.
+
+The arena is a file under /dev/shm, so its bytes survive the daemon (a crash, ``kill -9``,
+the OOM killer, a SIGTERM for an upgrade).  This journal, a file beside it, says which of
+those bytes are committed blocks.  Records:
+
+- COMMIT(key, offset, size, checksum): a block became visible;
+- REMOVE(key): it left (deleted, evicted, dropped as corrupt);
+- LABEL(namespace id, label): a namespace's human-readable label (routers find namespaces
+  by it).
+
+Rules (each has a test in tests/store/test_journal.py):
+1. A COMMIT is written before the commit is acknowledged: every block a writer was told is
+   stored is in the journal.
+2. A REMOVE is written before the block's memory can be handed out again, so a block that
+   replay adopts was never overwritten by another one while the daemon ran.
+3. Reservations are never written: a block being filled when the daemon died is not
+   adopted.
+4. Every record carries its own checksum; replay stops at the first torn or garbled record
+   (the tail a crash cut short) and the journal continues from there.
+5. Replay yields the live blocks in commit order, oldest first (the LRU order to restore).
+6. When the journal holds much more than it describes, it is compacted: a snapshot of the
+   live records is written beside it and renamed over it, so a crash mid-way leaves the old
+   journal whole.
+7. The header names the arena (device, inode, size): a journal of another arena is
+   discarded at start.
+
+Writes go to tmpfs (page cache): they outlive the process at once, with no fsync; a host
+reboot loses the arena and the journal together.  Adopted blocks are verified before they
+are served like every block, by their readers, against the checksums recorded here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+FILE_MAGIC = b"KVPOOLJ1"
+FILE_HEADER_BODY = struct.Struct("<8sQQQ")  # magic, dev, ino, arena bytes
+FILE_HEADER_BYTES = FILE_HEADER_BODY.size + 8  # and the body's checksum
+RECORD_MAGIC = b"KVJR"
+RECORD = struct.Struct("<4sBBHQQQ")  # magic, kind, key length, label length, offset, size, checksum
+RECORD_CHECKSUM = struct.Struct("<Q")
+MAX_KEY_BYTES = 255
+MAX_LABEL_BYTES = 1024
+COMMIT, REMOVE, LABEL = 1, 2, 3
+# Compact when the journal holds this many times the live records (and is not tiny).
+COMPACT_RATIO = 4
+COMPACT_MIN_RECORDS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A live block as the journal recorded it."""
+
+    key: bytes
+    offset: int
+    size: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class Replay:
+    """What a journal described: live blocks (commit order), labels, and how much of the
+    file was torn off."""
+
+    entries: list[Entry]
+    labels: dict[bytes, str]
+    num_records: int = 0
+    num_torn_bytes: int = 0
+
+
+def _record(
+    kind: int, key: bytes, offset: int = 0, size: int = 0, checksum: int = 0, label: bytes = b""
+) -> bytes:
+    body = (
+        RECORD.pack(RECORD_MAGIC, kind, len(key), len(label), offset, size, checksum) + key + label
+    )
+    return body + RECORD_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _header(dev: int, ino: int, arena_bytes: int) -> bytes:
+    body = FILE_HEADER_BODY.pack(FILE_MAGIC, dev, ino, arena_bytes)
+    return body + RECORD_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _parse(data: bytes) -> Iterator[tuple[int, int, bytes, int, int, int, bytes]]:
+    """(end position, kind, key, offset, size, checksum, label) of each intact record."""
+    position = FILE_HEADER_BYTES
+    while position + RECORD.size + RECORD_CHECKSUM.size <= len(data):
+        magic, kind, key_len, label_len, offset, size, checksum = RECORD.unpack_from(data, position)
+        end = position + RECORD.size + key_len + label_len
+        if magic != RECORD_MAGIC or kind not in (COMMIT, REMOVE, LABEL) or end + 8 > len(data):
+            return
+        (expected,) = RECORD_CHECKSUM.unpack_from(data, end)
+        if xxhash.xxh3_64_intdigest(data[position:end]) != expected:
+            return
+        key = data[position + RECORD.size : position + RECORD.size + key_len]
+        label = data[position + RECORD.size + key_len : end]
+        position = end + RECORD_CHECKSUM.size
+        yield position, kind, key, offset, size, checksum, label
+
+
+class Journal:
+    """The journal of one arena: replayed at open, appended to while the daemon runs."""
+
+    def __init__(self, path: Path, dev: int, ino: int, arena_bytes: int, *, fresh: bool = False):
+        self.path = path
+        self._identity = (dev, ino, arena_bytes)
+        self.replayed = Replay([], {})
+        self.num_records = 0
+        self._valid_bytes = 0
+        Path(str(path) + ".new").unlink(missing_ok=True)  # a compaction a crash cut short
+        if not fresh:
+            self.replayed = self._replay()
+        if self._valid_bytes:
+            self._fd = os.open(path, os.O_WRONLY)
+            os.ftruncate(self._fd, self._valid_bytes)  # drop a torn tail: append after it
+            os.lseek(self._fd, 0, os.SEEK_END)
+            self.num_records = self.replayed.num_records
+        else:
+            self._fd = self._create(path)
+
+    def _create(self, path: Path) -> int:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
+        os.write(fd, _header(*self._identity))
+        return fd
+
+    def _replay(self) -> Replay:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return Replay([], {})
+        if data[:FILE_HEADER_BYTES] != _header(*self._identity):
+            return Replay([], {})  # another arena's, or a garbled header: start empty
+        live: dict[bytes, Entry] = {}
+        labels: dict[bytes, str] = {}
+        num_records = 0
+        self._valid_bytes = FILE_HEADER_BYTES
+        for end, kind, key, offset, size, checksum, label in _parse(data):
+            num_records += 1
+            self._valid_bytes = end
+            if kind == COMMIT:
+                live.pop(key, None)  # re-inserted: its commit order is the newest
+                live[key] = Entry(key, offset, size, checksum)
+            elif kind == REMOVE:
+                live.pop(key, None)
+            else:
+                labels[key] = label.decode("utf-8", "replace")
+        torn = len(data) - self._valid_bytes
+        return Replay(list(live.values()), labels, num_records, torn)
+
+    # -- appending ------------------------------------------------------------------------
+
+    def committed(self, entries: Iterable[Entry]) -> None:
+        self._write([_record(COMMIT, e.key, e.offset, e.size, e.checksum) for e in entries])
+
+    def removed(self, keys: Iterable[bytes]) -> None:
+        self._write([_record(REMOVE, key) for key in keys])
+
+    def labelled(self, namespace_id: bytes, label: str) -> None:
+        self._write([_record(LABEL, namespace_id, label=label.encode()[:MAX_LABEL_BYTES])])
+
+    def _write(self, records: list[bytes]) -> None:
+        if records:
+            _write_all(self._fd, b"".join(records))
+            self.num_records += len(records)
+
+    # -- compaction -----------------------------------------------------------------------
+
+    def needs_compaction(self, num_live: int) -> bool:
+        return self.num_records > max(COMPACT_MIN_RECORDS, COMPACT_RATIO * num_live)
+
+    def compact(self, entries: Iterable[Entry], labels: dict[bytes, str]) -> None:
+        """Replace the journal with a snapshot of ``entries`` (oldest first) and labels."""
+        new = Path(str(self.path) + ".new")
+        fd = self._create(new)
+        try:
+            records = [
+                _record(LABEL, ns, label=label.encode()[:MAX_LABEL_BYTES])
+                for ns, label in labels.items()
+            ]
+            records += [_record(COMMIT, e.key, e.offset, e.size, e.checksum) for e in entries]
+            _write_all(fd, b"".join(records))
+            os.replace(new, self.path)
+        except BaseException:
+            os.close(fd)
+            new.unlink(missing_ok=True)
+            raise
+        os.close(self._fd)
+        self._fd = fd
+        self.num_records = len(records)
+
+    def close(self, *, remove: bool = False) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class NoJournal:
+    """Memory only: nothing outlives the process (tests, and ``--fresh`` of nothing)."""
+
+    replayed = Replay([], {})
+
+    def committed(self, entries: Iterable[Entry]) -> None:
+        pass
+
+    def removed(self, keys: Iterable[bytes]) -> None:
+        pass
+
+    def labelled(self, namespace_id: bytes, label: str) -> None:
+        pass
+
+    def needs_compaction(self, num_live: int) -> bool:
+        return False
+
+    def compact(self, entries: Iterable[Entry], labels: dict[bytes, str]) -> None:
+        pass
+
+    def close(self, *, remove: bool = False) -> None:
+        pass

@@ -1,0 +1,78 @@
+"""Per-namespace statistics of a store: blocks, bytes, hits, misses and puts, and the
+human-readable label a client gave the namespace.
+
+The table is bounded: past ``MAX_NAMESPACES`` rows, further namespaces are counted together
+in one row (``(other namespaces)``), so that no client can grow it without bound; a lookup
+never adds a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvpool.keys import namespace_of
+from kvpool.stats import NamespaceStats
+
+# Namespaces tracked one by one (each is a row in STATS and /metrics); past this, together.
+MAX_NAMESPACES = 1024
+OTHER_NAMESPACE = b"\xff" * 16
+
+
+class NamespaceTable:
+    def __init__(self) -> None:
+        self.rows: dict[bytes, NamespaceStats] = {}
+
+    def __iter__(self) -> Iterator[NamespaceStats]:
+        return iter(self.rows.values())
+
+    def added(self, key: bytes, size: int) -> None:
+        usage = self._row(namespace_of(key))
+        usage.num_blocks += 1
+        usage.used_bytes += size
+        usage.puts += 1
+
+    def removed(self, key: bytes, size: int) -> None:
+        ns = namespace_of(key)
+        if ns not in self.rows:
+            ns = OTHER_NAMESPACE
+        usage = self.rows[ns]
+        usage.num_blocks -= 1
+        usage.used_bytes -= size
+        if not usage.num_blocks and not usage.label:
+            del self.rows[ns]  # nothing left to report
+
+    def looked_up(self, keys: Sequence[bytes], num_found: int) -> None:
+        # Only namespaces the node already knows: a lookup must not grow the table.
+        usage = self.rows.get(namespace_of(keys[0])) if keys else None
+        if usage is not None:
+            usage.hits += num_found
+            usage.misses += len(keys) - num_found
+
+    def label(self, namespace_id: bytes, label: str) -> bool:
+        """Set a namespace's label; whether it changed."""
+        usage = self.rows.get(namespace_id)
+        if usage is None and len(self.rows) < MAX_NAMESPACES:
+            usage = self.rows[namespace_id] = NamespaceStats(namespace_id=namespace_id.hex())
+        if usage is None or usage.label == label:
+            return False
+        usage.label = label
+        return True
+
+    def labels(self) -> dict[bytes, str]:
+        return {ns: usage.label for ns, usage in self.rows.items() if usage.label}
+
+    def reset_puts(self) -> None:
+        for usage in self.rows.values():
+            usage.puts = 0
+
+    def _row(self, ns: bytes) -> NamespaceStats:
+        usage = self.rows.get(ns)
+        if usage is None:
+            if len(self.rows) >= MAX_NAMESPACES:
+                ns = OTHER_NAMESPACE  # past the cap, the rest are counted together
+                usage = self.rows.get(ns)
+            if usage is None:
+                usage = self.rows[ns] = NamespaceStats(namespace_id=ns.hex())
+                if ns == OTHER_NAMESPACE:
+                    usage.label = "(other namespaces)"
+        return usage

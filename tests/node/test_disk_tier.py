@@ -1,0 +1,189 @@
+"""The local disk tier with a real daemon and real files: write-back on eviction, reads
+from disk, a host that lost /dev/shm, corrupted and truncated segments, a full disk."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from kvpool import Client, Status
+from kvpool.stats import TIER_DISK, TIER_DRAM
+from tests.helpers import content, key
+
+BLOCK = 256 << 10
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    return tmp_path / "disk"
+
+
+def disk_node(start_node, disk_dir, name="tiered", memory="8MiB", disk="64MiB", extra=()):
+    return start_node(
+        name=name, memory=memory, extra=["--disk", str(disk_dir), "--disk-size", disk, *extra]
+    )
+
+
+def fill(client, tag, num_blocks):
+    """Put blocks in small batches, giving the disk writer time to keep up."""
+    keys = [key(f"{tag}-{i}") for i in range(num_blocks)]
+    for start in range(0, num_blocks, 4):
+        batch = keys[start : start + 4]
+        assert client.put(batch, [content(k, BLOCK) for k in batch]).all_stored
+        time.sleep(0.01)
+    return keys
+
+
+def tier(stats, name):
+    return next(t for t in stats.tiers if t.name == name)
+
+
+def wait_written(client, expected, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        disk = tier(client.stats(), "disk")
+        if disk.writes + disk.dropped + disk.refused >= expected:
+            return disk
+        time.sleep(0.05)
+    return tier(client.stats(), "disk")
+
+
+def check_all(client, keys):
+    """Every block that is found has exactly its bytes; how many were found.  Read 8 at a
+    time, as an engine loads a request's blocks (a read is promoted into DRAM first, and a
+    read of most of a small arena at once would evict its own first blocks)."""
+    num_found = 0
+    for start in range(0, len(keys), 8):
+        batch = keys[start : start + 8]
+        got = client.get(batch)
+        for k, value in zip(batch, got.values, strict=True):
+            if value is not None:
+                assert bytes(value) == content(k, BLOCK).tobytes(), "a wrong block was served"
+        num_found += got.num_found
+    return num_found
+
+
+def test_a_working_set_larger_than_dram_is_served_from_disk(start_node, disk_dir):
+    node = disk_node(start_node, disk_dir)
+    with Client(node.unix_address, timeout=10) as client:
+        keys = fill(client, "ws", 96)  # 24 MiB through an 8 MiB arena
+        stats = client.stats()
+        assert stats.evictions > 40
+        disk = wait_written(client, stats.evictions)
+        assert disk.writes >= 0.9 * stats.evictions and disk.num_blocks == disk.writes
+        state = client.lookup_state(keys)
+        assert state.num_prefix == len(keys)  # every block is somewhere: DRAM or disk
+        assert state.num_in(TIER_DISK) >= 40 and state.num_in(TIER_DRAM) > 0
+        assert state.tiers[0] == TIER_DISK and state.tiers[-1] == TIER_DRAM  # oldest below
+        assert check_all(client, keys[:30]) == 30  # read back from disk, promoted into DRAM
+        assert tier(client.stats(), "disk").promotions >= 30
+        with Client(node.tcp_address, use_shm=False, timeout=10) as remote:
+            assert check_all(remote, keys[30:60]) == 30  # over TCP too
+        with client.acquire(keys[60:70]) as lease:  # zero-copy leases promote first as well
+            assert lease.num_prefix == 10
+            assert all(
+                bytes(v) == content(k, BLOCK).tobytes()
+                for k, v in zip(keys[60:70], lease.views, strict=True)
+            )
+
+
+def test_a_host_that_lost_dev_shm_finds_its_disk_blocks(start_node, disk_dir):
+    node = disk_node(start_node, disk_dir, name="reboot")
+    with Client(node.unix_address, timeout=10) as client:
+        keys = fill(client, "rb", 64)
+        wait_written(client, client.stats().evictions)
+        on_disk = [
+            k for k, t in zip(keys, client.lookup_state(keys).tiers, strict=True) if t == TIER_DISK
+        ]
+    assert len(on_disk) >= 20
+    node.stop()
+    arena = node.info["arena"]
+    os.unlink(arena)  # a reboot: /dev/shm is empty, the disk is not
+    os.unlink(os.path.join(os.path.dirname(arena), "index"))
+    again = disk_node(start_node, disk_dir, name="reboot")
+    assert again.info["adopted_blocks"] == 0 and again.info["disk_blocks"] >= len(on_disk)
+    with Client(again.unix_address, timeout=10) as client:
+        assert client.lookup(on_disk) == len(on_disk)
+        assert check_all(client, on_disk) == len(on_disk)
+        assert tier(client.stats(), "disk").recovered >= len(on_disk)
+
+
+def test_garbled_and_truncated_segments_are_detected_never_served(start_node, disk_dir):
+    node = disk_node(start_node, disk_dir, name="garble")
+    with Client(node.unix_address, timeout=10) as client:
+        keys = fill(client, "gb", 64)
+        wait_written(client, client.stats().evictions)
+    node.stop()
+    segments = sorted(disk_dir.glob("seg-*.kvs"))
+    assert segments
+    rng = random.Random(3)
+    for segment in segments:
+        size = segment.stat().st_size
+        with open(segment, "r+b") as f:
+            for _ in range(200):  # flip bytes all over, headers and payloads alike
+                f.seek(rng.randrange(size))
+                f.write(bytes([rng.randrange(256)]))
+    with open(segments[-1], "r+b") as f:
+        f.truncate(segments[-1].stat().st_size // 2)
+    again = disk_node(start_node, disk_dir, name="garble")
+    with Client(again.unix_address, timeout=10) as client:
+        check_all(client, keys)  # asserts every block served is exactly right
+        stats = tier(client.stats(), "disk")
+        assert stats.corrupt > 0  # found out at read time, counted, dropped
+
+
+def test_a_full_disk_evicts_its_least_recently_used_blocks(start_node, disk_dir):
+    node = disk_node(start_node, disk_dir, name="full", disk="16MiB")
+    with Client(node.unix_address, timeout=10) as client:
+        keys = fill(client, "fd", 160)  # 40 MiB through 8 MiB of DRAM and 16 MiB of disk
+        disk = wait_written(client, client.stats().evictions)
+        assert disk.evictions > 0 and disk.used_bytes <= 16 << 20
+        total = sum(f.stat().st_size for f in disk_dir.glob("seg-*.kvs"))
+        assert total <= 16 << 20
+        assert check_all(client, keys[-40:]) >= 36  # the newest are kept
+        assert check_all(client, keys[:10]) < 10  # the oldest went
+
+
+def test_tiers_show_in_status_metrics_and_drain_empties_the_disk(start_node, disk_dir):
+    node = disk_node(start_node, disk_dir, name="seen")
+    with Client(node.unix_address, timeout=10) as client:
+        fill(client, "st", 64)
+        wait_written(client, client.stats().evictions)
+    status = subprocess.run(
+        [sys.executable, "-m", "kvpool", "status", "--address", node.unix_address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    (row,) = json.loads(status.stdout)["nodes"]
+    tiers = {t["name"]: t for t in row["tiers"]}
+    assert tiers["disk"]["num_blocks"] > 0 and tiers["dram"]["capacity_bytes"] == 8 << 20
+    table = subprocess.run(
+        [sys.executable, "-m", "kvpool", "status", "--address", node.unix_address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "tiers" in table and "disk" in table and "promotions" in table
+    with urllib.request.urlopen(node.admin_url + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'kvpool_tier_blocks{node="seen",tier="disk"}' in metrics
+    assert 'kvpool_tier_writes_total{node="seen",tier="disk"}' in metrics
+    drained = subprocess.run(
+        [sys.executable, "-m", "kvpool", "drain", "--address", node.unix_address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert drained.returncode == 0, drained.stderr
+    assert node.proc.wait(30) == 0
+    assert not list(disk_dir.glob("seg-*.kvs"))
+    again = disk_node(start_node, disk_dir, name="seen")
+    assert again.info["disk_blocks"] == 0 and again.info["adopted_blocks"] == 0
+    with Client(again.unix_address) as client:
+        assert client.get([key("st-0")]).statuses == [Status.NOT_FOUND]
