@@ -16,7 +16,7 @@ LAYERS = [
     {"cluster"},
     {"client"},
     {"node"},
-    {"integrations"},
+    {"integrations", "ems"},
     {"router"},
     {"demo"},
     {"cli", "__main__", "__init__"},

@@ -267,6 +267,28 @@ def router(
     run_router(config, overrides, engine or [])
 
 
+ems_app = typer.Typer(help="The EMS-compatible SDK (kvpool.ems).", no_args_is_help=True)
+app.add_typer(ems_app, name="ems")
+
+
+@ems_app.command("install")
+def ems_install(
+    target: Annotated[str, typer.Argument(help="A directory to add to PYTHONPATH.")],
+    connector_files: Annotated[
+        str | None,
+        typer.Option(
+            help="Your copy of the guide's connector files: also install them as "
+            "vllm_ascend.distributed.ems_store, with a torch_npu stand-in (hosts without Ascend)."
+        ),
+    ] = None,
+) -> None:
+    """Write a thin `ems` package over kvpool.ems into TARGET (never over a real one)."""
+    from kvpool.ems.install import install
+
+    written = install(target, connector_files)
+    console.print(f"wrote {len(written)} files under {target}; add it to PYTHONPATH")
+
+
 def main() -> None:
     try:
         app()

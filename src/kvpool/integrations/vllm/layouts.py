@@ -12,7 +12,10 @@ matters.
 A pool block is one vLLM block across every plane of the worker, plane after plane: the
 whole batch of a save or load moves with one ``index_select`` / ``index_copy_`` over all
 planes when they are evenly spaced in one buffer (vLLM allocates them so), else one per
-plane — never a copy per block.
+plane — never a copy per block.  Planes may differ in page size (the two planes of an MLA
+layer that keeps its latent and its rotary part apart); they then move one copy per plane.
+A batch of pool blocks is a ``[n, block_elems]`` tensor (``[n, planes, page]`` is accepted
+too when the planes are alike).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _dense_page_elems(tensor: torch.Tensor) -> int | None:
     return expected
 
 
-def _plane(tensor: torch.Tensor, name: str) -> Plane:
+def dense_plane(tensor: torch.Tensor, name: str) -> Plane:
     page = _dense_page_elems(tensor)
     if page is None:
         raise ConfigError(
@@ -71,7 +74,7 @@ def _planes_of(name: str, cache: Any, num_blocks: int | None) -> list[Plane]:
     if isinstance(cache, list | tuple):
         if len(cache) != 2:
             raise ConfigError(f"unknown KV cache layout for {name}: a {len(cache)}-tuple")
-        return [_plane(cache[0], f"{name}.k"), _plane(cache[1], f"{name}.v")]
+        return [dense_plane(cache[0], f"{name}.k"), dense_plane(cache[1], f"{name}.v")]
     if not isinstance(cache, torch.Tensor) or cache.dim() < 2:
         raise ConfigError(f"unknown KV cache layout for {name}: {type(cache).__name__}")
     if (
@@ -79,8 +82,8 @@ def _planes_of(name: str, cache: Any, num_blocks: int | None) -> list[Plane]:
         and cache.dim() >= 4
         and (num_blocks is None or cache.shape[1] == num_blocks)
     ):
-        return [_plane(cache[0], f"{name}.k"), _plane(cache[1], f"{name}.v")]
-    return [_plane(cache, name)]
+        return [dense_plane(cache[0], f"{name}.k"), dense_plane(cache[1], f"{name}.v")]
+    return [dense_plane(cache, name)]
 
 
 class PagedLayout:
@@ -91,7 +94,7 @@ class PagedLayout:
             raise ConfigError("no KV cache layers registered")
         first = planes[0].view
         for plane in planes:
-            if plane.view.shape != first.shape or plane.view.dtype != first.dtype:
+            if plane.view.shape[0] != first.shape[0] or plane.view.dtype != first.dtype:
                 raise ConfigError(
                     f"KV cache planes differ: {plane.name} is {tuple(plane.view.shape)} "
                     f"{plane.view.dtype}, {planes[0].name} is {tuple(first.shape)} {first.dtype}"
@@ -104,8 +107,15 @@ class PagedLayout:
         self.device = first.device
         self.num_planes = len(planes)
         self.page_bytes = self.page_elems * first.element_size()
-        self.block_bytes = self.page_bytes * self.num_planes
-        self._combined = self._evenly_spaced()
+        self.plane_bounds: list[tuple[int, int]] = []
+        cursor = 0
+        for plane in planes:
+            self.plane_bounds.append((cursor, cursor + plane.view.shape[1]))
+            cursor += plane.view.shape[1]
+        self.block_elems = cursor
+        self.block_bytes = self.block_elems * first.element_size()
+        self.is_uniform = all(p.view.shape == first.shape for p in planes)
+        self._combined = self._evenly_spaced() if self.is_uniform else None
 
     @classmethod
     def detect(cls, kv_caches: Mapping[str, Any]) -> PagedLayout:
@@ -153,13 +163,17 @@ class PagedLayout:
     def pool_view(self, buffer: Any, num_blocks: int) -> torch.Tensor:
         """``num_blocks`` pool blocks laid out in ``buffer`` (writable) as a tensor."""
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=num_blocks * self.block_bytes)
-        return flat.view(self.dtype).view(num_blocks, self.num_planes, self.page_elems)
+        return flat.view(self.dtype).view(num_blocks, self.block_elems)
+
+    def batch(self, num_blocks: int) -> torch.Tensor:
+        """A host tensor for ``num_blocks`` pool blocks."""
+        return torch.empty(num_blocks, self.block_elems, dtype=self.dtype)
 
     def stage(self, views: Sequence[memoryview | None]) -> torch.Tensor:
         """Blocks held apart in the pool, side by side in one host tensor (so that the copy
         into the cache is still one copy); read-only views are fine."""
-        batch = torch.empty(len(views), self.num_planes, self.page_elems, dtype=self.dtype)
-        rows = batch.view(len(views), -1).view(torch.uint8).numpy()
+        batch = self.batch(len(views))
+        rows = batch.view(torch.uint8).numpy()
         for row, view in zip(rows, views, strict=True):
             if view is None or len(view) != self.block_bytes:
                 raise ValueError(
@@ -169,29 +183,36 @@ class PagedLayout:
         return batch
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` of the cache into ``out`` ([n, planes, page], host)."""
+        """Copy blocks ``block_ids`` of the cache into ``out`` (a batch, on the host)."""
+        rows = out.view(len(block_ids), self.block_elems)
         if self._combined is not None and self.device.type == "cpu":
-            torch.index_select(self._combined, 0, block_ids, out=out)
+            combined = rows.view(len(block_ids), self.num_planes, self.page_elems)
+            torch.index_select(self._combined, 0, block_ids, out=combined)
             return
         ids = block_ids.to(self.device)
         if self._combined is not None:
-            out.copy_(self._combined.index_select(0, ids))
+            rows.copy_(self._combined.index_select(0, ids).view(len(block_ids), -1))
             return
-        for p, plane in enumerate(self.planes):
-            out[:, p].copy_(plane.view.index_select(0, ids))
+        for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
+            rows[:, start:end].copy_(plane.view.index_select(0, ids))
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` ([n, planes, page], host) into blocks ``block_ids`` of the cache."""
+        """Copy ``src`` (a batch, on the host) into blocks ``block_ids`` of the cache."""
         ids = block_ids.to(self.device)
+        rows = src.view(len(block_ids), self.block_elems)
         if self._combined is not None:
-            self._combined.index_copy_(0, ids, src.to(self.device))
+            combined = rows.view(len(block_ids), self.num_planes, self.page_elems)
+            self._combined.index_copy_(0, ids, combined.to(self.device))
             return
-        for p, plane in enumerate(self.planes):
-            plane.view.index_copy_(0, ids, src[:, p].to(self.device))
+        for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
+            plane.view.index_copy_(0, ids, rows[:, start:end].to(self.device))
 
     def describe(self) -> str:
+        itemsize = self.planes[0].view.element_size()
+        sizes = ", ".join(str((end - start) * itemsize) for start, end in self.plane_bounds)
+        pages = f"{self.page_bytes} B pages" if self.is_uniform else f"pages of {sizes} B"
         return (
-            f"{self.num_planes} planes x {self.num_blocks} blocks x {self.page_bytes} B pages "
+            f"{self.num_planes} planes x {self.num_blocks} blocks x {pages} "
             f"({self.dtype}, {self.device.type}, "
             f"{'one copy per batch' if self.is_single_copy else 'one copy per plane'})"
         )

@@ -191,9 +191,7 @@ class KVPoolWorker:
                 if extent is not None:
                     layout.gather(ids, layout.pool_view(extent, len(wanted)))
                 else:
-                    batch = torch.empty(
-                        len(wanted), layout.num_planes, layout.page_elems, dtype=layout.dtype
-                    )
+                    batch = layout.batch(len(wanted))
                     layout.gather(ids, batch)
                     flat = batch.view(len(wanted), -1).view(torch.uint8)
                     for row, i in enumerate(wanted):

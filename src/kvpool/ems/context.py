@@ -1,0 +1,266 @@
+"""Context caching (``Ems.get_cc()``): the engine's paged KV cache, saved to and loaded from
+the pool by block hash.
+
+The calls and what the guide's connector relies on:
+
+- ``register_kvcache(layers)``: the paged KV cache (see :mod:`.register`).  The tensors'
+  dtype and shapes, with the engine identity of :class:`CcConfig_v1`, make the key
+  namespace: two engines share blocks exactly when their KV is compatible.
+- ``exists(hashes=, option=)``: ``.success`` is the length of the longest stored prefix.
+  It never raises and answers within ``option.timeout`` (a pool that cannot answer has
+  nothing: 0).
+- ``async_load(slot_mapping=, hashes=, offsets=, option=)`` / ``async_save(...)``: slot
+  ``block_id * block_size + i`` for each block, flattened; ``offsets[j]`` is the number of
+  slots of ``hashes[j]`` (a whole block).  Arguments that do not describe whole blocks of
+  the registered cache raise ``EMS_INVALID_ARGUMENT`` at once.  A save copies its blocks
+  out of the cache before it returns (the connector may reuse them as soon as it has).
+- ``is_ready(future)`` never raises.  ``get_result(future)``: ``.success`` is how many
+  leading blocks a load wrote (the rest are the connector's to recompute) or a save stored,
+  ``.total`` how many were asked for.  A pool that is slow or down gives a smaller
+  ``.success``, never an exception.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool.client.client import Client
+from kvpool.errors import KVPoolError, Status
+from kvpool.keys import Namespace
+
+from .cc_v1.cc_config import CcConfig_v1, KVCacheType
+from .config import CcKvOption
+from .errors import invalid
+from .register import Registered, rebuild
+
+log = logging.getLogger("kvpool.ems")
+
+IO_THREADS = 2
+MAX_BLOCKS_PER_CALL = 16384
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+@dataclass
+class CcResult:
+    success: int = 0
+    total: int = 0
+
+
+class CcFuture:
+    """A pending load or save."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, future: concurrent.futures.Future[CcResult], total: int, timeout_s: float):
+        self.id = next(self._ids)
+        self._future = future
+        self.total = total
+        self.timeout_s = timeout_s
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> CcResult:
+        try:
+            return self._future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            return CcResult(0, self.total)
+        except Exception:  # a bug in a job must not reach the engine: nothing was done
+            log.exception("kvpool EMS job failed")
+            return CcResult(0, self.total)
+
+
+class ContextCaching:
+    def __init__(self, client: Client, identity: CcConfig_v1):
+        self.client = client
+        self.identity = identity
+        # Per (write_rcache, read_local_only) of the calls' options: a client with those.
+        self._clients: dict[tuple[bool, bool], Client] = {
+            (client.config.write_rcache, client.config.read_local_only): client
+        }
+        self.registered: Registered | None = None
+        self.namespace: Namespace | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            IO_THREADS, thread_name_prefix="kvpool-ems"
+        )
+        self._lock = threading.Lock()
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register_kvcache(self, kv_caches: list[list[torch.Tensor]]) -> None:
+        registered = rebuild(kv_caches)
+        # The caller reads back the tensors it handed in: let it see the true layout.
+        for given, true in zip(kv_caches, registered.layers, strict=True):
+            if isinstance(given, list) and len(given) != len(true):
+                given[:] = true
+        layout = registered.layout
+        identity = self.identity
+        self.namespace = Namespace(
+            model=identity.model_id,
+            dtype=str(layout.dtype).removeprefix("torch."),
+            layout=f"ems/{identity.llm_engine}/{layout.device.type}",
+            num_layers=len(registered.layers),
+            is_mla=identity.kvcache_type is KVCacheType.MLA,
+            tp_size=identity.tp_world_size,
+            tp_rank=identity.rank_in_tp_group,
+            pp_size=identity.pp_world_size,
+            pp_rank=identity.rank_in_pp_group,
+            extra=f"pages={[b - a for a, b in layout.plane_bounds]} {registered.describe}",
+        )
+        self.registered = registered
+        log.info("kvpool EMS: registered %s (%s)", registered.describe, layout.describe())
+        with contextlib.suppress(KVPoolError):  # a label for status pages: never a failure
+            self.client.describe(self.namespace, timeout=1.0)
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def exists(self, hashes: Sequence[int], option: CcKvOption | None = None) -> CcResult:
+        total = len(hashes) if isinstance(hashes, Sequence) else 0
+        try:
+            if self.namespace is None or not total:
+                return CcResult(0, total)
+            keys = self._keys(hashes)
+            found = self._client(option).lookup(keys, timeout=_timeout_s(option))
+            return CcResult(found, total)
+        except Exception as exc:  # exists must never raise: the connector would claim a hit
+            log.debug("kvpool EMS exists: %s", exc)
+            return CcResult(0, total)
+
+    def async_load(
+        self,
+        slot_mapping: Sequence[int],
+        hashes: Sequence[int],
+        offsets: Sequence[int],
+        option: CcKvOption | None = None,
+    ) -> CcFuture:
+        block_ids, keys = self._plan(slot_mapping, hashes, offsets)
+        timeout = _timeout_s(option)
+        job = self._executor.submit(self._load, self._client(option), block_ids, keys, timeout)
+        return CcFuture(job, len(keys), timeout + 1.0)
+
+    def async_save(
+        self,
+        slot_mapping: Sequence[int],
+        hashes: Sequence[int],
+        offsets: Sequence[int],
+        option: CcKvOption | None = None,
+    ) -> CcFuture:
+        block_ids, keys = self._plan(slot_mapping, hashes, offsets)
+        assert self.registered is not None
+        layout = self.registered.layout
+        batch = layout.batch(len(block_ids))
+        layout.gather(torch.tensor(block_ids, dtype=torch.long), batch)  # copied out now
+        timeout = _timeout_s(option)
+        job = self._executor.submit(self._save, self._client(option), keys, batch, timeout)
+        return CcFuture(job, len(keys), timeout + 1.0)
+
+    def is_ready(self, future: Any) -> bool:
+        return not isinstance(future, CcFuture) or future.done()
+
+    def get_result(self, future: Any) -> CcResult:
+        if not isinstance(future, CcFuture):
+            raise invalid("get_result: not a future of this SDK")
+        return future.result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        for client in self._clients.values():
+            client.close()
+
+    def _client(self, option: CcKvOption | None) -> Client:
+        if option is None:
+            return self.client
+        wanted = (bool(option.write_rcache), bool(option.read_local_only))
+        with self._lock:
+            client = self._clients.get(wanted)
+            if client is None:
+                config = self.client.config.replace(
+                    write_rcache=wanted[0], read_local_only=wanted[1]
+                )
+                client = self._clients[wanted] = Client(config=config)
+            return client
+
+    # -- the work -------------------------------------------------------------------------
+
+    def _plan(
+        self, slot_mapping: Sequence[int], hashes: Sequence[int], offsets: Sequence[int]
+    ) -> tuple[list[int], list[bytes]]:
+        """Block ids and keys, or ``EMS_INVALID_ARGUMENT``."""
+        if self.registered is None:
+            raise invalid("no KV cache registered")
+        if not hashes or len(hashes) != len(offsets) or len(hashes) > MAX_BLOCKS_PER_CALL:
+            raise invalid(f"{len(hashes)} hashes for {len(offsets)} offsets")
+        block_size = offsets[0]
+        if block_size <= 0 or any(o != block_size for o in offsets):
+            raise invalid("offsets must all be the block size (whole blocks only)")
+        try:
+            slots = np.asarray(slot_mapping, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise invalid("slot_mapping is not a list of integers") from None
+        if slots.ndim != 1 or len(slots) != block_size * len(offsets):
+            raise invalid(f"slot_mapping of {len(slots)} slots for {len(offsets)} blocks")
+        grid = slots.reshape(-1, block_size)
+        block_ids = grid[:, 0] // block_size
+        expected = block_ids[:, None] * block_size + np.arange(block_size)
+        if (grid[:, 0] % block_size).any() or not np.array_equal(grid, expected):
+            raise invalid("slot_mapping does not describe whole blocks")
+        num_blocks = self.registered.layout.num_blocks
+        if (block_ids < 0).any() or (block_ids >= num_blocks).any():
+            raise invalid(f"slot_mapping names blocks outside the cache of {num_blocks}")
+        return block_ids.tolist(), self._keys(hashes)
+
+    def _keys(self, hashes: Sequence[int]) -> list[bytes]:
+        assert self.namespace is not None
+        out = []
+        for h in hashes:
+            if not isinstance(h, int) or not _INT64[0] <= h <= _INT64[1]:
+                raise invalid(f"block hash {h!r} is not a 64-bit integer")
+            out.append(h.to_bytes(8, "little", signed=True))
+        return self.namespace.keys(out)
+
+    def _load(
+        self, client: Client, block_ids: list[int], keys: list[bytes], timeout: float
+    ) -> CcResult:
+        assert self.registered is not None
+        layout = self.registered.layout
+        try:
+            with client.acquire(keys, prefix=True, timeout=timeout) as lease:
+                num = lease.num_prefix
+                if num:
+                    ids = torch.tensor(block_ids[:num], dtype=torch.long)
+                    extent = lease.extent(num)
+                    if extent is not None:
+                        layout.scatter(ids, layout.pool_view(extent, num))
+                    else:
+                        layout.scatter(ids, layout.stage(lease.views[:num]))
+            return CcResult(num, len(keys))
+        except KVPoolError as exc:
+            log.info("kvpool EMS load of %d blocks: %s", len(keys), exc)
+            return CcResult(0, len(keys))
+
+    def _save(
+        self, client: Client, keys: list[bytes], batch: torch.Tensor, timeout: float
+    ) -> CcResult:
+        rows = batch.view(torch.uint8).numpy()
+        try:
+            result = client.put(keys, list(rows), timeout=timeout)
+        except KVPoolError as exc:
+            log.info("kvpool EMS save of %d blocks: %s", len(keys), exc)
+            return CcResult(0, len(keys))
+        stored = sum(s in (Status.OK, Status.EXISTS) for s in result.statuses)
+        return CcResult(stored, len(keys))
+
+
+def _timeout_s(option: CcKvOption | None) -> float:
+    timeout_ms = option.timeout if option is not None else 5000
+    return max(float(timeout_ms), 1.0) / 1000
