@@ -139,6 +139,12 @@ def test_a_new_size_or_fresh_starts_empty_and_drain_empties(start_node, run_dir)
     with Client(bigger.unix_address) as client:
         client.put([key("s")], [b"s" * 1000])
     arena = bigger.info["arena"]
+    from kvpool.client import ops
+    from kvpool.errors import BadRequest
+
+    with Client(bigger.unix_address) as client, pytest.raises(BadRequest, match="sent to"):
+        client.local.call(lambda _: ops.shutdown("another-node", True), 5)  # nothing by chance
+    assert bigger.is_running and os.path.exists(arena)
     drained = subprocess.run(
         [sys.executable, "-m", "kvpool", "drain", "--address", bigger.unix_address],
         capture_output=True,

@@ -166,7 +166,8 @@ def stop_node(address: str | None, *, drain: bool) -> None:
     config = client_config_from(options)
     with Client(config=config) as client:
         node = client._require_local()
-        node.call(lambda _: ops.shutdown(drain), config.timeout_s)
+        node_id = node.welcome.node_id
+        node.call(lambda _: ops.shutdown(node_id, drain), config.timeout_s)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:

@@ -352,8 +352,8 @@ def stats() -> Op_[NodeStats]:
     return response
 
 
-def shutdown(drain: bool) -> Op_[None]:
-    yield Request(Op.SHUTDOWN, ShutdownRequest(drain=drain))
+def shutdown(node_id: str, drain: bool) -> Op_[None]:
+    yield Request(Op.SHUTDOWN, ShutdownRequest(node_id=node_id, drain=drain))
     yield Recv(Op.SHUTDOWN, Empty)
 
 

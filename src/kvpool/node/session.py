@@ -376,6 +376,8 @@ class Session:
         )
 
     async def _shutdown(self, header: FrameHeader, req: msg.ShutdownRequest) -> None:
+        if req.node_id != self.server.node_id:
+            raise BadRequest(f"shutdown of node {req.node_id!r} sent to {self.server.node_id!r}")
         log.warning(
             "shutdown requested by %s%s",
             self.peer,

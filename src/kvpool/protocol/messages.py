@@ -25,7 +25,7 @@ REPORT_CORRUPT keys a reader found corrupt                status per key
 DESCRIBE       namespace id and label                     -
 STATS          -                                          NodeStats
 HEALTH         -                                          Health
-SHUTDOWN       whether to drain (empty the node)          - (then the node stops)
+SHUTDOWN       the node's id; whether to drain (empty it) - (then the node stops)
 =============  ========================================  =====================================
 """
 
@@ -224,6 +224,7 @@ class ErrorResponse(Message):
 
 
 class ShutdownRequest(Message):
+    node_id: Name  # the node meant (as its Welcome said): no default, nothing stops by chance
     drain: bool = False  # empty the node (every tier) as it stops
 
 
