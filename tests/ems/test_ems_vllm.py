@@ -140,7 +140,9 @@ def test_the_guides_connector_runs_unchanged_on_kvpool(model, reference, ems_sit
     assert loaded(by_name["save_after"], after) >= 0.9 * full_blocks(after)
 
 
-def test_a_second_engine_with_another_hash_seed_gets_the_hits(model, reference, ems_site, start_node):
+def test_a_second_engine_with_another_hash_seed_gets_the_hits(
+    model, reference, ems_site, start_node
+):
     node = start_node(name="ems2", memory="256MiB")
     first = run_engine(
         model,

@@ -174,6 +174,8 @@ def run_workload(
     connector: dict[str, Any] | None,
     *,
     engine: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    warmup_s: float = 0.0,
     timeout: float = 1800,
 ) -> RunResult:
     system, conversations = workload.conversations()
@@ -188,6 +190,7 @@ def run_workload(
         },
         "connector": connector,
         "steps": [
+            *([{"op": "sleep", "seconds": warmup_s}] if warmup_s else []),
             {
                 "op": "chat",
                 "name": name,
@@ -200,7 +203,7 @@ def run_workload(
     with tempfile.TemporaryDirectory() as tmp:
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(json.dumps(plan))
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm-cache")}
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm-cache"), **(env or {})}
         proc = subprocess.run(
             [sys.executable, "-m", "kvpool.demo.runner", str(plan_file)],
             capture_output=True,
@@ -217,7 +220,7 @@ def run_workload(
     if proc.returncode != 0 or len(results) < 2:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"the {name} engine failed (exit {proc.returncode}):\n{tail}")
-    ready, chat = results[0], results[1]
+    ready, chat = results[0], next(r for r in results if r["op"] == "chat")
     return RunResult(
         name, chat["turns"], chat["counters"], ready["seconds"], proc.stdout + proc.stderr
     )
