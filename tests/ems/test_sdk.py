@@ -94,7 +94,7 @@ def test_every_layout_round_trips(ems, form):
         ),
     )
     assert (result.success, result.total) == (5, 5)
-    assert ems.exists(hashes=hashes + [hash((0, 99))], option=OPTION).success == 5
+    assert ems.exists(hashes=[*hashes, hash((0, 99))], option=OPTION).success == 5
     for t in tensors:
         t.zero_()
     result = wait(
@@ -110,7 +110,7 @@ def test_every_layout_round_trips(ems, form):
 
 
 def test_a_load_reports_the_leading_blocks_it_wrote(ems):
-    tensors, handed = cpu_form()
+    _, handed = cpu_form()
     ems.register_kvcache(handed)
     hashes = [hash((1, i)) for i in range(4)]
     wait(
@@ -209,7 +209,7 @@ def test_a_dead_pool_answers_misses_in_time_and_init_says_recover(start_node, mo
     monkeypatch.setenv("KVPOOL_ADDRESS", node.unix_address)
     Ems.init(EmsConfig(cc_config_v1=identity()))
     cc = Ems.get_cc()
-    tensors, handed = cpu_form()
+    _, handed = cpu_form()
     cc.register_kvcache(handed)
     hashes = [hash((5, i)) for i in range(3)]
     wait(
