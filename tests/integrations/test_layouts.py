@@ -96,7 +96,8 @@ def test_blocks_held_apart_are_staged_into_one_copy():
     # Two blocks from different places, one of them read-only (as pinned arena views are).
     views = [memoryview(bytes(rows[1].numpy())), memoryview(bytearray(rows[0].numpy()))]
     staged = layout.stage(views)
-    assert torch.equal(staged[0], out[1]) and torch.equal(staged[1], out[0])
+    assert staged.shape == (2, layout.block_elems)
+    assert torch.equal(staged[0], out[1].flatten()) and torch.equal(staged[1], out[0].flatten())
     layout.scatter(torch.tensor([10, 11]), staged)
     again = torch.empty_like(out)
     layout.gather(torch.tensor([11, 10]), again)
@@ -112,9 +113,26 @@ def test_unknown_layouts_fail_fast_with_a_clear_message():
     with pytest.raises(ConfigError, match="unknown KV cache layout"):
         PagedLayout.detect({"three": (torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2))})
     with pytest.raises(ConfigError, match="differ"):
-        PagedLayout.detect({"a": torch.zeros(NB, 8), "b": torch.zeros(NB, 16)})
+        PagedLayout.detect({"a": torch.zeros(NB, 8), "b": torch.zeros(NB + 1, 8)})
+    with pytest.raises(ConfigError, match="differ"):
+        PagedLayout.detect({"a": torch.zeros(NB, 8), "b": torch.zeros(NB, 8, dtype=torch.int8)})
     with pytest.raises(ConfigError, match="no KV cache layers"):
         PagedLayout.detect({})
+
+
+def test_planes_of_different_page_sizes_move_one_copy_per_plane():
+    # An MLA layer that keeps its latent and its rotary part in two tensors.
+    caches = {"a": (torch.randn(NB, BS, 512), torch.randn(NB, BS, 64))}
+    layout = PagedLayout.detect(caches)
+    assert not layout.is_uniform and not layout.is_single_copy
+    assert layout.block_elems == BS * (512 + 64)
+    out = layout.batch(2)
+    layout.gather(torch.tensor([5, 2]), out)
+    assert torch.equal(out[0, : BS * 512], caches["a"][0][5].flatten())
+    assert torch.equal(out[1, BS * 512 :], caches["a"][1][2].flatten())
+    layout.scatter(torch.tensor([0, 1]), out)
+    assert torch.equal(caches["a"][0][0], caches["a"][0][5])
+    assert torch.equal(caches["a"][1][1], caches["a"][1][2])
 
 
 def test_shared_layers_count_once():
