@@ -53,6 +53,7 @@ class VllmServer:
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
         ready_timeout: float = 240,
+        engine_args: list[str] | None = None,
     ):
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
@@ -67,7 +68,7 @@ class VllmServer:
             host,
             "--port",
             str(self.port),
-            *ENGINE_ARGS,
+            *(ENGINE_ARGS if engine_args is None else engine_args),
         ]
         if kv_transfer_config:
             command += ["--kv-transfer-config", kv_transfer_config]
