@@ -358,6 +358,7 @@ CONNECTOR_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_MIN_LOAD_TOKENS": ("min_load_tokens", int),
     "KVPOOL_MIN_LOAD_BLOCKS": ("min_load_blocks", int),
     "KVPOOL_CONSUMER_WAIT": ("consumer_wait", float),
+    "KVPOOL_TRANSFER": ("transfer", str),
     "KVPOOL_TENANT": ("tenant", str),
     "KVPOOL_STATS_INTERVAL": ("stats_interval", float),
     "KVPOOL_HEALTH_INTERVAL": ("health_interval", float),

@@ -9,6 +9,7 @@ import pytest
 from kvpool import Client
 from kvpool.client.connection import Connection
 from kvpool.config import Address
+from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.config import connector_config
 from kvpool.integrations.vllm.scheduler import KVPoolScheduler
 from kvpool.keys import Namespace, chained_hashes
@@ -16,6 +17,8 @@ from tests.helpers import commit_op, reserve_op
 
 BS = 32
 NS = Namespace(model="sched-test", block_size=BS)
+# Whether a load is offered as asynchronous, with the default transfer mode.
+IS_ASYNC = connector_config({}, environ={}).transfer == "whole"
 
 
 def request(rid, num_blocks):
@@ -50,9 +53,9 @@ def test_consumer_defers_while_a_producer_is_still_writing(node, client):
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # pending: ask again
     writer.run(commit_op(reserved.reservation_id, [0] * 5), time.monotonic() + 5)
-    assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, IS_ASYNC)
     # With the engine's own cache holding 2 blocks, only the 3 after them are loaded.
-    assert sched.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, True)
+    assert sched.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, IS_ASYNC)
     writer.close()
     sched.shutdown()
 
@@ -77,7 +80,7 @@ def test_matching_is_side_effect_free_and_acted_on_once_scheduled(node, client):
     sched = scheduler(node, "kv_both")
     sched.on_new_request(req)
     for _ in range(3):  # vLLM may ask several times: nothing changes but the answer's memo
-        assert sched.get_num_new_matched_tokens(req, BS) == (3 * BS, True)
+        assert sched.get_num_new_matched_tokens(req, BS) == (3 * BS, IS_ASYNC)
     assert sched.stats.is_empty() and not sched._loads
     blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14, 15, 16],))
     sched.update_state_after_alloc(req, blocks, 3 * BS)
@@ -87,6 +90,18 @@ def test_matching_is_side_effect_free_and_acted_on_once_scheduled(node, client):
     sched.update_state_after_alloc(req, blocks, 0)  # again, once the load is done
     assert sched.stats.data["lookups"] == 1 and len(sched._loads) == 1
     sched.shutdown()
+
+
+def test_layerwise_loads_run_in_the_step_whole_loads_wait_a_step(node, client):
+    req = request("r1", 3)
+    client.put(NS.keys(req.block_hashes), [b"x" * 64] * 3)
+    for transfer, is_async in (("layerwise", False), ("whole", True)):
+        sched = scheduler(node, "kv_both", transfer=transfer)
+        sched.on_new_request(req)
+        assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, is_async)
+        sched.shutdown()
+    with pytest.raises(ConfigError, match="transfer"):
+        scheduler(node, transfer="sideways")
 
 
 def test_thresholds_and_roles(node, client):
@@ -99,7 +114,7 @@ def test_thresholds_and_roles(node, client):
     assert scheduler(node, "kv_both", min_load_tokens=2 * BS + 1).get_num_new_matched_tokens(
         req, 0
     ) == (0, False)
-    assert scheduler(node, "kv_both").get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    assert scheduler(node, "kv_both").get_num_new_matched_tokens(req, 0) == (2 * BS, IS_ASYNC)
     assert scheduler(node, "kv_producer").get_num_new_matched_tokens(req, 0) == (0, False)
 
 
@@ -112,7 +127,7 @@ def test_a_full_prompt_hit_still_leaves_a_token_to_compute(node, client):
         arrival_time=time.time(),
     )
     client.put(NS.keys(req.block_hashes), [b"x"] * 4)
-    assert scheduler(node, "kv_both").get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    assert scheduler(node, "kv_both").get_num_new_matched_tokens(req, 0) == (3 * BS, IS_ASYNC)
 
 
 def test_an_unreachable_pool_means_misses_not_waits(run_dir):
@@ -164,7 +179,7 @@ def test_hits_are_counted_by_the_tier_that_holds_them(start_node, tmp_path):
             time.sleep(0.05)
     sched = scheduler(node, "kv_both")
     sched.on_new_request(req)
-    assert sched.get_num_new_matched_tokens(req, 0) == (40 * BS, True)
+    assert sched.get_num_new_matched_tokens(req, 0) == (40 * BS, IS_ASYNC)
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(41)),))
     sched.update_state_after_alloc(req, blocks, 40 * BS)
     data = sched.stats.data

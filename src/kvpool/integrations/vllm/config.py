@@ -14,6 +14,10 @@ transfer_timeout    deadline of one load or save, seconds                   10.0
 min_load_tokens     load only if at least this many tokens hit              0
 min_load_blocks     load only if at least this many blocks hit              1
 consumer_wait       how long a consumer waits for blocks still being saved  2.0
+transfer            ``layerwise``: a load runs in the step that uses it,    layerwise
+                    layer by layer ahead of the attention that reads it,
+                    and saves stream out as each layer is computed;
+                    ``whole``: a request waits a step for its whole load
 write_rcache        write through to the home node in a cluster             true
 read_local_only     in a cluster, look only at the local node               false
 peers / etcd        cluster membership (see ``kvpool serve``)               none
@@ -52,6 +56,7 @@ DEFAULT_LOOKUP_TIMEOUT_S = 0.2
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 DEFAULT_CONSUMER_WAIT_S = 2.0
 DEFAULT_STATS_INTERVAL_S = 10.0
+TRANSFERS = ("layerwise", "whole")
 
 _CLIENT_KEYS = {name for name, _ in CLIENT_ENV.values()} | {"timeout", "connect_timeout"}
 _CONNECTOR_FIELDS: tuple[tuple[str, str, Any], ...] = (
@@ -60,6 +65,7 @@ _CONNECTOR_FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("min_load_tokens", "min_load_tokens", int),
     ("min_load_blocks", "min_load_blocks", int),
     ("consumer_wait", "consumer_wait_s", float),
+    ("transfer", "transfer", str),
     ("tenant", "tenant", str),
     ("stats_interval", "stats_interval_s", float),
 )
@@ -73,6 +79,7 @@ class ConnectorConfig:
     min_load_tokens: int = 0
     min_load_blocks: int = 1
     consumer_wait_s: float = DEFAULT_CONSUMER_WAIT_S
+    transfer: str = TRANSFERS[0]
     tenant: str = ""
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     health: HealthPolicy = field(default_factory=HealthPolicy)
@@ -84,6 +91,8 @@ class ConnectorConfig:
             raise ConfigError("min_load_tokens must be >= 0 and min_load_blocks >= 1")
         if self.consumer_wait_s < 0:
             raise ConfigError("consumer_wait must be >= 0")
+        if self.transfer not in TRANSFERS:
+            raise ConfigError(f"transfer must be one of {', '.join(TRANSFERS)}")
         return self
 
     def describe(self) -> str:
@@ -92,6 +101,7 @@ class ConnectorConfig:
             f"address={c.address} timeout={c.timeout_s}s lookup_timeout={self.lookup_timeout_s}s "
             f"transfer_timeout={self.transfer_timeout_s}s min_load_tokens={self.min_load_tokens} "
             f"min_load_blocks={self.min_load_blocks} consumer_wait={self.consumer_wait_s}s "
+            f"transfer={self.transfer} "
             f"write_rcache={c.write_rcache} read_local_only={c.read_local_only} "
             f"peers={list(c.peers)} etcd={c.etcd or '-'} tenant={self.tenant or '-'} "
             f"auth={'on' if c.access_key else 'off'}"

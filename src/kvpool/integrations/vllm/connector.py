@@ -33,15 +33,18 @@ Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensor
 
 Worker side (:mod:`.worker`; transfers in flight only):
     register_kv_caches()         once, at start: the paged layout, checked against the model.
-    start_load_kv()              per step, before the forward: starts the step's loads in the
-                                 background.
-    wait_for_layer_load()        per layer: a no-op, as a request runs only once its load is
-                                 done (``get_finished``).
-    save_kv_layer()              per layer: a no-op; saves happen once per step.
-    wait_for_save()              per step, after the forward: copies the step's full blocks
-                                 into reserved pool space before returning; checksums and
+    bind_connector_metadata()    per step, before the forward: reserves the step's saves and
+                                 starts its layer-by-layer loads, in the background.
+    start_load_kv()              per step: starts the step's whole loads (``transfer: whole``)
+                                 in the background.
+    wait_for_layer_load()        per layer, before its attention: waits (bounded) until the
+                                 layer's pages are loaded.
+    save_kv_layer()              per layer, after its attention: queues the copy of the
+                                 layer's pages into the reserved pool space.
+    wait_for_save()              per step, after the forward: stops the step's loads, copies
+                                 what is left of its saves before returning; checksums and
                                  commits finish in the background.
-    get_finished()               per step: the requests whose loads finished.
+    get_finished()               per step: the requests whose whole loads finished.
     get_block_ids_with_load_errors()  per step: blocks that could not be loaded, which vLLM
                                  recomputes.
 
@@ -146,6 +149,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KVPoolMetadata)
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -153,12 +162,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request runs only after its load finished
+        assert self._worker is not None
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # saves happen once per step, for all layers, in wait_for_save
+        assert self._worker is not None
+        self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

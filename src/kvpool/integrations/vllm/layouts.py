@@ -16,6 +16,10 @@ plane — never a copy per block.  Planes may differ in page size (the two plane
 layer that keeps its latent and its rotary part apart); they then move one copy per plane.
 A batch of pool blocks is a ``[n, block_elems]`` tensor (``[n, planes, page]`` is accepted
 too when the planes are alike).
+
+For layer-by-layer transfers, ``layers`` names the planes of each layer (layers that share a
+cache name the same planes), and ``gather_planes`` / ``scatter_planes`` move some planes of
+a batch: one indexed copy per plane.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def _planes_of(name: str, cache: Any, num_blocks: int | None) -> list[Plane]:
 class PagedLayout:
     """Gather and scatter whole blocks between a worker's paged KV cache and pool blocks."""
 
-    def __init__(self, planes: list[Plane]):
+    def __init__(self, planes: list[Plane], layers: Mapping[str, Sequence[int]] | None = None):
         if not planes:
             raise ConfigError("no KV cache layers registered")
         first = planes[0].view
@@ -116,23 +120,30 @@ class PagedLayout:
         self.block_bytes = self.block_elems * first.element_size()
         self.is_uniform = all(p.view.shape == first.shape for p in planes)
         self._combined = self._evenly_spaced() if self.is_uniform else None
+        # The planes of each layer, in the order the model runs them.
+        self.layers: dict[str, tuple[int, ...]] = (
+            {name: tuple(indices) for name, indices in layers.items()}
+            if layers is not None
+            else {plane.name: (i,) for i, plane in enumerate(planes)}
+        )
 
     @classmethod
     def detect(cls, kv_caches: Mapping[str, Any]) -> PagedLayout:
         """Planes of every distinct layer cache (layers that share a cache count once)."""
-        seen: set[int] = set()
+        seen: dict[int, tuple[int, ...]] = {}
         planes: list[Plane] = []
+        layers: dict[str, tuple[int, ...]] = {}
         num_blocks: int | None = None
         for name, cache in kv_caches.items():
             first = cache[0] if isinstance(cache, list | tuple) else cache
             key = first.data_ptr() if isinstance(first, torch.Tensor) else id(cache)
-            if key in seen:
-                continue
-            seen.add(key)
-            layer_planes = _planes_of(name, cache, num_blocks)
-            num_blocks = layer_planes[0].view.shape[0]
-            planes.extend(layer_planes)
-        return cls(planes)
+            if key not in seen:
+                layer_planes = _planes_of(name, cache, num_blocks)
+                num_blocks = layer_planes[0].view.shape[0]
+                seen[key] = tuple(range(len(planes), len(planes) + len(layer_planes)))
+                planes.extend(layer_planes)
+            layers[name] = seen[key]
+        return cls(planes, layers)
 
     def _evenly_spaced(self) -> torch.Tensor | None:
         """One ``[num_blocks, planes, page]`` view over all planes, if they are evenly spaced
@@ -206,6 +217,26 @@ class PagedLayout:
             return
         for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
             plane.view.index_copy_(0, ids, rows[:, start:end].to(self.device))
+
+    def gather_planes(
+        self, planes: Sequence[int], block_ids: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Copy planes ``planes`` of blocks ``block_ids`` into their columns of ``out``."""
+        rows = out.view(len(block_ids), self.block_elems)
+        ids = block_ids.to(self.device)
+        for index in planes:
+            start, end = self.plane_bounds[index]
+            rows[:, start:end].copy_(self.planes[index].view.index_select(0, ids))
+
+    def scatter_planes(
+        self, planes: Sequence[int], block_ids: torch.Tensor, src: torch.Tensor
+    ) -> None:
+        """Copy the columns of planes ``planes`` of ``src`` into blocks ``block_ids``."""
+        rows = src.view(len(block_ids), self.block_elems)
+        ids = block_ids.to(self.device)
+        for index in planes:
+            start, end = self.plane_bounds[index]
+            self.planes[index].view.index_copy_(0, ids, rows[:, start:end].to(self.device))
 
     def describe(self) -> str:
         itemsize = self.planes[0].view.element_size()

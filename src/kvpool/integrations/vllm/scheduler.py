@@ -3,11 +3,13 @@ its only I/O is the pool lookup, under a short deadline.
 
 Per request:
 1. ``get_num_new_matched_tokens`` looks the request's full prompt blocks up in the pool
-   (every rank's namespace) and offers the blocks past the engine's own prefix-cache hit
-   as an asynchronous load.  It keeps at least one prompt token to compute.  A consumer
-   whose next block is still being written by a producer defers the request (vLLM asks
-   again next step) until ``consumer_wait`` after the request arrived.  It is side-effect
-   free, as vLLM requires: all it leaves behind is a memo of its latest answer.
+   (every rank's namespace) and offers the blocks past the engine's own prefix-cache hit:
+   loaded layer by layer in the step that uses them, or (``transfer: whole``) as an
+   asynchronous load the request waits a step for.  It keeps at least one prompt token
+   to compute.  A consumer whose next block is still being written by a producer defers
+   the request (vLLM asks again next step) until ``consumer_wait`` after the request
+   arrived.  It is side-effect free, as vLLM requires: all it leaves behind is a memo of
+   its latest answer.
 2. ``update_state_after_alloc`` acts on that memo once the request is scheduled: it counts
    the lookup, turns the offer into a load job for the allocated blocks, and sets where the
    request's saves start.
@@ -156,7 +158,8 @@ class KVPoolScheduler:
         num_new = num_pool - num_local_blocks
         if num_new < self.config.min_load_blocks or num_new * bs < self.config.min_load_tokens:
             return 0, False
-        return num_new * bs, True
+        # Layer by layer, the load runs in the step that computes the rest of the prompt.
+        return num_new * bs, self.config.transfer == "whole"
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The request is scheduled: count its lookup, plan its load, and start its saves

@@ -1,14 +1,25 @@
 """The worker half of the connector: transfers in flight, nothing else.
 
-- Saves: in ``wait_for_save`` (after the step's forward), the blocks that became full are
-  reserved in the pool and copied straight from the paged cache into the reserved space —
-  one indexed copy for the batch — before the step ends, so vLLM may reuse the blocks at
-  once.  Checksumming and committing them finishes in the background.
-- Loads: ``start_load_kv`` starts one background job per request; it pins the blocks,
-  verifies their checksums and copies the verified leading run into the paged cache with
-  one indexed copy.  The request is reported through ``get_finished``; blocks that could
-  not be loaded (missing, corrupt, pool down, deadline passed) are reported through
-  ``get_block_ids_with_load_errors`` so vLLM recomputes just those.
+Each step, vLLM binds the step's metadata before the forward, runs the layers, then calls
+``wait_for_save``.  What the worker does around that:
+
+- **Saves.**  At bind, the pool space for the step's full blocks is reserved on the save
+  thread, while the forward runs.  Layer by layer (``transfer: layerwise``), each layer's
+  pages are copied into that space on the save thread as soon as ``save_kv_layer`` says the
+  layer is computed; ``wait_for_save`` copies whatever is left (everything, with ``whole``)
+  before the step ends, so vLLM may reuse the blocks at once.  Checksumming and committing
+  finish on the commit thread.  A reservation not granted by ``lookup_timeout`` skips the
+  save: a step never waits longer for the pool.
+- **Loads, layer by layer** (the default).  The load runs in the step that computes the
+  rest of the prompt: at bind, a load thread pins the blocks (verifying their checksums)
+  and copies them into the paged cache one layer at a time; ``wait_for_layer_load`` waits
+  for the layer the attention is about to read, at most until the load's deadline.  Blocks
+  the load could not deliver, or not in time, are reported through
+  ``get_block_ids_with_load_errors`` and vLLM recomputes them.  A load is stopped before
+  ``wait_for_save`` returns, so it never writes into blocks of a finished step.
+- **Whole loads** (``transfer: whole``).  ``start_load_kv`` starts one job per request,
+  which copies all layers with one indexed copy; the request waits a step for it and is
+  reported through ``get_finished``.
 - Every pool call has a deadline; a failure marks the pool unhealthy, and while it is,
   loads fail at once (the engine recomputes) and saves are skipped.
 """
@@ -19,13 +30,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
-from kvpool.client.leases import WriteLease
+from kvpool.client.leases import ReadLease, WriteLease
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.keys import Namespace
 
@@ -41,21 +53,193 @@ IO_THREADS = 2
 MAX_SAVES_IN_FLIGHT = 4
 
 
+def _pool_rows(layout: PagedLayout, lease: ReadLease | WriteLease, num: int) -> torch.Tensor:
+    """The first ``num`` blocks of a lease as a ``[num, block_elems]`` tensor: over the
+    pool's memory when they are adjacent there, else a staged copy (reads only)."""
+    extent = lease.extent(num) if isinstance(lease, ReadLease) else lease.extent()
+    if extent is not None:
+        return layout.pool_view(extent, num)
+    return layout.stage(lease.views[:num])
+
+
+class _LayerwiseLoad:
+    """One request's load, copied into the paged cache plane after plane on a load thread.
+
+    ``planes_done`` counts the planes in place; ``num_blocks`` is how many leading blocks
+    the load delivers (known once the blocks are pinned).  ``stop`` ends it for good: no
+    plane is copied after it returns.
+    """
+
+    def __init__(self, job: TransferJob, deadline: float):
+        self.job = job
+        self.deadline = deadline
+        self.cond = threading.Condition()
+        self.planes_done = 0
+        self.num_blocks = len(job.block_ids)
+        self.finished = False
+        self.stopped = False
+        self.reason = ""
+        self.started = time.perf_counter()
+
+    def run(self, worker: KVPoolWorker) -> None:
+        layout = worker.layout
+        assert layout is not None
+        try:
+            keys = worker.namespace.keys(self.job.block_hashes)
+            timeout = max(self.deadline - time.monotonic(), 0.001)
+            with worker.client.acquire(keys, prefix=True, timeout=timeout) as lease:
+                num = lease.num_prefix
+                with self.cond:
+                    self.num_blocks = min(self.num_blocks, num)
+                    self.cond.notify_all()
+                if num:
+                    ids = torch.tensor(self.job.block_ids[:num], dtype=torch.long)
+                    rows = _pool_rows(layout, lease, num)
+                    for plane in range(layout.num_planes):
+                        with self.cond:
+                            if self.stopped:
+                                break
+                            layout.scatter_planes((plane,), ids, rows)
+                            self.planes_done = plane + 1
+                            self.cond.notify_all()
+            worker.health.report_call()
+            if num < len(self.job.block_ids):
+                self.reason = f"{len(self.job.block_ids) - num} block(s) missing or corrupt"
+        except KVPoolError as exc:
+            worker.health.report_failure(exc)
+            self._fail(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # never let a pool problem fail the engine: recompute
+            log.exception("kvpool: load failed")
+            self._fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            with self.cond:
+                self.finished = True
+                self.cond.notify_all()
+
+    def _fail(self, reason: str) -> None:
+        with self.cond:
+            self.num_blocks, self.reason = 0, reason
+            self.cond.notify_all()
+
+    def wait_for(self, planes: tuple[int, ...]) -> None:
+        """Until ``planes`` are in place, the load ended, or its deadline passed (then it is
+        stopped, and its blocks are recomputed)."""
+        needed = max(planes) + 1 if planes else 0
+        with self.cond:
+            while self.planes_done < needed and not self.finished and not self.stopped:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    self.stopped = True
+                    self.num_blocks, self.reason = 0, "deadline passed"
+                    return
+                self.cond.wait(left)
+
+    def stop(self, num_planes: int) -> int:
+        """End the load for good; how many leading blocks it delivered in every plane."""
+        self.wait_for(tuple(range(num_planes)))
+        with self.cond:
+            self.stopped = True
+            if self.planes_done < num_planes:
+                self.num_blocks = 0
+                self.reason = self.reason or "deadline passed"
+            return self.num_blocks
+
+
+class _StepSave:
+    """One step's save: reserved while the forward runs, filled plane by plane.
+
+    Copies run under ``lock`` and check ``closed``, so once ``close`` returns nothing reads
+    the paged cache for this save any more.
+    """
+
+    def __init__(self, keys: list[bytes], block_ids: list[int], started: float):
+        self.keys = keys
+        self.block_ids = block_ids
+        self.started = started
+        self.lock = threading.Lock()
+        self.lease: WriteLease | None = None
+        self.wanted: list[int] = []  # indices of the blocks the pool wants (has space for)
+        self.rows: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None
+        self.copied: set[int] = set()
+        self.closed = False
+
+    def reserve(self, worker: KVPoolWorker) -> None:
+        layout = worker.layout
+        assert layout is not None
+        lease = worker.client.reserve(
+            self.keys, [layout.block_bytes] * len(self.keys), timeout=worker.config.lookup_timeout_s
+        )
+        with self.lock:
+            if self.closed:  # too late: the step is over
+                lease.abort()
+                return
+            self.lease = lease
+            self.wanted = [i for i, view in enumerate(lease.views) if view is not None]
+            if self.wanted:
+                self.ids = torch.tensor([self.block_ids[i] for i in self.wanted], dtype=torch.long)
+                extent = lease.extent() if len(self.wanted) == len(self.keys) else None
+                self.rows = (
+                    layout.pool_view(extent, len(self.wanted))
+                    if extent is not None
+                    else layout.batch(len(self.wanted))
+                )
+
+    def copy(self, layout: PagedLayout, planes: tuple[int, ...]) -> None:
+        with self.lock:
+            if self.closed or self.rows is None or self.ids is None:
+                return
+            todo = tuple(p for p in planes if p not in self.copied)
+            if len(todo) == layout.num_planes:
+                layout.gather(self.ids, self.rows)  # the whole batch: one indexed copy
+            elif todo:
+                layout.gather_planes(todo, self.ids, self.rows)
+            self.copied.update(todo)
+
+    def close(self, layout: PagedLayout) -> WriteLease | None:
+        """Finish the copies and stop; the filled lease (None: nothing to commit)."""
+        self.copy(layout, tuple(range(layout.num_planes)))
+        with self.lock:
+            self.closed = True
+            lease, rows = self.lease, self.rows
+        if lease is None:
+            return None
+        if rows is not None and lease.extent() is None:  # scattered slots: one copy each
+            flat = rows.view(len(self.wanted), -1).view(torch.uint8)
+            for row, i in enumerate(self.wanted):
+                view = lease.views[i]
+                assert view is not None
+                torch.frombuffer(view, dtype=torch.uint8).copy_(flat[row])
+        return lease
+
+    def abandon(self) -> None:
+        with self.lock:
+            self.closed = True
+            lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.abort()
+
+
 class KVPoolWorker:
     def __init__(self, config: ConnectorConfig, namespace: Namespace, expected_page_bytes: int):
         self.config = config
         self.namespace = namespace
         self.expected_page_bytes = expected_page_bytes
+        self.layerwise = config.transfer == "layerwise"
         self.layout: PagedLayout | None = None
         self._client: Client | None = None
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (worker)")
         self._executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-load")
+        # Reservations and layer copies of saves, in order, on their own thread.
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
         # Commits have their own thread: loads never hold them up, nor they the loads.
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-commit")
         self._lock = threading.Lock()
         self._done_loading: set[str] = set()
         self._load_errors: set[int] = set()
         self._saving: set[Future[None]] = set()
+        self._step_loads: list[_LayerwiseLoad] = []
+        self._step_save: tuple[_StepSave, Future[None]] | None = None
         self.stats = KVPoolStats()
 
     @property
@@ -81,14 +265,58 @@ class KVPoolWorker:
             )
         self.layout = layout
         log.info(
-            "kvpool: KV cache layout %s; pool blocks of %d bytes",
+            "kvpool: KV cache layout %s; pool blocks of %d bytes; %s transfers",
             layout.describe(),
             layout.block_bytes,
+            self.config.transfer,
         )
+
+    # -- a step ---------------------------------------------------------------------------
+
+    def begin_step(self, meta: KVPoolMetadata) -> None:
+        """Before the forward: reserve the step's saves, start its layer-by-layer loads."""
+        if self.layout is None:
+            return
+        if meta.saves:
+            self._begin_save(meta.saves)
+        if self.layerwise:
+            deadline = time.monotonic() + self.config.transfer_timeout_s
+            for job in meta.loads:
+                if not self.health.is_healthy:
+                    self._finish_load(job, 0, "pool unhealthy")
+                    continue
+                load = _LayerwiseLoad(job, deadline)
+                self._step_loads.append(load)
+                self._executor.submit(load.run, self)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._step_loads and self.layout is not None:
+            planes = self.layout.layers.get(layer_name, ())
+            for load in self._step_loads:
+                load.wait_for(planes)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self.layerwise and self._step_save is not None and self.layout is not None:
+            save = self._step_save[0]
+            self._saver.submit(save.copy, self.layout, self.layout.layers.get(layer_name, ()))
+
+    def wait_for_save(self, meta: KVPoolMetadata) -> None:
+        """After the forward: stop the step's loads, fill its saves; the step may end then."""
+        if self.layout is None:
+            return
+        loads, self._step_loads = self._step_loads, []
+        for load in loads:
+            num = load.stop(self.layout.num_planes)
+            self._finish_load(load.job, num, load.reason, time.perf_counter() - load.started, False)
+        step_save, self._step_save = self._step_save, None
+        if step_save is not None:
+            self._finish_save(*step_save)
 
     # -- loads ----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
+        if self.layerwise:
+            return  # started with the step (begin_step)
         for job in meta.loads:
             if not self.health.is_healthy or self.layout is None:
                 self._finish_load(job, 0, "pool unhealthy")
@@ -96,6 +324,7 @@ class KVPoolWorker:
             self._executor.submit(self._load, job)
 
     def _load(self, job: TransferJob) -> None:
+        """A whole load (``transfer: whole``): every layer with one indexed copy."""
         assert self.layout is not None
         started = time.perf_counter()
         num_loaded = 0
@@ -108,11 +337,7 @@ class KVPoolWorker:
                 num_loaded = lease.num_prefix
                 if num_loaded:
                     ids = torch.tensor(job.block_ids[:num_loaded], dtype=torch.long)
-                    extent = lease.extent(num_loaded)
-                    if extent is not None:
-                        self.layout.scatter(ids, self.layout.pool_view(extent, num_loaded))
-                    else:  # scattered in the pool: stage them, still one copy into the cache
-                        self.layout.scatter(ids, self.layout.stage(lease.views[:num_loaded]))
+                    self.layout.scatter(ids, _pool_rows(self.layout, lease, num_loaded))
             self.health.report_call()
             if num_loaded < len(job.block_ids):
                 reason = f"{len(job.block_ids) - num_loaded} block(s) missing or corrupt"
@@ -125,7 +350,12 @@ class KVPoolWorker:
         self._finish_load(job, num_loaded, reason, time.perf_counter() - started)
 
     def _finish_load(
-        self, job: TransferJob, num_loaded: int, reason: str, seconds: float = 0.0
+        self,
+        job: TransferJob,
+        num_loaded: int,
+        reason: str,
+        seconds: float = 0.0,
+        is_async: bool = True,
     ) -> None:
         failed = job.block_ids[num_loaded:]
         with self._lock:
@@ -144,65 +374,53 @@ class KVPoolWorker:
                 self.stats.add("load_errors", len(failed))
                 self.stats.data.setdefault("failed_req_ids", []).append(job.req_id)
                 self._load_errors.update(failed)
-            self._done_loading.add(job.req_id)
+            if is_async and not self.layerwise:
+                self._done_loading.add(job.req_id)
 
     # -- saves ----------------------------------------------------------------------------
 
-    def wait_for_save(self, meta: KVPoolMetadata) -> None:
-        if not meta.saves or self.layout is None:
-            return
+    def _begin_save(self, jobs: list[TransferJob]) -> None:
+        block_ids = [b for job in jobs for b in job.block_ids]
         if not self.health.is_healthy:
             with self._lock:
-                self.stats.add("skipped_unhealthy", len(meta.saves))
+                self.stats.add("skipped_unhealthy", len(block_ids))
             return
-        block_ids = [b for job in meta.saves for b in job.block_ids]
-        hashes = [h for job in meta.saves for h in job.block_hashes]
         with self._lock:
             busy = len(self._saving) >= MAX_SAVES_IN_FLIGHT
             if busy:
                 self.stats.add("skipped_busy", len(block_ids))
         if busy:
             return  # the pool is behind: these blocks stay computable, the step goes on
-        started = time.perf_counter()
-        try:
-            self._save(block_ids, hashes, started)
-        except KVPoolError as exc:
-            self.health.report_failure(exc)
-            with self._lock:
-                self.stats.add("save_errors", len(block_ids))
-        except Exception:  # never let a pool problem fail the engine
-            log.exception("kvpool: save failed")
-            with self._lock:
-                self.stats.add("save_errors", len(block_ids))
+        keys = self.namespace.keys([h for job in jobs for h in job.block_hashes])
+        save = _StepSave(keys, block_ids, time.perf_counter())
+        self._step_save = (save, self._saver.submit(save.reserve, self))
 
-    def _save(self, block_ids: list[int], hashes: list[bytes], started: float) -> None:
+    def _finish_save(self, save: _StepSave, reserved: Future[None]) -> None:
         assert self.layout is not None
-        layout = self.layout
-        keys = self.namespace.keys(hashes)
-        # This runs inside the forward step: only a short wait for the reservation.
-        lease = self.client.reserve(
-            keys, [layout.block_bytes] * len(keys), timeout=self.config.lookup_timeout_s
-        )
+        # The reservation was asked for before the forward; the step waits for it no longer
+        # than a lookup.
+        left = save.started + self.config.lookup_timeout_s - time.perf_counter()
         try:
-            wanted = [i for i, view in enumerate(lease.views) if view is not None]
-            if wanted:
-                ids = torch.tensor([block_ids[i] for i in wanted], dtype=torch.long)
-                extent = lease.extent() if len(wanted) == len(keys) else None
-                if extent is not None:
-                    layout.gather(ids, layout.pool_view(extent, len(wanted)))
-                else:
-                    batch = layout.batch(len(wanted))
-                    layout.gather(ids, batch)
-                    flat = batch.view(len(wanted), -1).view(torch.uint8)
-                    for row, i in enumerate(wanted):
-                        view = lease.views[i]
-                        assert view is not None
-                        torch.frombuffer(view, dtype=torch.uint8).copy_(flat[row])
-        except BaseException:
-            lease.abort()
-            raise
+            reserved.result(timeout=max(left, 0.0))
+            lease = save.close(self.layout)
+        except FutureTimeout:
+            save.abandon()
+            with self._lock:
+                self.stats.add("skipped_busy", len(save.keys))
+            return
+        except Exception as exc:  # never let a pool problem fail the engine
+            save.abandon()
+            if isinstance(exc, KVPoolError):
+                self.health.report_failure(exc)
+            else:
+                log.exception("kvpool: save failed")
+            with self._lock:
+                self.stats.add("save_errors", len(save.keys))
+            return
+        if lease is None:
+            return
         # The pages are copied out: the rest (checksums, commit) need not hold up the step.
-        future = self._committer.submit(self._commit, lease, len(wanted), started)
+        future = self._committer.submit(self._commit, lease, len(save.wanted), save.started)
         with self._lock:
             self._saving.add(future)
         future.add_done_callback(self._saving_done)
@@ -246,6 +464,7 @@ class KVPoolWorker:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
+        self._saver.shutdown(wait=True, cancel_futures=False)
         self._committer.shutdown(wait=True, cancel_futures=False)
         self.health.stop()
         if self._client is not None:
