@@ -33,7 +33,6 @@ from kvpool.demo.process import NodeProcess
 from kvpool.demo.tiny_model import build_tiny_model
 
 BLOCK_SIZE = 64
-PROMPT_WORDS = 1_400  # about 3,000 tokens with the tiny model's tokenizer
 ENGINES = ("layerwise", "whole", "recompute")
 
 

@@ -34,7 +34,7 @@ from kvpool.demo.process import NodeProcess
 from kvpool.demo.tiny_model import build_tiny_model
 
 BLOCK_SIZE = 64
-PROMPT_WORDS = 700  # about 1,500 tokens with the tiny model's tokenizer
+PROMPT_WORDS = 320  # about 1,500 tokens with the tiny model's tokenizer
 MAX_TOKENS = 2
 
 
@@ -91,7 +91,7 @@ def _engine(model: str, kv_config: str | None, env: dict[str, str]) -> Any:
     return VllmServer(model, kv_transfer_config=kv_config, env=env, engine_args=args)
 
 
-def run(rounds: int, num_requests: int) -> dict[str, Any]:
+def run(rounds: int, num_requests: int, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
     from tests.integrations.vllm_server import connector_config
 
     model = str(build_tiny_model())
@@ -101,7 +101,7 @@ def run(rounds: int, num_requests: int) -> dict[str, Any]:
         warmup = _prompts(2000 + r, 2)
         run_dir = tempfile.mkdtemp(prefix="kvpool-overhead-", dir="/dev/shm")
         with NodeProcess.private(f"overhead-{r}", "1GiB", run_dir=run_dir, ephemeral=True) as node:
-            configs = {"without": None, "with": connector_config(node.unix_address, "kv_both")}
+            configs = {"without": None, "with": connector_config(node.unix_address, role, **extra)}
             order = ["without", "with"] if r % 2 == 0 else ["with", "without"]
             got: dict[str, dict[str, Any]] = {}
             for name in order:
@@ -133,9 +133,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--transfer", choices=("layerwise", "whole"), default="layerwise")
+    parser.add_argument(
+        "--role", choices=("kv_both", "kv_producer", "kv_consumer"), default="kv_both"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = run(args.rounds, args.requests)
+    result = run(args.rounds, args.requests, args.role, transfer=args.transfer)
     if args.json:
         print(json.dumps(result))
         return

@@ -92,6 +92,24 @@ def test_matching_is_side_effect_free_and_acted_on_once_scheduled(node, client):
     sched.shutdown()
 
 
+def test_no_lookup_when_the_engine_holds_every_block_the_pool_could_offer(node, client):
+    req = request("r7", 4)  # 4 full blocks and one token
+    client.put(NS.keys(req.block_hashes), [b"x"] * 4)
+    sched = scheduler(node, "kv_both")
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 4 * BS) == (0, False)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+    sched.update_state_after_alloc(req, blocks, 0)
+    assert "lookups" not in sched.stats.data  # no round trip was made
+    # One block short of that, the pool is asked.
+    other = request("r8", 4)
+    sched.on_new_request(other)
+    sched.get_num_new_matched_tokens(other, 3 * BS)
+    sched.update_state_after_alloc(other, blocks, 0)
+    assert sched.stats.data["lookups"] == 1
+    sched.shutdown()
+
+
 def test_layerwise_loads_run_in_the_step_whole_loads_wait_a_step(node, client):
     req = request("r1", 3)
     client.put(NS.keys(req.block_hashes), [b"x" * 64] * 3)

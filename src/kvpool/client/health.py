@@ -49,8 +49,10 @@ class HealthMonitor:
         *,
         name: str = "pool",
         clock: Callable[[], float] = time.monotonic,
+        on_thread_start: Callable[[], None] | None = None,
     ):
         self.probe = probe
+        self.on_thread_start = on_thread_start
         self.policy = policy or HealthPolicy()
         self.name = name
         self.clock = clock
@@ -126,6 +128,8 @@ class HealthMonitor:
         return self
 
     def _run(self) -> None:
+        if self.on_thread_start is not None:
+            self.on_thread_start()
         while not self._stop.wait(self.policy.interval_s):
             self.check_once()
 

@@ -135,6 +135,11 @@ class KVPoolScheduler:
         num_blocks = min((request.num_prompt_tokens - 1) // bs, len(request.block_hashes))
         if num_blocks <= 0 or not self.health.is_healthy:
             return 0, False
+        if num_local_blocks >= num_blocks:
+            # The engine's own cache holds every block the pool could offer: a lookup
+            # cannot add anything, so none is made (its round trip would only delay this
+            # request).  Blocks it holds are not saved again.
+            return 0, False
         state = self._requests.get(request.request_id)
         started = time.perf_counter()
         try:

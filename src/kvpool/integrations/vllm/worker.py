@@ -27,6 +27,7 @@ Each step, vLLM binds the step's metadata before the forward, runs the layers, t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +52,26 @@ IO_THREADS = 2
 # Saves whose commit is still running, at most; past it a step's save is skipped rather than
 # held up (each holds a pooled connection until it commits).
 MAX_SAVES_IN_FLIGHT = 4
+
+
+def leave_engine_cpus() -> None:
+    """Move the calling thread off the CPUs the engine's forward runs on.
+
+    vLLM's CPU worker binds its forward thread to its cores, and threads inherit the binding
+    of the thread that starts them: left alone, every pool thread (loads, saves, commits,
+    health probes) would take turns with the forward on its own cores, and lengthen every
+    step.  Called first thing in each pool thread; where the forward is not bound (GPU
+    engines) or no other CPU is allowed, nothing changes.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        inherited = os.sched_getaffinity(0)
+        spare = set(range(os.cpu_count() or 1)) - inherited
+        if spare:
+            os.sched_setaffinity(0, spare)
+    except OSError:  # a cpuset that allows none of them: stay where we are
+        pass
 
 
 def _pool_rows(layout: PagedLayout, lease: ReadLease | WriteLease, num: int) -> torch.Tensor:
@@ -228,12 +249,20 @@ class KVPoolWorker:
         self.layerwise = config.transfer == "layerwise"
         self.layout: PagedLayout | None = None
         self._client: Client | None = None
-        self.health = HealthMonitor(self._probe, config.health, name="kvpool (worker)")
-        self._executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-load")
+        self.health = HealthMonitor(
+            self._probe, config.health, name="kvpool (worker)", on_thread_start=leave_engine_cpus
+        )
+        self._executor = ThreadPoolExecutor(
+            IO_THREADS, thread_name_prefix="kvpool-load", initializer=leave_engine_cpus
+        )
         # Reservations and layer copies of saves, in order, on their own thread.
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+        self._saver = ThreadPoolExecutor(
+            1, thread_name_prefix="kvpool-save", initializer=leave_engine_cpus
+        )
         # Commits have their own thread: loads never hold them up, nor they the loads.
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-commit")
+        self._committer = ThreadPoolExecutor(
+            1, thread_name_prefix="kvpool-commit", initializer=leave_engine_cpus
+        )
         self._lock = threading.Lock()
         self._done_loading: set[str] = set()
         self._load_errors: set[int] = set()
