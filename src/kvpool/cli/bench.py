@@ -111,7 +111,9 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
     ns = Namespace(model="kvpool-bench", extra=secrets.token_hex(8))
     with contextlib.ExitStack() as stack:
         if options.address is None:
-            arena_bytes = int(options.total_bytes * 2.5) + 128 * MiB
+            # Room for every block of the largest case, through both paths at once.
+            data_bytes = max(_shape(options, size)[3] for size in options.block_sizes)
+            arena_bytes = int(2 * data_bytes * 1.25) + 128 * MiB
             node = NodeProcess.private(f"bench-{os.getpid()}", arena_bytes, ephemeral=True)
             stack.enter_context(node)
             shm_address, tcp_address = node.unix_address, node.tcp_address
@@ -205,6 +207,15 @@ def _case(
     )
 
 
+def _shape(options: BenchOptions, block_bytes: int) -> tuple[int, int, int, int]:
+    """Blocks per call, bytes per call, timed calls per round, and the bytes all calls
+    write, for one block size."""
+    per_call = max(1, options.batch_bytes // block_bytes)
+    batch_bytes = per_call * block_bytes
+    calls = max(2, options.total_bytes // (batch_bytes * ROUNDS))
+    return per_call, batch_bytes, calls, batch_bytes * (WARMUP_CALLS + ROUNDS * calls)
+
+
 def _run_size(
     report: Report,
     options: BenchOptions,
@@ -216,9 +227,7 @@ def _run_size(
     redis_peer: RedisPeer | None,
     progress: Callable[[str], None],
 ) -> None:
-    per_call = max(1, options.batch_bytes // block_bytes)
-    batch_bytes = per_call * block_bytes
-    calls = max(2, options.total_bytes // (batch_bytes * ROUNDS))
+    per_call, batch_bytes, calls, _ = _shape(options, block_bytes)
     num_calls = WARMUP_CALLS + ROUNDS * calls
     rng = np.random.default_rng(block_bytes)
     src = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(per_call)]
