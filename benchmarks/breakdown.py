@@ -1,0 +1,72 @@
+"""Where a same-node call goes: one client, 8 MiB batches of 2 MiB blocks, each piece timed
+alone (medians of 64 calls): put, get, a lookup round trip, memcpy into pre-faulted memory,
+the fused copy and xxh3 hash, and the hash alone.
+
+    .venv/bin/python -m benchmarks.breakdown
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvpool import checksum as ck
+from kvpool.client.client import Client
+from kvpool.config import MiB
+from kvpool.demo.process import NodeProcess
+from kvpool.keys import Namespace
+
+BLOCK = 2 * MiB
+BLOCKS = 4
+CALLS = 64
+
+
+def _median_ms(fn: Callable[[int], object]) -> float:
+    times = []
+    for i in range(CALLS):
+        start = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def main() -> None:
+    rng = np.random.default_rng(1)
+    src = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(BLOCKS)]
+    dst = [np.zeros(BLOCK, dtype=np.uint8) for _ in range(BLOCKS)]
+    target = np.ones(CALLS * BLOCKS * BLOCK, dtype=np.uint8)  # faulted in
+    ns = Namespace(model="kvpool-breakdown")
+    node = NodeProcess.private(f"breakdown-{os.getpid()}", 1400 * MiB, ephemeral=True)
+    with node, Client(node.unix_address, use_shm=True, timeout=60) as client:
+
+        def keys(i: int) -> list[bytes]:
+            return [ns.key(f"{i}-{j}".encode()) for j in range(BLOCKS)]
+
+        def piece(i: int, j: int) -> np.ndarray:
+            start = (i * BLOCKS + j) * BLOCK
+            return target[start : start + BLOCK]
+
+        out = {
+            "put_ms": _median_ms(lambda i: client.put(keys(i), src)),
+            "get_ms": _median_ms(lambda i: client.get(keys(i), dst)),
+            "lookup_ms": _median_ms(lambda i: client.lookup(keys(i))),
+            "memcpy_ms": _median_ms(
+                lambda i: [np.copyto(piece(i, j), src[j]) for j in range(BLOCKS)]
+            ),
+            "fused_copy_hash_ms": _median_ms(
+                lambda i: [
+                    ck.copy_with_checksum(memoryview(piece(i, j)), memoryview(src[j]))
+                    for j in range(BLOCKS)
+                ]
+            ),
+            "hash_ms": _median_ms(lambda i: [ck.checksum(s) for s in src]),
+        }
+    print(" ".join(f"{k}={v}" for k, v in out.items()))
+
+
+if __name__ == "__main__":
+    main()
