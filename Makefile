@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
-SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
+SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2 prometheus
 
 .PHONY: demo test lint pytest system-deps bench clean
 
@@ -35,10 +35,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Debian packages the tests run for real: Redis (bench baseline), etcd (cluster
-# membership), Chromium (the dashboard page).
+# membership), Chromium (the dashboard page), Prometheus and promtool (metrics and alerts).
 system-deps:
 	@missing=""; \
-	for bin in redis-server etcd chromium ip; do command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
+	for bin in redis-server etcd chromium ip prometheus promtool; do command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			echo "installing Debian packages for:$$missing"; \

@@ -199,6 +199,13 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             )
             for kind in ("load", "save")
         }
+        # Every engine's series exist from the start, at 0: rates and alerts on them work
+        # before the first event (a load error, a disk hit) ever happens.
+        for labels in per_engine_labelvalues.values():
+            for counter in self._counters.values():
+                counter.labels(*labels)
+            for histogram in self._latency.values():
+                histogram.labels(*labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
