@@ -1,81 +1,256 @@
-"""The Kubernetes manifests agree with the code they deploy (no cluster runs here: this
-checks what can be checked without one)."""
+"""The Kubernetes manifests: every Kustomize overlay renders with the real ``kubectl
+kustomize``, validates in strict mode (``kubernetes-validate`` for the built-in kinds, the
+pinned Kthena CRD for ModelServing), and agrees with the code it deploys.  No cluster runs
+here: this checks what can be checked without one."""
 
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+import jsonschema
+import pytest
 import yaml
 
 from kvpool.config import CLIENT_ENV, CONNECTOR_ENV, NODE_ENV
 from kvpool.router.config import settings_from
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+ROOT = Path(__file__).resolve().parents[2]
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("single-node", "cluster-etcd", "1p1d")
+KUBERNETES_VERSION = "1.32"
+# Kthena's ModelServing CRD, pinned (see the README beside it), read from the shared
+# directory beside the project (or KVPOOL_KTHENA_CRD); never copied into the project.
+MODELSERVING_CRD = Path(
+    os.environ.get("KVPOOL_KTHENA_CRD")
+    or ROOT.parent / "shared" / "kthena" / "workload.serving.volcano.sh_modelservings.yaml"
+)
 
 
-def documents():
-    for path in sorted(DEPLOY.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                yield doc
+@functools.cache
+def rendered(overlay: str) -> tuple[str, list[dict]]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl (with kustomize v5) is needed to render the manifests"
+    done = subprocess.run(
+        [kubectl, "kustomize", str(KUBERNETES / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr  # no deprecated fields
+    return done.stdout, [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
-def containers(doc):
+def documents(overlay: str) -> list[dict]:
+    return rendered(overlay)[1]
+
+
+def containers(doc: dict) -> list[dict]:
     return doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
 
 
-def by_kind(kind, name):
-    return next(d for d in documents() if d["kind"] == kind and d["metadata"]["name"] == name)
+def by_kind(overlay: str, kind: str, name: str) -> dict:
+    return next(
+        d
+        for d in documents(overlay)
+        if d["kind"] == kind and d["metadata"]["name"].startswith(name)
+    )
 
 
-def test_every_kvpool_variable_is_one_the_code_reads():
+def env_of(container: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def engine_pods(overlay: str) -> list[tuple[str, dict]]:
+    """(name, pod spec) of every engine the overlay runs."""
+    out = []
+    for doc in documents(overlay):
+        if doc["kind"] == "StatefulSet" and doc["metadata"]["name"] == "vllm-engine":
+            out.append(("vllm-engine", doc["spec"]["template"]["spec"]))
+        if doc["kind"] == "ModelServing":
+            for role in doc["spec"]["template"]["roles"]:
+                out.append((role["name"], role["entryTemplate"]["spec"]))
+    assert out, f"{overlay} runs no engine"
+    return out
+
+
+def strict(schema: object) -> object:
+    """Reject unknown fields, as the API server's strict field validation does."""
+    if isinstance(schema, dict):
+        if (
+            schema.get("type") == "object"
+            and "properties" in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema.setdefault("additionalProperties", False)
+        for value in schema.values():
+            strict(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            strict(value)
+    return schema
+
+
+@functools.cache
+def modelserving_validator() -> jsonschema.Draft4Validator:
+    crd = yaml.safe_load(MODELSERVING_CRD.read_text())
+    (version,) = crd["spec"]["versions"]
+    assert crd["spec"]["group"] + "/" + version["name"] == "workload.serving.volcano.sh/v1alpha1"
+    return jsonschema.Draft4Validator(strict(version["schema"]["openAPIV3Schema"]))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_and_validates_strictly(overlay):
+    text, docs = rendered(overlay)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kubernetes_validate",
+            "--strict",
+            "-k",
+            KUBERNETES_VERSION,
+            "-",
+        ],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    # Kinds it has no schema for only warn; the one custom resource is checked below.
+    warnings = [line for line in output.splitlines() if line.startswith("WARN")]
+    assert all("kind ModelServing" in line for line in warnings), warnings
+    validator = modelserving_validator()
+    for doc in docs:
+        if doc["kind"] == "ModelServing":
+            errors = [
+                f"{'.'.join(map(str, e.path))}: {e.message[:200]}"
+                for e in validator.iter_errors(doc)
+            ]
+            assert not errors, errors
+            names = [r["name"] for r in doc["spec"]["template"]["roles"]]
+            assert len(names) == len(set(names))  # a CEL rule the schema cannot check
+
+
+def test_the_modelserving_validator_catches_what_it_should():
+    doc = by_kind("1p1d", "ModelServing", "llama-pd")
+    validator = modelserving_validator()
+    assert not list(validator.iter_errors(doc))
+    broken = yaml.safe_load(yaml.safe_dump(doc))
+    del broken["spec"]["template"]["roles"][0]["workerReplicas"]
+    broken["spec"]["template"]["roles"][1]["replicaz"] = 1
+    messages = " ".join(e.message for e in validator.iter_errors(broken))
+    assert "workerReplicas" in messages and "replicaz" in messages
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_kvpool_variable_is_one_the_code_reads(overlay):
     known = set(NODE_ENV) | set(CLIENT_ENV) | set(CONNECTOR_ENV)
+    pods = [d["spec"]["template"]["spec"] for d in documents(overlay) if containers(d)]
+    pods += [spec for _, spec in engine_pods(overlay)]
     used = {
         e["name"]
-        for d in documents()
-        for c in containers(d)
+        for pod in pods
+        for c in pod["containers"]
         for e in c.get("env", [])
         if e["name"].startswith("KVPOOL_")
     }
     assert used and used <= known, used - known
 
 
-def test_engines_share_the_nodes_run_directory():
-    node = containers(by_kind("DaemonSet", "kvpool-node"))[0]
-    engine = containers(by_kind("Deployment", "vllm-engine"))[0]
-    node_env = {e["name"]: e.get("value") for e in node["env"]}
-    engine_env = {e["name"]: e.get("value") for e in engine["env"]}
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_share_the_nodes_run_directory(overlay):
+    daemonset = by_kind(overlay, "DaemonSet", "kvpool-node")
+    node = containers(daemonset)[0]
+    node_env = env_of(node)
     run_dir = node_env["KVPOOL_RUN_DIR"]
-    node_spec = by_kind("DaemonSet", "kvpool-node")["spec"]["template"]["spec"]
-    engine_spec = by_kind("Deployment", "vllm-engine")["spec"]["template"]["spec"]
-    assert (
-        node_spec["volumes"][0]["hostPath"]["path"]
-        == engine_spec["volumes"][0]["hostPath"]["path"]
-        == run_dir
-    )
-    assert engine_env["KVPOOL_ADDRESS"].startswith(f"unix:{run_dir}/")
-    assert node_env["KVPOOL_ETCD"] == engine_env["KVPOOL_ETCD"]
+    node_volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    assert node_volumes["kvpool-run"]["hostPath"]["path"] == run_dir
     assert {p["httpGet"]["path"] for p in (node["readinessProbe"], node["livenessProbe"])} == {
         "/readyz",
         "/healthz",
     }
+    for name, pod in engine_pods(overlay):
+        engine = pod["containers"][0]
+        engine_env = env_of(engine)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+        assert volumes["kvpool-run"]["hostPath"]["path"] == run_dir == mounts["kvpool-run"], name
+        assert engine_env["KVPOOL_ADDRESS"].startswith(f"unix:{run_dir}/"), name
+        # In a cluster, engines and nodes meet in the same etcd; on one server, in none.
+        assert engine_env.get("KVPOOL_ETCD") == node_env.get("KVPOOL_ETCD"), name
+    if overlay == "single-node":
+        assert "KVPOOL_ETCD" not in node_env
+    else:
+        assert node_env["KVPOOL_ETCD"].startswith("http://kvpool-etcd.")
+        assert by_kind(overlay, "StatefulSet", "kvpool-etcd")
 
 
-def test_the_router_config_is_one_the_router_accepts():
-    config = by_kind("ConfigMap", "kvpool-router")["data"]["router.toml"]
+def test_prefill_saves_and_decode_loads_in_the_modelserving():
+    roles = {
+        r["name"]: r
+        for r in by_kind("1p1d", "ModelServing", "llama-pd")["spec"]["template"]["roles"]
+    }
+    assert set(roles) == {"prefill", "decode"}
+    for name, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        command = " ".join(roles[name]["entryTemplate"]["spec"]["containers"][0]["args"])
+        assert '"kv_connector": "KVPoolConnector"' in command
+        assert f'"kv_role": "{kv_role}"' in command
+        assert roles[name]["workerReplicas"] == 0
+    # The example engines are gone: the ModelServing runs them.
+    assert not [d for d in documents("1p1d") if d["metadata"]["name"] == "vllm-engine"]
+
+
+def router_settings(overlay: str):
+    config = by_kind(overlay, "ConfigMap", "kvpool-router")["data"]["router.toml"]
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
         f.write(config)
         f.flush()
-        settings = settings_from(f.name, {}, [])
-    assert settings.policy == "cache_aware" and len(settings.engines) == 2
-    assert all(e.node for e in settings.engines)
+        return settings_from(f.name, {}, [])
 
 
-def test_the_node_keeps_its_contents_across_a_rolling_update():
-    daemonset = by_kind("DaemonSet", "kvpool-node")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_router_config_is_one_the_router_accepts_and_names_real_services(overlay):
+    settings = router_settings(overlay)
+    services = {d["metadata"]["name"] for d in documents(overlay) if d["kind"] == "Service"}
+    for engine in settings.engines:
+        host = engine.url.split("//", 1)[1].split(":", 1)[0]
+        # <pod>.<service>.<namespace>.svc or <service>.<namespace>.svc
+        service, namespace, svc = host.split(".")[-3:]
+        assert svc == "svc" and namespace == "kvpool", engine.url
+        assert service in services, (engine.url, services)
+    # The router mounts the generated ConfigMap by its generated name.
+    router = by_kind(overlay, "Deployment", "kvpool-router")
+    (volume,) = router["spec"]["template"]["spec"]["volumes"]
+    assert (
+        volume["configMap"]["name"]
+        == by_kind(overlay, "ConfigMap", "kvpool-router")["metadata"]["name"]
+    )
+    roles = sorted(e.role for e in settings.engines)
+    if overlay == "1p1d":
+        assert roles == ["decode", "prefill"]
+    elif overlay == "cluster-etcd":
+        assert settings.policy == "cache_aware" and len(settings.engines) == 2
+        assert all(e.node for e in settings.engines)
+    else:
+        assert roles == ["both"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_node_keeps_its_contents_across_a_rolling_update(overlay):
+    daemonset = by_kind(overlay, "DaemonSet", "kvpool-node")
     spec = daemonset["spec"]["template"]["spec"]
     assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"
     node = containers(daemonset)[0]
-    env = {e["name"]: e.get("value") for e in node["env"]}
+    env = env_of(node)
     host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in node["volumeMounts"]}
     # The arena, its journal and the disk tier live on hostPaths, which outlive the pod.
