@@ -90,6 +90,15 @@ def _planes_of(name: str, cache: Any, num_blocks: int | None) -> list[Plane]:
     return [dense_plane(cache, name)]
 
 
+def _settle(device: torch.device) -> None:
+    """Wait until the calling thread's copies into ``device`` have run: a plane reported
+    loaded must be there before another stream's attention reads it."""
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_stream"):
+            module.current_stream(device).synchronize()
+
+
 class PagedLayout:
     """Gather and scatter whole blocks between a worker's paged KV cache and pool blocks."""
 
@@ -214,9 +223,10 @@ class PagedLayout:
         if self._combined is not None:
             combined = rows.view(len(block_ids), self.num_planes, self.page_elems)
             self._combined.index_copy_(0, ids, combined.to(self.device))
-            return
-        for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
-            plane.view.index_copy_(0, ids, rows[:, start:end].to(self.device))
+        else:
+            for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
+                plane.view.index_copy_(0, ids, rows[:, start:end].to(self.device))
+        _settle(self.device)
 
     def gather_planes(
         self, planes: Sequence[int], block_ids: torch.Tensor, out: torch.Tensor
@@ -237,6 +247,7 @@ class PagedLayout:
         for index in planes:
             start, end = self.plane_bounds[index]
             self.planes[index].view.index_copy_(0, ids, rows[:, start:end].to(self.device))
+        _settle(self.device)
 
     def describe(self) -> str:
         itemsize = self.planes[0].view.element_size()
