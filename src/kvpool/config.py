@@ -136,6 +136,10 @@ class NodeConfig:
     etcd_prefix: str = DEFAULT_ETCD_PREFIX
     etcd_ttl_s: int = DEFAULT_ETCD_TTL_S
     replicas: int = DEFAULT_REPLICAS
+    kv_events: str = ""  # a ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 ("": off)
+    kv_events_replay: str = ""  # a ZMQ ROUTER endpoint that replays them
+    kv_events_topic: str = ""
+    kv_events_encoding: str = "map"  # "map" (vLLM since mid-2026) or "array" (before)
 
     @property
     def node_dir(self) -> Path:
@@ -187,6 +191,10 @@ class NodeConfig:
             raise ConfigError("the disk tier needs both --disk PATH and --disk-size")
         if self.disk_bytes < 0:
             raise ConfigError("--disk-size must be positive")
+        if self.kv_events_encoding not in ("map", "array"):
+            raise ConfigError("--kv-events-encoding must be map or array")
+        if self.kv_events_replay and not self.kv_events:
+            raise ConfigError("--kv-events-replay needs --kv-events")
         for port in (self.port, self.admin_port):
             if not 0 <= port < 65536:
                 raise ConfigError(f"invalid port {port}")
@@ -326,6 +334,10 @@ NODE_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_FRESH": ("fresh", parse_bool),
     "KVPOOL_DISK": ("disk_path", str),
     "KVPOOL_DISK_SIZE": ("disk_bytes", parse_size),
+    "KVPOOL_KV_EVENTS": ("kv_events", str),
+    "KVPOOL_KV_EVENTS_REPLAY": ("kv_events_replay", str),
+    "KVPOOL_KV_EVENTS_TOPIC": ("kv_events_topic", str),
+    "KVPOOL_KV_EVENTS_ENCODING": ("kv_events_encoding", str),
     # The most a pin or a reservation lasts (kvpool.timing.LeasePolicy), whatever a client
     # asks for: what a dead or stalled client can hold, and the longest a single GET or PUT
     # payload may take to stream.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from typing import Annotated
 
 import msgspec
 
@@ -82,6 +83,19 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
         """The pool keys of an ordered list of block hashes (a prefix)."""
         ns_id = self.id
         return [block_key(ns_id, h) for h in block_hashes]
+
+
+MAX_TOKENS_PER_BLOCK = 4096
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
+class BlockOrigin(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a block was computed from, carried with its save so that the pool can tell
+    routers that index blocks by their tokens (KV events): its token ids, and the hash of
+    the block before it in its prefix (empty for a prefix's first block)."""
+
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS_PER_BLOCK)]
+    parent: Annotated[bytes, msgspec.Meta(max_length=MAX_BLOCK_ID_BYTES)] = b""
 
 
 def block_key(namespace_id: bytes, block_hash: bytes) -> bytes:

@@ -82,6 +82,22 @@ def serve(
             "--fresh", help="Start empty: drop what an earlier daemon left (arena and disk)."
         ),
     ] = False,
+    kv_events: Annotated[
+        str | None,
+        typer.Option(
+            help="Publish KV events (vLLM's format) on this ZMQ endpoint, e.g. tcp://*:5557."
+        ),
+    ] = None,
+    kv_events_replay: Annotated[
+        str | None, typer.Option(help="A ZMQ ROUTER endpoint that replays KV events.")
+    ] = None,
+    kv_events_topic: Annotated[
+        str | None, typer.Option(help="The KV events' topic, e.g. kv@<pod>@<model>.")
+    ] = None,
+    kv_events_encoding: Annotated[
+        str | None,
+        typer.Option(help="map (vLLM since mid-2026) or array (earlier vLLM releases)."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a node daemon: a shared-memory arena served over a Unix socket and TCP.
@@ -111,6 +127,10 @@ def serve(
         "disk_path": disk,
         "disk_bytes": parse_size(disk_size) if disk_size else None,
         "fresh": fresh or None,
+        "kv_events": kv_events,
+        "kv_events_replay": kv_events_replay,
+        "kv_events_topic": kv_events_topic,
+        "kv_events_encoding": kv_events_encoding,
     }
     config = node_config_from(overrides)
     run_daemon(config)

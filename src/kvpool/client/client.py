@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, UsageError
-from kvpool.keys import Namespace
+from kvpool.keys import BlockOrigin, Namespace
 from kvpool.protocol.messages import Health, NodeStats
 
 from . import ops
@@ -160,14 +160,21 @@ class Client:
         return self._require_local().exists(keys, timeout=timeout)
 
     def put(
-        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        timeout: float | None = None,
+        origins: Sequence[BlockOrigin | None] | None = None,
     ) -> PutResult:
-        """Store one block per key: on the local node, written through to the keys' homes."""
+        """Store one block per key: on the local node, written through to the keys' homes.
+        ``origins``, per key: what the block was computed from (token ids and the parent's
+        hash), which the node's KV events tell routers; the local node keeps them."""
         views = ops.check_buffers(keys, values, writable=False) or []
         if self.cluster is not None:
-            return self.cluster.put(keys, views, self._deadline(timeout))
+            return self.cluster.put(keys, views, self._deadline(timeout), origins)
         return self._require_local().put(
-            keys, views, replicate=self.config.write_rcache, timeout=timeout
+            keys, views, replicate=self.config.write_rcache, timeout=timeout, origins=origins
         )
 
     def get(
@@ -200,7 +207,9 @@ class Client:
         memory on the node's host, private buffers elsewhere); ``commit()`` publishes them.
         Keys already stored or being written get no view."""
         if self.local is None:
-            return WriteLease.buffered(keys, sizes, lambda ks, vs, t: self.put(ks, vs, timeout=t))
+            return WriteLease.buffered(
+                keys, sizes, lambda ks, vs, t, o: self.put(ks, vs, timeout=t, origins=o)
+            )
         return WriteLease.open(self.local, keys, sizes, self.config.write_rcache, timeout)
 
     def acquire(

@@ -26,12 +26,16 @@ from typing import Any
 
 from kvpool import checksum as ck
 from kvpool.errors import Status, UsageError
+from kvpool.keys import BlockOrigin
 
 from . import ops, shm
 from .connection import Connection
 from .node import NodeClient
 
-SendBlocks = Callable[[list[bytes], list[memoryview], float | None], ops.PutResult]
+SendBlocks = Callable[
+    [list[bytes], list[memoryview], float | None, list[BlockOrigin | None] | None],
+    ops.PutResult,
+]
 
 
 def _deadline(node: NodeClient, timeout: float | None) -> float:
@@ -85,7 +89,9 @@ class WriteLease(_Lease):
         self,
         slots: shm.Slots,
         base: Any,
-        commit: Callable[[list[int | None], float | None], ops.PutResult],
+        commit: Callable[
+            [list[int | None], float | None, list[BlockOrigin | None] | None], ops.PutResult
+        ],
         abort: Callable[[], None],
     ) -> None:
         super().__init__(slots, base)
@@ -101,10 +107,13 @@ class WriteLease(_Lease):
         n = len(keys)
         slots = shm.Slots(list(keys), 0, [Status.OK] * n, offsets, views, [], 0)
 
-        def commit(_: list[int | None], timeout: float | None) -> ops.PutResult:
+        def commit(
+            _: list[int | None], timeout: float | None, origins: list[BlockOrigin | None] | None
+        ) -> ops.PutResult:
             present = [i for i, v in enumerate(views) if v is not None]
             blocks = [v for v in views if v is not None]
-            return send([slots.keys[i] for i in present], blocks, timeout)
+            kept = [origins[i] for i in present] if origins is not None else None
+            return send([slots.keys[i] for i in present], blocks, timeout, kept)
 
         lease = cls(slots, area, commit, lambda: None)
         lease.is_shm = False
@@ -126,7 +135,9 @@ class WriteLease(_Lease):
         if conn.arena is None:  # another host: private buffers, sent on commit
             node.release(conn)
             return cls.buffered(
-                keys, sizes, lambda ks, vs, t: node.put(ks, vs, replicate=replicate, timeout=t)
+                keys,
+                sizes,
+                lambda ks, vs, t, o: node.put(ks, vs, replicate=replicate, timeout=t, origins=o),
             )
         try:
             slots = conn.run(shm.reserve_slots(keys, sizes, conn.arena), deadline)
@@ -147,8 +158,12 @@ class WriteLease(_Lease):
             finally:
                 node.release(conn)
 
-        def commit(checksums: list[int | None], timeout: float | None) -> ops.PutResult:
-            result = finish(shm.commit_slots(slots, checksums, replicate), timeout)
+        def commit(
+            checksums: list[int | None],
+            timeout: float | None,
+            origins: list[BlockOrigin | None] | None,
+        ) -> ops.PutResult:
+            result = finish(shm.commit_slots(slots, checksums, replicate, origins), timeout)
             return result if result is not None else ops.PutResult(slots.statuses)
 
         return cls(slots, conn.arena, commit, lambda: finish(ops.abort(slots.slot_id), None))
@@ -157,13 +172,19 @@ class WriteLease(_Lease):
         """All the views as one adjacent region, if they are (so one copy fills them)."""
         return _extent(self.views, self.offsets, self._base)
 
-    def commit(self, timeout: float | None = None) -> ops.PutResult:
-        """Checksum the filled views and publish them; returns a status per key."""
+    def commit(
+        self, timeout: float | None = None, origins: Sequence[BlockOrigin | None] | None = None
+    ) -> ops.PutResult:
+        """Checksum the filled views and publish them; returns a status per key.
+        ``origins``, per key: what the block was computed from (the node's KV events say
+        it to routers), if known."""
         if self._done:
             raise UsageError("lease already committed or aborted")
+        if origins is not None and len(origins) != len(self.keys):
+            raise UsageError(f"{len(self.keys)} keys but {len(origins)} origins")
         self._done = True
         checksums = [ck.checksum(v) if v is not None else None for v in self.views]
-        return self._commit(checksums, timeout)
+        return self._commit(checksums, timeout, list(origins) if origins is not None else None)
 
     def abort(self) -> None:
         """Give the reserved space back without publishing anything."""

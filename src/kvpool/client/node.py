@@ -14,7 +14,8 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 from kvpool.config import Address, ClientConfig
-from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout
+from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
+from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import Health, NodeStats, Welcome
 
 from . import ops, shm
@@ -187,13 +188,16 @@ class NodeClient:
         *,
         replicate: bool = True,
         timeout: float | None = None,
+        origins: Sequence[BlockOrigin | None] | None = None,
     ) -> ops.PutResult:
         if not keys:
             return ops.PutResult([])
+        if origins is not None and len(origins) != len(keys):
+            raise UsageError(f"{len(keys)} keys but {len(origins)} origins")
         return self.call(
             _shm_or_stream(
-                lambda arena: shm.put_shm(keys, views, arena, replicate),
-                lambda: ops.put_stream(keys, views, replicate),
+                lambda arena: shm.put_shm(keys, views, arena, replicate, origins),
+                lambda: ops.put_stream(keys, views, replicate, origins),
             ),
             timeout,
         )

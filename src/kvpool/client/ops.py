@@ -31,6 +31,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     UsageError,
 )
+from kvpool.keys import BlockOrigin
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CHECKSUM_BYTES,
@@ -240,13 +241,21 @@ def presence(keys: Sequence[bytes]) -> Op_[tuple[list[bool], list[bool]]]:
 
 
 def put_stream(
-    keys: Sequence[bytes], views: Sequence[memoryview], replicate: bool
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+    replicate: bool,
+    origins: Sequence[BlockOrigin | None] | None = None,
 ) -> Op_[PutResult]:
     """Send the blocks inline (another host, or no shared arena).  Each block goes out right
     after its checksum is computed, so hashing one overlaps the transfer of the last."""
     sizes = [len(v) for v in views]
     total = sum(sizes) + CHECKSUM_BYTES * len(sizes)
-    request = PutRequest(keys=list(keys), sizes=sizes, replicate=replicate)
+    request = PutRequest(
+        keys=list(keys),
+        sizes=sizes,
+        replicate=replicate,
+        origins=list(origins) if origins is not None else None,
+    )
     yield Request(Op.PUT, request, payload_len=total)
     for view in views:
         digest = yield Compute(partial(ck.checksum, view), len(view))

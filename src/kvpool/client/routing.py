@@ -27,7 +27,7 @@ from kvpool.cluster.membership import Member
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, NodeUnavailable, PoolTimeout, Status, TransportError
-from kvpool.keys import Namespace
+from kvpool.keys import BlockOrigin, Namespace
 from kvpool.protocol.messages import Health, NodeStats
 from kvpool.stats import TIER_REMOTE
 from kvpool.timing import MIN_SECOND_ROUND_S
@@ -146,9 +146,17 @@ class ClusterClient:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], views: Sequence[memoryview], deadline: float) -> PutResult:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        deadline: float,
+        origins: Sequence[BlockOrigin | None] | None = None,
+    ) -> PutResult:
         result, answered = self._local(
-            lambda node, t: node.put(keys, views, replicate=self.config.write_rcache, timeout=t),
+            lambda node, t: node.put(
+                keys, views, replicate=self.config.write_rcache, timeout=t, origins=origins
+            ),
             PutResult([Status.UNAVAILABLE] * len(keys)),
             deadline,
         )

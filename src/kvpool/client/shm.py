@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvpool import checksum as ck
 from kvpool.errors import ProtocolError, Status
+from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import (
     CommitRequest,
     Op,
@@ -99,11 +100,20 @@ def reserve_slots(
     )
 
 
-def commit_slots(slots: Slots, checksums: Sequence[int | None], replicate: bool) -> Op_[PutResult]:
+def commit_slots(
+    slots: Slots,
+    checksums: Sequence[int | None],
+    replicate: bool,
+    origins: Sequence[BlockOrigin | None] | None = None,
+) -> Op_[PutResult]:
     """Publish the filled slots (a ``None`` checksum drops that one); the statuses of the
-    reservation and of the commit, merged."""
+    reservation and of the commit, merged.  ``origins``: what each block was computed from
+    (for the node's KV events), if the writer knows."""
     request = CommitRequest(
-        reservation_id=slots.slot_id, checksums=list(checksums), replicate=replicate
+        reservation_id=slots.slot_id,
+        checksums=list(checksums),
+        replicate=replicate,
+        origins=list(origins) if origins is not None else None,
     )
     yield Request(Op.COMMIT, request)
     response, _ = yield Recv(Op.COMMIT, StatusResponse)
@@ -150,7 +160,11 @@ def verify_slots(keys: Sequence[bytes], slots: Slots, checksums: Sequence[int | 
 
 
 def put_shm(
-    keys: Sequence[bytes], views: Sequence[memoryview], arena: memoryview, replicate: bool
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+    arena: memoryview,
+    replicate: bool,
+    origins: Sequence[BlockOrigin | None] | None = None,
 ) -> Op_[PutResult]:
     """Reserve arena slots, copy the blocks in directly, then commit them."""
     slots = yield from reserve_slots(keys, [len(v) for v in views], arena)
@@ -170,7 +184,7 @@ def put_shm(
     if isinstance(checksums, BaseException):
         yield from abort(slots.slot_id)
         raise checksums
-    return (yield from commit_slots(slots, checksums, replicate))
+    return (yield from commit_slots(slots, checksums, replicate, origins))
 
 
 def get_shm(

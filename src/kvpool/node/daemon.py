@@ -36,6 +36,7 @@ from kvpool.store.pool import BlockStore
 
 if TYPE_CHECKING:
     from kvpool.node.cluster_agent import NodeAgent
+    from kvpool.node.events import KVEventPublisher
 
 log = logging.getLogger("kvpool.node")
 
@@ -52,6 +53,7 @@ class Daemon:
         self.store: BlockStore | None = None
         self.server: NodeServer | None = None
         self.cluster: NodeAgent | None = None
+        self.events: KVEventPublisher | None = None
         self._admin: Any = None
         self.admin_port = config.admin_port
         self._stopped = asyncio.Event()
@@ -92,6 +94,20 @@ class Daemon:
                 journal=self.journal,
                 spill=writeback,
             )
+            if config.kv_events:
+                from kvpool.node.events import EventsConfig, KVEventPublisher
+
+                self.events = KVEventPublisher(
+                    EventsConfig(
+                        config.kv_events,
+                        config.kv_events_replay,
+                        config.kv_events_topic,
+                        config.kv_events_encoding,
+                    )
+                )
+                store.events = self.events
+                if not store.counters.adopted:
+                    self.events.cleared()  # whatever an earlier daemon announced is gone
             tiers = Tiers(store, arena, self.disk, writeback)
             if config.peers or config.etcd:
                 from kvpool.node.cluster_agent import NodeAgent
@@ -137,6 +153,8 @@ class Daemon:
             "adopted_blocks": self.store.counters.adopted,
             "disk_blocks": len(self.disk) if self.disk is not None else 0,
             "started_in_s": round(self.started_in_s, 3),
+            "kv_events": self.events.endpoint if self.events is not None else "",
+            "kv_events_replay": self.events.replay_endpoint if self.events is not None else "",
         }
 
     def is_ready(self) -> bool:
@@ -158,6 +176,11 @@ class Daemon:
         if self.server is not None:
             await self.server.stop()  # writes back what is queued for disk
             self.server = None
+        if self.events is not None:
+            if self._drain:
+                self.events.cleared()
+            self.events.close()
+            self.events = None
         if self.journal is not None:
             self.journal.close(remove=self._drain)
             self.journal = None

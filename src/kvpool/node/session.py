@@ -36,6 +36,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     status_for_error,
 )
+from kvpool.keys import BlockOrigin
 from kvpool.protocol import auth
 from kvpool.protocol import messages as msg
 from kvpool.protocol.channel import AsyncChannel, PeerClosed
@@ -199,9 +200,13 @@ class Session:
     # -- the write path: reserve -> (fill) -> commit ----------------------------------------
 
     def _commit(
-        self, reservation_id: int, checksums: Sequence[int | None], replicate: bool
+        self,
+        reservation_id: int,
+        checksums: Sequence[int | None],
+        replicate: bool,
+        origins: Sequence[BlockOrigin | None] | None = None,
     ) -> CommitResult:
-        result = self.store.commit(reservation_id, checksums, self.owner)
+        result = self.store.commit(reservation_id, checksums, self.owner, origins)
         self.server.bytes_in += result.num_bytes
         if replicate and result.committed:
             self.server.replicate([b.key for b in result.committed])
@@ -220,7 +225,7 @@ class Session:
         await self._reply(header, Op.RESERVE, response)
 
     async def _commit_request(self, header: FrameHeader, req: msg.CommitRequest) -> None:
-        result = self._commit(req.reservation_id, req.checksums, req.replicate)
+        result = self._commit(req.reservation_id, req.checksums, req.replicate, req.origins)
         await self._reply(header, Op.COMMIT, _statuses(result.statuses))
 
     async def _abort(self, header: FrameHeader, req: msg.AbortRequest) -> None:
@@ -257,7 +262,7 @@ class Session:
                     statuses[i] = Status.CHECKSUM_MISMATCH
                     checksums.append(None)
         if result.reservation_id:
-            self._commit(result.reservation_id, checksums, req.replicate)
+            self._commit(result.reservation_id, checksums, req.replicate, req.origins)
         await self._reply(header, Op.PUT, _statuses(statuses))
 
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------

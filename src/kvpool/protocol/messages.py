@@ -36,7 +36,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES
+from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.stats import NamespaceStats, TierStats
 
 PROTOCOL_VERSION = 1
@@ -58,6 +58,9 @@ Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_BYTES)]
 Sizes = Annotated[list[Size], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 Checksum = Annotated[int, msgspec.Meta(ge=0)]  # a uint64
 Checksums = Annotated[list[Checksum], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+# Per key, what the block was computed from (None where the writer does not say): the
+# node's KV events carry it.  The frame's header bound (MAX_META_BYTES) bounds the total.
+Origins = Annotated[list[BlockOrigin | None], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 Statuses = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 Offsets = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
@@ -145,6 +148,7 @@ class PutRequest(Message):
     keys: Keys
     sizes: Sizes
     replicate: bool = True  # write through to the keys' home nodes
+    origins: Origins | None = None
 
 
 class StatusResponse(Message):
@@ -179,6 +183,7 @@ class CommitRequest(Message):
     reservation_id: int
     checksums: Annotated[list[Checksum | None], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     replicate: bool = True
+    origins: Origins | None = None
 
 
 class AbortRequest(Message):

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool.keys import BlockOrigin
 
 
 class BlockState(enum.IntEnum):
@@ -38,6 +41,7 @@ class Block:
     checksum: int = 0
     num_pins: int = 0
     num_reads: int = 0  # pins since it was committed (the admission policy's evidence)
+    origin: BlockOrigin | None = None  # what it was computed from, if its writer said (events)
 
     @property
     def is_readable(self) -> bool:
@@ -66,3 +70,21 @@ class Pin:
     owner: int
     blocks: list[Block]
     deadline: float
+
+
+# -- what is told of blocks ---------------------------------------------------------------
+
+
+class SpillTarget(Protocol):
+    """A lower tier that evicted blocks can be handed to."""
+
+    def offer(self, block: Block) -> bool:
+        """Copy the block out now (its memory is freed when this returns), or refuse."""
+
+
+class StoreEvents(Protocol):
+    """Told of every block that becomes visible or leaves (the node's KV events)."""
+
+    def stored(self, block: Block) -> None: ...
+
+    def removed(self, block: Block) -> None: ...

@@ -35,23 +35,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
-from typing import Protocol
 
 from kvpool.errors import BadRequest, LeaseExpired, Status
+from kvpool.keys import BlockOrigin
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
-from kvpool.store.block import Block, BlockState, Pin, Reservation
+from kvpool.store.block import Block, BlockState, Pin, Reservation, SpillTarget, StoreEvents
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.namespaces import NamespaceTable
 from kvpool.timing import LeasePolicy
-
-
-class SpillTarget(Protocol):
-    """A lower tier that evicted blocks can be handed to."""
-
-    def offer(self, block: Block) -> bool:
-        """Copy the block out now (its memory is freed when this returns), or refuse."""
-
 
 Clock = Callable[[], float]
 
@@ -126,6 +118,7 @@ class BlockStore:
         self.counters = StoreCounters()
         self.namespaces = NamespaceTable()
         self.on_change: Callable[[], None] | None = None
+        self.events: StoreEvents | None = None
         self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
         self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
         self._reservations: dict[int, Reservation] = {}
@@ -213,9 +206,14 @@ class BlockStore:
         return ReserveResult(reservation_id, statuses, blocks, granted)
 
     def commit(
-        self, reservation_id: int, checksums: Sequence[int | None], owner: int
+        self,
+        reservation_id: int,
+        checksums: Sequence[int | None],
+        owner: int,
+        origins: Sequence[BlockOrigin | None] | None = None,
     ) -> CommitResult:
-        """Make the reserved blocks visible; a ``None`` checksum aborts that block."""
+        """Make the reserved blocks visible; a ``None`` checksum aborts that block.
+        ``origins`` (per block, optional) say what each was computed from."""
         reservation = self._reservations.get(reservation_id)
         if reservation is None or reservation.owner != owner:
             raise LeaseExpired(f"reservation {reservation_id} expired or was aborted")
@@ -223,15 +221,18 @@ class BlockStore:
             raise BadRequest(
                 f"{len(checksums)} checksums for a reservation of {len(reservation.blocks)}"
             )
+        if origins is not None and len(origins) != len(checksums):
+            raise BadRequest(f"{len(origins)} origins for {len(checksums)} checksums")
         self._forget_reservation(reservation)
         result = CommitResult([])
-        for block, checksum in zip(reservation.blocks, checksums, strict=True):
+        for i, (block, checksum) in enumerate(zip(reservation.blocks, checksums, strict=True)):
             if block is None:
                 result.statuses.append(Status.NOT_FOUND)
             elif checksum is None:
                 self._fail(block)
                 result.statuses.append(Status.NOT_FOUND)
             else:
+                block.origin = origins[i] if origins is not None else None
                 self._commit(block, checksum)
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
@@ -265,6 +266,8 @@ class BlockStore:
         self.eviction.touch(block.key)
         self.namespaces.added(block.key, block.size)
         self.counters.puts += 1
+        if self.events is not None:
+            self.events.stored(block)
 
     def _fail(self, block: Block) -> None:
         block.state = BlockState.FAILED
@@ -393,6 +396,8 @@ class BlockStore:
         self.committed_bytes -= block.size
         self.num_committed -= 1
         self.namespaces.removed(block.key, block.size)
+        if self.events is not None:
+            self.events.removed(block)
         if block.num_pins == 0:
             self.allocator.free(block.offset)
 

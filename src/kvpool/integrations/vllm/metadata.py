@@ -16,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvpool.keys import BlockOrigin
+
 
 @dataclass
 class TransferJob:
@@ -24,6 +26,9 @@ class TransferJob:
     req_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
+    # Saves: what each block was computed from (its tokens, its parent's hash), which the
+    # node's KV events tell routers.
+    origins: list[BlockOrigin] | None = None
 
 
 @dataclass

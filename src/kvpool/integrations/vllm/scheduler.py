@@ -32,7 +32,7 @@ from typing import Any
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
 from kvpool.errors import KVPoolError
-from kvpool.keys import Namespace
+from kvpool.keys import BlockOrigin, Namespace
 from kvpool.stats import TIER_NAMES
 
 from .config import ConnectorConfig
@@ -236,7 +236,23 @@ class KVPoolScheduler:
             return None
         state.next_save_block = last
         hashes = [bytes(h) for h in request.block_hashes[first:last]]
-        return TransferJob(req_id, list(block_ids[first:last]), hashes)
+        return TransferJob(
+            req_id, list(block_ids[first:last]), hashes, self._origins(request, first, last)
+        )
+
+    def _origins(self, request: Any, first: int, last: int) -> list[BlockOrigin] | None:
+        """Each block's tokens and its parent's hash, for the node's KV events."""
+        tokens = getattr(request, "all_token_ids", None)
+        if tokens is None:
+            return None
+        bs = self.block_size
+        return [
+            BlockOrigin(
+                token_ids=list(tokens[i * bs : (i + 1) * bs]),
+                parent=bytes(request.block_hashes[i - 1]) if i > 0 else b"",
+            )
+            for i in range(first, last)
+        ]
 
     def _block_ids(self, scheduler_output: Any, req_id: str) -> list[int] | None:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)

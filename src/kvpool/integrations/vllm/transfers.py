@@ -13,6 +13,7 @@ import torch
 
 from kvpool.client.leases import ReadLease, WriteLease
 from kvpool.errors import KVPoolError
+from kvpool.keys import BlockOrigin
 
 from .layouts import PagedLayout
 from .metadata import TransferJob
@@ -142,8 +143,15 @@ class StepSave:
     the paged cache for this save any more.
     """
 
-    def __init__(self, keys: list[bytes], block_ids: list[int], started: float):
+    def __init__(
+        self,
+        keys: list[bytes],
+        block_ids: list[int],
+        started: float,
+        origins: list[BlockOrigin] | None = None,
+    ):
         self.keys = keys
+        self.origins = origins
         self.block_ids = block_ids
         self.started = started
         self.lock = threading.Lock()

@@ -39,7 +39,7 @@ from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
 from kvpool.client.leases import WriteLease
 from kvpool.errors import ConfigError, KVPoolError
-from kvpool.keys import Namespace
+from kvpool.keys import BlockOrigin, Namespace
 
 from .config import ConnectorConfig
 from .layouts import PagedLayout
@@ -234,7 +234,12 @@ class KVPoolWorker:
         if busy:
             return  # the pool is behind: these blocks stay computable, the step goes on
         keys = self.namespace.keys([h for job in jobs for h in job.block_hashes])
-        save = StepSave(keys, block_ids, time.perf_counter())
+        origins = (
+            [o for job in jobs for o in job.origins or ()]
+            if all(job.origins is not None for job in jobs)
+            else None
+        )
+        save = StepSave(keys, block_ids, time.perf_counter(), origins)
         self._step_save = (save, self._saver.submit(save.reserve, self))
 
     def _finish_save(self, save: StepSave, reserved: Future[None]) -> None:
@@ -262,14 +267,22 @@ class KVPoolWorker:
         if lease is None:
             return
         # The pages are copied out: the rest (checksums, commit) need not hold up the step.
-        future = self._committer.submit(self._commit, lease, len(save.wanted), save.started)
+        future = self._committer.submit(
+            self._commit, lease, len(save.wanted), save.started, save.origins
+        )
         with self._lock:
             self._saving.add(future)
         future.add_done_callback(self._saving_done)
 
-    def _commit(self, lease: WriteLease, num_blocks: int, started: float) -> None:
+    def _commit(
+        self,
+        lease: WriteLease,
+        num_blocks: int,
+        started: float,
+        origins: list[BlockOrigin] | None = None,
+    ) -> None:
         try:
-            result = lease.commit(timeout=self.config.transfer_timeout_s)
+            result = lease.commit(timeout=self.config.transfer_timeout_s, origins=origins)
         except KVPoolError as exc:
             self.health.report_failure(exc)
             with self._lock:
