@@ -278,3 +278,54 @@ def test_origins_are_bounded_and_a_bad_one_loses_nothing(start_node):
         assert client.exists(NS.keys(hashes[:1])) == [False]
         # The node goes on serving, and a good save still lands.
         assert client.put(NS.keys(hashes), [b"q" * 64] * 2, origins=origins).all_stored
+
+
+def test_blocks_written_back_to_disk_move_from_cpu_to_storage(start_node, tmp_path):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    node = start_node(
+        name="ev-disk",
+        memory="8MiB",
+        extra=[
+            "--disk",
+            str(tmp_path / "disk"),
+            "--disk-size",
+            "16MiB",  # four 4 MiB segments
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+        ],
+    )
+    sub = Subscriber(node.info["kv_events"])
+    decoder = vllm_decoder()
+    _, hashes, origins = prompt_blocks(7, 40)
+    with Client(node.unix_address, timeout=10) as client:
+        for i in range(40):  # 40 MiB through 8 MiB of DRAM and 16 MiB of disk
+            client.put(NS.keys(hashes[i : i + 1]), [b"d" * (1 << 20)], origins=origins[i : i + 1])
+            time.sleep(0.02)
+
+    def events_of(frames):
+        return [e for f in frames for e in decoder.decode(f[2]).events]
+
+    def of(frames, kind, medium):
+        return [
+            h
+            for e in events_of(frames)
+            if isinstance(e, kind) and e.medium == medium
+            for h in e.block_hashes
+        ]
+
+    frames = sub.frames(
+        lambda got: (
+            len(of(got, BlockStored, "STORAGE")) >= 8 and len(of(got, BlockRemoved, "STORAGE")) >= 1
+        )
+    )
+    left_dram = set(of(frames, BlockRemoved, "CPU"))
+    by_hash = {ext(h): o for h, o in zip(hashes, origins, strict=True)}
+    stored = [e for e in events_of(frames) if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+    for event in stored:
+        (h,) = event.block_hashes
+        assert h in left_dram  # written back after it left DRAM
+        assert event.token_ids == by_hash[h].token_ids  # with what it was computed from
+    # The disk tier evicts whole segments, oldest first: those blocks leave STORAGE.
+    assert set(of(frames, BlockRemoved, "STORAGE")) <= set(of(frames, BlockStored, "STORAGE"))
+    sub.close()

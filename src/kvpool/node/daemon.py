@@ -95,7 +95,7 @@ class Daemon:
                 spill=writeback,
             )
             if config.kv_events:
-                from kvpool.node.events import EventsConfig, KVEventPublisher
+                from kvpool.node.events import MEDIUM_STORAGE, EventsConfig, KVEventPublisher
 
                 self.events = KVEventPublisher(
                     EventsConfig(
@@ -106,6 +106,10 @@ class Daemon:
                     )
                 )
                 store.events = self.events
+                if writeback is not None and self.disk is not None:
+                    writeback.events = self.events
+                    events = self.events
+                    self.disk.on_removed = lambda keys: events.removed_keys(keys, MEDIUM_STORAGE)
                 if not store.counters.adopted:
                     self.events.cleared()  # whatever an earlier daemon announced is gone
             tiers = Tiers(store, arena, self.disk, writeback)

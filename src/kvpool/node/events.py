@@ -13,7 +13,9 @@ node's describe the pool, ``medium`` ``"CPU"`` (its DRAM).
   buffered batch from there, then ``[b"", -1, b""]``.
 - Events: ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
   ``block_size``, ``lora_id``, ``medium``), ``BlockRemoved`` (``block_hashes``, ``medium``),
-  ``AllBlocksCleared`` (a node that starts empty).
+  ``AllBlocksCleared`` (a node that starts empty, or is drained).  ``medium`` is ``"CPU"``
+  for the DRAM arena and ``"STORAGE"`` for the disk tier: a block evicted from DRAM and
+  written back is removed from one and stored in the other.
 - Encodings (``encoding``): ``map``, vLLM's since mid-2026 (each event a map with a
   ``"type"`` field), or ``array``, the earlier one (each event an array led by its type's
   name).  A router with the other decoder sees no hits at all, so choose the one it reads.
@@ -39,13 +41,14 @@ from typing import Any
 
 import msgspec
 
-from kvpool.keys import NAMESPACE_ID_BYTES
+from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.store.block import Block
 
 log = logging.getLogger("kvpool.node")
 
 ENCODINGS = ("map", "array")
 MEDIUM_DRAM = "CPU"
+MEDIUM_STORAGE = "STORAGE"  # the disk tier
 MAX_QUEUED = 100_000
 MAX_BATCH_EVENTS = 1024
 FLUSH_S = 0.02  # events wait at most this long for others to share their batch
@@ -157,31 +160,35 @@ class KVEventPublisher:
     # -- the store's hooks (on the event loop: never block) --------------------------------
 
     def stored(self, block: Block) -> None:
-        origin = block.origin
+        self.stored_key(block.key, block.origin, MEDIUM_DRAM)
+
+    def removed(self, block: Block) -> None:
+        self.removed_keys([block.key], MEDIUM_DRAM)
+
+    def stored_key(self, key: bytes, origin: BlockOrigin | None, medium: str) -> None:
+        """A block now in ``medium`` (thread-safe, never blocks)."""
         if origin is not None:
             parent = external_hash(origin.parent) if origin.parent else None
             tokens = list(origin.token_ids)
         else:
             parent, tokens = None, []
         fields: dict[str, Any] = {
-            "block_hashes": [external_hash(block.key[NAMESPACE_ID_BYTES:])],
+            "block_hashes": [external_hash(key[NAMESPACE_ID_BYTES:])],
             "parent_block_hash": parent,
             "token_ids": tokens,
             "block_size": len(tokens),
             "lora_id": None,
-            "medium": MEDIUM_DRAM,
+            "medium": medium,
         }
         if self._stored_cls is _Stored:
             fields["lora_name"] = None
         event = self._stored_cls(**fields)
         self._put(event)
 
-    def removed(self, block: Block) -> None:
-        self._put(
-            self._removed_cls(
-                block_hashes=[external_hash(block.key[NAMESPACE_ID_BYTES:])], medium=MEDIUM_DRAM
-            )
-        )
+    def removed_keys(self, keys: list[bytes], medium: str) -> None:
+        """Blocks gone from ``medium`` (thread-safe, never blocks)."""
+        hashes = [external_hash(key[NAMESPACE_ID_BYTES:]) for key in keys]
+        self._put(self._removed_cls(block_hashes=hashes, medium=medium))
 
     def cleared(self) -> None:
         self._put(self._cleared_cls())

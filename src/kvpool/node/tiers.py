@@ -25,6 +25,8 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvpool.keys import BlockOrigin
+from kvpool.node.events import MEDIUM_STORAGE, KVEventPublisher
 from kvpool.stats import TIER_DISK, TIER_DRAM, TierStats
 from kvpool.store.admission import AdmissionPolicy, ReusedFirst
 from kvpool.store.arena import Arena
@@ -61,6 +63,9 @@ class WriteBack:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # What queued blocks were computed from, until they are written (KV events).
+        self._origins: dict[bytes, BlockOrigin] = {}
+        self.events: KVEventPublisher | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvpool-writeback", daemon=True)
@@ -85,6 +90,8 @@ class WriteBack:
             self._unwritten_bytes += block.size
         view = memoryview(buffer)[: block.size]
         view[:] = self.arena.slice(block.offset, block.size)
+        if block.origin is not None:
+            self._origins[block.key] = block.origin
         with self._cond:
             self._queue.append((block.key, view, block.checksum))
             self.num_queued += 1
@@ -115,6 +122,10 @@ class WriteBack:
                 self.disk.write(batch)
             except OSError as exc:  # a full or failing disk: the blocks are simply not kept
                 log.warning("disk write-back of %d blocks failed: %s", len(batch), exc)
+            for key, _, _ in batch:
+                origin = self._origins.pop(key, None)
+                if self.events is not None and self.disk.location(key) is not None:
+                    self.events.stored_key(key, origin, MEDIUM_STORAGE)
             with self._cond:
                 self._unwritten_bytes -= num_bytes
                 for _, view, _ in batch:  # keep buffers for reuse, up to the budget

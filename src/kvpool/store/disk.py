@@ -38,7 +38,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +116,8 @@ class DiskTier:
                 f"--disk-size must be at least {2 * self.segment_bytes >> 20} MiB (two segments)"
             )
         self.counters = DiskCounters()
+        # Told of blocks that leave the tier (evicted with their segment, or deleted).
+        self.on_removed: Callable[[list[bytes]], None] | None = None
         self._lock = threading.Lock()
         self._index: dict[bytes, Location] = {}
         self._segments: dict[int, Segment] = {}
@@ -346,11 +348,15 @@ class DiskTier:
             self._drop_segment(victim)
 
     def _drop_segment(self, segment: Segment) -> None:
+        evicted = []
         for key in segment.keys:
             location = self._index.get(key)
             if location is not None and location.segment_id == segment.segment_id:
                 del self._index[key]
                 self.counters.evicted_blocks += 1
+                evicted.append(key)
+        if evicted and self.on_removed is not None:
+            self.on_removed(evicted)
         self.counters.evicted_segments += 1
         segment.dropped = True
         segment.path.unlink(missing_ok=True)
@@ -408,15 +414,17 @@ class DiskTier:
     def delete(self, keys: Sequence[bytes]) -> int:
         """Forget these blocks (their space returns when their segment goes)."""
         with self._lock:
-            num = 0
+            gone = []
             for key in keys:
                 location = self._index.pop(key, None)
                 if location is not None:
-                    num += 1
+                    gone.append(key)
                     segment = self._segments.get(location.segment_id)
                     if segment is not None:
                         segment.keys.discard(key)
-            return num
+        if gone and self.on_removed is not None:
+            self.on_removed(gone)
+        return len(gone)
 
     def sync(self) -> None:
         """Flush every segment to the device (for measurements; the tier never needs to)."""
