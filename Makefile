@@ -4,7 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
-SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2 prometheus
+SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
+# Prometheus without its recommended extras (exporters, web UI libraries it does not need).
+LEAN_PACKAGES := prometheus
 
 .PHONY: demo test lint pytest system-deps bench clean
 
@@ -42,9 +44,10 @@ system-deps:
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			echo "installing Debian packages for:$$missing"; \
-			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(LEAN_PACKAGES); \
 		else \
-			echo "missing:$$missing -- run as root: apt-get install $(SYSTEM_PACKAGES)"; exit 1; \
+			echo "missing:$$missing -- run as root: apt-get install $(SYSTEM_PACKAGES) $(LEAN_PACKAGES)"; exit 1; \
 		fi; \
 	fi
 
