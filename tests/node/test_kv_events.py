@@ -329,3 +329,35 @@ def test_blocks_written_back_to_disk_move_from_cpu_to_storage(start_node, tmp_pa
     # The disk tier evicts whole segments, oldest first: those blocks leave STORAGE.
     assert set(of(frames, BlockRemoved, "STORAGE")) <= set(of(frames, BlockStored, "STORAGE"))
     sub.close()
+
+
+def test_an_endpoint_that_cannot_be_bound_is_a_clear_error(run_dir):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "serve",
+            "--name",
+            "bad-events",
+            "--run-dir",
+            str(run_dir),
+            "--memory",
+            "64MiB",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+            "--kv-events",
+            "garbage",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "cannot publish KV events" in output and "Traceback" not in output

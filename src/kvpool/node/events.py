@@ -41,6 +41,7 @@ from typing import Any
 
 import msgspec
 
+from kvpool.errors import ConfigError
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.store.block import Block
 
@@ -128,7 +129,7 @@ class KVEventPublisher:
 
     def __init__(self, config: EventsConfig):
         if config.encoding not in ENCODINGS:
-            raise ValueError(f"KV events encoding must be one of {', '.join(ENCODINGS)}")
+            raise ConfigError(f"KV events encoding must be one of {', '.join(ENCODINGS)}")
         import zmq  # only a node that publishes needs it
 
         self.config = config
@@ -142,20 +143,29 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
-        self.endpoint = self._bind(self._pub, config.endpoint)
         self._replay = None
         self.replay_endpoint = ""
-        if config.replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self.replay_endpoint = self._bind(self._replay, config.replay_endpoint)
+        try:
+            self.endpoint = self._bind(self._pub, config.endpoint)
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self.replay_endpoint = self._bind(self._replay, config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(f"cannot publish KV events: {exc}") from None
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
         self._thread.start()
 
     @staticmethod
     def _bind(sock: Any, endpoint: str) -> str:
+        import zmq
+
         sock.bind(endpoint)
-        return str(sock.getsockopt_string(__import__("zmq").LAST_ENDPOINT))
+        return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     # -- the store's hooks (on the event loop: never block) --------------------------------
 
