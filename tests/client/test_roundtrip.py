@@ -166,3 +166,28 @@ def test_default_client_reads_environment(node, monkeypatch):
     with Client() as c:
         assert c.config.address == node.tcp_address and not c.uses_shm
         assert c.health().ok
+
+
+def test_a_large_arena_is_mapped_at_once_and_populated_behind(start_node):
+    """Past 2 GiB the client maps the arena without populating it, and a thread faults its
+    page tables in; blocks written meanwhile round-trip, and the thread ends."""
+    import gc
+
+    from kvpool.client import connection
+
+    node = start_node(name="large", memory="3GiB")
+    values = [bytes([i]) * (1 << 20) for i in range(8)]
+    keys = [key(f"large-{i}") for i in range(8)]
+    with Client(node.unix_address, timeout=30) as client:
+        assert client.uses_shm
+        threads = [t for t in threading.enumerate() if t.name == "kvpool-arena-populate"]
+        assert threads  # populating behind the caller
+        assert client.put(keys, values).all_stored
+        got = client.get(keys)
+        assert [bytes(v) for v in got.values] == values
+    del client, got
+    gc.collect()
+    for thread in threads:
+        thread.join(30)  # done, or stopped once nobody maps the arena
+        assert not thread.is_alive()
+    assert connection.SYNC_POPULATE_MAX_BYTES < 3 << 30
