@@ -89,9 +89,60 @@ class Subscriber:
                 got.append(self.sock.recv_multipart())
         return got
 
+    def sync(self, client):
+        """Until the publisher delivers to this subscriber (a SUB socket misses what is
+        published before its subscription reaches the publisher): probe blocks of another
+        namespace, stored until one's event arrives."""
+        probe = Namespace(model="events-probe")
+        deadline = time.monotonic() + 30
+        for i in range(10_000):
+            assert time.monotonic() < deadline, "the subscriber never received an event"
+            client.put([probe.key(f"probe-{i}".encode())], [b"p"])
+            if self.sock.poll(200):
+                while self.sock.poll(200):  # drain the probes' events
+                    self.sock.recv_multipart()
+                return
+
     def close(self):
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+class Replayer:
+    """Every batch the node still buffers, through its replay socket: complete whenever
+    the consumer joined (what a consumer that fell behind does)."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+
+    def all(self) -> list[list[bytes]]:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(self.endpoint)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        frames = []
+        try:
+            while True:
+                assert sock.poll(10_000), "no answer to a replay request"
+                _, topic, seq, payload = sock.recv_multipart()
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    return frames
+                frames.append([topic, seq, payload])
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def frames(self, until, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.all()
+            if until(got):
+                return got
+            assert time.monotonic() < deadline, f"timed out with {len(got)} batches"
+            time.sleep(0.1)
+
+    def close(self):
+        pass
 
 
 def prompt_blocks(seed, num_blocks):
@@ -116,6 +167,7 @@ def test_vllm_decodes_what_the_pool_holds_and_what_it_drops(start_node):
     decoder = vllm_decoder()
     _, hashes, origins = prompt_blocks(1, 3)
     with Client(node.unix_address, timeout=10) as client:
+        sub.sync(client)
         assert client.put(NS.keys(hashes), [b"x" * 64] * 3, origins=origins).all_stored
         client.delete(NS.keys(hashes[2:]))
 
@@ -127,7 +179,10 @@ def test_vllm_decodes_what_the_pool_holds_and_what_it_drops(start_node):
     assert topic == b"kv@pod-a@model" and len(seq) == 8
     seqs = [int.from_bytes(f[1], "big") for f in frames]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    stored = [e for e in events_of(frames) if isinstance(e, BlockStored)]
+    wanted = {ext(h) for h in hashes}  # not the probes'
+    stored = [
+        e for e in events_of(frames) if isinstance(e, BlockStored) and e.block_hashes[0] in wanted
+    ]
     assert [e.block_hashes for e in stored] == [[ext(h)] for h in hashes]
     assert [e.parent_block_hash for e in stored] == [None, ext(hashes[0]), ext(hashes[1])]
     assert [e.token_ids for e in stored] == [o.token_ids for o in origins]
@@ -170,8 +225,8 @@ def test_replay_returns_buffered_batches_then_the_end_marker(start_node):
 
 
 def test_the_earlier_array_encoding(start_node):
-    node, endpoint, _ = events_node(start_node, encoding="array")
-    sub = Subscriber(endpoint)
+    node, _, replay = events_node(start_node, encoding="array")
+    sub = Replayer(replay)
     _, hashes, origins = prompt_blocks(3, 2)
     with Client(node.unix_address, timeout=10) as client:
         client.put(NS.keys(hashes), [b"z" * 64] * 2, origins=origins)
@@ -182,7 +237,9 @@ def test_the_earlier_array_encoding(start_node):
         )
     )
     raw = msgspec.msgpack.decode(frames[-1][2])
-    assert isinstance(raw, list) and isinstance(raw[1][0], list) and raw[1][0][0] == "BlockStored"
+    # Arrays led by the type's name, fields in order.
+    assert isinstance(raw, list) and raw[1][-1][0] == "BlockStored"
+    assert raw[1][-1][1:5] == [[ext(hashes[1])], ext(hashes[0]), origins[1].token_ids, BS]
     stored = [e for f in frames for e in old.decode(f[2]).events if isinstance(e, OldBlockStored)]
     assert [e.token_ids for e in stored] == [o.token_ids for o in origins]
     # vLLM's current decoder reads none of it: the encoding is a setting for that reason.
@@ -194,8 +251,8 @@ def test_the_earlier_array_encoding(start_node):
 def test_removal_events_follow_eviction(start_node):
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    node, endpoint, _ = events_node(start_node, memory="16MiB")
-    sub = Subscriber(endpoint)
+    node, _, replay = events_node(start_node, memory="16MiB")
+    sub = Replayer(replay)
     decoder = vllm_decoder()
     _, hashes, origins = prompt_blocks(4, 24)
     with Client(node.unix_address, timeout=10) as client:
@@ -223,8 +280,8 @@ def test_a_token_indexing_router_finds_the_prefix_the_pool_holds(start_node):
     themselves (chained to the parent's key), and map the publisher's hashes to theirs."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    node, endpoint, _ = events_node(start_node)
-    sub = Subscriber(endpoint)
+    node, _, replay = events_node(start_node)
+    sub = Replayer(replay)
     decoder = vllm_decoder()
     tokens, hashes, origins = prompt_blocks(5, 6)
     with Client(node.unix_address, timeout=10) as client:
@@ -293,9 +350,11 @@ def test_blocks_written_back_to_disk_move_from_cpu_to_storage(start_node, tmp_pa
             "16MiB",  # four 4 MiB segments
             "--kv-events",
             "tcp://127.0.0.1:0",
+            "--kv-events-replay",
+            "tcp://127.0.0.1:0",
         ],
     )
-    sub = Subscriber(node.info["kv_events"])
+    sub = Replayer(node.info["kv_events_replay"])
     decoder = vllm_decoder()
     _, hashes, origins = prompt_blocks(7, 40)
     with Client(node.unix_address, timeout=10) as client:
