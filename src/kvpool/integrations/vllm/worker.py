@@ -244,11 +244,10 @@ class KVPoolWorker:
 
     def _finish_save(self, save: StepSave, reserved: Future[None]) -> None:
         assert self.layout is not None
-        # The reservation was asked for before the forward; the step waits for it no longer
-        # than a lookup.
-        left = save.started + self.config.lookup_timeout_s - time.perf_counter()
+        # The reservation was asked for before the forward (with a lookup's deadline); past
+        # the forward, the step waits for it no longer than a lookup.
         try:
-            reserved.result(timeout=max(left, 0.0))
+            reserved.result(timeout=self.config.lookup_timeout_s)
             lease = save.close(self.layout)
         except FutureTimeout:
             save.abandon()
