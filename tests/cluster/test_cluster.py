@@ -101,6 +101,16 @@ def test_static_cluster_shares_blocks_across_hosts(fabric):
         fresh = [key(f"t{i}") for i in range(30)]
         writer.put(fresh, [b"x"] * 30)
         wait_for(lambda: reader.lookup(fresh) == 30)
+        # Until the write-through has reached the reader's node, what it holds changes.
+        homed_here = [
+            homes(k, writer.cluster.members())[0].tcp_address == hosts[1].tcp_address for k in fresh
+        ]
+        assert wait_for(
+            lambda: all(
+                held or not home
+                for held, home in zip(reader.local.exists(fresh), homed_here, strict=True)
+            )
+        )
         local_present = reader.local.exists(fresh)
         assert local_only.exists(fresh) == local_present and not all(local_present)
         # A block another host is still writing is pending here too (a consumer waits for
