@@ -5,8 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
 SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
-# Prometheus without its recommended extras (exporters, web UI libraries it does not need).
-LEAN_PACKAGES := prometheus
+# Prometheus without its recommended extras (exporters, web UI libraries it does not need), and
+# Ceph without them (ceph-mgr and friends): a monitor, a memstore OSD and radosgw are enough.
+LEAN_PACKAGES := prometheus ceph-mon ceph-osd radosgw ceph-common
 
 .PHONY: demo test lint pytest system-deps bench clean
 
@@ -37,10 +38,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Debian packages the tests run for real: Redis (bench baseline), etcd (cluster
-# membership), Chromium (the dashboard page), Prometheus and promtool (metrics and alerts).
+# membership), Chromium (the dashboard page), Prometheus and promtool (metrics and alerts),
+# and Ceph's radosgw with a monitor and a memstore OSD (the S3 server, tests/s3server.py).
 system-deps:
 	@missing=""; \
-	for bin in redis-server etcd chromium ip prometheus promtool; do command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
+	for bin in redis-server etcd chromium ip prometheus promtool radosgw ceph-mon ceph-osd; do command -v $$bin >/dev/null || missing="$$missing $$bin"; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			echo "installing Debian packages for:$$missing"; \

@@ -1,5 +1,6 @@
 """Shared fixtures: real node daemons started as child processes, each in its own run
-directory under /dev/shm so that tests never collide."""
+directory under /dev/shm so that tests never collide, and a real S3 server (radosgw, see
+tests/s3server.py) shared by the whole session."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.demo.process import NodeProcess
+from tests.s3server import S3Server
 
 SHM = Path("/dev/shm")
 
@@ -65,3 +67,16 @@ def client(node: NodeProcess) -> Iterator[Client]:
 def tcp_client(node: NodeProcess) -> Iterator[Client]:
     with Client(node.tcp_address, use_shm=False, timeout=10) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One radosgw (memstore OSD, no mgr) for the session; started on first use."""
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> str:
+    """A fresh, empty bucket on ``s3_server``: its name."""
+    return s3_server.make_bucket(f"kvpool-test-{secrets.token_hex(6)}")

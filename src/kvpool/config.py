@@ -36,6 +36,8 @@ DEFAULT_ACCESS_ID = "kvpool"
 DEFAULT_ETCD_PREFIX = "/kvpool/nodes/"
 DEFAULT_ETCD_TTL_S = 5
 DEFAULT_REPLICAS = 1
+DEFAULT_OBJECT_STORE_BYTES = 64 * GiB
+DEFAULT_OBJECT_REFRESH_S = 2.0
 PAGE_BYTES = 4096
 MIN_ARENA_BYTES = 1 * MiB
 
@@ -140,6 +142,13 @@ class NodeConfig:
     kv_events_replay: str = ""  # a ZMQ ROUTER endpoint that replays them
     kv_events_topic: str = ""
     kv_events_encoding: str = "map"  # "map" (vLLM since mid-2026) or "array" (before)
+    # The shared object-store tier below the disk: s3://BUCKET/PREFIX ("": none).
+    # Credentials come from the standard AWS variables (AWS_ACCESS_KEY_ID, ...).
+    object_store: str = ""
+    object_store_endpoint: str = ""  # e.g. http://s3.local:7480 ("": AWS, or AWS_ENDPOINT_URL)
+    object_store_region: str = ""
+    object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES
+    object_refresh_s: float = DEFAULT_OBJECT_REFRESH_S
 
     @property
     def node_dir(self) -> Path:
@@ -193,6 +202,14 @@ class NodeConfig:
             raise ConfigError("--disk-size must be positive")
         if self.kv_events_encoding not in ("map", "array"):
             raise ConfigError("--kv-events-encoding must be map or array")
+        if self.object_store and not self.disk_path:
+            raise ConfigError(
+                "--object-store needs --disk: the object tier takes the segments the disk evicts"
+            )
+        if self.object_store and not self.object_store.startswith("s3://"):
+            raise ConfigError(f"--object-store {self.object_store!r}: use s3://BUCKET[/PREFIX]")
+        if self.object_store_bytes <= 0 or not 0.1 <= self.object_refresh_s <= 3600:
+            raise ConfigError("--object-store-size must be positive, the refresh 0.1-3600 s")
         if self.kv_events_replay and not self.kv_events:
             raise ConfigError("--kv-events-replay needs --kv-events")
         for port in (self.port, self.admin_port):
@@ -338,6 +355,10 @@ NODE_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_KV_EVENTS_REPLAY": ("kv_events_replay", str),
     "KVPOOL_KV_EVENTS_TOPIC": ("kv_events_topic", str),
     "KVPOOL_KV_EVENTS_ENCODING": ("kv_events_encoding", str),
+    "KVPOOL_OBJECT_STORE": ("object_store", str),
+    "KVPOOL_OBJECT_STORE_ENDPOINT": ("object_store_endpoint", str),
+    "KVPOOL_OBJECT_STORE_REGION": ("object_store_region", str),
+    "KVPOOL_OBJECT_STORE_SIZE": ("object_store_bytes", parse_size),
     # The most a pin or a reservation lasts (kvpool.timing.LeasePolicy), whatever a client
     # asks for: what a dead or stalled client can hold, and the longest a single GET or PUT
     # payload may take to stream.

@@ -44,3 +44,19 @@ class TierStats(_Record):
     evictions: int = 0
     corrupt: int = 0  # blocks found not to match their checksum (never served)
     recovered: int = 0  # blocks found at start (adopted, or re-indexed from disk)
+    errors: int = 0  # requests to the tier that failed or ran out of time
+
+
+class PrefetchStats(_Record):
+    """A node's prefetches: what was asked, what came up into DRAM, and whether it paid."""
+
+    issued: int = 0  # blocks named by prefetches
+    in_dram: int = 0  # already in DRAM (held from then on)
+    started: int = 0  # brought up from a lower tier, or joined one already coming up
+    completed: int = 0  # brought up and verified
+    refused: int = 0  # past the bound on bytes in flight or held
+    absent: int = 0  # in no tier the node reads
+    useful: int = 0  # prefetched blocks read while held
+    wasted: int = 0  # prefetched blocks whose hold lapsed unread
+    held_blocks: int = 0  # held now, for queued requests
+    held_bytes: int = 0

@@ -98,6 +98,23 @@ def serve(
         str | None,
         typer.Option(help="map (vLLM since mid-2026) or array (earlier vLLM releases)."),
     ] = None,
+    object_store: Annotated[
+        str | None,
+        typer.Option(
+            help="The shared object-store tier below the disk, s3://BUCKET/PREFIX "
+            "(credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)."
+        ),
+    ] = None,
+    object_store_endpoint: Annotated[
+        str | None, typer.Option(help="The S3 endpoint, e.g. http://rgw.local:7480.")
+    ] = None,
+    object_store_region: Annotated[str | None, typer.Option(help="The S3 region.")] = None,
+    object_store_size: Annotated[
+        str | None, typer.Option(help="What the bucket may hold, e.g. 2TiB (oldest go first).")
+    ] = None,
+    object_refresh: Annotated[
+        float | None, typer.Option(help="Seconds between reads of the bucket's index.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a node daemon: a shared-memory arena served over a Unix socket and TCP.
@@ -131,6 +148,11 @@ def serve(
         "kv_events_replay": kv_events_replay,
         "kv_events_topic": kv_events_topic,
         "kv_events_encoding": kv_events_encoding,
+        "object_store": object_store,
+        "object_store_endpoint": object_store_endpoint,
+        "object_store_region": object_store_region,
+        "object_store_bytes": parse_size(object_store_size) if object_store_size else None,
+        "object_refresh_s": object_refresh,
     }
     config = node_config_from(overrides)
     run_daemon(config)

@@ -221,7 +221,8 @@ class ReadLease(_Lease):
                     lease.adopt(i, memoryview(value))
             return lease
         try:
-            slots = conn.run(shm.pin_slots(keys, conn.arena, prefix), deadline)
+            wait_ms = ops.lower_tier_wait_ms(deadline - time.monotonic())
+            slots = conn.run(shm.pin_slots(keys, conn.arena, prefix, wait_ms=wait_ms), deadline)
             checksums = [ck.checksum(v) if v is not None else None for v in slots.views]
             conn.run(shm.verify_slots(keys, slots, checksums), deadline)
         except BaseException:

@@ -212,10 +212,11 @@ class NodeClient:
     ) -> ops.GetResult:
         if not keys:
             return ops.GetResult([], [], [])
+        wait_ms = ops.lower_tier_wait_ms(timeout if timeout is not None else self.config.timeout_s)
         return self.call(
             _shm_or_stream(
-                lambda arena: shm.get_shm(keys, dsts, arena, prefix),
-                lambda: ops.get_stream(keys, dsts, prefix),
+                lambda arena: shm.get_shm(keys, dsts, arena, prefix, wait_ms),
+                lambda: ops.get_stream(keys, dsts, prefix, wait_ms),
             ),
             timeout,
         )

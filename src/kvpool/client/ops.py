@@ -35,6 +35,7 @@ from kvpool.keys import BlockOrigin
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CHECKSUM_BYTES,
+    MAX_WAIT_MS,
     PROTOCOL_VERSION,
     AbortRequest,
     Challenge,
@@ -285,11 +286,17 @@ def destinations(
     return out
 
 
+def lower_tier_wait_ms(timeout_s: float) -> int:
+    """How long a read may wait on a node for blocks from its lower tiers: most of the
+    caller's deadline, the rest left for the transfer."""
+    return max(1, min(int(timeout_s * 750), MAX_WAIT_MS))
+
+
 def get_stream(
-    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, prefix: bool
+    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, prefix: bool, wait_ms: int = 0
 ) -> Op_[GetResult]:
     """Receive the blocks inline, verifying each checksum as its bytes arrive."""
-    yield Request(Op.GET, GetRequest(keys=list(keys), prefix=prefix))
+    yield Request(Op.GET, GetRequest(keys=list(keys), prefix=prefix, wait_ms=wait_ms))
     response, payload_len = yield Recv(Op.GET, GetResponse)
     for what in ("statuses", "sizes", "checksums"):
         check_len(what, getattr(response, what), len(keys))

@@ -126,10 +126,11 @@ def commit_slots(
 
 
 def pin_slots(
-    keys: Sequence[bytes], arena: memoryview, prefix: bool, lease_ms: int = 0
+    keys: Sequence[bytes], arena: memoryview, prefix: bool, lease_ms: int = 0, wait_ms: int = 0
 ) -> Op_[Slots]:
     """Pin the stored blocks among ``keys`` (only the leading run with ``prefix``)."""
-    yield Request(Op.PIN, PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms))
+    request = PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms, wait_ms=wait_ms)
+    yield Request(Op.PIN, request)
     response, _ = yield Recv(Op.PIN, PinResponse)
     for what in ("statuses", "offsets", "sizes", "checksums"):
         check_len(what, getattr(response, what), len(keys))
@@ -188,10 +189,14 @@ def put_shm(
 
 
 def get_shm(
-    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, arena: memoryview, prefix: bool
+    keys: Sequence[bytes],
+    dsts: Sequence[memoryview] | None,
+    arena: memoryview,
+    prefix: bool,
+    wait_ms: int = 0,
 ) -> Op_[GetResult]:
     """Pin the blocks, copy them straight out of the arena, verify, unpin."""
-    slots = yield from pin_slots(keys, arena, prefix)
+    slots = yield from pin_slots(keys, arena, prefix, wait_ms=wait_ms)
     sizes = [len(v) if v is not None else 0 for v in slots.views]
     targets = destinations(dsts, sizes, slots.statuses)
 

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -28,10 +29,14 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import NodeConfig, format_size
 from kvpool.node.admin import start_admin
 from kvpool.node.server import NodeServer
-from kvpool.node.tiers import Tiers, WriteBack
+from kvpool.node.tiers import Tiers
+from kvpool.node.writeback import WriteBack
 from kvpool.store.arena import Arena, NodeDirLock
 from kvpool.store.disk import ID_FILE, SEGMENT_RE, DiskTier
+from kvpool.store.eviction import LRUPolicy
+from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
+from kvpool.store.objects import OUTGOING_DIR, ObjectStoreConfig, ObjectTier
 from kvpool.store.pool import BlockStore
 
 if TYPE_CHECKING:
@@ -86,8 +91,25 @@ class Daemon:
                     None, lambda: DiskTier(Path(config.disk_path), config.disk_bytes)
                 )
                 writeback = WriteBack(disk, arena)
+            objects = None
+            if config.object_store and self.disk is not None:
+                objects = ObjectTier(
+                    ObjectStoreConfig(
+                        config.object_store,
+                        config.object_store_bytes,
+                        endpoint=config.object_store_endpoint,
+                        region=config.object_store_region,
+                        refresh_s=config.object_refresh_s,
+                    ),
+                    Path(config.disk_path) / OUTGOING_DIR,
+                    writer=config.name,
+                )
+                await asyncio.get_running_loop().run_in_executor(None, objects.start)
+                self.disk.on_segment_evicted = objects.offer_segment
+            holds = Holds(arena.num_bytes // 2)
             store = self.store = BlockStore(
                 arena.num_bytes,
+                eviction=QueueAwareEviction(LRUPolicy(), holds),
                 high_watermark=config.high_watermark,
                 low_watermark=config.low_watermark,
                 leases=config.leases,
@@ -112,7 +134,7 @@ class Daemon:
                     self.disk.on_removed = lambda keys: events.removed_keys(keys, MEDIUM_STORAGE)
                 if not store.counters.adopted:
                     self.events.cleared()  # whatever an earlier daemon announced is gone
-            tiers = Tiers(store, arena, self.disk, writeback)
+            tiers = Tiers(store, arena, self.disk, writeback, objects, holds)
             if config.peers or config.etcd:
                 from kvpool.node.cluster_agent import NodeAgent
 
@@ -221,10 +243,12 @@ class Daemon:
 
 
 def _empty_disk_dir(path: str) -> None:
-    """Remove the disk tier's files (only kvpool's: segments and the identity file)."""
+    """Remove the disk tier's files (only kvpool's: segments, the identity file, and the
+    segments waiting for upload to the object store)."""
     directory = Path(path)
     if not directory.is_dir():
         return
+    shutil.rmtree(directory / OUTGOING_DIR, ignore_errors=True)
     for entry in directory.iterdir():
         if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
             entry.unlink(missing_ok=True)

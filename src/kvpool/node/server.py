@@ -146,6 +146,7 @@ class NodeServer:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
             if self.store.expire():
                 self._on_store_change()
+            self.tiers.holds.expire()
 
     # -- store change notification (for lookups that wait) --------------------------------
 
@@ -197,6 +198,7 @@ class NodeServer:
             peers=self.cluster.peer_ids() if self.cluster is not None else [],
             corrupt_reports=counters.corrupt_reports,
             tiers=self.tiers.stats(),
+            prefetch=self.tiers.prefetch_stats() if self.tiers.has_lower else None,
         )
 
     @property

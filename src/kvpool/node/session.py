@@ -42,6 +42,7 @@ from kvpool.protocol import messages as msg
 from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
+from kvpool.stats import TIER_DRAM
 from kvpool.store.pool import CommitResult, PinResult
 from kvpool.timing import LeasePolicy
 
@@ -268,9 +269,11 @@ class Session:
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
 
     async def _pin(self, header: FrameHeader, req: msg.PinRequest) -> None:
-        await self.server.tiers.promote(req.keys, req.prefix)
+        tiers = self.server.tiers
+        await tiers.promote(req.keys, req.prefix, req.wait_ms / 1000)
         result = self.store.pin(req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix)
         blocks = result.blocks
+        tiers.note_read(blocks)
         response = msg.PinResponse(
             pin_id=result.pin_id,
             statuses=[Status.OK if b is not None else Status.NOT_FOUND for b in blocks],
@@ -287,8 +290,10 @@ class Session:
         await self._reply(header, Op.UNPIN, msg.Empty())
 
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
-        await self.server.tiers.promote(req.keys, req.prefix)
+        tiers = self.server.tiers
+        await tiers.promote(req.keys, req.prefix, req.wait_ms / 1000)
         result = self.store.pin(req.keys, self.owner, prefix=req.prefix)
+        tiers.note_read(result.blocks)
         try:
             await self._send_pinned(header, result)
         finally:
@@ -348,15 +353,27 @@ class Session:
                 break
             await self.server.wait_for_change(remaining)
         tiers.record_lookup(keys, num_prefix, in_tiers)
+        if req.prefetch_ms and any(in_tiers):  # the hint of a request still queued
+            tiers.prefetch(keys[:num_prefix], req.prefetch_ms / 1000)
         response = msg.LookupResponse(
             num_prefix=num_prefix, num_pending=int(pending), tiers=in_tiers
         )
         await self._reply(header, Op.LOOKUP, response)
 
+    async def _prefetch(self, header: FrameHeader, req: msg.PrefetchRequest) -> None:
+        answer = self.server.tiers.prefetch(req.keys, req.hold_ms / 1000, req.cancel)
+        response = msg.PrefetchResponse(
+            num_in_dram=answer.num_in_dram,
+            num_started=answer.num_started,
+            num_refused=answer.num_refused,
+            num_absent=answer.num_absent,
+        )
+        await self._reply(header, Op.PREFETCH, response)
+
     async def _delete(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         statuses = self.store.delete(req.keys)
         lower = self.server.tiers
-        on_disk = lower.disk.contains(req.keys) if lower.disk is not None else []
+        on_disk = [t != TIER_DRAM for t in lower.presence(req.keys)[2]]
         lower.delete(req.keys)
         for i, was_there in enumerate(on_disk):  # gone from every tier
             if was_there and statuses[i] is Status.NOT_FOUND:
@@ -411,4 +428,5 @@ _HANDLERS: dict[int, Callable[[Session, FrameHeader, Any], Any]] = {
     Op.STATS: Session._stats,
     Op.HEALTH: Session._health,
     Op.SHUTDOWN: Session._shutdown,
+    Op.PREFETCH: Session._prefetch,
 }

@@ -37,7 +37,7 @@ from typing import Annotated
 import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
-from kvpool.stats import NamespaceStats, TierStats
+from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -88,6 +88,7 @@ class Op(enum.IntEnum):
     STATS = 14
     HEALTH = 15
     SHUTDOWN = 16
+    PREFETCH = 17
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
@@ -129,6 +130,9 @@ class LookupRequest(Message):
     wait_ms: WaitMs = 0
     wait_absent: bool = False  # also wait for keys nobody has started writing yet
     mask: bool = False  # report presence of every key, not just the prefix length
+    # Also bring the prefix's blocks held only in lower tiers into DRAM, and keep them
+    # there this long for the request that will read them (0: no prefetch).
+    prefetch_ms: LeaseMs = 0
 
 
 class LookupResponse(Message):
@@ -158,6 +162,8 @@ class StatusResponse(Message):
 class GetRequest(Message):
     keys: Keys
     prefix: bool = False  # stop at the first miss
+    # How long the caller waits for blocks to come up from lower tiers (0: the node's bound).
+    wait_ms: WaitMs = 0
 
 
 class GetResponse(Message):
@@ -194,6 +200,7 @@ class PinRequest(Message):
     keys: Keys
     prefix: bool = False
     lease_ms: LeaseMs = 0
+    wait_ms: WaitMs = 0  # as GetRequest's
 
 
 class PinResponse(Message):
@@ -207,6 +214,22 @@ class PinResponse(Message):
 
 class UnpinRequest(Message):
     pin_id: int
+
+
+class PrefetchRequest(Message):
+    """Bring these blocks into DRAM (from disk, the object store or other nodes) and keep
+    them there for up to ``hold_ms`` or until read; ``cancel``: no longer needed."""
+
+    keys: Keys
+    hold_ms: LeaseMs = 0  # 0: the node's default
+    cancel: bool = False
+
+
+class PrefetchResponse(Message):
+    num_in_dram: int = 0  # already there (now held)
+    num_started: int = 0  # being brought up
+    num_refused: int = 0  # past the node's bound on bytes in flight
+    num_absent: int = 0  # held in no tier the node can read
 
 
 class KeysRequest(Message):
@@ -254,6 +277,7 @@ class NodeStats(Message):
     peers: list[str] = []
     corrupt_reports: int = 0  # blocks readers found corrupt (and the node dropped)
     tiers: Annotated[list[TierStats], msgspec.Meta(max_length=MAX_TIERS)] = []
+    prefetch: PrefetchStats | None = None
 
 
 class Health(Message):
@@ -278,6 +302,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.STATS: Empty,
     Op.HEALTH: Empty,
     Op.SHUTDOWN: ShutdownRequest,
+    Op.PREFETCH: PrefetchRequest,
 }
 
 RESPONSE_TYPES: dict[Op, type[Message]] = {
@@ -297,4 +322,5 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.STATS: NodeStats,
     Op.HEALTH: Health,
     Op.SHUTDOWN: Empty,
+    Op.PREFETCH: PrefetchResponse,
 }

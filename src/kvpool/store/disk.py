@@ -118,6 +118,11 @@ class DiskTier:
         self.counters = DiskCounters()
         # Told of blocks that leave the tier (evicted with their segment, or deleted).
         self.on_removed: Callable[[list[bytes]], None] | None = None
+        # Given each evicted segment's file and its live (key, offset, size, checksum)
+        # blocks, before the file is deleted (the object tier links it for upload).
+        self.on_segment_evicted: (
+            Callable[[Path, list[tuple[bytes, int, int, int]]], object] | None
+        ) = None
         self._lock = threading.Lock()
         self._index: dict[bytes, Location] = {}
         self._segments: dict[int, Segment] = {}
@@ -349,12 +354,16 @@ class DiskTier:
 
     def _drop_segment(self, segment: Segment) -> None:
         evicted = []
+        live = []
         for key in segment.keys:
             location = self._index.get(key)
             if location is not None and location.segment_id == segment.segment_id:
                 del self._index[key]
                 self.counters.evicted_blocks += 1
                 evicted.append(key)
+                live.append((key, location.offset, location.size, location.checksum))
+        if live and self.on_segment_evicted is not None:
+            self.on_segment_evicted(segment.path, live)
         if evicted and self.on_removed is not None:
             self.on_removed(evicted)
         self.counters.evicted_segments += 1

@@ -1,0 +1,129 @@
+"""Write-back on eviction: a block evicted from DRAM is offered to the :class:`WriteBack`
+queue; if the admission policy takes it and the queue has room, it is copied into a staging
+buffer (one memcpy; its arena memory is freed at once, so an allocation that evicts never
+waits) and one writer thread appends it to disk in large batches.  A full queue drops the
+block: DRAM never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+from kvpool.keys import BlockOrigin
+from kvpool.node.events import MEDIUM_STORAGE, KVEventPublisher
+from kvpool.store.admission import AdmissionPolicy, ReusedFirst
+from kvpool.store.arena import Arena
+from kvpool.store.block import Block
+from kvpool.store.disk import DiskTier
+
+log = logging.getLogger("kvpool.node")
+
+WRITE_BATCH_BYTES = 64 << 20
+MAX_WRITEBACK_BYTES = 1 << 30
+
+
+class WriteBack:
+    """Evicted blocks on their way to disk: staged copies bounded in bytes, one writer."""
+
+    def __init__(
+        self, disk: DiskTier, arena: Arena, admission: AdmissionPolicy | None = None
+    ) -> None:
+        self.disk = disk
+        self.arena = arena
+        self.admission = admission or ReusedFirst()
+        self.budget_bytes = min(MAX_WRITEBACK_BYTES, max(arena.num_bytes // 4, 16 << 20))
+        self.num_queued = 0
+        self.num_refused = 0
+        self.num_dropped = 0
+        self.num_present = 0  # already on disk: nothing to write
+        self._queue: deque[tuple[bytes, memoryview, int]] = deque()
+        self._unwritten_bytes = 0  # staged and not written yet (the disk's backlog)
+        self._spare: dict[int, list[bytearray]] = {}  # staging buffers to reuse, by size
+        self._spare_bytes = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # What queued blocks were computed from, until they are written (KV events).
+        self._origins: dict[bytes, BlockOrigin] = {}
+        self.events: KVEventPublisher | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvpool-writeback", daemon=True)
+        self._thread.start()
+
+    def offer(self, block: Block) -> bool:
+        """The store's spill target (on the event loop): copy the block out, or refuse."""
+        if self._thread is None or self._stopping:
+            return False
+        if self.disk.location(block.key) is not None:
+            self.num_present += 1
+            return False
+        with self._cond:
+            fill = self._unwritten_bytes / self.budget_bytes
+            if not self.admission.admit(block, fill):
+                self.num_refused += 1
+                return False
+            if self._unwritten_bytes + block.size > self.budget_bytes:
+                self.num_dropped += 1
+                return False
+            buffer = self._take_buffer(block.size)
+            self._unwritten_bytes += block.size
+        view = memoryview(buffer)[: block.size]
+        view[:] = self.arena.slice(block.offset, block.size)
+        if block.origin is not None:
+            self._origins[block.key] = block.origin
+        with self._cond:
+            self._queue.append((block.key, view, block.checksum))
+            self.num_queued += 1
+            self._cond.notify()
+        return True
+
+    def _take_buffer(self, size: int) -> bytearray:
+        spare = self._spare.get(size)
+        if spare:
+            self._spare_bytes -= size
+            return spare.pop()
+        return bytearray(size)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch: list[tuple[bytes, memoryview, int]] = []
+                num_bytes = 0
+                while self._queue and num_bytes < WRITE_BATCH_BYTES:
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    num_bytes += len(item[1])
+            try:
+                self.disk.write(batch)
+            except OSError as exc:  # a full or failing disk: the blocks are simply not kept
+                log.warning("disk write-back of %d blocks failed: %s", len(batch), exc)
+            for key, _, _ in batch:
+                origin = self._origins.pop(key, None)
+                if self.events is not None and self.disk.location(key) is not None:
+                    self.events.stored_key(key, origin, MEDIUM_STORAGE)
+            with self._cond:
+                self._unwritten_bytes -= num_bytes
+                for _, view, _ in batch:  # keep buffers for reuse, up to the budget
+                    buffer = view.obj
+                    if (
+                        isinstance(buffer, bytearray)
+                        and self._spare_bytes + len(buffer) <= self.budget_bytes
+                    ):
+                        self._spare.setdefault(len(buffer), []).append(buffer)
+                        self._spare_bytes += len(buffer)
+
+    def stop(self) -> None:
+        """Write what is queued, then stop the writer."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

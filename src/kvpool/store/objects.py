@@ -1,0 +1,492 @@
+"""The shared object-store tier: blocks that left the nodes' disks, in one S3 bucket that
+every node of the cluster reads.
+
+Layout under ``s3://BUCKET/PREFIX``::
+
+    packs/<writer>-<segment>.kvs    a disk segment, uploaded as it was when the disk evicted it
+    index/<writer>-<segment>.idx    its index: the live blocks (key, offset, size, checksum)
+
+- **Writes.**  The disk tier hands over each segment it evicts (a hard link to the file, so
+  the disk's writer never waits and the bytes are not copied); one uploader thread PUTs the
+  pack, then its index.  S3 PUTs are atomic and the index goes second, so an index never
+  names a pack that is not whole.  At most ``MAX_STAGED_SEGMENTS`` segments wait for
+  upload; past that, and on any upload failure, a segment is dropped (counted): the disk
+  never waits for the object store.
+- **Lookups** read an in-memory index of every pack in the bucket; no request is made on
+  the lookup path.  One thread refreshes it every ``refresh_s``: a LIST of ``index/`` and
+  a GET of each index it has not seen.  Staleness: a block another node uploaded is found
+  here at most ``refresh_s`` after its upload (its writer finds it at once); a pack that
+  was deleted stays listed here until the next refresh, and reading it is a miss that
+  forgets it at once.
+- **Reads** are ranged GETs of the payloads, coalesced per pack, each verified against the
+  checksum in the index (xxh3-64, the one the DRAM and disk tiers keep) after it is copied
+  into its destination.  A corrupt, short or missing block is never served: it is dropped
+  from this node's index and counted.
+- **Space: a capacity with eviction, oldest pack first.**  After each refresh, while the
+  packs listed hold more than ``capacity`` bytes, the oldest goes (index, then pack).  Why
+  not LRU: a read would have to write to the bucket to record itself; why not a bucket
+  lifecycle rule: it counts days, not bytes, and not every S3 server runs one.  Every node
+  applies the same rule to nearly the same listing, and deletes are idempotent, so two
+  nodes deleting one pack is harmless.  An orphan pack (its writer died between the two
+  PUTs) is deleted once older than ``ORPHAN_AGE_S``.  So the bucket holds at most
+  ``capacity`` bytes (plus what was uploaded since the last refresh) in at most
+  ``capacity / segment size`` packs.
+- **Failures.**  Reads have the read timeout and no retry; uploads, listings and deletes
+  have a longer timeout and a few retries.  An unreachable or frozen store turns reads
+  into misses within the caller's deadline (the node bounds its wait) and uploads into
+  drops; lookups never notice.
+
+Threads: ``contains`` and ``location`` are cheap and may come from the event loop;
+``read_many`` blocks and comes from a worker thread.  One lock guards the index, and is
+never held during I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlparse
+
+import msgspec
+import obstore
+import xxhash
+from obstore.exceptions import BaseError as ObjectStoreError
+from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+from obstore.store import S3Store
+
+from kvpool.errors import ConfigError
+
+log = logging.getLogger("kvpool.objects")
+
+# obstore raises its own classes and Python's (FileNotFoundError, TimeoutError, ...).
+STORE_ERRORS = (ObjectStoreError, OSError)
+NOT_FOUND = (NotFoundError, FileNotFoundError)
+REFUSED = (PermissionDeniedError, UnauthenticatedError, PermissionError)
+
+OUTGOING_DIR = "outgoing"  # under the disk tier's directory: segments waiting for upload
+INDEX_VERSION = 1
+PACKS = "packs/"
+INDEXES = "index/"
+MAX_STAGED_SEGMENTS = 4
+MAX_INDEX_BYTES = 16 << 20
+MAX_PACK_BLOCKS = 1 << 20
+MAX_OBJECT_KEY_BYTES = 80
+ORPHAN_AGE_S = 600.0
+ORPHAN_SWEEP_EVERY = 20  # refreshes
+DEFAULT_REFRESH_S = 2.0
+DEFAULT_READ_TIMEOUT_S = 2.0
+WRITE_TIMEOUT_S = 30.0
+WRITE_RETRIES = 3
+UPLOAD_CHUNK_BYTES = 8 << 20
+READ_COALESCE_BYTES = 64 << 10
+
+
+class PackIndex(msgspec.Struct, forbid_unknown_fields=False):
+    """The index object of one pack (msgpack): which blocks it holds, and where."""
+
+    version: int
+    pack: Annotated[str, msgspec.Meta(max_length=256)]
+    pack_bytes: int
+    written_at: float  # unix time of the upload: the eviction order
+    writer: Annotated[str, msgspec.Meta(max_length=256)]
+    keys: Annotated[
+        list[Annotated[bytes, msgspec.Meta(max_length=MAX_OBJECT_KEY_BYTES)]],
+        msgspec.Meta(max_length=MAX_PACK_BLOCKS),
+    ]
+    offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
+    sizes: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
+    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
+
+    def check(self) -> None:
+        n = len(self.keys)
+        if self.version != INDEX_VERSION:
+            raise ValueError(f"index version {self.version}")
+        if not (len(self.offsets) == len(self.sizes) == len(self.checksums) == n):
+            raise ValueError("index columns of different lengths")
+        for offset, size in zip(self.offsets, self.sizes, strict=True):
+            if offset < 0 or size <= 0 or offset + size > self.pack_bytes:
+                raise ValueError("a block outside its pack")
+
+
+_decode_index = msgspec.msgpack.Decoder(PackIndex).decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(slots=True, frozen=True)
+class ObjectLocation:
+    pack: str
+    offset: int
+    size: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class _Pack:
+    name: str
+    num_bytes: int
+    written_at: float
+    keys: list[bytes]
+
+
+@dataclass(slots=True)
+class ObjectCounters:
+    uploads: int = 0  # packs uploaded
+    uploaded_blocks: int = 0
+    uploaded_bytes: int = 0
+    dropped_segments: int = 0  # not uploaded: staging full, or the upload failed
+    reads: int = 0  # blocks read and verified
+    read_bytes: int = 0
+    read_errors: int = 0  # blocks not read: the store did not answer in time, or failed
+    corrupt: int = 0  # blocks that did not match their checksum (never served)
+    refreshes: int = 0
+    refresh_errors: int = 0
+    deleted_packs: int = 0  # packs removed to keep the bucket within its capacity
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectStoreConfig:
+    url: str  # s3://bucket/prefix
+    capacity: int
+    endpoint: str = ""  # "" : AWS's, or AWS_ENDPOINT_URL
+    region: str = ""  # "" : AWS_REGION / AWS_DEFAULT_REGION, else us-east-1
+    refresh_s: float = DEFAULT_REFRESH_S
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+
+
+def open_store(config: ObjectStoreConfig, *, timeout_s: float, retries: int) -> S3Store:
+    """An obstore client for the configured bucket; credentials as AWS clients find them."""
+    parsed = urlparse(config.url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ConfigError(f"--object-store {config.url!r}: use s3://BUCKET[/PREFIX]")
+    options: dict[str, Any] = {
+        "timeout": timedelta(seconds=timeout_s),
+        "connect_timeout": timedelta(seconds=min(timeout_s, 2.0)),
+    }
+    endpoint = config.endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint.startswith("http://"):
+        options["allow_http"] = True
+    kwargs: dict[str, Any] = {}
+    if endpoint:
+        kwargs["endpoint"] = endpoint
+        kwargs["virtual_hosted_style_request"] = False
+    if config.region:
+        kwargs["region"] = config.region
+    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=timeout_s * (retries + 1))}
+    return S3Store(
+        parsed.netloc,
+        prefix=parsed.path.strip("/") or None,
+        client_options=options,  # type: ignore[arg-type]
+        retry_config=retry,  # type: ignore[arg-type]
+        **kwargs,
+    )
+
+
+class ObjectTier:
+    """Blocks in the shared bucket, found by key; see the module docstring for the rules."""
+
+    def __init__(self, config: ObjectStoreConfig, staging: Path, writer: str):
+        self.config = config
+        self.capacity = config.capacity
+        self.counters = ObjectCounters()
+        self.writer = f"{writer}-{secrets.token_hex(4)}"  # unique across restarts
+        self._reader = open_store(config, timeout_s=config.read_timeout_s, retries=0)
+        self._store = open_store(config, timeout_s=WRITE_TIMEOUT_S, retries=WRITE_RETRIES)
+        self._staging = staging
+        self._lock = threading.Lock()
+        self._index: dict[bytes, ObjectLocation] = {}
+        self._packs: dict[str, _Pack] = {}
+        self._queue: deque[tuple[Path, list[tuple[bytes, int, int, int]]]] = deque()
+        self._cond = threading.Condition(self._lock)
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._wake = threading.Event()
+        shutil.rmtree(staging, ignore_errors=True)  # leftovers of a crash: just cache
+        staging.mkdir(parents=True, exist_ok=True)
+
+    # -- life -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check that the bucket can be listed (one that refuses us is a configuration
+        error; one that does not answer is retried by the refresher), then run: the first
+        refresh follows at once, on the refresher's thread."""
+        try:
+            next(iter(obstore.list(self._reader, INDEXES, chunk_size=1)), None)
+        except STORE_ERRORS as exc:
+            # A listing's errors come back generic: the status is only in the message.
+            text = str(exc)
+            if isinstance(exc, REFUSED) or "403 Forbidden" in text:
+                reason = "access refused (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+                raise ConfigError(f"object store {self.config.url}: {reason}") from exc
+            if isinstance(exc, NOT_FOUND) or "NoSuchBucket" in text:
+                raise ConfigError(f"object store {self.config.url}: no such bucket") from exc
+            self.counters.refresh_errors += 1
+            log.warning("object store %s: not reachable yet: %s", self.config.url, exc)
+        for target, name in ((self._upload_loop, "upload"), (self._refresh_loop, "refresh")):
+            thread = threading.Thread(target=target, name=f"kvpool-object-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop both threads; segments still waiting for upload are dropped (cache)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def location(self, key: bytes) -> ObjectLocation | None:
+        with self._lock:
+            return self._index.get(key)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(p.num_bytes for p in self._packs.values())
+
+    @property
+    def num_packs(self) -> int:
+        return len(self._packs)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def offer_segment(self, path: Path, blocks: list[tuple[bytes, int, int, int]]) -> bool:
+        """The disk evicts the segment at ``path`` holding ``(key, offset, size, checksum)``
+        blocks: keep a link to it for upload, or drop it.  Called by the disk's writer,
+        under its lock: it only links the file and queues it."""
+        with self._cond:
+            if self._stopping or not blocks or len(self._queue) >= MAX_STAGED_SEGMENTS:
+                self.counters.dropped_segments += 1
+                return False
+        staged = self._staging / f"{self.writer}-{path.stem}.kvs"
+        try:
+            os.link(path, staged)
+        except OSError as exc:
+            log.warning("cannot stage %s for upload: %s", path.name, exc)
+            self.counters.dropped_segments += 1
+            return False
+        with self._cond:
+            self._queue.append((staged, blocks))
+            self._cond.notify()
+        return True
+
+    def _upload_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                staged, blocks = self._queue.popleft()
+            try:
+                self._upload(staged, blocks)
+            except STORE_ERRORS as exc:
+                self.counters.dropped_segments += 1
+                log.warning("upload of %s failed: %s", staged.name, exc)
+            finally:
+                staged.unlink(missing_ok=True)
+
+    def _upload(self, staged: Path, blocks: list[tuple[bytes, int, int, int]]) -> None:
+        name = staged.name
+        num_bytes = staged.stat().st_size
+        obstore.put(
+            self._store, PACKS + name, staged, chunk_size=UPLOAD_CHUNK_BYTES, max_concurrency=4
+        )
+        index = PackIndex(
+            version=INDEX_VERSION,
+            pack=name,
+            pack_bytes=num_bytes,
+            written_at=time.time(),
+            writer=self.writer,
+            keys=[b[0] for b in blocks],
+            offsets=[b[1] for b in blocks],
+            sizes=[b[2] for b in blocks],
+            checksums=[b[3] for b in blocks],
+        )
+        obstore.put(self._store, INDEXES + _index_name(name), _encode(index))
+        with self._lock:
+            self._add(index)
+        self.counters.uploads += 1
+        self.counters.uploaded_blocks += len(blocks)
+        self.counters.uploaded_bytes += num_bytes
+
+    # -- the shared index -----------------------------------------------------------------
+
+    def _refresh_loop(self) -> None:
+        refreshes = 0
+        wait = 0.0
+        while not self._wake.wait(wait):
+            wait = self.config.refresh_s
+            refreshes += 1
+            try:
+                self.refresh()
+                if refreshes % ORPHAN_SWEEP_EVERY == 0:
+                    self._sweep_orphans()
+            except STORE_ERRORS as exc:
+                self.counters.refresh_errors += 1
+                log.info("object store index refresh failed: %s", exc)
+
+    def refresh(self) -> None:
+        """Bring the index up to the bucket's: read new index objects, forget gone ones,
+        then keep the bucket within its capacity."""
+        listed: dict[str, int] = {}
+        for chunk in obstore.list(self._store, INDEXES, chunk_size=1000):
+            for meta in chunk:
+                name = meta["path"].rsplit("/", 1)[-1]
+                if name.endswith(".idx"):
+                    listed[name[: -len(".idx")] + ".kvs"] = meta["size"]
+        with self._lock:
+            for gone in [p for p in self._packs if p not in listed]:
+                self._forget_pack(gone)
+            new = [p for p in listed if p not in self._packs]
+        for name in new:
+            if listed[name] > MAX_INDEX_BYTES:
+                log.warning("index of %s is %d bytes: ignored", name, listed[name])
+                continue
+            try:
+                data = obstore.get(self._store, INDEXES + _index_name(name)).bytes()
+                index = _decode_index(memoryview(data))
+                index.check()
+                if index.pack != name:
+                    raise ValueError(f"index names pack {index.pack}")
+            except NOT_FOUND:
+                continue  # deleted meanwhile
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.warning("index of %s is unreadable: %s", name, exc)
+                continue
+            with self._lock:
+                self._add(index)
+        self.counters.refreshes += 1
+        self._keep_within_capacity()
+
+    def _add(self, index: PackIndex) -> None:
+        if index.pack in self._packs:
+            return
+        self._packs[index.pack] = _Pack(
+            index.pack, index.pack_bytes, index.written_at, list(index.keys)
+        )
+        for key, offset, size, checksum in zip(
+            index.keys, index.offsets, index.sizes, index.checksums, strict=True
+        ):
+            self._index[key] = ObjectLocation(index.pack, offset, size, checksum)
+
+    def _forget_pack(self, name: str) -> None:
+        pack = self._packs.pop(name, None)
+        if pack is None:
+            return
+        for key in pack.keys:
+            location = self._index.get(key)
+            if location is not None and location.pack == name:
+                del self._index[key]
+
+    def _keep_within_capacity(self) -> None:
+        with self._lock:
+            packs = sorted(self._packs.values(), key=lambda p: (p.written_at, p.name))
+            total = sum(p.num_bytes for p in packs)
+            victims = []
+            for pack in packs:
+                if total <= self.capacity:
+                    break
+                victims.append(pack.name)
+                total -= pack.num_bytes
+                self._forget_pack(pack.name)
+        for name in victims:
+            obstore.delete(self._store, INDEXES + _index_name(name))
+            obstore.delete(self._store, PACKS + name)
+            self.counters.deleted_packs += 1
+
+    def _sweep_orphans(self) -> None:
+        now = time.time()
+        with self._lock:
+            known = set(self._packs)
+        for chunk in obstore.list(self._store, PACKS, chunk_size=1000):
+            for meta in chunk:
+                name = meta["path"].rsplit("/", 1)[-1]
+                age = now - meta["last_modified"].timestamp()
+                if name not in known and age > ORPHAN_AGE_S:
+                    obstore.delete(self._store, PACKS + name)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]:
+        """Read each block into its destination (at least its size) and verify it: its
+        checksum, or ``None`` where it is not in the bucket, could not be read in time, or
+        failed verification (then it is forgotten and counted)."""
+        results: list[int | None] = [None] * len(jobs)
+        by_pack: dict[str, list[tuple[int, ObjectLocation]]] = {}
+        with self._lock:
+            for i, (key, dst) in enumerate(jobs):
+                location = self._index.get(key)
+                if location is not None and len(dst) >= location.size:
+                    by_pack.setdefault(location.pack, []).append((i, location))
+        for pack, wanted in by_pack.items():
+            try:
+                parts = obstore.get_ranges(
+                    self._reader,
+                    PACKS + pack,
+                    starts=[loc.offset for _, loc in wanted],
+                    lengths=[loc.size for _, loc in wanted],
+                    coalesce=READ_COALESCE_BYTES,
+                )
+            except NOT_FOUND:
+                with self._lock:
+                    self._forget_pack(pack)
+                self.counters.read_errors += len(wanted)
+                continue
+            except STORE_ERRORS as exc:
+                log.info("object store read of %d block(s) failed: %s", len(wanted), exc)
+                self.counters.read_errors += len(wanted)
+                continue
+            for (i, location), data in zip(wanted, parts, strict=True):
+                results[i] = self._verify(jobs[i], location, memoryview(data))
+        return results
+
+    def _verify(
+        self, job: tuple[bytes, memoryview], location: ObjectLocation, data: memoryview
+    ) -> int | None:
+        key, dst = job
+        target = dst[: location.size]
+        if len(data) == location.size:
+            target[:] = data
+            if xxhash.xxh3_64_intdigest(target) == location.checksum:
+                self.counters.reads += 1
+                self.counters.read_bytes += location.size
+                return location.checksum
+        self.counters.corrupt += 1
+        log.warning(
+            "object store block %s of %s is corrupt: dropped", key.hex()[:16], location.pack
+        )
+        with self._lock:
+            if self._index.get(key) == location:
+                del self._index[key]
+        return None
+
+    def forget(self, keys: Sequence[bytes]) -> int:
+        """Forget these blocks here (a DELETE); their bytes go when their pack ages out."""
+        with self._lock:
+            return sum(self._index.pop(k, None) is not None for k in keys)
+
+
+def _index_name(pack: str) -> str:
+    return pack[: -len(".kvs")] + ".idx"
