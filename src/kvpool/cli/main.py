@@ -272,7 +272,15 @@ def router(
         str | None, typer.Option(help="round_robin, least_load, session or cache_aware.")
     ] = None,
     tokenizer: Annotated[
-        str | None, typer.Option(help="The model's tokenizer (cache_aware).")
+        str | None,
+        typer.Option(help="The model's tokenizer (cache_aware routing, and prefetch)."),
+    ] = None,
+    prefetch_hold: Annotated[
+        float | None,
+        typer.Option(
+            help="With --tokenizer: the chosen engine's node brings the prompt's blocks up "
+            "from its lower tiers and holds them this many seconds (0: no prefetch)."
+        ),
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="The model name the engines' pool namespaces carry.")
@@ -300,6 +308,7 @@ def router(
         "port": port,
         "policy": policy,
         "tokenizer": tokenizer,
+        "prefetch_hold": prefetch_hold,
         "model": model,
         "block_size": block_size,
         "cache_weight": cache_weight,

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, UsageError
 from kvpool.keys import BlockOrigin, Namespace
-from kvpool.protocol.messages import Health, NodeStats
+from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
 
 from . import ops
 from .leases import ReadLease, WriteLease
@@ -144,14 +144,34 @@ class Client:
         *,
         wait: float = 0.0,
         wait_absent: bool = False,
+        prefetch: float = 0.0,
         timeout: float | None = None,
     ) -> LookupState:
-        """Like :meth:`lookup`, and whether the key after the prefix is being written."""
+        """Like :meth:`lookup`, and whether the key after the prefix is being written.
+
+        With ``prefetch`` > 0 (seconds), the local node also starts bringing the blocks of
+        the prefix that are only in its lower tiers into DRAM, and keeps them there that
+        long for the read to come (see :meth:`prefetch`).
+        """
         if self.cluster is not None:
             return self.cluster.lookup_state(
-                keys, wait, wait_absent, self._deadline(timeout) + wait
+                keys, wait, wait_absent, self._deadline(timeout) + wait, prefetch
             )
-        return self._require_local().lookup(keys, wait, wait_absent, timeout)
+        return self._require_local().lookup(keys, wait, wait_absent, timeout, prefetch)
+
+    def prefetch(
+        self,
+        keys: Sequence[bytes],
+        *,
+        hold: float = 30.0,
+        cancel: bool = False,
+        timeout: float | None = None,
+    ) -> PrefetchResponse:
+        """Ask the local node to bring ``keys`` into its DRAM now (from its disk, the
+        object store or other nodes), for a request that will read them soon, and keep
+        them there until read or for ``hold`` seconds.  Returns at once with what the
+        node did; ``cancel`` releases an earlier prefetch."""
+        return self._require_local().prefetch(keys, hold, cancel, timeout)
 
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         """Whether each key is stored (anywhere in the cluster)."""

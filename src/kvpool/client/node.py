@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from kvpool.config import Address, ClientConfig
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
 from kvpool.keys import BlockOrigin
-from kvpool.protocol.messages import Health, NodeStats, Welcome
+from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
 
 from . import ops, shm
 from .connection import Connection, map_arena
@@ -144,14 +144,28 @@ class NodeClient:
     # -- operations -----------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[bytes], wait: float, wait_absent: bool, timeout: float | None
+        self,
+        keys: Sequence[bytes],
+        wait: float,
+        wait_absent: bool,
+        timeout: float | None,
+        prefetch: float = 0.0,
     ) -> ops.LookupState:
         """The longest stored prefix; keys being written (and, with ``wait_absent``, keys
-        nobody writes yet) are awaited up to ``wait`` seconds, on top of ``timeout``."""
+        nobody writes yet) are awaited up to ``wait`` seconds, on top of ``timeout``.
+        With ``prefetch``, the node also starts bringing the prefix's lower-tier blocks
+        into DRAM and holds them that long."""
         if not keys:
             return ops.LookupState(0, False)
         timeout = (timeout if timeout is not None else self.config.timeout_s) + wait
-        return self.call(lambda _: ops.lookup(keys, wait, wait_absent), timeout)
+        return self.call(lambda _: ops.lookup(keys, wait, wait_absent, prefetch), timeout)
+
+    def prefetch(
+        self, keys: Sequence[bytes], hold: float, cancel: bool, timeout: float | None
+    ) -> PrefetchResponse:
+        if not keys:
+            return PrefetchResponse()
+        return self.call(lambda _: ops.prefetch(keys, hold, cancel), timeout)
 
     def hold(self, timeout: float | None = None) -> Connection:
         """Take a connection out of the pool for a lease (reserve then commit, pin then

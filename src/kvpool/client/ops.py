@@ -35,6 +35,7 @@ from kvpool.keys import BlockOrigin
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CHECKSUM_BYTES,
+    MAX_LEASE_MS,
     MAX_WAIT_MS,
     PROTOCOL_VERSION,
     AbortRequest,
@@ -51,6 +52,8 @@ from kvpool.protocol.messages import (
     Message,
     NodeStats,
     Op,
+    PrefetchRequest,
+    PrefetchResponse,
     PutRequest,
     ShutdownRequest,
     StatusResponse,
@@ -208,10 +211,13 @@ class LookupState:
 
 
 def lookup(
-    keys: Sequence[bytes], wait_s: float = 0.0, wait_absent: bool = False
+    keys: Sequence[bytes], wait_s: float = 0.0, wait_absent: bool = False, prefetch_s: float = 0.0
 ) -> Op_[LookupState]:
     request = LookupRequest(
-        keys=list(keys), wait_ms=int(min(wait_s, 60.0) * 1000), wait_absent=wait_absent
+        keys=list(keys),
+        wait_ms=int(min(wait_s, 60.0) * 1000),
+        wait_absent=wait_absent,
+        prefetch_ms=int(min(prefetch_s, MAX_HOLD_S) * 1000),
     )
     yield Request(Op.LOOKUP, request)
     response, _ = yield Recv(Op.LOOKUP, LookupResponse)
@@ -221,6 +227,15 @@ def lookup(
     if tiers and len(tiers) != response.num_prefix:
         raise ProtocolError(f"{len(tiers)} tiers for a prefix of {response.num_prefix}")
     return LookupState(response.num_prefix, bool(response.num_pending), tiers)
+
+
+def prefetch(keys: Sequence[bytes], hold_s: float, cancel: bool) -> Op_[PrefetchResponse]:
+    request = PrefetchRequest(
+        keys=list(keys), hold_ms=int(min(hold_s, MAX_HOLD_S) * 1000), cancel=cancel
+    )
+    yield Request(Op.PREFETCH, request)
+    response, _ = yield Recv(Op.PREFETCH, PrefetchResponse)
+    return response
 
 
 def exists(keys: Sequence[bytes]) -> Op_[list[bool]]:
@@ -284,6 +299,9 @@ def destinations(
         else:
             out.append(dsts[i][:size])
     return out
+
+
+MAX_HOLD_S = MAX_LEASE_MS / 1000
 
 
 def lower_tier_wait_ms(timeout_s: float) -> int:

@@ -86,10 +86,15 @@ class ClusterClient:
     # -- lookups --------------------------------------------------------------------------
 
     def lookup_state(
-        self, keys: Sequence[bytes], wait: float, wait_absent: bool, deadline: float
+        self,
+        keys: Sequence[bytes],
+        wait: float,
+        wait_absent: bool,
+        deadline: float,
+        prefetch: float = 0.0,
     ) -> LookupState:
         local, answered = self._local(
-            lambda node, t: node.lookup(keys, wait, wait_absent, t - wait),
+            lambda node, t: node.lookup(keys, wait, wait_absent, t - wait, prefetch),
             LookupState(0, False),
             deadline,
         )

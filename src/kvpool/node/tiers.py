@@ -74,7 +74,7 @@ class Tiers:
         self.disk = disk
         self.writeback = writeback
         self.objects = objects
-        self.holds = holds or Holds(arena.num_bytes // 2)
+        self.holds = holds if holds is not None else Holds(arena.num_bytes // 2)
         self.hits = {TIER_DRAM: 0, TIER_DISK: 0, TIER_OBJECT: 0}
         self.promoted = {TIER_DISK: 0, TIER_OBJECT: 0}
         self.num_late = 0  # reads that stopped waiting for a promotion at their deadline
@@ -126,6 +126,9 @@ class Tiers:
         and the tier of each block of the prefix."""
         num_prefix, pending = self.store.lookup(keys, count=False)
         tiers = bytearray([TIER_DRAM]) * num_prefix
+        # A block coming up from a lower tier is reserved in DRAM, but nobody is writing
+        # it: it counts as held where it comes from, not as pending.
+        pending = pending and keys[num_prefix] not in self._promoting
         if not self.has_lower or num_prefix == len(keys) or pending:
             return num_prefix, pending, bytes(tiers)
         rest = keys[num_prefix:]
@@ -137,7 +140,8 @@ class Tiers:
             tiers.append(TIER_DRAM if in_dram else lower)  # type: ignore[arg-type]
         num_prefix = len(tiers)
         if num_prefix < len(keys):
-            pending = self.store.pending_mask(keys[num_prefix : num_prefix + 1])[0]
+            after = keys[num_prefix]
+            pending = self.store.pending_mask([after])[0] and after not in self._promoting
         return num_prefix, pending, bytes(tiers)
 
     def record_lookup(self, keys: Sequence[bytes], num_prefix: int, tiers: bytes) -> None:
@@ -148,7 +152,10 @@ class Tiers:
     def presence(self, keys: Sequence[bytes]) -> tuple[list[bool], list[bool], bytes]:
         """Per key: held in some tier, being written, and the tier (DRAM if absent)."""
         present = self.store.lookup_mask(keys)
-        pending = self.store.pending_mask(keys)
+        pending = [
+            p and k not in self._promoting
+            for k, p in zip(keys, self.store.pending_mask(keys), strict=True)
+        ]
         tiers = bytearray(len(keys))
         if self.has_lower:
             missing = [i for i, p in enumerate(present) if not p]

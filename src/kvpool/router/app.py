@@ -39,6 +39,7 @@ from prometheus_client import (
 from .config import RouterSettings
 from .engines import Engine, EngineSet
 from .policies import LeastLoad, Policy, RoutedRequest
+from .prefix import PrefixLocator
 
 log = logging.getLogger("kvpool.router")
 
@@ -93,11 +94,15 @@ class Router:
         engines: EngineSet,
         policy: Policy,
         prefill_policy: Policy | None = None,
+        locator: PrefixLocator | None = None,
     ):
         self.config = config
         self.engines = engines
         self.policy = policy
         self.prefill_policy = prefill_policy or LeastLoad()
+        # With a tokenizer: the chosen engine's node prefetches the prompt's blocks.
+        self.locator = locator if config.prefetch_hold > 0 else None
+        self._prefetches: set[asyncio.Task[None]] = set()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvpool_router_requests",
@@ -180,6 +185,7 @@ class Router:
         if not candidates:
             return self._error(route, 503, "no healthy engine can serve this request")
         ordered = await self.policy.order(candidates, routed)
+        self._prefetch(ordered[0], routed)
         self.overhead.observe(time.perf_counter() - arrived)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -191,6 +197,23 @@ class Router:
                 ),
             )
         return await self._forward(request, routed, ordered, arrived)
+
+    def _prefetch(self, engine: Engine, routed: RoutedRequest) -> None:
+        """Off the request's path: the chosen engine's node starts bringing the prompt's
+        blocks up from its lower tiers while the request waits in the engine's queue."""
+        if self.locator is None or not engine.node:
+            return
+        task = asyncio.ensure_future(
+            self.locator.prefetch(
+                routed.route,
+                routed.body,
+                engine.node,
+                self.config.prefetch_hold,
+                routed.notes.get("block_hashes"),
+            )
+        )
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
 
     def _state(self, engine: Engine) -> str:
         return "healthy" if engine.is_available else "unavailable"
@@ -217,6 +240,8 @@ class Router:
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         ordered = await self.prefill_policy.order(candidates, routed)
+        if ordered:
+            self._prefetch(ordered[0], routed)
         previous: Engine | None = None
         for attempt, engine in enumerate(self._attempts(ordered)):
             await self._before_attempt(attempt, engine, previous, "prefill")

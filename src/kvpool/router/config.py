@@ -3,7 +3,7 @@
 A file::
 
     policy = "cache_aware"        # round_robin | least_load | session | cache_aware
-    tokenizer = "/models/llama"   # the model's tokenizer (cache_aware)
+    tokenizer = "/models/llama"   # the model's tokenizer (cache_aware, and prefetch)
     block_size = 16
     [[engines]]
     url = "http://10.0.0.2:8000"
@@ -45,6 +45,9 @@ class RouterSettings:
     models_timeout: float = 10.0
     drain_timeout: float = 60.0  # a removed engine's requests are waited for this long
     session_header: str = "x-session-id"
+    # With a tokenizer: once an engine is chosen, its node starts bringing the prompt's
+    # blocks held only in lower tiers into DRAM, held this long for it (0: no prefetch).
+    prefetch_hold: float = 60.0
     engines: list[Engine] = field(default_factory=list)
 
 
@@ -97,4 +100,6 @@ def settings_from(
         raise ConfigError("no engines: give --engine URL (repeatable) or a config file")
     if settings.policy == "cache_aware" and not settings.tokenizer:
         raise ConfigError("the cache_aware policy needs --tokenizer (the model's tokenizer)")
+    if not 0 <= settings.prefetch_hold <= 600:
+        raise ConfigError("--prefetch-hold must be 0-600 seconds")
     return settings

@@ -17,7 +17,7 @@ from .prefix import PrefixLocator, PromptHasher
 
 def build_router(settings: RouterSettings) -> Router:
     locator = None
-    if settings.policy == "cache_aware":
+    if settings.tokenizer:
         hasher = PromptHasher(settings.tokenizer, settings.block_size, settings.hash_algo)
         # One client per engine's node; the most a request waits on the pool to be placed.
         pool = client_config_from({"timeout": ROUTER_LOOKUP_BUDGET_S, "use_shm": False})
@@ -34,7 +34,7 @@ def build_router(settings: RouterSettings) -> Router:
         else make_policy(settings.policy)
     )
     engines = EngineSet(settings.engines, interval_s=settings.health_interval)
-    return Router(settings, engines, policy, make_policy(settings.prefill_policy))
+    return Router(settings, engines, policy, make_policy(settings.prefill_policy), locator)
 
 
 def run_router(config_file: str | None, overrides: dict[str, Any], engine_specs: list[str]) -> None:

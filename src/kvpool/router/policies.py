@@ -122,6 +122,7 @@ class CacheAware(Policy):
             request.explain(self.name, engines, {e.url: "only engine" for e in engines})
             return engines
         located = await self.locator.locate(request.route, request.body, [e.node for e in engines])
+        request.notes["block_hashes"] = located.hashes  # for the prefetch that follows
         least = min(e.load for e in engines)
         most = max(1.0, *(e.load for e in engines))
         scores: dict[str, float] = {}

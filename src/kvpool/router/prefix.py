@@ -80,6 +80,7 @@ class Located:
     node counts as holding nothing without having said so."""
 
     num_blocks: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
     prefix_by_node: dict[str, int] = field(default_factory=dict)
     unanswered: dict[str, str] = field(default_factory=dict)
 
@@ -147,6 +148,7 @@ class PrefixLocator:
             return located
         hashes = self.hasher.block_hashes(token_ids)
         located.num_blocks = len(hashes)
+        located.hashes = hashes
         if not hashes:
             return located
         deadline = time.monotonic() + self.client_config.timeout_s
@@ -182,6 +184,40 @@ class PrefixLocator:
             located.unanswered[node] = f"no answer: {error or 'not in time'}"
             log.info("prefix lookup on %s: %s", node, error or "no answer in time")
         return located
+
+    async def prefetch(
+        self,
+        route: str,
+        body: dict[str, Any],
+        node: str,
+        hold_s: float,
+        hashes: list[bytes] | None = None,
+    ) -> None:
+        """Ask ``node`` to bring the prompt's blocks into DRAM and hold them ``hold_s`` for
+        the request.  Best effort: a node that does not answer in time is skipped."""
+        loop = asyncio.get_running_loop()
+        try:
+            if hashes is None:
+                token_ids = await loop.run_in_executor(
+                    self._executor, self.hasher.token_ids, route, body
+                )
+                hashes = self.hasher.block_hashes(token_ids)
+            if hashes:
+                await loop.run_in_executor(self._executor, self._prefetch_on, node, hashes, hold_s)
+        except Exception as exc:  # a hint: nothing depends on it
+            log.debug("prefetch on %s: %s", node, exc)
+
+    def _prefetch_on(self, node: str, hashes: list[bytes], hold_s: float) -> None:
+        deadline = time.monotonic() + self.client_config.timeout_s
+        # The model's namespaces as any node knows them: the chosen node may hold the
+        # prompt only in the object store, under a namespace it has not served yet.
+        namespace_ids = set(self._namespace_ids(node, deadline))
+        for _, ids in self._namespaces.values():
+            namespace_ids.update(ids)
+        client = self._client(node)
+        for namespace_id in sorted(namespace_ids):
+            keys = [block_key(namespace_id, h) for h in hashes]
+            client.prefetch(keys, hold=hold_s, timeout=_left(deadline))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -23,6 +23,9 @@ read_local_only     in a cluster, look only at the local node               fals
 peers / etcd        cluster membership (see ``kvpool serve``)               none
 tenant              isolates the blocks of one tenant                       ""
 stats_interval      seconds between stats log lines                         10.0
+prefetch_hold       a request whose prefix is only in lower tiers: the      60.0
+                    node brings it into DRAM and holds it this long for
+                    the request (0: no hint, the load reads lower tiers)
 health_*            interval, recover_after, flap_window, max_flaps,        1, 3, 30, 3,
                     max_slow (timeouts in a row before unhealthy)           3
 ==================  ======================================================  ============
@@ -56,6 +59,7 @@ DEFAULT_LOOKUP_TIMEOUT_S = 0.2
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 DEFAULT_CONSUMER_WAIT_S = 2.0
 DEFAULT_STATS_INTERVAL_S = 10.0
+DEFAULT_PREFETCH_HOLD_S = 60.0
 TRANSFERS = ("layerwise", "whole")
 
 _CLIENT_KEYS = {name for name, _ in CLIENT_ENV.values()} | {"timeout", "connect_timeout"}
@@ -68,6 +72,7 @@ _CONNECTOR_FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("transfer", "transfer", str),
     ("tenant", "tenant", str),
     ("stats_interval", "stats_interval_s", float),
+    ("prefetch_hold", "prefetch_hold_s", float),
 )
 
 
@@ -82,6 +87,7 @@ class ConnectorConfig:
     transfer: str = TRANSFERS[0]
     tenant: str = ""
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
+    prefetch_hold_s: float = DEFAULT_PREFETCH_HOLD_S
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
     def validate(self) -> ConnectorConfig:
@@ -91,6 +97,8 @@ class ConnectorConfig:
             raise ConfigError("min_load_tokens must be >= 0 and min_load_blocks >= 1")
         if self.consumer_wait_s < 0:
             raise ConfigError("consumer_wait must be >= 0")
+        if not 0 <= self.prefetch_hold_s <= 600:
+            raise ConfigError("prefetch_hold must be 0-600 seconds")
         if self.transfer not in TRANSFERS:
             raise ConfigError(f"transfer must be one of {', '.join(TRANSFERS)}")
         return self

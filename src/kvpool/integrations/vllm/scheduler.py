@@ -33,7 +33,7 @@ from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
 from kvpool.errors import KVPoolError
 from kvpool.keys import BlockOrigin, Namespace
-from kvpool.stats import TIER_NAMES
+from kvpool.stats import TIER_DRAM, TIER_NAMES
 
 from .config import ConnectorConfig
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
@@ -107,8 +107,11 @@ class KVPoolScheduler:
         """Leading blocks every rank has, whether a rank is still writing the next, and the
         tier of each leading block (in the rank that holds the fewest)."""
         num_prefix, pending, tiers = len(hashes), False, b""
+        prefetch = self.config.prefetch_hold_s if self.can_load else 0.0
         for ns in self.namespaces:
-            state = self.client.lookup_state(ns.keys(hashes), timeout=self.config.lookup_timeout_s)
+            state = self.client.lookup_state(
+                ns.keys(hashes), prefetch=prefetch, timeout=self.config.lookup_timeout_s
+            )
             if state.num_prefix < num_prefix or not tiers:
                 tiers = state.tiers[: min(num_prefix, state.num_prefix)]
             if state.num_prefix < num_prefix:
@@ -163,8 +166,13 @@ class KVPoolScheduler:
         num_new = num_pool - num_local_blocks
         if num_new < self.config.min_load_blocks or num_new * bs < self.config.min_load_tokens:
             return 0, False
-        # Layer by layer, the load runs in the step that computes the rest of the prompt.
-        return num_new * bs, self.config.transfer == "whole"
+        # Layer by layer, the load runs in the step that computes the rest of the prompt;
+        # blocks coming up from a lower tier (the lookup asked the node to bring them into
+        # DRAM) are loaded asynchronously: the request waits for them off the step.
+        return num_new * bs, self._is_async(tiers[num_local_blocks:num_pool])
+
+    def _is_async(self, tiers: bytes) -> bool:
+        return self.config.transfer == "whole" or any(t != TIER_DRAM for t in tiers)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The request is scheduled: count its lookup, plan its load, and start its saves
@@ -197,7 +205,8 @@ class KVPoolScheduler:
             return
         block_ids = list(blocks.get_block_ids()[0][first:last])
         hashes = [bytes(h) for h in request.block_hashes[first:last]]
-        self._loads.append(TransferJob(request.request_id, block_ids, hashes))
+        is_async = self._is_async(match.tiers[first:last])
+        self._loads.append(TransferJob(request.request_id, block_ids, hashes, is_async=is_async))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._loads)

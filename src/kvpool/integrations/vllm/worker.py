@@ -17,9 +17,10 @@ Each step, vLLM binds the step's metadata before the forward, runs the layers, t
   the load could not deliver, or not in time, are reported through
   ``get_block_ids_with_load_errors`` and vLLM recomputes them.  A load is stopped before
   ``wait_for_save`` returns, so it never writes into blocks of a finished step.
-- **Whole loads** (``transfer: whole``).  ``start_load_kv`` starts one job per request,
-  which copies all layers with one indexed copy; the request waits a step for it and is
-  reported through ``get_finished``.
+- **Whole loads** (``transfer: whole``, and any load of blocks that were only in a lower
+  tier: the node is bringing them into DRAM meanwhile).  ``start_load_kv`` starts one job
+  per request, which copies all layers with one indexed copy; the request waits off the
+  step for it (vLLM's ``WAITING_FOR_REMOTE_KVS``) and is reported through ``get_finished``.
 - Every pool call has a deadline; a failure marks the pool unhealthy, and while it is,
   loads fail at once (the engine recomputes) and saves are skipped.
 """
@@ -124,8 +125,10 @@ class KVPoolWorker:
         if self.layerwise:
             deadline = time.monotonic() + self.config.transfer_timeout_s
             for job in meta.loads:
+                if job.is_async:
+                    continue  # started by start_load_kv
                 if not self.health.is_healthy:
-                    self._finish_load(job, 0, "pool unhealthy")
+                    self._finish_load(job, 0, "pool unhealthy", is_async=False)
                     continue
                 load = LayerwiseLoad(job, deadline)
                 self._step_loads.append(load)
@@ -157,9 +160,9 @@ class KVPoolWorker:
     # -- loads ----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
-        if self.layerwise:
-            return  # started with the step (begin_step)
         for job in meta.loads:
+            if self.layerwise and not job.is_async:
+                continue  # started with the step (begin_step)
             if not self.health.is_healthy or self.layout is None:
                 self._finish_load(job, 0, "pool unhealthy")
                 continue
@@ -216,7 +219,7 @@ class KVPoolWorker:
                 self.stats.add("load_errors", len(failed))
                 self.stats.data.setdefault("failed_req_ids", []).append(job.req_id)
                 self._load_errors.update(failed)
-            if is_async and not self.layerwise:
+            if is_async:
                 self._done_loading.add(job.req_id)
 
     # -- saves ----------------------------------------------------------------------------

@@ -1,0 +1,205 @@
+"""The object-store tier and prefetch, with real node daemons and a real S3 server.
+
+Each node runs as its own process with its own host id, run directory and disk: two
+simulated hosts, which reach each other's data only through the S3 bucket (clients use TCP,
+never a shared arena).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool import Client
+from kvpool.demo.process import NodeProcess
+from kvpool.stats import TIER_DRAM, TIER_OBJECT
+from tests.conftest import NodeFactory
+from tests.helpers import content, key
+from tests.s3server import S3Server
+
+BLOCK = 256 << 10
+MiB = 1 << 20
+
+
+def serve_args(server: S3Server, bucket: str, disk: Path, host: str) -> list[str]:
+    return [
+        "--disk",
+        str(disk),
+        "--disk-size",
+        "8MiB",
+        "--object-store",
+        f"s3://{bucket}/pool",
+        "--object-store-endpoint",
+        server.endpoint,
+        "--object-refresh",
+        "0.2",
+        "--host-id",
+        host,
+    ]
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server) -> dict[str, str]:
+    return {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_REGION": s3_server.region,
+    }
+
+
+def start_host(
+    start_node: NodeFactory,
+    s3_server: S3Server,
+    bucket: str,
+    env: dict[str, str],
+    tmp_path: Path,
+    name: str,
+    memory: str = "8MiB",
+) -> NodeProcess:
+    args = serve_args(s3_server, bucket, tmp_path / f"disk-{name}", f"host-{name}")
+    return start_node(name, memory, extra=args, env=env)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.1)
+
+
+def fill(client: Client, prefix: str, n: int) -> list[bytes]:
+    keys = [key(f"{prefix}-{i}") for i in range(n)]
+    for start in range(0, n, 8):
+        batch = keys[start : start + 8]
+        client.put(batch, [content(k, BLOCK) for k in batch])
+    return keys
+
+
+def written_to_bucket(node: NodeProcess, prefix_keys: list[bytes]) -> None:
+    """Write enough behind ``prefix_keys`` that they leave DRAM and then the disk."""
+    with Client(node.tcp_address, use_shm=False, timeout=10) as c:
+        fill(c, "pushing", 120)  # 30 MiB through 8 MiB of DRAM and 8 MiB of disk
+        wait_for(lambda: c.stats().tiers[2].writes >= len(prefix_keys))
+
+
+@pytest.fixture
+def shared(
+    start_node: NodeFactory, s3_server: S3Server, s3_bucket: str, s3_env: dict, tmp_path: Path
+) -> tuple[list[bytes], Callable[..., NodeProcess]]:
+    """A node on host A wrote a 12-block prefix that has left its DRAM and disk for the
+    bucket, then died (SIGKILL); a factory for nodes on other hosts."""
+    a = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "a")
+    with Client(a.tcp_address, use_shm=False, timeout=10) as c:
+        prefix = fill(c, "prefix", 12)
+    written_to_bucket(a, prefix)
+    a.kill()
+
+    def other(name: str, memory: str = "8MiB") -> NodeProcess:
+        return start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, name, memory)
+
+    return prefix, other
+
+
+def test_another_host_reads_the_prefix_after_its_writer_died(shared: tuple) -> None:
+    prefix, other = shared
+    b = other("b")
+    with Client(b.tcp_address, use_shm=False, timeout=10) as c:
+        wait_for(lambda: c.lookup(prefix) == len(prefix))  # the first index refresh
+        state = c.lookup_state(prefix)
+        assert state.tiers == bytes([TIER_OBJECT]) * len(prefix)
+        values = c.get(prefix).values
+        for k, v in zip(prefix, values, strict=True):
+            assert v is not None and np.array_equal(np.frombuffer(v, np.uint8), content(k, BLOCK))
+        # Read once, the blocks are in B's DRAM.
+        assert c.lookup_state(prefix).tiers == bytes([TIER_DRAM]) * len(prefix)
+        objects = c.stats().tiers[2]
+        assert objects.name == "object" and objects.promotions >= len(prefix)
+        assert objects.corrupt == 0
+
+
+def test_a_frozen_or_dead_object_store_only_makes_misses(
+    shared: tuple, s3_server: S3Server
+) -> None:
+    prefix, other = shared
+    b = other("b")
+    with Client(b.tcp_address, use_shm=False, timeout=1.5) as c:
+        wait_for(lambda: c.lookup(prefix) == len(prefix))
+        for stall, resume in (
+            (s3_server.freeze, s3_server.thaw),
+            (s3_server.kill_gateway, s3_server.restart_gateway),
+        ):
+            stall()
+            try:
+                started = time.monotonic()
+                assert c.lookup(prefix) == len(prefix)  # lookups never ask the store
+                values = c.get(prefix[:4], timeout=1.5).values
+                assert time.monotonic() - started < 1.5 + 0.5  # within the caller's deadline
+                assert values == [None] * 4  # misses, never wrong bytes
+                assert c.health().ok  # and the node serves on
+                # Blocks still coming up (their read outlives the caller) are not "pending".
+                state = c.lookup_state(prefix)
+                assert state.num_prefix == len(prefix) and not state.is_next_pending
+            finally:
+                resume()
+        values = c.get(prefix[:4], timeout=10).values
+        for k, v in zip(prefix[:4], values, strict=True):
+            assert v is not None and np.array_equal(np.frombuffer(v, np.uint8), content(k, BLOCK))
+
+
+def test_prefetch_brings_blocks_up_and_holds_them_for_the_queue(shared: tuple) -> None:
+    prefix, other = shared
+    b = other("b", memory="8MiB")
+    with Client(b.tcp_address, use_shm=False, timeout=10) as c:
+        wait_for(lambda: c.lookup(prefix) == len(prefix))
+        held, others = prefix[:8], prefix[8:]
+        answer = c.prefetch(held, hold=60)
+        assert answer.num_started == len(held) and answer.num_refused == 0
+        wait_for(lambda: c.lookup_state(held).tiers == bytes([TIER_DRAM]) * len(held))
+        again = c.prefetch(held, hold=60)  # a duplicate costs nothing: they are in DRAM
+        assert again.num_in_dram == len(held) and again.num_started == 0
+        # Other traffic fills B's DRAM several times over: the held blocks stay.
+        fill(c, "traffic", 64)
+        assert c.lookup_state(held).tiers == bytes([TIER_DRAM]) * len(held)
+        assert c.stats().prefetch.held_blocks == len(held)
+        c.get(held)  # the queued request runs
+        stats = c.stats().prefetch
+        assert stats.useful == len(held) and stats.held_blocks == 0
+        # A prefetch of what is nowhere, and a cancelled one.
+        assert c.prefetch([key("nowhere")]).num_absent == 1
+        c.prefetch(others, hold=60)
+        c.prefetch(others, cancel=True)
+        wait_for(lambda: c.stats().prefetch.held_blocks == 0)
+        assert c.stats().prefetch.completed >= len(held)
+
+
+def test_a_lookup_with_prefetch_starts_the_promotion(shared: tuple) -> None:
+    """The connector's hint: the lookup that finds the prefix in a lower tier also starts
+    bringing it up, with no second round trip."""
+    prefix, other = shared
+    b = other("b")
+    with Client(b.tcp_address, use_shm=False, timeout=10) as c:
+        wait_for(lambda: c.lookup(prefix) == len(prefix))
+        state = c.lookup_state(prefix, prefetch=30)
+        assert TIER_OBJECT in state.tiers
+        wait_for(lambda: c.lookup_state(prefix).tiers == bytes([TIER_DRAM]) * len(prefix))
+        assert c.stats().prefetch.started >= len(prefix)
+
+
+def test_object_store_flags_are_checked(tmp_path: Path) -> None:
+    from kvpool.config import node_config_from
+    from kvpool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs --disk"):
+        node_config_from({"object_store": "s3://bucket/p"}, environ={})
+    with pytest.raises(ConfigError, match="s3://"):
+        node_config_from(
+            {"object_store": "gs://b", "disk_path": str(tmp_path), "disk_bytes": 8 * MiB},
+            environ={},
+        )
+    assert os.environ.get("KVPOOL_OBJECT_STORE") is None
