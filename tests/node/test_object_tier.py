@@ -203,3 +203,37 @@ def test_object_store_flags_are_checked(tmp_path: Path) -> None:
             environ={},
         )
     assert os.environ.get("KVPOOL_OBJECT_STORE") is None
+
+
+def test_object_tier_and_prefetch_are_visible(shared: tuple) -> None:
+    """In `kvpool status`, /metrics and the dashboard (rendered by Chromium)."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.node.test_dashboard import render
+
+    prefix, other = shared
+    b = other("b")
+    with Client(b.tcp_address, use_shm=False, timeout=10) as c:
+        wait_for(lambda: c.lookup(prefix) == len(prefix))
+        c.prefetch(prefix[:5], hold=60)
+        wait_for(lambda: c.stats().prefetch.completed == 5)
+        c.get(prefix[:3])  # three of the five were worth it (so far)
+    metrics = urllib.request.urlopen(b.admin_url + "/metrics", timeout=10).read().decode()
+    assert 'kvpool_tier_hits_total{node="b",tier="object"}' in metrics
+    assert 'kvpool_prefetch_completed_total{node="b"} 5.0' in metrics
+    assert 'kvpool_prefetch_useful_total{node="b"} 3.0' in metrics
+    assert 'kvpool_prefetch_held_blocks{node="b"} 2.0' in metrics
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "kvpool"), "status", "--address", b.tcp_address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert status.returncode == 0, status.stderr
+    assert "prefetch" in status.stdout and "object" in status.stdout
+    dom = render(b.admin_url + "/")
+    assert '<tr class="tier-object"><td>object</td>' in dom
+    assert '<td class="prefetch-useful">3</td>' in dom

@@ -55,6 +55,34 @@ def node_table(rows: list[tuple[str, NodeStats | None]]) -> Table:
     return table
 
 
+PREFETCH_COLUMNS = (
+    "issued",
+    "in_dram",
+    "started",
+    "completed",
+    "refused",
+    "absent",
+    "useful",
+    "wasted",
+    "held_blocks",
+)
+
+
+def prefetch_table(stats: list[NodeStats]) -> Table:
+    """Per node: blocks prefetched for queued requests, and whether it paid (useful: read
+    while held; wasted: the hold lapsed unread)."""
+    table = Table(title="prefetch")
+    table.add_column("node")
+    for column in (*PREFETCH_COLUMNS, "held"):
+        table.add_column(column.replace("_", " "), justify="right")
+    for node in stats:
+        p = node.prefetch
+        if p is not None:
+            cells = [str(getattr(p, c)) for c in PREFETCH_COLUMNS]
+            table.add_row(node.node_id, *cells, format_size(p.held_bytes))
+    return table
+
+
 def tier_table(stats: list[NodeStats]) -> Table:
     table = Table(title="tiers")
     columns = (
@@ -72,6 +100,7 @@ def tier_table(stats: list[NodeStats]) -> Table:
         "evictions",
         "corrupt",
         "recovered",
+        "errors",
     )
     for column in columns:
         table.add_column(column, justify="left" if column in ("node", "tier") else "right")
@@ -96,6 +125,7 @@ def tier_table(stats: list[NodeStats]) -> Table:
                         "evictions",
                         "corrupt",
                         "recovered",
+                        "errors",
                     )
                 ),
             )
@@ -151,6 +181,8 @@ def show_status(
     up = [s for _, s in rows if s is not None]
     if any(s.tiers for s in up):
         console.print(tier_table(up))
+    if any(s.prefetch for s in up):
+        console.print(prefetch_table(up))
     if any(s.namespaces for s in up):
         console.print(namespace_table(up))
 

@@ -84,6 +84,28 @@ TIER_METRICS = (
     ("counter", "promotions", "Blocks copied from the tier back into DRAM.", "promotions"),
     ("counter", "evictions", "Blocks evicted from the tier.", "evictions"),
     ("counter", "corrupt", "Blocks of the tier found corrupt (never served).", "corrupt"),
+    ("counter", "errors", "Requests to the tier that failed or ran out of time.", "errors"),
+)
+
+PREFETCH_METRICS = (
+    ("counter", "issued", "Blocks named by prefetches.", "issued"),
+    (
+        "counter",
+        "started",
+        "Prefetched blocks brought up from a lower tier (or joined).",
+        "started",
+    ),
+    ("counter", "completed", "Prefetched blocks brought up into DRAM and verified.", "completed"),
+    (
+        "counter",
+        "refused",
+        "Prefetched blocks refused: past the bound in flight or held.",
+        "refused",
+    ),
+    ("counter", "useful", "Prefetched blocks read while held.", "useful"),
+    ("counter", "wasted", "Prefetched blocks whose hold lapsed unread.", "wasted"),
+    ("gauge", "held_blocks", "Blocks held in DRAM for queued requests.", "held_blocks"),
+    ("gauge", "held_bytes", "Bytes held in DRAM for queued requests.", "held_bytes"),
 )
 
 
@@ -94,6 +116,11 @@ def _tier_families(s: NodeStats) -> Iterator[Metric]:
         for tier in s.tiers:
             family.add_metric([s.node_id, tier.name], getattr(tier, attribute))
         yield family
+    if s.prefetch is not None:
+        for kind, name, doc, attribute in PREFETCH_METRICS:
+            family = families[kind](f"kvpool_prefetch_{name}", doc, labels=["node"])
+            family.add_metric([s.node_id], getattr(s.prefetch, attribute))
+            yield family
 
 
 class NodeMetrics:
