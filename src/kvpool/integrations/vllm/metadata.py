@@ -170,6 +170,10 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             "vllm:kvpool_hit_blocks_disk",
             "Blocks past the engine's own cache found on the node's disk tier.",
         ),
+        "hit_blocks_object": (
+            "vllm:kvpool_hit_blocks_object",
+            "Blocks past the engine's own cache found only in the shared object store.",
+        ),
         "hit_blocks_remote": (
             "vllm:kvpool_hit_blocks_remote",
             "Blocks past the engine's own cache found on other nodes.",

