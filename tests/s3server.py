@@ -66,6 +66,8 @@ mon_warn_on_insecure_global_id_reclaim_allowed = false
 mon_data = {dir}/mon/$id
 osd_data = {dir}/osd/$id
 osd_objectstore = memstore
+# Object data lives in the OSD's RAM, allocated as written; the default cap is 1 GiB.
+memstore_device_bytes = 4294967296
 
 [client.rgw]
 rgw_frontends = beast endpoint=127.0.0.1:{rgw_port}

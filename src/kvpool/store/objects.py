@@ -51,6 +51,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -89,6 +90,8 @@ WRITE_TIMEOUT_S = 30.0
 WRITE_RETRIES = 3
 UPLOAD_CHUNK_BYTES = 8 << 20
 READ_COALESCE_BYTES = 64 << 10
+READ_RUN_BYTES = 16 << 20  # blocks fetched together: one ranged GET (coalesced)
+READ_PARALLELISM = 8  # runs fetched at once
 
 
 class PackIndex(msgspec.Struct, forbid_unknown_fields=False):
@@ -200,6 +203,7 @@ class ObjectTier:
         self.counters = ObjectCounters()
         self.writer = f"{writer}-{secrets.token_hex(4)}"  # unique across restarts
         self._reader = open_store(config, timeout_s=config.read_timeout_s, retries=0)
+        self._fetcher = ThreadPoolExecutor(READ_PARALLELISM, thread_name_prefix="kvpool-object-get")
         self._store = open_store(config, timeout_s=WRITE_TIMEOUT_S, retries=WRITE_RETRIES)
         self._staging = staging
         self._lock = threading.Lock()
@@ -245,6 +249,7 @@ class ObjectTier:
         for thread in self._threads:
             thread.join()
         self._threads = []
+        self._fetcher.shutdown(wait=True)
         shutil.rmtree(self._staging, ignore_errors=True)
 
     # -- lookups --------------------------------------------------------------------------
@@ -432,35 +437,53 @@ class ObjectTier:
     def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]:
         """Read each block into its destination (at least its size) and verify it: its
         checksum, or ``None`` where it is not in the bucket, could not be read in time, or
-        failed verification (then it is forgotten and counted)."""
+        failed verification (then it is forgotten and counted).
+
+        Blocks are grouped into runs (one pack, up to ``READ_RUN_BYTES``), fetched in
+        parallel; each run is copied and verified as soon as it arrives, while the
+        others are still on the wire."""
         results: list[int | None] = [None] * len(jobs)
-        by_pack: dict[str, list[tuple[int, ObjectLocation]]] = {}
+        runs: list[tuple[str, list[tuple[int, ObjectLocation]]]] = []
         with self._lock:
             for i, (key, dst) in enumerate(jobs):
                 location = self._index.get(key)
-                if location is not None and len(dst) >= location.size:
-                    by_pack.setdefault(location.pack, []).append((i, location))
-        for pack, wanted in by_pack.items():
+                if location is None or len(dst) < location.size:
+                    continue
+                last = runs[-1] if runs else None
+                if (
+                    last is not None
+                    and last[0] == location.pack
+                    and sum(loc.size for _, loc in last[1]) + location.size <= READ_RUN_BYTES
+                ):
+                    last[1].append((i, location))
+                else:
+                    runs.append((location.pack, [(i, location)]))
+        fetches = {self._fetcher.submit(self._fetch, pack, run): (pack, run) for pack, run in runs}
+        for done in as_completed(fetches):
+            pack, run = fetches[done]
             try:
-                parts = obstore.get_ranges(
-                    self._reader,
-                    PACKS + pack,
-                    starts=[loc.offset for _, loc in wanted],
-                    lengths=[loc.size for _, loc in wanted],
-                    coalesce=READ_COALESCE_BYTES,
-                )
+                parts = done.result()
             except NOT_FOUND:
                 with self._lock:
                     self._forget_pack(pack)
-                self.counters.read_errors += len(wanted)
+                self.counters.read_errors += len(run)
                 continue
             except STORE_ERRORS as exc:
-                log.info("object store read of %d block(s) failed: %s", len(wanted), exc)
-                self.counters.read_errors += len(wanted)
+                log.info("object store read of %d block(s) failed: %s", len(run), exc)
+                self.counters.read_errors += len(run)
                 continue
-            for (i, location), data in zip(wanted, parts, strict=True):
+            for (i, location), data in zip(run, parts, strict=True):
                 results[i] = self._verify(jobs[i], location, memoryview(data))
         return results
+
+    def _fetch(self, pack: str, run: list[tuple[int, ObjectLocation]]) -> list[Any]:
+        return obstore.get_ranges(
+            self._reader,
+            PACKS + pack,
+            starts=[loc.offset for _, loc in run],
+            lengths=[loc.size for _, loc in run],
+            coalesce=READ_COALESCE_BYTES,
+        )
 
     def _verify(
         self, job: tuple[bytes, memoryview], location: ObjectLocation, data: memoryview
