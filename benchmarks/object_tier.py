@@ -30,15 +30,9 @@ import obstore
 import xxhash
 from tests.s3server import S3Server
 
+from kvpool.store.bucket import PACKS, ObjectStoreConfig, open_store
 from kvpool.store.disk import DiskTier
-from kvpool.store.objects import (
-    MAX_STAGED_SEGMENTS,
-    PACKS,
-    UPLOAD_CHUNK_BYTES,
-    ObjectStoreConfig,
-    ObjectTier,
-    open_store,
-)
+from kvpool.store.objects import MAX_STAGED_SEGMENTS, UPLOAD_CHUNK_BYTES, ObjectTier
 
 MiB = 1 << 20
 BLOCK = 2 * MiB

@@ -129,6 +129,35 @@ def test_static_cluster_shares_blocks_across_hosts(fabric):
             c.close()
 
 
+def test_prefetch_copies_blocks_from_other_nodes(fabric):
+    """A node asked to prefetch blocks it does not hold reads them from their homes, and
+    holds the copies in its DRAM for the request to come."""
+    hosts = [fabric.add_host(n) for n in ("a", "b")]
+    peers = tuple(h.tcp_address for h in hosts)
+    for host in hosts:
+        host.start_node(peers=list(peers))
+    writer = Client(**hosts[0].client_options(peers=peers))
+    reader = Client(**hosts[1].client_options(peers=peers))
+    try:
+        members = writer.cluster.members()
+        # Keys whose home is the writer's node: the reader's node holds none of them.
+        keys = [k for k in (key(f"r{i}") for i in range(80))]
+        keys = [k for k in keys if homes(k, members)[0].tcp_address == hosts[0].tcp_address][:12]
+        values = [content(k, 50_000) for k in keys]
+        assert writer.put(keys, values).all_stored
+        assert not any(reader.local.exists(keys))
+        answer = reader.prefetch(keys, hold=60)
+        assert answer.num_started == len(keys)
+        assert wait_for(lambda: all(reader.local.exists(keys)))
+        got = reader.local.get(keys)
+        assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]
+        stats = reader.local.stats().prefetch
+        assert stats.completed == len(keys) and stats.useful == len(keys)
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_a_client_without_a_local_node_writes_to_homes(fabric):
     hosts = [fabric.add_host(n) for n in ("a", "b")]
     peers = tuple(h.tcp_address for h in hosts)

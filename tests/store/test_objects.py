@@ -14,8 +14,9 @@ import pytest
 import xxhash
 
 from kvpool.errors import ConfigError
+from kvpool.store.bucket import INDEXES, PACKS, ObjectStoreConfig, open_store
 from kvpool.store.disk import DiskTier
-from kvpool.store.objects import INDEXES, PACKS, ObjectStoreConfig, ObjectTier, open_store
+from kvpool.store.objects import ObjectTier
 from tests.s3server import S3Server
 
 MiB = 1 << 20

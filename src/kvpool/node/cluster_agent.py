@@ -31,6 +31,7 @@ log = logging.getLogger("kvpool.cluster")
 MAX_QUEUED_KEYS = 65536
 BATCH_KEYS = 256
 OWNER_ID = -1  # pins of the replicator, apart from every connection's
+FETCH_TIMEOUT_S = 5.0  # a prefetch's read from another node
 
 
 class NodeAgent:
@@ -173,6 +174,37 @@ class NodeAgent:
         finally:
             if pinned.pin_id:
                 self.store.unpin(pinned.pin_id)
+
+    # -- reads from other nodes (prefetch) ------------------------------------------------
+
+    async def fetch(self, keys: list[bytes]) -> list[bytes | None]:
+        """The blocks among ``keys`` that their other home nodes hold (verified by the
+        client as they arrive); ``None`` where no home answered with it in time."""
+        members = {m.node_id: m for m in self.membership.members()}
+        groups = group_by_home(
+            keys, list(members.values()), self.config.replicas, skip=self.member.node_id
+        )
+        found: list[bytes | None] = [None] * len(keys)
+        now = time.monotonic()
+
+        async def ask(node_id: str, indices: list[int]) -> None:
+            if self._down_until.get(node_id, 0.0) > now or node_id not in members:
+                return
+            wanted = [i for i in indices if found[i] is None]
+            if not wanted:
+                return
+            try:
+                client = self._peer(members[node_id])
+                result = await client.get([keys[i] for i in wanted], timeout=FETCH_TIMEOUT_S)
+            except KVPoolError as exc:
+                log.debug("prefetch from %s failed: %s", node_id, exc)
+                return
+            for i, value in zip(wanted, result.values, strict=True):
+                if value is not None and found[i] is None:
+                    found[i] = bytes(value)
+
+        await asyncio.gather(*(ask(n, ix) for n, ix in groups.items()))
+        return found
 
     def _peer(self, member: Member) -> AsyncClient:
         client = self._peers.get(member.tcp_address)

@@ -32,11 +32,12 @@ from kvpool.node.server import NodeServer
 from kvpool.node.tiers import Tiers
 from kvpool.node.writeback import WriteBack
 from kvpool.store.arena import Arena, NodeDirLock
+from kvpool.store.bucket import ObjectStoreConfig
 from kvpool.store.disk import ID_FILE, SEGMENT_RE, DiskTier
 from kvpool.store.eviction import LRUPolicy
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
-from kvpool.store.objects import OUTGOING_DIR, ObjectStoreConfig, ObjectTier
+from kvpool.store.objects import OUTGOING_DIR, ObjectTier
 from kvpool.store.pool import BlockStore
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ class Daemon:
                 from kvpool.node.cluster_agent import NodeAgent
 
                 self.cluster = NodeAgent(config, store, arena)
+                tiers.remote = self.cluster.fetch  # prefetch reads other nodes too
             self.server = NodeServer(
                 config, store, arena, tiers, self.cluster, on_shutdown=self.request_stop
             )

@@ -198,7 +198,7 @@ class NodeServer:
             peers=self.cluster.peer_ids() if self.cluster is not None else [],
             corrupt_reports=counters.corrupt_reports,
             tiers=self.tiers.stats(),
-            prefetch=self.tiers.prefetch_stats() if self.tiers.has_lower else None,
+            prefetch=self.tiers.prefetch_stats() if self.tiers.can_prefetch else None,
         )
 
     @property

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvpool.checksum import copy_with_checksum
 from kvpool.node.writeback import WriteBack
 from kvpool.stats import TIER_DISK, TIER_DRAM, TIER_OBJECT, PrefetchStats, TierStats
 from kvpool.store.arena import Arena
@@ -47,6 +48,10 @@ DEFAULT_WAIT_S = 2.0  # a read that names no deadline waits this long for lower 
 DEFAULT_HOLD_S = 30.0
 MAX_HOLD_S = 120.0
 PREFETCH_MAX_BYTES = 512 << 20
+MAX_REMOTE_PREFETCH_KEYS = 1024
+
+# Reads blocks from other nodes of the cluster: per key, its bytes or None.
+RemoteFetch = Callable[[list[bytes]], Awaitable[list[bytes | None]]]
 
 
 @dataclass(slots=True)
@@ -68,15 +73,18 @@ class Tiers:
         writeback: WriteBack | None = None,
         objects: ObjectTier | None = None,
         holds: Holds | None = None,
+        remote: RemoteFetch | None = None,
     ) -> None:
         self.store = store
         self.arena = arena
         self.disk = disk
         self.writeback = writeback
         self.objects = objects
+        self.remote = remote  # other nodes of the cluster (prefetch only)
         self.holds = holds if holds is not None else Holds(arena.num_bytes // 2)
         self.hits = {TIER_DRAM: 0, TIER_DISK: 0, TIER_OBJECT: 0}
         self.promoted = {TIER_DISK: 0, TIER_OBJECT: 0}
+        self.promoted_remote = 0  # blocks a prefetch copied from other nodes
         self.num_late = 0  # reads that stopped waiting for a promotion at their deadline
         self.prefetched = PrefetchStats()
         self._prefetch_bytes = 0  # in flight
@@ -87,6 +95,10 @@ class Tiers:
     @property
     def has_lower(self) -> bool:
         return self.disk is not None or self.objects is not None
+
+    @property
+    def can_prefetch(self) -> bool:
+        return self.has_lower or self.remote is not None
 
     def start(self) -> None:
         if self.writeback is not None:
@@ -287,6 +299,7 @@ class Tiers:
         hold_s = min(hold_s or DEFAULT_HOLD_S, MAX_HOLD_S)
         self.holds.expire()
         wanted: list[tuple[bytes, int, int]] = []
+        elsewhere: list[bytes] = []
         in_dram = self.store.lookup_mask(keys, count=False)
         for key, held in zip(keys, in_dram, strict=True):
             block = self.store.get_block(key) if held else None
@@ -295,7 +308,10 @@ class Tiers:
                 continue
             source = self._source(key)
             if source is None:
-                answer.num_absent += 1
+                if self.remote is not None and key not in self._promoting:
+                    elsewhere.append(key)
+                else:
+                    answer.num_absent += 1
                 continue
             size = source[0]
             if key in self._promoting:
@@ -307,6 +323,10 @@ class Tiers:
             else:
                 wanted.append((key, *source))
                 self._prefetch_bytes += size
+        if elsewhere:  # other nodes may hold them: asked in the background
+            elsewhere = elsewhere[:MAX_REMOTE_PREFETCH_KEYS]
+            answer.num_started += len(elsewhere)
+            self._spawn_remote(elsewhere, hold_s)
         if wanted:
             answer.num_started += len(wanted)
             num_bytes = sum(size for _, size, _ in wanted)
@@ -319,6 +339,53 @@ class Tiers:
         stats.refused += answer.num_refused
         stats.absent += answer.num_absent
         return answer
+
+    def _spawn_remote(self, keys: list[bytes], hold_s: float) -> None:
+        task = asyncio.ensure_future(self._prefetch_remote(keys, hold_s))
+        for key in keys:
+            self._promoting[key] = task
+
+    async def _prefetch_remote(self, keys: list[bytes], hold_s: float) -> int:
+        """Copy blocks that other nodes hold into this node's DRAM, and hold them."""
+        assert self.remote is not None
+        try:
+            values = await self.remote(keys)
+            found = [
+                (k, v)
+                for k, v in zip(keys, values, strict=True)
+                if v is not None and self._prefetch_bytes + len(v) <= PREFETCH_MAX_BYTES
+            ]
+            if not found:
+                return 0
+            store = self.store
+            sizes = [len(v) for _, v in found]
+            result = store.reserve([k for k, _ in found], sizes, PROMOTER_OWNER, held=True)
+
+            def copy_in() -> list[int | None]:
+                sums: list[int | None] = [None] * len(found)
+                for i, block in enumerate(result.blocks):
+                    if block is not None:
+                        dst = self.arena.slice(block.offset, block.size)
+                        sums[i] = copy_with_checksum(dst, memoryview(found[i][1]))
+                return sums
+
+            loop = asyncio.get_running_loop()
+            checksums = await loop.run_in_executor(self._prefetch_io, copy_in)
+            if result.reservation_id:
+                store.commit(result.reservation_id, checksums, PROMOTER_OWNER)
+            num = 0
+            for (key, value), checksum in zip(found, checksums, strict=True):
+                if checksum is not None and self.holds.hold(key, len(value), hold_s, fetched=True):
+                    num += 1
+            self.prefetched.completed += num
+            self.promoted_remote += num
+            return num
+        except Exception:  # a hint: a failure only means the read goes elsewhere
+            log.exception("prefetch of %d blocks from other nodes failed", len(keys))
+            return 0
+        finally:
+            for key in keys:
+                self._promoting.pop(key, None)
 
     def _prefetch_done(self, task: asyncio.Future[int], num_bytes: int) -> None:
         self._prefetch_bytes -= num_bytes

@@ -53,76 +53,42 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any
-from urllib.parse import urlparse
+from typing import Any
 
 import msgspec
 import obstore
 import xxhash
-from obstore.exceptions import BaseError as ObjectStoreError
-from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
-from obstore.store import S3Store
 
 from kvpool.errors import ConfigError
+from kvpool.store.bucket import (
+    INDEX_VERSION,
+    INDEXES,
+    MAX_INDEX_BYTES,
+    NOT_FOUND,
+    PACKS,
+    REFUSED,
+    STORE_ERRORS,
+    ObjectStoreConfig,
+    PackIndex,
+    decode_index,
+    encode_index,
+    index_name,
+    open_store,
+)
 
 log = logging.getLogger("kvpool.objects")
 
-# obstore raises its own classes and Python's (FileNotFoundError, TimeoutError, ...).
-STORE_ERRORS = (ObjectStoreError, OSError)
-NOT_FOUND = (NotFoundError, FileNotFoundError)
-REFUSED = (PermissionDeniedError, UnauthenticatedError, PermissionError)
-
 OUTGOING_DIR = "outgoing"  # under the disk tier's directory: segments waiting for upload
-INDEX_VERSION = 1
-PACKS = "packs/"
-INDEXES = "index/"
 MAX_STAGED_SEGMENTS = 4
-MAX_INDEX_BYTES = 16 << 20
-MAX_PACK_BLOCKS = 1 << 20
-MAX_OBJECT_KEY_BYTES = 80
 ORPHAN_AGE_S = 600.0
 ORPHAN_SWEEP_EVERY = 20  # refreshes
-DEFAULT_REFRESH_S = 2.0
-DEFAULT_READ_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 30.0
 WRITE_RETRIES = 3
 UPLOAD_CHUNK_BYTES = 8 << 20
 READ_COALESCE_BYTES = 64 << 10
 READ_RUN_BYTES = 16 << 20  # blocks fetched together: one ranged GET (coalesced)
 READ_PARALLELISM = 8  # runs fetched at once
-
-
-class PackIndex(msgspec.Struct, forbid_unknown_fields=False):
-    """The index object of one pack (msgpack): which blocks it holds, and where."""
-
-    version: int
-    pack: Annotated[str, msgspec.Meta(max_length=256)]
-    pack_bytes: int
-    written_at: float  # unix time of the upload: the eviction order
-    writer: Annotated[str, msgspec.Meta(max_length=256)]
-    keys: Annotated[
-        list[Annotated[bytes, msgspec.Meta(max_length=MAX_OBJECT_KEY_BYTES)]],
-        msgspec.Meta(max_length=MAX_PACK_BLOCKS),
-    ]
-    offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
-    sizes: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
-    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
-
-    def check(self) -> None:
-        n = len(self.keys)
-        if self.version != INDEX_VERSION:
-            raise ValueError(f"index version {self.version}")
-        if not (len(self.offsets) == len(self.sizes) == len(self.checksums) == n):
-            raise ValueError("index columns of different lengths")
-        for offset, size in zip(self.offsets, self.sizes, strict=True):
-            if offset < 0 or size <= 0 or offset + size > self.pack_bytes:
-                raise ValueError("a block outside its pack")
-
-
-_decode_index = msgspec.msgpack.Decoder(PackIndex).decode
-_encode = msgspec.msgpack.Encoder().encode
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,44 +120,6 @@ class ObjectCounters:
     refreshes: int = 0
     refresh_errors: int = 0
     deleted_packs: int = 0  # packs removed to keep the bucket within its capacity
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectStoreConfig:
-    url: str  # s3://bucket/prefix
-    capacity: int
-    endpoint: str = ""  # "" : AWS's, or AWS_ENDPOINT_URL
-    region: str = ""  # "" : AWS_REGION / AWS_DEFAULT_REGION, else us-east-1
-    refresh_s: float = DEFAULT_REFRESH_S
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
-
-
-def open_store(config: ObjectStoreConfig, *, timeout_s: float, retries: int) -> S3Store:
-    """An obstore client for the configured bucket; credentials as AWS clients find them."""
-    parsed = urlparse(config.url)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ConfigError(f"--object-store {config.url!r}: use s3://BUCKET[/PREFIX]")
-    options: dict[str, Any] = {
-        "timeout": timedelta(seconds=timeout_s),
-        "connect_timeout": timedelta(seconds=min(timeout_s, 2.0)),
-    }
-    endpoint = config.endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
-    if endpoint.startswith("http://"):
-        options["allow_http"] = True
-    kwargs: dict[str, Any] = {}
-    if endpoint:
-        kwargs["endpoint"] = endpoint
-        kwargs["virtual_hosted_style_request"] = False
-    if config.region:
-        kwargs["region"] = config.region
-    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=timeout_s * (retries + 1))}
-    return S3Store(
-        parsed.netloc,
-        prefix=parsed.path.strip("/") or None,
-        client_options=options,  # type: ignore[arg-type]
-        retry_config=retry,  # type: ignore[arg-type]
-        **kwargs,
-    )
 
 
 class ObjectTier:
@@ -329,7 +257,7 @@ class ObjectTier:
             sizes=[b[2] for b in blocks],
             checksums=[b[3] for b in blocks],
         )
-        obstore.put(self._store, INDEXES + _index_name(name), _encode(index))
+        obstore.put(self._store, INDEXES + index_name(name), encode_index(index))
         with self._lock:
             self._add(index)
         self.counters.uploads += 1
@@ -370,8 +298,8 @@ class ObjectTier:
                 log.warning("index of %s is %d bytes: ignored", name, listed[name])
                 continue
             try:
-                data = obstore.get(self._store, INDEXES + _index_name(name)).bytes()
-                index = _decode_index(memoryview(data))
+                data = obstore.get(self._store, INDEXES + index_name(name)).bytes()
+                index = decode_index(memoryview(data))
                 index.check()
                 if index.pack != name:
                     raise ValueError(f"index names pack {index.pack}")
@@ -417,7 +345,7 @@ class ObjectTier:
                 total -= pack.num_bytes
                 self._forget_pack(pack.name)
         for name in victims:
-            obstore.delete(self._store, INDEXES + _index_name(name))
+            obstore.delete(self._store, INDEXES + index_name(name))
             obstore.delete(self._store, PACKS + name)
             self.counters.deleted_packs += 1
 
@@ -509,7 +437,3 @@ class ObjectTier:
         """Forget these blocks here (a DELETE); their bytes go when their pack ages out."""
         with self._lock:
             return sum(self._index.pop(k, None) is not None for k in keys)
-
-
-def _index_name(pack: str) -> str:
-    return pack[: -len(".kvs")] + ".idx"

@@ -1,0 +1,115 @@
+"""The bucket the object tier shares: how its objects are named and encoded, and the S3
+client (obstore) that reaches it.
+
+Under ``s3://BUCKET/PREFIX``, ``packs/<writer>-<segment>.kvs`` holds a disk segment as the
+disk wrote it, and ``index/<writer>-<segment>.idx`` its :class:`PackIndex` (msgpack, every
+size bounded): the blocks it holds, where, and their checksums.
+
+obstore raises its own exception classes and Python's (``FileNotFoundError``,
+``TimeoutError``...); ``STORE_ERRORS``, ``NOT_FOUND`` and ``REFUSED`` name them in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Annotated, Any
+from urllib.parse import urlparse
+
+import msgspec
+from obstore.exceptions import BaseError as ObjectStoreError
+from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+from obstore.store import S3Store
+
+from kvpool.errors import ConfigError
+
+STORE_ERRORS = (ObjectStoreError, OSError)
+NOT_FOUND = (NotFoundError, FileNotFoundError)
+REFUSED = (PermissionDeniedError, UnauthenticatedError, PermissionError)
+
+INDEX_VERSION = 1
+PACKS = "packs/"
+INDEXES = "index/"
+MAX_INDEX_BYTES = 16 << 20
+MAX_PACK_BLOCKS = 1 << 20
+MAX_OBJECT_KEY_BYTES = 80
+DEFAULT_REFRESH_S = 2.0
+DEFAULT_READ_TIMEOUT_S = 2.0
+
+
+class PackIndex(msgspec.Struct, forbid_unknown_fields=False):
+    """The index object of one pack (msgpack): which blocks it holds, and where."""
+
+    version: int
+    pack: Annotated[str, msgspec.Meta(max_length=256)]
+    pack_bytes: int
+    written_at: float  # unix time of the upload: the eviction order
+    writer: Annotated[str, msgspec.Meta(max_length=256)]
+    keys: Annotated[
+        list[Annotated[bytes, msgspec.Meta(max_length=MAX_OBJECT_KEY_BYTES)]],
+        msgspec.Meta(max_length=MAX_PACK_BLOCKS),
+    ]
+    offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
+    sizes: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
+    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
+
+    def check(self) -> None:
+        n = len(self.keys)
+        if self.version != INDEX_VERSION:
+            raise ValueError(f"index version {self.version}")
+        if not (len(self.offsets) == len(self.sizes) == len(self.checksums) == n):
+            raise ValueError("index columns of different lengths")
+        for offset, size in zip(self.offsets, self.sizes, strict=True):
+            if offset < 0 or size <= 0 or offset + size > self.pack_bytes:
+                raise ValueError("a block outside its pack")
+
+
+_decode_index = msgspec.msgpack.Decoder(PackIndex).decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+decode_index = msgspec.msgpack.Decoder(PackIndex).decode
+encode_index = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectStoreConfig:
+    url: str  # s3://bucket/prefix
+    capacity: int
+    endpoint: str = ""  # "" : AWS's, or AWS_ENDPOINT_URL
+    region: str = ""  # "" : AWS_REGION / AWS_DEFAULT_REGION, else us-east-1
+    refresh_s: float = DEFAULT_REFRESH_S
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+
+
+def open_store(config: ObjectStoreConfig, *, timeout_s: float, retries: int) -> S3Store:
+    """An obstore client for the configured bucket; credentials as AWS clients find them."""
+    parsed = urlparse(config.url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ConfigError(f"--object-store {config.url!r}: use s3://BUCKET[/PREFIX]")
+    options: dict[str, Any] = {
+        "timeout": timedelta(seconds=timeout_s),
+        "connect_timeout": timedelta(seconds=min(timeout_s, 2.0)),
+    }
+    endpoint = config.endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint.startswith("http://"):
+        options["allow_http"] = True
+    kwargs: dict[str, Any] = {}
+    if endpoint:
+        kwargs["endpoint"] = endpoint
+        kwargs["virtual_hosted_style_request"] = False
+    if config.region:
+        kwargs["region"] = config.region
+    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=timeout_s * (retries + 1))}
+    return S3Store(
+        parsed.netloc,
+        prefix=parsed.path.strip("/") or None,
+        client_options=options,  # type: ignore[arg-type]
+        retry_config=retry,  # type: ignore[arg-type]
+        **kwargs,
+    )
+
+
+def index_name(pack: str) -> str:
+    return pack[: -len(".kvs")] + ".idx"
