@@ -176,7 +176,7 @@ def show_status(
         ]
         sys.stdout.write(msgspec.json.encode({"nodes": nodes}).decode() + "\n")
         return
-    console = Console(width=max(Console().width, 140))
+    console = Console(width=max(Console().width, 180))
     console.print(node_table(rows))
     up = [s for _, s in rows if s is not None]
     if any(s.tiers for s in up):
