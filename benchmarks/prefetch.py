@@ -150,7 +150,7 @@ def run(rounds: int) -> dict[str, Any]:
             # Lower-tier prefixes first, then pushed out to the bucket; DRAM ones last.
             lower = [p for (_, case), ps in sets.items() if case.startswith("object") for p in ps]
             dram = [p for (_, case), ps in sets.items() if case == "dram" for p in ps]
-            run_engine(
+            (computed,) = run_engine(
                 model,
                 [{"op": "generate", "name": "lower", "prompts": lower, "max_tokens": 1}],
                 connector_config=connector(node.unix_address),
@@ -160,6 +160,11 @@ def run(rounds: int) -> dict[str, Any]:
             _settle(node)
             with Client(node.tcp_address, use_shm=False, timeout=10) as client:
                 in_bucket = client.stats().tiers[2].num_blocks
+                lower_tiers = {
+                    t.name: {"refused": t.refused, "dropped": t.dropped}
+                    for t in client.stats().tiers
+                }
+            lower_blocks = sum((n - 1) // 32 for n in computed["prompt_tokens"])
             run_engine(
                 model,
                 [{"op": "generate", "name": "dram", "prompts": dram, "max_tokens": 1}],
@@ -202,7 +207,9 @@ def run(rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "rounds": rounds,
         "requests_per_case": NUM_REQUESTS * rounds,
-        "blocks_in_bucket": in_bucket,
+        "blocks_in_bucket": in_bucket,  # filler included
+        "lower_prefix_blocks": lower_blocks,  # of both object cases' prefixes
+        "write_backs": lower_tiers,
     }
     for case, values in results.items():
         out[case] = {
@@ -244,6 +251,10 @@ def main() -> None:
             f"p90 {row['ttft_ms_p90']:7.1f} ms{ratio}  blocks {row['blocks']}"
         )
     print(f"  node prefetch counters: {out['prefetch']}")
+    print(
+        f"  the object cases' prefixes: {out['lower_prefix_blocks']} blocks; "
+        f"write-backs refused/dropped: {out['write_backs']}"
+    )
 
 
 if __name__ == "__main__":

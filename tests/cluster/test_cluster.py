@@ -149,7 +149,7 @@ def test_prefetch_copies_blocks_from_other_nodes(fabric):
         answer = reader.prefetch(keys, hold=60)
         assert answer.num_started == len(keys)
         assert wait_for(lambda: all(reader.local.exists(keys)))
-        got = reader.local.get(keys)
+        got = reader.local.get(keys, None)
         assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]
         stats = reader.local.stats().prefetch
         assert stats.completed == len(keys) and stats.useful == len(keys)
