@@ -197,9 +197,19 @@ def test_hits_are_counted_by_the_tier_that_holds_them(start_node, tmp_path):
             time.sleep(0.05)
     sched = scheduler(node, "kv_both")
     sched.on_new_request(req)
-    assert sched.get_num_new_matched_tokens(req, 0) == (40 * BS, IS_ASYNC)
+    # Blocks on disk come up into DRAM first: the request waits for its load off the step
+    # (asynchronously), whatever the transfer mode.
+    assert sched.get_num_new_matched_tokens(req, 0) == (40 * BS, True)
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(41)),))
     sched.update_state_after_alloc(req, blocks, 40 * BS)
+    (job,) = sched.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={},
+        )
+    ).loads
+    assert job.is_async and len(job.block_ids) == 40
     data = sched.stats.data
     assert data["hit_blocks_disk"] > 0 and data["hit_blocks_dram"] > 0
     assert data["hit_blocks_disk"] + data["hit_blocks_dram"] == 40
