@@ -361,13 +361,7 @@ class Session:
         await self._reply(header, Op.LOOKUP, response)
 
     async def _prefetch(self, header: FrameHeader, req: msg.PrefetchRequest) -> None:
-        answer = self.server.tiers.prefetch(req.keys, req.hold_ms / 1000, req.cancel)
-        response = msg.PrefetchResponse(
-            num_in_dram=answer.num_in_dram,
-            num_started=answer.num_started,
-            num_refused=answer.num_refused,
-            num_absent=answer.num_absent,
-        )
+        response = self.server.tiers.prefetch(req.keys, req.hold_ms / 1000, req.cancel)
         await self._reply(header, Op.PREFETCH, response)
 
     async def _delete(self, header: FrameHeader, req: msg.KeysRequest) -> None:

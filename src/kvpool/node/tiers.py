@@ -28,10 +28,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from kvpool.checksum import copy_with_checksum
 from kvpool.node.writeback import WriteBack
+from kvpool.protocol.messages import PrefetchResponse
 from kvpool.stats import TIER_DISK, TIER_DRAM, TIER_OBJECT, PrefetchStats, TierStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block
@@ -52,14 +52,6 @@ MAX_REMOTE_PREFETCH_KEYS = 1024
 
 # Reads blocks from other nodes of the cluster: per key, its bytes or None.
 RemoteFetch = Callable[[list[bytes]], Awaitable[list[bytes | None]]]
-
-
-@dataclass(slots=True)
-class PrefetchAnswer:
-    num_in_dram: int = 0
-    num_started: int = 0
-    num_refused: int = 0
-    num_absent: int = 0
 
 
 class Tiers:
@@ -290,14 +282,13 @@ class Tiers:
 
     def prefetch(
         self, keys: Sequence[bytes], hold_s: float, cancel: bool = False
-    ) -> PrefetchAnswer:
+    ) -> PrefetchResponse:
         """Start bringing ``keys`` into DRAM for a queued request, and hold them there."""
-        answer = PrefetchAnswer()
+        answer = PrefetchResponse()
         if cancel:
             self.holds.release(keys)
             return answer
         hold_s = min(hold_s or DEFAULT_HOLD_S, MAX_HOLD_S)
-        self.holds.expire()
         wanted: list[tuple[bytes, int, int]] = []
         elsewhere: list[bytes] = []
         in_dram = self.store.lookup_mask(keys, count=False)
