@@ -6,6 +6,9 @@ engine finds them in DRAM."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
 import threading
 from pathlib import Path
 
@@ -84,17 +87,29 @@ def test_prefixes_from_the_object_store(
         from_objects = engine.metric("vllm:kvpool_hit_blocks_object_total")
         assert from_objects >= num_blocks
 
-        # Through the router, behind a long request: the router's prefetch brings the
-        # prefix up while the request waits in the engine's queue.
-        blocker = threading.Thread(
-            target=complete, args=(engine.url, model, "unrelated " * 50, 400), daemon=True
-        )
-        blocker.start()
-        wait_for(lambda: engine.metric("vllm:num_requests_running") >= 1, timeout=60)
-        dram_before = engine.metric("vllm:kvpool_hit_blocks_dram_total")
-        _, text = complete(router.url, model, PROMPTS[1])
-        assert text == computed["texts"][1]
+        # Through the router, behind a request that holds the engine's only slot until the
+        # node reports the prefix prefetched: the router's prefetch brings it up while the
+        # request waits in the engine's queue.  (The order is fixed by events, not by how
+        # fast the blocker would otherwise finish.)
         num_blocks = (computed["prompt_tokens"][1] - 1) // 32
+        with Client(b.tcp_address, use_shm=False, timeout=10) as c:
+            prefetched = c.stats().prefetch
+            assert prefetched is not None
+            with StreamingBlocker(engine.url, model, "unrelated " * 50):
+                dram_before = engine.metric("vllm:kvpool_hit_blocks_dram_total")
+                answer: list[str] = []
+                routed = threading.Thread(
+                    target=lambda: answer.append(complete(router.url, model, PROMPTS[1])[1]),
+                    daemon=True,
+                )
+                routed.start()
+                wait_for(
+                    lambda: c.stats().prefetch.completed - prefetched.completed >= num_blocks,
+                    timeout=60,
+                )
+                assert engine.metric("vllm:num_requests_waiting") >= 1  # still queued
+            routed.join(timeout=300)
+        assert answer == [computed["texts"][1]]
         wait_for(
             lambda: engine.metric("vllm:kvpool_hit_blocks_dram_total") - dram_before >= num_blocks,
             timeout=30,
@@ -102,7 +117,6 @@ def test_prefixes_from_the_object_store(
         assert (
             engine.metric("vllm:kvpool_hit_blocks_object_total") == from_objects
         )  # none this time
-        blocker.join(timeout=300)
         with Client(b.tcp_address, use_shm=False, timeout=10) as c:
             prefetch = c.stats().prefetch
             assert prefetch is not None and prefetch.completed > 0 and prefetch.useful > 0
@@ -110,3 +124,37 @@ def test_prefixes_from_the_object_store(
         if router is not None:
             router.stop()
         engine.stop()
+
+
+class StreamingBlocker:
+    """A streaming completion that occupies the engine until the block exits: it closes the
+    stream then, and the engine aborts the request."""
+
+    def __init__(self, url: str, model: str, prompt: str):
+        host, _, port = url.removeprefix("http://").partition(":")
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=300)
+        self.body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 1500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+    def __enter__(self) -> StreamingBlocker:
+        self.connection.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(self.body),
+            headers={"Content-Type": "application/json"},
+        )
+        response = self.connection.getresponse()
+        assert response.status == 200
+        while not response.readline().startswith(b"data:"):  # the first token: it runs
+            pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.connection.sock.shutdown(socket.SHUT_RDWR)
+        self.connection.close()
