@@ -44,13 +44,31 @@ def test_addresses():
 def test_node_config_refuses_public_listen_without_key():
     with pytest.raises(ConfigError, match="access key"):
         NodeConfig(host="0.0.0.0").validate()
-    NodeConfig(host="0.0.0.0", access_key="secret").validate()
+    NodeConfig(host="0.0.0.0", access_key="secret", insecure=True).validate()
     with pytest.raises(ConfigError):
         NodeConfig(memory_bytes=10).validate()
     with pytest.raises(ConfigError):
         NodeConfig(low_watermark=0.99, high_watermark=0.5).validate()
     with pytest.raises(ConfigError):
         NodeConfig(name="../etc").validate()
+
+
+def test_plaintext_only_on_loopback_unless_insecure():
+    # Off loopback, a node needs TLS or an explicit --insecure, for the data port and the
+    # admin HTTP alike; on loopback plaintext stays the default.
+    NodeConfig().validate()
+    with pytest.raises(ConfigError, match="in plaintext.*--tls-cert.*--insecure"):
+        NodeConfig(host="10.1.2.3", access_key="secret").validate()
+    with pytest.raises(ConfigError, match="admin HTTP on 0.0.0.0 in plaintext"):
+        NodeConfig(admin_host="0.0.0.0", access_key="secret").validate()
+    NodeConfig(host="10.1.2.3", access_key="secret", tls_cert="c.pem", tls_key="k.pem").validate()
+    NodeConfig(host="10.1.2.3", access_key="secret", insecure=True).validate()
+    with pytest.raises(ConfigError, match="both --tls-cert and --tls-key"):
+        NodeConfig(tls_cert="c.pem").validate()
+    with pytest.raises(ConfigError, match="mutual TLS"):
+        NodeConfig(tls_client_ca="ca.pem").validate()
+    with pytest.raises(ConfigError, match="tenants file"):
+        NodeConfig(tenants_path="t.toml", access_key="secret").validate()
 
 
 def test_environment_then_overrides():

@@ -110,6 +110,15 @@ def default_host_id() -> str:
     return os.environ.get("KVPOOL_HOST_ID") or socket.gethostname()
 
 
+def check_plaintext(host: str, tls: bool, insecure: bool, what: str) -> None:
+    """Plaintext only on loopback, unless the operator says ``--insecure``."""
+    if not tls and not insecure and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to serve {what} on {host} in plaintext: give --tls-cert and --tls-key "
+            "(TLS), or --insecure to accept plaintext on this network"
+        )
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """Configuration of one node daemon (``kvpool serve``)."""
@@ -149,6 +158,15 @@ class NodeConfig:
     object_store_region: str = ""
     object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES
     object_refresh_s: float = DEFAULT_OBJECT_REFRESH_S
+    # Tenants (kvpool.tenants): a TOML file of credentials, salts and quotas ("": none).
+    tenants_path: str = ""
+    # TLS on the data port and the admin HTTP; client certificates verified against
+    # tls_client_ca (mutual TLS); other nodes' certificates against tls_ca.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    tls_ca: str = ""
+    insecure: bool = False  # plaintext accepted off loopback
 
     @property
     def node_dir(self) -> Path:
@@ -182,16 +200,28 @@ class NodeConfig:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("watermarks must satisfy 0 < low <= high <= 1")
         self.leases.validate()
-        if not self.access_key and not is_loopback(self.host):
+        keyed = bool(self.access_key or self.tenants_path)
+        if not keyed and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host} without an access key: set --access-key "
-                "(or KVPOOL_ACCESS_KEY), or listen on loopback"
+                "(or KVPOOL_ACCESS_KEY) or --tenants, or listen on loopback"
             )
-        if not self.access_key and not is_loopback(self.admin_host):
+        if not keyed and not is_loopback(self.admin_host):
             raise ConfigError(
                 f"refusing to serve the admin HTTP on {self.admin_host} without an access key "
                 "(its status names every namespace): set --access-key, or keep it on loopback"
             )
+        if self.tenants_path and self.access_key:
+            raise ConfigError(
+                "--tenants and --access-key together: the cluster's own identity is the "
+                "[cluster] section of the tenants file"
+            )
+        check_plaintext(self.host, bool(self.tls_cert), self.insecure, "the data port")
+        check_plaintext(self.admin_host, bool(self.tls_cert), self.insecure, "the admin HTTP")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if len(self.socket_path.as_posix()) > 100:
             raise ConfigError(f"unix socket path too long: {self.socket_path}")
         if self.replicas < 1:
@@ -236,6 +266,12 @@ class ClientConfig:
     read_local_only: bool = False
     replicas: int = DEFAULT_REPLICAS
     max_connections: int = 8
+    # TLS to nodes' TCP ports: the server verified against tls_ca (else the system's CAs);
+    # tls_cert/tls_key presented for mutual TLS.  A Unix socket is never wrapped.
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def validate(self) -> ClientConfig:
         if self.address:
@@ -248,7 +284,13 @@ class ClientConfig:
             raise ConfigError("timeouts must be positive")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be at least 1")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("a client certificate (tls_cert) needs its key (tls_key)")
         return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or bool(self.tls_ca or self.tls_cert)
 
     def replace(self, **changes: object) -> ClientConfig:
         return dataclasses.replace(self, **changes).validate()  # type: ignore[arg-type]
@@ -303,6 +345,10 @@ CLIENT_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_WRITE_RCACHE": ("write_rcache", parse_bool),
     "KVPOOL_READ_LOCAL_ONLY": ("read_local_only", parse_bool),
     "KVPOOL_REPLICAS": ("replicas", int),
+    "KVPOOL_TLS": ("tls", parse_bool),
+    "KVPOOL_TLS_CA": ("tls_ca", str),
+    "KVPOOL_TLS_CERT": ("tls_cert", str),
+    "KVPOOL_TLS_KEY": ("tls_key", str),
 }
 
 
@@ -359,6 +405,12 @@ NODE_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_OBJECT_STORE_ENDPOINT": ("object_store_endpoint", str),
     "KVPOOL_OBJECT_STORE_REGION": ("object_store_region", str),
     "KVPOOL_OBJECT_STORE_SIZE": ("object_store_bytes", parse_size),
+    "KVPOOL_TENANTS": ("tenants_path", str),
+    "KVPOOL_TLS_CERT": ("tls_cert", str),
+    "KVPOOL_TLS_KEY": ("tls_key", str),
+    "KVPOOL_TLS_CLIENT_CA": ("tls_client_ca", str),
+    "KVPOOL_TLS_CA": ("tls_ca", str),
+    "KVPOOL_INSECURE": ("insecure", parse_bool),
     # The most a pin or a reservation lasts (kvpool.timing.LeasePolicy), whatever a client
     # asks for: what a dead or stalled client can hold, and the longest a single GET or PUT
     # payload may take to stream.

@@ -70,6 +70,10 @@ class TooLarge(ProtocolError):
     """A size or count exceeds its bound."""
 
 
+class Forbidden(ProtocolError):
+    """The connection's identity may not do this (e.g. a tenant asking for the arena)."""
+
+
 class TransportError(KVPoolError):
     """The pool could not be reached, or did not answer in time."""
 
@@ -92,6 +96,10 @@ class StoreError(KVPoolError):
 
 class NoSpace(StoreError):
     """No memory can be freed: what is left is pinned or being written."""
+
+
+class QuotaExceeded(NoSpace):
+    """The tenant's quota is full of its own blocks that cannot be evicted."""
 
 
 class LeaseExpired(StoreError):
@@ -122,10 +130,12 @@ class Status(enum.IntEnum):
     LEASE_EXPIRED = 11
     CHECKSUM_MISMATCH = 12
     INTERNAL = 13
+    OVER_QUOTA = 14  # the tenant's quota is full of its own unevictable blocks
     BAD_REQUEST = 20
     TOO_LARGE = 21
     UNSUPPORTED_VERSION = 22
     UNAUTHORIZED = 23
+    FORBIDDEN = 24
     UNAVAILABLE = 30
 
     @property
@@ -142,6 +152,8 @@ _STATUS_TO_ERROR: dict[Status, type[KVPoolError]] = {
     Status.LEASE_EXPIRED: LeaseExpired,
     Status.CHECKSUM_MISMATCH: ChecksumMismatch,
     Status.INTERNAL: InternalError,
+    Status.OVER_QUOTA: QuotaExceeded,
+    Status.FORBIDDEN: Forbidden,
     Status.BAD_REQUEST: BadRequest,
     Status.TOO_LARGE: TooLarge,
     Status.UNSUPPORTED_VERSION: UnsupportedVersion,

@@ -99,6 +99,7 @@ class Host:
             str(self.admin_port),
             "--host-id",
             self.host_id,
+            "--insecure",  # plaintext on the test fabric's private network (TLS: tests/security)
             "--log-level",
             "warning",
         ]

@@ -97,12 +97,21 @@ def test_prefixes_from_the_object_store(
             assert prefetched is not None
             with StreamingBlocker(engine.url, model, "unrelated " * 50):
                 dram_before = engine.metric("vllm:kvpool_hit_blocks_dram_total")
-                answer: list[str] = []
-                routed = threading.Thread(
-                    target=lambda: answer.append(complete(router.url, model, PROMPTS[1])[1]),
-                    daemon=True,
-                )
+                answer: list[object] = []
+
+                def routed_request() -> None:
+                    try:
+                        answer.append(complete(router.url, model, PROMPTS[1])[1])
+                    except Exception as exc:
+                        answer.append(exc)
+
+                routed = threading.Thread(target=routed_request, daemon=True)
                 routed.start()
+                wait_for(
+                    lambda: engine.metric("vllm:num_requests_waiting") >= 1 or bool(answer),
+                    timeout=120,
+                )
+                assert not answer, f"{answer} (router: {''.join(router.output[-30:])})"
                 wait_for(
                     lambda: c.stats().prefetch.completed - prefetched.completed >= num_blocks,
                     timeout=60,

@@ -115,6 +115,23 @@ def serve(
     object_refresh: Annotated[
         float | None, typer.Option(help="Seconds between reads of the bucket's index.")
     ] = None,
+    tenants: Annotated[
+        str | None,
+        typer.Option(help="A tenants file (TOML): credentials, salts and quotas; reloaded."),
+    ] = None,
+    tls_cert: Annotated[
+        str | None, typer.Option(help="TLS certificate (PEM) for the data port and admin HTTP.")
+    ] = None,
+    tls_key: Annotated[str | None, typer.Option(help="Its private key (PEM).")] = None,
+    tls_client_ca: Annotated[
+        str | None, typer.Option(help="Require client certificates signed by this CA (mTLS).")
+    ] = None,
+    tls_ca: Annotated[
+        str | None, typer.Option(help="The CA of other nodes' certificates (node to node).")
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Accept plaintext off loopback.")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a node daemon: a shared-memory arena served over a Unix socket and TCP.
@@ -153,6 +170,12 @@ def serve(
         "object_store_region": object_store_region,
         "object_store_bytes": parse_size(object_store_size) if object_store_size else None,
         "object_refresh_s": object_refresh,
+        "tenants_path": tenants,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_client_ca": tls_client_ca,
+        "tls_ca": tls_ca,
+        "insecure": insecure or None,
     }
     config = node_config_from(overrides)
     run_daemon(config)
@@ -296,6 +319,14 @@ def router(
         float | None,
         typer.Option(help="Seconds an engine may stay silent before it counts as failed."),
     ] = None,
+    tenants: Annotated[
+        str | None, typer.Option(help="A tenants file: requests carry ID:KEY as a bearer token.")
+    ] = None,
+    tls_cert: Annotated[str | None, typer.Option(help="TLS certificate (PEM): HTTPS.")] = None,
+    tls_key: Annotated[str | None, typer.Option(help="Its private key (PEM).")] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Accept plaintext off loopback.")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """An OpenAI-compatible proxy in front of vLLM engines: prefill/decode disaggregation
@@ -314,6 +345,10 @@ def router(
         "cache_weight": cache_weight,
         "load_weight": load_weight,
         "read_timeout": read_timeout,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "insecure": insecure or None,
+        "tenants": tenants,
     }
     run_router(config, overrides, engine or [])
 

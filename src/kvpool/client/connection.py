@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import mmap
 import os
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -43,6 +45,7 @@ from kvpool.protocol.frames import (
     encode_frame,
 )
 from kvpool.protocol.messages import Op, Welcome
+from kvpool.tls import client_context
 
 from . import ops
 
@@ -61,7 +64,10 @@ def transport_error(exc: OSError, node: str, *, connecting: bool = False) -> Tra
     return NodeUnavailable(f"connection failed: {exc}", node=node)
 
 
-def open_socket(address: Address, timeout: float) -> socket.socket:
+def open_socket(
+    address: Address, timeout: float, tls: ssl.SSLContext | None = None
+) -> socket.socket:
+    """A connected socket; a TCP one wrapped in TLS (handshake done) when ``tls`` is given."""
     node = str(address)
     try:
         if address.kind == "unix":
@@ -80,7 +86,26 @@ def open_socket(address: Address, timeout: float) -> socket.socket:
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+    if tls is not None and address.kind == "tcp":
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=address.host)
+        except ssl.SSLError as exc:
+            sock.close()
+            raise ConnectError(f"TLS with {node} failed: {exc.reason or exc}", node=node) from exc
+        except OSError as exc:
+            sock.close()
+            raise transport_error(exc, node, connecting=True) from exc
     return sock
+
+
+@functools.lru_cache(maxsize=16)
+def _tls_context(ca: str, cert: str, key: str) -> ssl.SSLContext:
+    return client_context(ca, cert, key)
+
+
+def tls_for(config: ClientConfig) -> ssl.SSLContext | None:
+    """The client's TLS context (one per distinct configuration), or None for plaintext."""
+    return _tls_context(config.tls_ca, config.tls_cert, config.tls_key) if config.uses_tls else None
 
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+: fault a range's page tables in, writable.
@@ -121,7 +146,7 @@ def _populate(ref: weakref.ref[mmap.mmap]) -> None:
 def map_arena(welcome: Welcome, config: ClientConfig) -> memoryview | None:
     """Map the node's arena if it is the very file on this host, else ``None`` (then the
     client streams over the socket)."""
-    if not config.use_shm or welcome.host_id != config.host_id:
+    if not config.use_shm or not welcome.arena_path or welcome.host_id != config.host_id:
         return None
     try:
         fd = os.open(welcome.arena_path, os.O_RDWR)
@@ -165,7 +190,7 @@ class Connection:
         self._request_ids = itertools.count(1)
         self._expected_id = 0
         timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
-        self.channel = SyncChannel(open_socket(address, timeout))
+        self.channel = SyncChannel(open_socket(address, timeout, tls_for(config)))
         try:
             self.welcome: Welcome = self.run(
                 ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-client"),

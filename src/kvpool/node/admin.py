@@ -1,20 +1,47 @@
 """The admin HTTP endpoint of a node: health, readiness, Prometheus metrics, JSON status and
-a small dashboard page.  It shares the daemon's event loop."""
+a small dashboard page.  It shares the daemon's event loop.
+
+With tenants, everything but ``/healthz`` and ``/readyz`` asks for HTTP Basic credentials
+(an access id and its key, as on the data port; over TLS off loopback): the cluster's
+identity sees everything, a tenant only its own status, and ``/metrics`` is the cluster's.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib import resources
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool.node.server import NodeServer
+from kvpool.tls import CertFiles
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 def build_app(server: NodeServer, is_ready: Callable[[], bool]) -> web.Application:
-    app = web.Application()
+    Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+    @web.middleware
+    async def tenants_only_see_their_own(request: web.Request, handler: Handler) -> Any:
+        if server.tenants is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        credential = server.tenants.authenticate(request.headers.get("Authorization", ""))
+        if credential is None:
+            return web.Response(
+                status=401,
+                text="credentials needed: an access id and its key (HTTP Basic)\n",
+                headers={"WWW-Authenticate": 'Basic realm="kvpool"'},
+            )
+        if credential.tenant is not None and request.path == "/metrics":
+            return web.Response(status=403, text="the node's metrics are the cluster's\n")
+        request["tenant"] = credential.tenant
+        return await handler(request)
+
+    app = web.Application(middlewares=[tenants_only_see_their_own])
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -28,10 +55,9 @@ def build_app(server: NodeServer, is_ready: Callable[[], bool]) -> web.Applicati
         body = generate_latest(server.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def status(_: web.Request) -> web.Response:
-        return web.Response(
-            body=msgspec.json.encode(server.stats()), content_type="application/json"
-        )
+    async def status(request: web.Request) -> web.Response:
+        stats = server.stats(request.get("tenant"))
+        return web.Response(body=msgspec.json.encode(stats), content_type="application/json")
 
     async def dashboard(_: web.Request) -> web.Response:
         page = resources.files("kvpool.node").joinpath("dashboard.html").read_text()
@@ -46,11 +72,16 @@ def build_app(server: NodeServer, is_ready: Callable[[], bool]) -> web.Applicati
 
 
 async def start_admin(
-    server: NodeServer, host: str, port: int, is_ready: Callable[[], bool]
+    server: NodeServer,
+    host: str,
+    port: int,
+    is_ready: Callable[[], bool],
+    tls: CertFiles | None = None,
 ) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(build_app(server, is_ready), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    context = tls.context if tls is not None else None  # reloaded in place by the server
+    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=context)
     await site.start()
     sockets = getattr(site._server, "sockets", None) or ()
     bound = sockets[0].getsockname()[1] if sockets else port

@@ -57,6 +57,11 @@ class NodeAgent:
             host_id=config.host_id,
             write_rcache=False,  # a home does not write through again
             max_connections=2,
+            # Other nodes' TLS: verified against --tls-ca; this node's certificate presented.
+            tls=bool(config.tls_cert or config.tls_ca),
+            tls_ca=config.tls_ca,
+            tls_cert=config.tls_cert,
+            tls_key=config.tls_key,
         )
         self._peers: dict[str, AsyncClient] = {}
         self._queue: deque[bytes] = deque(maxlen=MAX_QUEUED_KEYS)

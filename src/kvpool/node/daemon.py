@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpool.config import NodeConfig, format_size
+from kvpool.errors import ConfigError
 from kvpool.node.admin import start_admin
 from kvpool.node.server import NodeServer
 from kvpool.node.tiers import Tiers
@@ -39,6 +41,8 @@ from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
 from kvpool.store.objects import OUTGOING_DIR, ObjectTier
 from kvpool.store.pool import BlockStore
+from kvpool.tenants import Registry
+from kvpool.tls import CertFiles
 
 if TYPE_CHECKING:
     from kvpool.node.cluster_agent import NodeAgent
@@ -51,7 +55,26 @@ READY_PREFIX = "KVPOOL_READY "
 
 class Daemon:
     def __init__(self, config: NodeConfig):
-        self.config = config.validate()
+        config = config.validate()
+        # Tenants and TLS files are read before anything starts: a bad one stops the start.
+        self.tenants = Registry(Path(config.tenants_path)) if config.tenants_path else None
+        if self.tenants is not None:
+            cluster = self.tenants.current.cluster
+            if cluster is None and (config.peers or config.etcd):
+                raise ConfigError(
+                    f"{config.tenants_path}: a cluster needs a [cluster] section (the identity "
+                    "nodes use between themselves)"
+                )
+            if cluster is not None:  # what this node's own clients (write-through) present
+                config = dataclasses.replace(
+                    config, access_id=cluster.access_id, access_key=cluster.key
+                )
+        self.tls = (
+            CertFiles(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert
+            else None
+        )
+        self.config = config
         self.lock: NodeDirLock | None = None
         self.arena: Arena | None = None
         self.journal: Journal | None = None
@@ -142,11 +165,18 @@ class Daemon:
                 self.cluster = NodeAgent(config, store, arena)
                 tiers.remote = self.cluster.fetch  # prefetch reads other nodes too
             self.server = NodeServer(
-                config, store, arena, tiers, self.cluster, on_shutdown=self.request_stop
+                config,
+                store,
+                arena,
+                tiers,
+                self.cluster,
+                on_shutdown=self.request_stop,
+                tenants=self.tenants,
+                tls=self.tls,
             )
             await self.server.start()
             self._admin, self.admin_port = await start_admin(
-                self.server, config.admin_host, config.admin_port, self.is_ready
+                self.server, config.admin_host, config.admin_port, self.is_ready, self.tls
             )
             if self.cluster is not None:
                 await self.cluster.start(self.server.tcp_address, self.admin_port)

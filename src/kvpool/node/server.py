@@ -23,17 +23,21 @@ from typing import Any, Protocol
 import msgspec
 
 from kvpool.config import NodeConfig
+from kvpool.errors import NodeUnavailable
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.session import Session
 from kvpool.node.tiers import Tiers
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.pool import BlockStore
+from kvpool.tenants import Credential, Registry, Tenant
 from kvpool.timing import EXPIRE_INTERVAL_S
+from kvpool.tls import CertFiles
 
 log = logging.getLogger("kvpool.node")
 
 MAX_CONNECTIONS = 4096
+RELOAD_INTERVAL_S = 1.0  # how often the tenants file is checked for changes
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
@@ -56,8 +60,13 @@ class NodeServer:
         tiers: Tiers | None = None,
         cluster: ClusterHooks | None = None,
         on_shutdown: Callable[[bool], None] | None = None,
+        tenants: Registry | None = None,
+        tls: CertFiles | None = None,
     ):
         self.config = config
+        self.tenants = tenants
+        self.tls = tls  # the TCP listener's TLS (the Unix socket stays local, in the clear)
+        self._tenant_sessions: dict[str, set[Session]] = {}
         self.store = store
         self.arena = arena
         self.tiers = tiers or Tiers(store, arena)
@@ -75,6 +84,7 @@ class NodeServer:
         self.store.on_change = self._on_store_change
         self.tcp_port = config.port
         self.metrics = NodeMetrics(self.stats)
+        self._apply_quotas()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -89,7 +99,7 @@ class NodeServer:
             unix.bind(str(path))
         finally:
             os.umask(old_umask)
-        os.chmod(path, 0o660)
+        os.chmod(path, 0o660)  # the daemon's user and group: those it trusts with the arena
         unix.listen(512)
         unix.setblocking(False)
         tcp = socket.create_server(
@@ -101,6 +111,8 @@ class NodeServer:
         for listener in self._listeners:
             self._spawn(self._accept_loop(loop, listener))
         self._spawn(self._expire_loop())
+        if self.tenants is not None or self.tls is not None:
+            self._spawn(self._reload_loop())
 
     async def stop(self) -> None:
         for listener in self._listeners:
@@ -138,8 +150,13 @@ class NodeServer:
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            if self.tls is not None and sock.family != socket.AF_UNIX:
+                sock.setblocking(False)
+                sock = self.tls.context.wrap_socket(
+                    sock, server_side=True, do_handshake_on_connect=False
+                )
             session = Session(self, sock, next(self._owner_ids))
-            self._spawn(session.run())
+            session.task = self._spawn(session.run())
 
     async def _expire_loop(self) -> None:
         while True:
@@ -147,6 +164,71 @@ class NodeServer:
             if self.store.expire():
                 self._on_store_change()
             self.tiers.holds.expire()
+
+    # -- identities -----------------------------------------------------------------------
+
+    @property
+    def requires_auth(self) -> bool:
+        return self.tenants is not None or bool(self.config.access_key)
+
+    def credential(self, access_id: str) -> Credential | None:
+        """The credential of an access id (None: unknown, or the node needs none)."""
+        if self.tenants is not None:
+            return self.tenants.credential(access_id)
+        if self.config.access_key and access_id == self.config.access_id:
+            return Credential(access_id, self.config.access_key, None)
+        return None
+
+    def admit_session(self, session: Session) -> None:
+        """Count an authenticated tenant connection, refusing past the tenant's cap."""
+        tenant = session.tenant
+        if tenant is None:
+            return
+        sessions = self._tenant_sessions.setdefault(tenant.name, set())
+        if len(sessions) >= tenant.max_connections:
+            raise NodeUnavailable(
+                f"tenant {tenant.name} has {tenant.max_connections} connections open, its cap"
+            )
+        sessions.add(session)
+
+    def forget_session(self, session: Session) -> None:
+        if session.tenant is not None:
+            self._tenant_sessions.get(session.tenant.name, set()).discard(session)
+
+    def _apply_quotas(self) -> None:
+        if self.tenants is None:
+            return
+        tenants = self.tenants.current.tenants.values()
+        self.store.set_quotas({t.tag: t.quota_bytes for t in tenants})
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RELOAD_INTERVAL_S)
+            if self.tls is not None:
+                self.tls.reload()
+            if self.tenants is not None:
+                self._reload_tenants()
+
+    def _reload_tenants(self) -> None:
+        """Apply a changed tenants file: new quotas, and connections whose key was revoked
+        or rotated, or whose tenant changed, closed (they may reconnect with a valid key)."""
+        assert self.tenants is not None
+        if not self.tenants.reload():
+            return
+        self._apply_quotas()
+        closed = 0
+        for session in list(self.sessions):
+            held = session.credential
+            if held is None:
+                continue
+            now = self.tenants.credential(held.access_id)
+            same = now is not None and now.key == held.key
+            if same and held.tenant is not None:
+                same = held.tenant.same_as(now.tenant if now is not None else None)
+            if not same:
+                session.close()
+                closed += 1
+        log.info("%d connection(s) closed by the new tenants file", closed)
 
     # -- store change notification (for lookups that wait) --------------------------------
 
@@ -173,7 +255,10 @@ class NodeServer:
 
     # -- status ---------------------------------------------------------------------------
 
-    def stats(self) -> NodeStats:
+    def stats(self, tenant: Tenant | None = None) -> NodeStats:
+        """The node's statistics; for a tenant, only its own namespaces and usage."""
+        if tenant is not None:
+            return self._tenant_stats(tenant)
         store = self.store
         counters = store.counters
         namespaces = [msgspec.structs.replace(usage) for usage in store.namespaces]
@@ -199,6 +284,34 @@ class NodeServer:
             corrupt_reports=counters.corrupt_reports,
             tiers=self.tiers.stats(),
             prefetch=self.tiers.prefetch_stats() if self.tiers.can_prefetch else None,
+        )
+
+    def _tenant_stats(self, tenant: Tenant) -> NodeStats:
+        rows = [
+            msgspec.structs.replace(row)
+            for row in self.store.namespaces
+            if bytes.fromhex(row.namespace_id).startswith(tenant.tag)
+        ]
+        quotas = self.store.quotas
+        used = quotas.used.get(tenant.tag, 0) if quotas is not None else 0
+        return NodeStats(
+            node_id=self.node_id,
+            host_id=self.config.host_id,
+            tcp_address=self.tcp_address,
+            capacity_bytes=tenant.quota_bytes,
+            used_bytes=used,
+            reserved_bytes=0,
+            num_blocks=sum(r.num_blocks for r in rows),
+            num_pinned=0,
+            hits=sum(r.hits for r in rows),
+            misses=sum(r.misses for r in rows),
+            puts=sum(r.puts for r in rows),
+            evictions=0,
+            bytes_in=0,
+            bytes_out=0,
+            num_connections=len(self._tenant_sessions.get(tenant.name, ())),
+            uptime_s=time.monotonic() - self.started_at,
+            namespaces=rows,
         )
 
     @property

@@ -22,15 +22,20 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from kvpool import checksum as ck
 from kvpool.errors import (
     AuthenticationError,
     BadRequest,
+    Forbidden,
     KVPoolError,
+    NodeUnavailable,
     ProtocolError,
     Status,
     UnsupportedVersion,
@@ -44,6 +49,7 @@ from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, e
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
 from kvpool.store.pool import CommitResult, PinResult
+from kvpool.tenants import Credential, Tenant
 from kvpool.timing import LeasePolicy
 
 if TYPE_CHECKING:
@@ -52,6 +58,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.node")
 
 HANDSHAKE_TIMEOUT_S = 10.0
+FRAME_TIMEOUT_S = 10.0  # a frame's metadata, once its header arrived (slow writers)
+
+# What a tenant's connection may do: no arena offsets (RESERVE/PIN are the shared-memory
+# path, which tenants do not get) and no shutdown.
+TENANT_OPS = frozenset(
+    {
+        Op.LOOKUP,
+        Op.PUT,
+        Op.GET,
+        Op.DELETE,
+        Op.REPORT_CORRUPT,
+        Op.DESCRIBE,
+        Op.STATS,
+        Op.HEALTH,
+        Op.PREFETCH,
+    }
+)
 
 
 class TransferTimeout(Exception):
@@ -68,17 +91,30 @@ class Session:
         self.owner = owner
         self.channel = AsyncChannel(sock)
         self.peer = "unix" if sock.family == socket.AF_UNIX else str(sock.getpeername()[0])
+        self.credential: Credential | None = None  # who authenticated (None: no keys)
+        self.tenant: Tenant | None = None  # whose keys this connection names
+        self.task: asyncio.Task[None] | None = None
 
     def close(self) -> None:
-        self.channel.close()
+        """End the session (from outside it: a revoked key, the node stopping)."""
+        if self.task is not None:
+            self.task.cancel()
+        else:
+            self.channel.close()
 
     async def run(self) -> None:
         self.server.sessions.add(self)
         try:
-            await asyncio.wait_for(self._handshake(), HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                await self.channel.handshake()  # TLS, on a TCP listener that has it
+                await self._handshake()
             while True:
                 header = await self.channel.recv_header()
                 await self._serve(header)
+        except NodeUnavailable as exc:  # e.g. the tenant has all its connections open
+            log.info("refusing a connection from %s: %s", self.peer, exc)
+            with contextlib.suppress(OSError, KVPoolError):
+                await self._reply_error(Op.HELLO, 0, exc)
         except (PeerClosed, asyncio.CancelledError):
             pass  # the client hung up, or the node stops
         except TimeoutError:
@@ -90,10 +126,13 @@ class Session:
             log.info("closing connection from %s: %s", self.peer, exc)
             with contextlib.suppress(OSError, KVPoolError):
                 await self._reply_error(0, 0, exc)
+        except ssl.SSLError as exc:
+            log.info("TLS with %s failed: %s", self.peer, exc.reason or exc)
         except OSError as exc:
             log.debug("connection from %s failed: %s", self.peer, exc)
         finally:
             self.server.sessions.discard(self)
+            self.server.forget_session(self)
             self.store.release_owner(self.owner)
             self.channel.close()
 
@@ -116,29 +155,34 @@ class Session:
         if hello.version not in SUPPORTED_VERSIONS:
             raise UnsupportedVersion(f"client speaks version {hello.version}")
         proof = b""
-        if config.access_key:
-            ok = hello.access_id == config.access_id and auth.verify(
-                config.access_key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
+        credential = self.server.credential(hello.access_id)
+        if credential is not None:
+            ok = auth.verify(
+                credential.key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
             )
             if not ok:
                 log.warning(
                     "authentication failed for access id %r (%s)", hello.access_id, self.peer
                 )
                 raise AuthenticationError("access id or key refused")
-            proof = auth.proof(
-                config.access_key, "node", hello.access_id, server_nonce, hello.nonce
-            )
+            proof = auth.proof(credential.key, "node", hello.access_id, server_nonce, hello.nonce)
+            self.credential, self.tenant = credential, credential.tenant
+            self.server.admit_session(self)  # the tenant's connection cap
+        elif self.server.requires_auth:
+            log.warning("unknown access id %r (%s)", hello.access_id, self.peer)
+            raise AuthenticationError("access id or key refused")
         arena = self.arena
+        shared = self.tenant is None  # a tenant never gets the arena: sockets only
         welcome = msg.Welcome(
             node_id=self.server.node_id,
             proof=proof,
             host_id=config.host_id,
             tcp_address=self.server.tcp_address,
-            arena_path=str(arena.path),
-            arena_bytes=arena.num_bytes,
-            arena_dev=arena.dev,
-            arena_ino=arena.ino,
-            arena_id=arena.arena_id,
+            arena_path=str(arena.path) if shared else "",
+            arena_bytes=arena.num_bytes if shared else 0,
+            arena_dev=arena.dev if shared else 0,
+            arena_ino=arena.ino if shared else 0,
+            arena_id=arena.arena_id if shared else b"",
         )
         await self._reply(header, Op.HELLO, welcome)
 
@@ -147,13 +191,21 @@ class Session:
     async def _serve(self, header: FrameHeader) -> None:
         started = time.perf_counter()
         op_name = Op(header.op).name if header.op in Op._value2member_map_ else "UNKNOWN"
-        meta = await self.channel.recv_meta(header.meta_len)
+        try:
+            async with asyncio.timeout(FRAME_TIMEOUT_S):
+                meta = await self.channel.recv_meta(header.meta_len)
+        except TimeoutError:
+            raise TransferTimeout("timed out receiving a request") from None
         payload_left = header.payload_len
         try:
             handler = _HANDLERS.get(header.op)
             if handler is None:
                 raise BadRequest(f"unexpected op {op_name}")
             request = decode_request(header.op, meta)
+            if self.tenant is not None:
+                if header.op not in TENANT_OPS:
+                    raise Forbidden(f"{op_name} is not open to tenants")
+                request = _scoped(request, self.tenant)
             if header.op != Op.PUT and header.payload_len:
                 raise BadRequest(f"{op_name} carries no payload")
             if header.op == Op.PUT:
@@ -383,7 +435,7 @@ class Session:
         await self._reply(header, Op.DESCRIBE, msg.Empty())
 
     async def _stats(self, header: FrameHeader, req: msg.Empty) -> None:
-        await self._reply(header, Op.STATS, self.server.stats())
+        await self._reply(header, Op.STATS, self.server.stats(self.tenant))
 
     async def _health(self, header: FrameHeader, req: msg.Empty) -> None:
         uptime = time.monotonic() - self.server.started_at
@@ -401,6 +453,16 @@ class Session:
         )
         await self._reply(header, Op.SHUTDOWN, msg.Empty())
         self.server.request_shutdown(drain=req.drain)
+
+
+def _scoped(request: Any, tenant: Tenant) -> Any:
+    """The request with every key (and namespace id) it names moved into the tenant's."""
+    if isinstance(request, msg.DescribeRequest):
+        scoped = tenant.scope_namespace(request.namespace_id)
+        return msgspec.structs.replace(request, namespace_id=scoped)
+    if hasattr(request, "keys"):
+        return msgspec.structs.replace(request, keys=tenant.scope_all(request.keys))
+    return request
 
 
 def _statuses(statuses: Sequence[Status]) -> msg.StatusResponse:

@@ -6,6 +6,9 @@ Payloads are received straight into the caller's destination (an arena slot, a u
 buffer) and sent with scatter-gather ``sendmsg`` from where they lie: no staging copies.
 ``recv_into`` can feed a hasher with each piece as it arrives, while it is still in cache.
 
+Over TLS (an :class:`ssl.SSLSocket`) the same calls work; sends go part by part, since
+OpenSSL has no scatter-gather write.
+
 The channels raise only what sockets raise: :class:`PeerClosed` (an ``OSError``) when the
 other side hangs up, ``TimeoutError`` when the blocking channel's deadline passes, and
 ``OSError``.  Each side translates them once: the client into kvpool's transport errors
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,9 +108,10 @@ class SyncChannel:
 
     def send(self, parts: Sequence[Buffer]) -> None:
         views = _as_views(parts)
+        is_tls = isinstance(self.sock, ssl.SSLSocket)
         while views:
             self._arm()
-            num = self.sock.sendmsg(views[:IOV_MAX])
+            num = self.sock.send(views[0]) if is_tls else self.sock.sendmsg(views[:IOV_MAX])
             views = _advance(views, num)
 
 
@@ -119,6 +124,21 @@ class AsyncChannel:
         self.loop = loop or asyncio.get_running_loop()
         self.rbuf = RecvBuffer()
         self._fd = sock.fileno()
+        self._tls = isinstance(sock, ssl.SSLSocket)
+
+    async def handshake(self) -> None:
+        """Complete a TLS handshake (a no-op on a plain socket)."""
+        if not self._tls:
+            return
+        assert isinstance(self.sock, ssl.SSLSocket)
+        while True:
+            try:
+                self.sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                await self._readable()
+            except ssl.SSLWantWriteError:
+                await self._writable()
 
     async def _readable(self) -> None:
         await self._ready(self.loop.add_reader, self.loop.remove_reader)
@@ -138,9 +158,14 @@ class AsyncChannel:
         while True:
             try:
                 num = self.sock.recv_into(view)
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
                 await self._readable()
                 continue
+            except ssl.SSLWantWriteError:
+                await self._writable()
+                continue
+            except ssl.SSLZeroReturnError:
+                num = 0
             if num == 0:
                 raise PeerClosed("connection closed by the peer")
             return num
@@ -178,9 +203,13 @@ class AsyncChannel:
         views = _as_views(parts)
         while views:
             try:
-                num = self.sock.sendmsg(views[:IOV_MAX])
-            except (BlockingIOError, InterruptedError):
+                tls = self._tls
+                num = self.sock.send(views[0]) if tls else self.sock.sendmsg(views[:IOV_MAX])
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
                 await self._writable()
+                continue
+            except ssl.SSLWantReadError:
+                await self._readable()
                 continue
             views = _advance(views, num)
 

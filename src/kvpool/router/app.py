@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -35,6 +36,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from kvpool.tenants import Registry
+from kvpool.tls import CertFiles
 
 from .config import RouterSettings
 from .engines import Engine, EngineSet
@@ -102,6 +106,9 @@ class Router:
         self.prefill_policy = prefill_policy or LeastLoad()
         # With a tokenizer: the chosen engine's node prefetches the prompt's blocks.
         self.locator = locator if config.prefetch_hold > 0 else None
+        # With tenants, every request names its tenant's credential (Authorization: Bearer
+        # ACCESS_ID:KEY), and looks only at that tenant's blocks.
+        self.tenants = Registry(Path(config.tenants)) if config.tenants else None
         self._prefetches: set[asyncio.Task[None]] = set()
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -177,6 +184,11 @@ class Router:
         )
         routed = RoutedRequest(route, body, session=session)
         routed.notes["raw"] = raw  # forwarded as received: no second serialization
+        if self.tenants is not None:
+            credential = self.tenants.authenticate(request.headers.get("Authorization", ""))
+            if credential is None:
+                return self._error(route, 401, "a tenant's credential is needed: ID:KEY")
+            routed.notes["tenant"] = credential.tenant
         if self.engines.has_disaggregation:
             await self._prefill(routed, request)
             candidates = self.engines.available("decode")
@@ -210,10 +222,16 @@ class Router:
                 engine.node,
                 self.config.prefetch_hold,
                 routed.notes.get("block_hashes"),
+                routed.notes.get("tenant"),
             )
         )
         self._prefetches.add(task)
         task.add_done_callback(self._prefetches.discard)
+
+    def _forward_headers(self, request: web.Request) -> dict[str, str]:
+        # With tenants the credential was the router's to check: it does not travel on.
+        dropped = frozenset({"authorization"}) if self.tenants is not None else frozenset()
+        return _forward_headers(request, drop=dropped)
 
     def _state(self, engine: Engine) -> str:
         return "healthy" if engine.is_available else "unavailable"
@@ -256,7 +274,7 @@ class Router:
                     engine.url + routed.route,
                     json=body,
                     timeout=timeout,
-                    headers=_forward_headers(request),
+                    headers=self._forward_headers(request),
                 ) as upstream:
                     await upstream.read()
                     if upstream.status < 500:
@@ -290,7 +308,7 @@ class Router:
                 async with self._session.post(
                     engine.url + routed.route,
                     data=routed.notes["raw"],
-                    headers=_forward_headers(request),
+                    headers=self._forward_headers(request),
                 ) as upstream:
                     if upstream.status >= 500:
                         await upstream.read()
@@ -421,32 +439,46 @@ class Router:
         return app
 
 
-def _forward_headers(request: web.Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+def _forward_headers(request: web.Request, *, drop: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | drop}
 
 
 def _reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
-async def serve(router: Router, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    router: Router,
+    host: str,
+    port: int,
+    ready: asyncio.Event | None = None,
+    tls: CertFiles | None = None,
+) -> None:
     """Serve until cancelled.  Client disconnects cancel their handlers (and so the upstream
-    requests)."""
+    requests).  With ``tls``, HTTPS, its certificate reloaded when the files change."""
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    context = tls.context if tls is not None else None
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True, ssl_context=context)
     await site.start()
+    scheme = "https" if tls is not None else "http"
     log.info(
-        "kvpool router on http://%s:%d, %d engines, policy %s",
+        "kvpool router on %s://%s:%d, %d engines, policy %s",
+        scheme,
         host,
         port,
         len(router.engines.engines),
         router.policy.name,
     )
-    print(f"KVPOOL_ROUTER_READY http://{host}:{port}", flush=True)
+    print(f"KVPOOL_ROUTER_READY {scheme}://{host}:{port}", flush=True)
     if ready is not None:
         ready.set()
     try:
-        await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(1.0)
+            if router.tenants is not None:
+                router.tenants.reload()
+            if tls is not None:
+                tls.reload()
     finally:
         await runner.cleanup()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.config import check_plaintext
 from kvpool.errors import ConfigError
 
 from .engines import ROLES, Engine
@@ -48,6 +49,14 @@ class RouterSettings:
     # With a tokenizer: once an engine is chosen, its node starts bringing the prompt's
     # blocks held only in lower tiers into DRAM, held this long for it (0: no prefetch).
     prefetch_hold: float = 60.0
+    # HTTPS (certificate and key files, reloaded on change); plaintext only on loopback
+    # unless insecure.
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False
+    # A tenants file (kvpool.tenants): requests must carry a tenant's credential; the
+    # router reaches the nodes as the cluster (KVPOOL_ACCESS_ID / KVPOOL_ACCESS_KEY).
+    tenants: str = ""
     engines: list[Engine] = field(default_factory=list)
 
 
@@ -102,4 +111,7 @@ def settings_from(
         raise ConfigError("the cache_aware policy needs --tokenizer (the model's tokenizer)")
     if not 0 <= settings.prefetch_hold <= 600:
         raise ConfigError("--prefetch-hold must be 0-600 seconds")
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ConfigError("TLS needs both --tls-cert and --tls-key")
+    check_plaintext(settings.host, bool(settings.tls_cert), settings.insecure, "the router")
     return settings

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpool.config import client_config_from
 from kvpool.timing import ROUTER_LOOKUP_BUDGET_S
+from kvpool.tls import CertFiles
 
 from .app import Router, serve
 from .config import RouterSettings, settings_from
@@ -40,9 +41,10 @@ def build_router(settings: RouterSettings) -> Router:
 def run_router(config_file: str | None, overrides: dict[str, Any], engine_specs: list[str]) -> None:
     settings = settings_from(config_file, overrides, engine_specs)
     router = build_router(settings)
+    tls = CertFiles(settings.tls_cert, settings.tls_key) if settings.tls_cert else None
     try:
         import uvloop
 
-        uvloop.run(serve(router, settings.host, settings.port))
+        uvloop.run(serve(router, settings.host, settings.port, tls=tls))
     except ImportError:  # pragma: no cover
-        asyncio.run(serve(router, settings.host, settings.port))
+        asyncio.run(serve(router, settings.host, settings.port, tls=tls))

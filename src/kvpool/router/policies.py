@@ -121,7 +121,9 @@ class CacheAware(Policy):
         if len(engines) <= 1:
             request.explain(self.name, engines, {e.url: "only engine" for e in engines})
             return engines
-        located = await self.locator.locate(request.route, request.body, [e.node for e in engines])
+        located = await self.locator.locate(
+            request.route, request.body, [e.node for e in engines], request.notes.get("tenant")
+        )
         request.notes["block_hashes"] = located.hashes  # for the prefetch that follows
         least = min(e.load for e in engines)
         most = max(1.0, *(e.load for e in engines))

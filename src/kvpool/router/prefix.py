@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +21,7 @@ from kvpool.client.client import Client
 from kvpool.config import ClientConfig
 from kvpool.errors import PoolTimeout
 from kvpool.keys import NAMESPACE_ID_BYTES, block_key
+from kvpool.tenants import Tenant
 from kvpool.timing import ROUTER_MAX_SLOW_ANSWERS, ROUTER_NODE_DOWN_S
 
 log = logging.getLogger("kvpool.router")
@@ -125,18 +126,27 @@ class PrefixLocator:
         self._namespaces[node] = (time.monotonic(), ids)
         return ids
 
-    def _prefix_on(self, node: str, hashes: list[bytes], deadline: float) -> int:
+    def _prefix_on(
+        self, node: str, hashes: list[bytes], deadline: float, tenant: Tenant | None = None
+    ) -> int:
         best = 0
         client = self._client(node)
-        for namespace_id in self._namespace_ids(node, deadline):
+        for namespace_id in _theirs(self._namespace_ids(node, deadline), tenant):
             keys = [block_key(namespace_id, h) for h in hashes]
             best = max(best, client.lookup(keys, timeout=_left(deadline)))
         return best
 
-    async def locate(self, route: str, body: dict[str, Any], nodes: Sequence[str]) -> Located:
-        """The prompt's number of full blocks, and the prefix (in blocks) each node holds.
-        A node that cannot be asked in time holds nothing (and is left alone for a moment);
-        the whole answer takes at most the client timeout."""
+    async def locate(
+        self,
+        route: str,
+        body: dict[str, Any],
+        nodes: Sequence[str],
+        tenant: Tenant | None = None,
+    ) -> Located:
+        """The prompt's number of full blocks, and the prefix (in blocks) each node holds
+        (of ``tenant``'s namespaces only, for a tenant's request).  A node that cannot be
+        asked in time holds nothing (and is left alone for a moment); the whole answer
+        takes at most the client timeout."""
         loop = asyncio.get_running_loop()
         located = Located()
         try:
@@ -160,7 +170,9 @@ class PrefixLocator:
             elif node:
                 asked.append(node)
         tasks = {
-            node: loop.run_in_executor(self._executor, self._prefix_on, node, hashes, deadline)
+            node: loop.run_in_executor(
+                self._executor, self._prefix_on, node, hashes, deadline, tenant
+            )
             for node in asked
         }
         if tasks:
@@ -192,6 +204,7 @@ class PrefixLocator:
         node: str,
         hold_s: float,
         hashes: list[bytes] | None = None,
+        tenant: Tenant | None = None,
     ) -> None:
         """Ask ``node`` to bring the prompt's blocks into DRAM and hold them ``hold_s`` for
         the request.  Best effort: a node that does not answer in time is skipped."""
@@ -203,11 +216,15 @@ class PrefixLocator:
                 )
                 hashes = self.hasher.block_hashes(token_ids)
             if hashes:
-                await loop.run_in_executor(self._executor, self._prefetch_on, node, hashes, hold_s)
+                await loop.run_in_executor(
+                    self._executor, self._prefetch_on, node, hashes, hold_s, tenant
+                )
         except Exception as exc:  # a hint: nothing depends on it
             log.debug("prefetch on %s: %s", node, exc)
 
-    def _prefetch_on(self, node: str, hashes: list[bytes], hold_s: float) -> None:
+    def _prefetch_on(
+        self, node: str, hashes: list[bytes], hold_s: float, tenant: Tenant | None = None
+    ) -> None:
         deadline = time.monotonic() + self.client_config.timeout_s
         # The model's namespaces as any node knows them: the chosen node may hold the
         # prompt only in the object store, under a namespace it has not served yet.
@@ -215,7 +232,7 @@ class PrefixLocator:
         for _, ids in self._namespaces.values():
             namespace_ids.update(ids)
         client = self._client(node)
-        for namespace_id in sorted(namespace_ids):
+        for namespace_id in sorted(_theirs(namespace_ids, tenant)):
             keys = [block_key(namespace_id, h) for h in hashes]
             client.prefetch(keys, hold=hold_s, timeout=_left(deadline))
 
@@ -223,6 +240,12 @@ class PrefixLocator:
         self._executor.shutdown(wait=False, cancel_futures=True)
         for client in self._clients.values():
             client.close()
+
+
+def _theirs(namespace_ids: Iterable[bytes], tenant: Tenant | None) -> list[bytes]:
+    """The namespaces a request may look at: with tenants, only its tenant's (as the nodes
+    report them, scoped, to the router's cluster identity)."""
+    return [n for n in namespace_ids if tenant is None or tenant.owns(n)]
 
 
 def _left(deadline: float) -> float:

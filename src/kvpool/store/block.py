@@ -19,9 +19,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
 
 
@@ -88,3 +89,49 @@ class StoreEvents(Protocol):
     def stored(self, block: Block) -> None: ...
 
     def removed(self, block: Block) -> None: ...
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    expired_reservations: int = 0
+    expired_pins: int = 0
+    corrupt_reports: int = 0
+    spilled: int = 0  # evicted blocks a lower tier took
+    adopted: int = 0  # blocks found in a surviving arena at start
+
+
+@dataclass(slots=True)
+class ReserveResult:
+    """Per key, a status and (where it is OK) the reserved block; the lease granted."""
+
+    reservation_id: int
+    statuses: list[Status]
+    blocks: list[Block | None] = field(default_factory=list)
+    lease_s: float = 0.0
+
+
+@dataclass(slots=True)
+class CommitResult:
+    """Per key, whether it became visible; the blocks that did."""
+
+    statuses: list[Status]
+    committed: list[Block] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.size for b in self.committed)
+
+
+@dataclass(slots=True)
+class PinResult:
+    """Per key, the pinned block (``None``: not there); the lease granted."""
+
+    pin_id: int
+    blocks: list[Block | None]
+    lease_s: float = 0.0

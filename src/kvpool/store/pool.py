@@ -25,6 +25,8 @@ Rules (each has a test in tests/store/test_pool.py):
    refuses, before its memory is freed: eviction never waits for a lower tier.
 10. The journal hears every commit before it is acknowledged and every removal before the
     memory can be handed out again; a store built on a replayed journal adopts its blocks.
+11. With tenants, a write past its tenant's quota evicts that tenant's blocks first, and no
+    write evicts a block of a tenant within its quota (:mod:`kvpool.store.quotas`).
 """
 
 from __future__ import annotations
@@ -33,65 +35,30 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from itertools import takewhile
 
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import BlockOrigin
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
-from kvpool.store.block import Block, BlockState, Pin, Reservation, SpillTarget, StoreEvents
+from kvpool.store.block import (
+    Block,
+    BlockState,
+    CommitResult,
+    Pin,
+    PinResult,
+    Reservation,
+    ReserveResult,
+    SpillTarget,
+    StoreCounters,
+    StoreEvents,
+)
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.namespaces import NamespaceTable
+from kvpool.store.quotas import Quotas
 from kvpool.timing import LeasePolicy
 
 Clock = Callable[[], float]
-
-
-@dataclass(slots=True)
-class StoreCounters:
-    lookup_hits: int = 0
-    lookup_misses: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    puts: int = 0
-    evictions: int = 0
-    expired_reservations: int = 0
-    expired_pins: int = 0
-    corrupt_reports: int = 0
-    spilled: int = 0  # evicted blocks a lower tier took
-    adopted: int = 0  # blocks found in a surviving arena at start
-
-
-@dataclass(slots=True)
-class ReserveResult:
-    """Per key, a status and (where it is OK) the reserved block; the lease granted."""
-
-    reservation_id: int
-    statuses: list[Status]
-    blocks: list[Block | None] = field(default_factory=list)
-    lease_s: float = 0.0
-
-
-@dataclass(slots=True)
-class CommitResult:
-    """Per key, whether it became visible; the blocks that did."""
-
-    statuses: list[Status]
-    committed: list[Block] = field(default_factory=list)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(b.size for b in self.committed)
-
-
-@dataclass(slots=True)
-class PinResult:
-    """Per key, the pinned block (``None``: not there); the lease granted."""
-
-    pin_id: int
-    blocks: list[Block | None]
-    lease_s: float = 0.0
 
 
 class BlockStore:
@@ -131,7 +98,14 @@ class BlockStore:
         self.num_committed = 0
         self.journal = journal or NoJournal()
         self.spill = spill
+        self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
         self._adopt()
+
+    def set_quotas(self, limits: dict[bytes, int] | None) -> None:
+        """Per-tenant limits, by tag (None: no tenants); counts what is held now."""
+        self.quotas = None if limits is None else Quotas()
+        if self.quotas is not None and limits is not None:
+            self.quotas.recount(limits, ((b.key, b.size) for b in self._index.values()))
 
     def _adopt(self) -> None:
         """Take over the blocks a replayed journal describes (a warm restart)."""
@@ -180,15 +154,21 @@ class BlockStore:
                 statuses.append(Status.PENDING if pending else Status.EXISTS)
             elif pages(size) * 4096 > self.capacity:
                 statuses.append(Status.REFUSED)
+            elif self.quotas is not None and not self._fit_quota(key, size):
+                statuses.append(Status.OVER_QUOTA)
             else:
                 statuses.append(Status.OK)
                 wanted.append(i)
                 seen.add(key)
+                if self.quotas is not None:
+                    self.quotas.added(key, size)  # counted from the reservation on
         blocks: list[Block | None] = [None] * len(keys)
-        offsets = self._allocate_batch([sizes[i] for i in wanted])
+        offsets = self._allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
         for i, offset in zip(wanted, offsets, strict=True):
             if offset is None:
                 statuses[i] = Status.NO_SPACE
+                if self.quotas is not None:
+                    self.quotas.removed(keys[i], sizes[i])
                 continue
             block = Block(keys[i], offset, sizes[i])
             self._index[keys[i]] = block
@@ -272,6 +252,8 @@ class BlockStore:
     def _fail(self, block: Block) -> None:
         block.state = BlockState.FAILED
         self.reserved_bytes -= block.size
+        if self.quotas is not None:
+            self.quotas.removed(block.key, block.size)
         if self._index.get(block.key) is block:
             del self._index[block.key]
         self.allocator.free(block.offset)
@@ -396,6 +378,8 @@ class BlockStore:
         self.committed_bytes -= block.size
         self.num_committed -= 1
         self.namespaces.removed(block.key, block.size)
+        if self.quotas is not None:
+            self.quotas.removed(block.key, block.size)
         if self.events is not None:
             self.events.removed(block)
         if block.num_pins == 0:
@@ -403,7 +387,7 @@ class BlockStore:
 
     # -- space ----------------------------------------------------------------------------
 
-    def _allocate_batch(self, sizes: list[int]) -> list[int | None]:
+    def _allocate_batch(self, keys: list[bytes], sizes: list[int]) -> list[int | None]:
         """One contiguous extent for the whole batch if there is one, else block by block."""
         if not sizes:
             return []
@@ -411,21 +395,39 @@ class BlockStore:
             extent = self.allocator.allocate(sum(pages(s) * 4096 for s in sizes))
             if extent is not None:
                 return list(self.allocator.carve(extent, sizes))
-        return [self._allocate(size) for size in sizes]
+        return [self._allocate(key, size) for key, size in zip(keys, sizes, strict=True)]
 
-    def _allocate(self, num_bytes: int) -> int | None:
+    def _allocate(self, key: bytes, num_bytes: int) -> int | None:
         offset = self.allocator.allocate(num_bytes)
         if offset is not None:
             return offset
-        for key in self.eviction.victims():
-            block = self._index.get(key)
+        quotas = self.quotas
+        for victim in self.eviction.victims():
+            block = self._index.get(victim)
             if block is None or not block.is_evictable:
                 continue
+            if quotas is not None and not quotas.may_evict(victim, key):
+                continue  # another tenant's block, within its share
             self._remove(block, evicted=True)
             offset = self.allocator.allocate(num_bytes)
             if offset is not None:
                 return offset
         return None
+
+    def _fit_quota(self, key: bytes, size: int) -> bool:
+        """Whether ``size`` more bytes fit the key's tenant's quota, after evicting that
+        tenant's own least recently used blocks if need be."""
+        if self.quotas is None or not self.quotas.room(key, size):
+            return True
+        for victim in self.eviction.victims():
+            block = self._index.get(victim)
+            if block is None or not block.is_evictable or not self.quotas.same_tenant(victim, key):
+                continue
+            self._remove(block, evicted=True)
+            if not self.quotas.room(key, size):
+                return True
+        self.quotas.refused[key[:4]] += 1
+        return False
 
     def _evict_past_high_watermark(self) -> None:
         if self.allocator.used <= self.high_watermark * self.capacity:
@@ -435,7 +437,9 @@ class BlockStore:
             if self.allocator.used <= target:
                 break
             block = self._index.get(key)
-            if block is not None and block.is_evictable:
+            if block is None or not block.is_evictable:
+                continue
+            if self.quotas is None or self.quotas.may_evict(key, None):
                 self._remove(block, evicted=True)
 
     # -- leases and owners ----------------------------------------------------------------

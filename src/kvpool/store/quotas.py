@@ -1,0 +1,61 @@
+"""Per-tenant DRAM quotas of a store, reservations included.
+
+Whose a block is comes from its key: a tenant's keys start with its tag (see
+:mod:`kvpool.tenants`), so the accounting needs nothing stored per block and holds for
+blocks written through from other nodes, promoted from lower tiers or adopted at a warm
+restart.  Keys with no known tag (no tenants, or a tenant since removed) count for nobody.
+
+- A write that would take its tenant past its quota first evicts that tenant's own blocks;
+  if they cannot make room, the key is refused (``OVER_QUOTA``).
+- Eviction for a write never takes a block of another tenant that is within its quota:
+  one tenant's traffic never evicts another's blocks beyond its share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+TAG_BYTES = 4  # as kvpool.tenants.TAG_BYTES
+
+
+class Quotas:
+    def __init__(self, limits: Mapping[bytes, int] | None = None):
+        self.limits: dict[bytes, int] = dict(limits or {})
+        self.used: dict[bytes, int] = dict.fromkeys(self.limits, 0)
+        self.refused = dict.fromkeys(self.limits, 0)
+
+    def recount(self, limits: Mapping[bytes, int], blocks: Iterable[tuple[bytes, int]]) -> None:
+        """New limits (a reloaded tenants file), and the usage of the blocks held now."""
+        self.limits = dict(limits)
+        self.used = dict.fromkeys(self.limits, 0)
+        self.refused = {tag: self.refused.get(tag, 0) for tag in self.limits}
+        for key, size in blocks:
+            self.added(key, size)
+
+    def added(self, key: bytes, size: int) -> None:
+        tag = key[:TAG_BYTES]
+        if tag in self.used:
+            self.used[tag] += size
+
+    def removed(self, key: bytes, size: int) -> None:
+        tag = key[:TAG_BYTES]
+        if tag in self.used:
+            self.used[tag] -= size
+
+    def room(self, key: bytes, size: int) -> int:
+        """How many bytes the key's tenant is short of for ``size`` more (0: it fits)."""
+        tag = key[:TAG_BYTES]
+        limit = self.limits.get(tag)
+        return 0 if limit is None else max(0, self.used[tag] + size - limit)
+
+    def same_tenant(self, a: bytes, b: bytes) -> bool:
+        return a[:TAG_BYTES] == b[:TAG_BYTES] and a[:TAG_BYTES] in self.limits
+
+    def may_evict(self, victim: bytes, for_key: bytes | None) -> bool:
+        """Whether a write of ``for_key`` (None: the store's own watermark) may evict
+        ``victim``: the writer's own blocks, nobody's, or a tenant's past its quota."""
+        tag = victim[:TAG_BYTES]
+        limit = self.limits.get(tag)
+        if limit is None or (for_key is not None and for_key[:TAG_BYTES] == tag):
+            return True
+        return self.used[tag] > limit
