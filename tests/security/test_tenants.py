@@ -1,0 +1,298 @@
+"""Tenants, tried as a hostile tenant would: a real daemon, a tenants file, real sockets.
+
+Tenant ``beta`` holds valid credentials of its own and tries every path to ``alpha``'s
+blocks (lookups, reads, deletes, prefetch, statistics, the shared-memory path, the admin
+HTTP, the lower tiers); it sees only misses or refusals, and alpha loses nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvpool import AuthenticationError, Forbidden, Namespace, NodeUnavailable, Status
+from kvpool.client import ops
+from kvpool.protocol.messages import (
+    GetRequest,
+    Op,
+    PinRequest,
+    PinResponse,
+    PutRequest,
+    ReserveRequest,
+    ReserveResponse,
+    ShutdownRequest,
+    StatusResponse,
+)
+from tests.conftest import NodeFactory
+from tests.security.tenants import CLUSTER, TenantsFile, client, raw_connection, send
+
+NS = Namespace(model="tiny", dtype="float32")
+BLOCK = 256 << 10
+
+
+def keys(n: int, start: int = 0) -> list[bytes]:
+    return [NS.key(f"block-{i}".encode()) for i in range(start, start + n)]
+
+
+def values(n: int, fill: int) -> list[bytes]:
+    return [bytes([fill]) * BLOCK for _ in range(n)]
+
+
+@pytest.fixture
+def tenants(tmp_path: Path) -> TenantsFile:
+    return TenantsFile(tmp_path / "tenants.toml")
+
+
+@pytest.fixture
+def credentials(tenants: TenantsFile) -> dict[str, list[tuple[str, str]]]:
+    made = {
+        "alpha": tenants.add("alpha", quota="8MiB", keys=2),
+        "beta": tenants.add("beta", quota="8MiB", max_connections=4),
+    }
+    tenants.write()
+    return made
+
+
+@pytest.fixture
+def pool(start_node: NodeFactory, tenants: TenantsFile, credentials, tmp_path: Path):
+    return start_node(
+        "tenants",
+        "12MiB",  # less than the quotas together: eviction must respect them
+        extra=[
+            "--tenants",
+            str(tenants.path),
+            "--disk",
+            str(tmp_path / "disk"),
+            "--disk-size",
+            "32MiB",
+        ],
+        env={"KVPOOL_RESERVE_LEASE": "3", "KVPOOL_PIN_LEASE": "3"},
+    )
+
+
+def admin(url: str, credential: tuple[str, str] | None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url)
+    if credential is not None:
+        token = base64.b64encode(f"{credential[0]}:{credential[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_another_tenant_sees_only_misses_and_refusals(pool, credentials) -> None:
+    alpha, beta = credentials["alpha"][0], credentials["beta"][0]
+    mine = keys(4)
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        assert a.put(mine, values(4, 0xA1)).all_stored
+        a.describe(NS)
+    with client(pool.unix_address, beta) as b:  # same host, asking for the arena too
+        assert b.lookup(mine) == 0
+        assert b.lookup_state(mine, prefetch=5).num_prefix == 0
+        assert b.exists(mine) == [False] * 4
+        assert b.get(mine).statuses == [Status.NOT_FOUND] * 4
+        assert b.delete(mine) == [Status.NOT_FOUND] * 4
+        answer = b.prefetch(mine, hold=5)
+        assert (answer.num_in_dram, answer.num_started, answer.num_absent) == (0, 0, 4)
+        stats = b.stats()
+        assert (stats.num_blocks, stats.used_bytes, stats.namespaces) == (0, 0, [])
+        assert stats.capacity_bytes == 8 << 20 and stats.tiers == []
+
+    # The shared-memory path is not a tenant's: no arena in the welcome, and the requests
+    # that hand out arena offsets are refused, as is a shutdown.
+    with raw_connection(pool.unix_address, beta) as raw:
+        assert raw.welcome.arena_path == "" and raw.welcome.arena_bytes == 0
+        for op, message, response in (
+            (Op.RESERVE, ReserveRequest(keys=mine, sizes=[BLOCK] * 4), ReserveResponse),
+            (Op.PIN, PinRequest(keys=mine), PinResponse),
+            (Op.SHUTDOWN, ShutdownRequest(node_id="tenants"), StatusResponse),
+        ):
+            with pytest.raises(Forbidden, match="not open to tenants"):
+                send(raw, op, message, response)
+    with raw_connection(pool.unix_address, CLUSTER) as raw:  # the cluster's identity has it
+        assert raw.welcome.arena_bytes > 0
+
+    # The same prompt in two tenants: two different keys, two different blocks.
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        assert b.put(mine, values(4, 0xB2)).all_stored
+        b.describe(NS)
+        assert [bytes(v) for v in b.get(mine).values] == values(4, 0xB2)
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        assert [bytes(v) for v in a.get(mine).values] == values(4, 0xA1)
+    with client(pool.tcp_address, CLUSTER, use_shm=False) as operator:
+        rows = operator.stats().namespaces
+        ids = {row.namespace_id for row in rows if row.num_blocks}
+        assert len(ids) == 2 and NS.id.hex() not in ids
+        assert operator.lookup(mine) == 0  # the client's key names nobody's block
+
+    # The admin HTTP: credentials needed; a tenant sees only its own status, not the
+    # node's metrics; the cluster's identity sees everything.
+    assert admin(pool.admin_url + "/v1/status", None)[0] == 401
+    assert admin(pool.admin_url + "/v1/status", ("beta-1", "wrong" * 4))[0] == 401
+    assert admin(pool.admin_url + "/healthz", None)[0] == 200
+    status, body = admin(pool.admin_url + "/v1/status", beta)
+    seen = json.loads(body)
+    assert status == 200 and seen["num_blocks"] == 4 and len(seen["namespaces"]) == 1
+    assert admin(pool.admin_url + "/metrics", beta)[0] == 403
+    status, body = admin(pool.admin_url + "/v1/status", CLUSTER)
+    assert status == 200 and len(json.loads(body)["namespaces"]) == 2
+    assert admin(pool.admin_url + "/metrics", CLUSTER)[0] == 200
+
+
+def test_quota_evicts_the_writers_own_blocks_never_anothers(pool, credentials) -> None:
+    alpha, beta = credentials["alpha"][0], credentials["beta"][0]
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        assert b.put(keys(24, 1000), values(24, 0xB0)).all_stored  # 6 MiB of its 8
+        before = b.stats()
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        for batch in range(12):  # 12 MiB through a quota of 8, where 6 are free
+            assert a.put(keys(4, batch * 4), values(4, batch)).all_stored
+            assert a.stats().used_bytes <= 8 << 20
+        # Its oldest blocks left DRAM for the disk; its newest are in DRAM.
+        state = a.lookup_state(keys(4, 44))
+        assert state.num_prefix == 4 and state.num_in(0) == 4
+        assert a.lookup_state(keys(4, 0)).num_in(0) == 0
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        after = b.stats()
+        assert (after.num_blocks, after.used_bytes) == (before.num_blocks, before.used_bytes)
+        state = b.lookup_state(keys(24, 1000))
+        assert state.num_prefix == 24 and state.num_in(0) == 24  # all still in DRAM
+        assert [bytes(v) for v in b.get(keys(24, 1000)).values] == values(24, 0xB0)
+
+
+def test_a_tenant_that_reserves_its_quota_and_stalls(pool, credentials) -> None:
+    alpha, other_alpha = credentials["alpha"]
+    beta = credentials["beta"][0]
+    # A PUT that declares alpha's whole quota and never sends the bytes: the node reserves
+    # it, and cuts the connection once the reservation's lease (3 s here) runs out.
+    with raw_connection(pool.tcp_address, alpha) as raw:
+        request = PutRequest(keys=keys(32, 500), sizes=[BLOCK] * 32)
+
+        def stall() -> ops.Op_[None]:
+            yield ops.Request(Op.PUT, request, payload_len=32 * (BLOCK + 8))
+            yield ops.Send([b"\0" * 8])  # a checksum, then nothing
+
+        raw.run(stall(), time.monotonic() + 5)
+        with client(pool.tcp_address, other_alpha, use_shm=False) as a:
+            deadline = time.monotonic() + 5
+            while (status := a.put(keys(1, 900), values(1, 9)).statuses) != [Status.OVER_QUOTA]:
+                assert status == [Status.OK] and time.monotonic() < deadline
+                a.delete(keys(1, 900))  # (before the node saw the stalled PUT)
+                time.sleep(0.05)
+        with client(pool.tcp_address, beta, use_shm=False) as b:  # others are served
+            assert b.put(keys(8, 600), values(8, 0xBB)).all_stored
+        # Past the lease, the stalled connection is cut and the quota is alpha's again.
+        with client(pool.tcp_address, other_alpha, use_shm=False) as a:
+            deadline = time.monotonic() + 20
+            while a.put(keys(1, 900), values(1, 9)).statuses != [Status.OK]:
+                assert time.monotonic() < deadline, "the stalled reservation was never cut"
+                time.sleep(0.2)
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        assert [bytes(v) for v in b.get(keys(8, 600)).values] == values(8, 0xBB)
+
+
+def test_a_slow_reader_is_cut_off_and_its_pins_dropped(pool, credentials) -> None:
+    beta = credentials["beta"][0]
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        assert b.put(keys(24, 0), values(24, 3)).all_stored
+    with raw_connection(pool.tcp_address, beta) as raw:
+
+        def ask() -> ops.Op_[None]:
+            yield ops.Request(Op.GET, GetRequest(keys=keys(24, 0)))
+
+        raw.run(ask(), time.monotonic() + 5)
+        # It never reads its 6 MiB: past the pin lease (3 s here) the node gives up.
+        with client(pool.tcp_address, CLUSTER, use_shm=False) as operator:
+            deadline = time.monotonic() + 15
+            while operator.stats().num_pinned:
+                assert time.monotonic() < deadline, "a slow reader kept its pins"
+                time.sleep(0.2)
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        assert b.lookup(keys(24, 0)) == 24
+
+
+def test_revoked_and_rotated_keys_need_no_restart(pool, tenants, credentials) -> None:
+    first, second = credentials["alpha"]
+    with (
+        client(pool.tcp_address, first, use_shm=False) as a1,
+        client(pool.tcp_address, second, use_shm=False) as a2,
+    ):
+        assert a2.put(keys(2), values(2, 7)).all_stored
+        assert a1.lookup(keys(2)) == 2  # one tenant, two keys
+        # The operator revokes the second key and adds a third.
+        del tenants.tenants["alpha"]["keys"][second[0]]
+        third = ("alpha-3", "a-new-key-" + "3" * 16)
+        tenants.tenants["alpha"]["keys"][third[0]] = third[1]
+        tenants.write()
+        deadline = time.monotonic() + 10
+        while True:  # the open connection is closed; reconnecting is refused
+            try:
+                a2.lookup(keys(2))
+            except AuthenticationError:
+                break
+            except NodeUnavailable:
+                pass
+            assert time.monotonic() < deadline, "a revoked key kept working"
+            time.sleep(0.2)
+        assert a1.lookup(keys(2)) == 2  # the other key's connection was left alone
+    with client(pool.tcp_address, third, use_shm=False) as a3:
+        assert [bytes(v) for v in a3.get(keys(2)).values] == values(2, 7)
+    with (
+        client(pool.tcp_address, second, use_shm=False) as again,
+        pytest.raises(AuthenticationError),
+    ):
+        again.lookup(keys(2))
+    assert pool.is_running
+
+
+def test_connection_caps_and_thousands_of_idle_connections(pool, credentials) -> None:
+    alpha, beta = credentials["alpha"][0], credentials["beta"][0]
+    host, port = pool.tcp_address.rsplit(":", 1)
+    # Two thousand sockets that never authenticate: each is closed after the handshake
+    # timeout, and nobody else waits meanwhile.
+    idle = [socket.create_connection((host, int(port))) for _ in range(2000)]
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        started = time.monotonic()
+        assert a.put(keys(4), values(4, 1)).all_stored and a.lookup(keys(4)) == 4
+        assert time.monotonic() - started < 5
+    # Beta may hold 4 connections at once: the fifth is refused, clearly.
+    opened = []
+    for _ in range(4):
+        opened.append(raw_connection(pool.tcp_address, beta))
+        opened[-1].__enter__()
+    with (
+        pytest.raises(NodeUnavailable, match="4 connections open"),
+        raw_connection(pool.tcp_address, beta),
+    ):
+        pass
+    with client(pool.tcp_address, alpha, use_shm=False) as a:  # alpha is not beta
+        assert a.lookup(keys(4)) == 4
+    opened.pop().__exit__(None, None, None)
+    time.sleep(0.2)
+    with raw_connection(pool.tcp_address, beta) as fifth:
+        assert fifth.welcome.node_id == "tenants"
+    for connection in opened:
+        connection.__exit__(None, None, None)
+    # The idle sockets got the node's challenge, then, past the handshake timeout, EOF.
+    time.sleep(11)
+    closed = 0
+    for sock in idle[:50]:
+        sock.settimeout(5)
+        data = b"x"
+        while data:
+            data = sock.recv(65536)
+        closed += 1
+    assert closed == 50
+    for sock in idle:
+        sock.close()
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        assert a.lookup(keys(4)) == 4
