@@ -57,9 +57,9 @@ def test_plaintext_only_on_loopback_unless_insecure():
     # Off loopback, a node needs TLS or an explicit --insecure, for the data port and the
     # admin HTTP alike; on loopback plaintext stays the default.
     NodeConfig().validate()
-    with pytest.raises(ConfigError, match="in plaintext.*--tls-cert.*--insecure"):
+    with pytest.raises(ConfigError, match=r"in plaintext.*--tls-cert.*--insecure"):
         NodeConfig(host="10.1.2.3", access_key="secret").validate()
-    with pytest.raises(ConfigError, match="admin HTTP on 0.0.0.0 in plaintext"):
+    with pytest.raises(ConfigError, match=r"admin HTTP on 0\.0\.0\.0 in plaintext"):
         NodeConfig(admin_host="0.0.0.0", access_key="secret").validate()
     NodeConfig(host="10.1.2.3", access_key="secret", tls_cert="c.pem", tls_key="k.pem").validate()
     NodeConfig(host="10.1.2.3", access_key="secret", insecure=True).validate()
