@@ -81,7 +81,10 @@ class Host:
         etcd: str = "",
         memory: str = "64MiB",
         extra: list[str] | None = None,
+        keyed: bool = True,
     ) -> NodeProcess:
+        """``keyed``: the fabric's one access key (else the node's ``extra`` name its
+        identities, e.g. a tenants file)."""
         args = [
             "--name",
             self.name,
@@ -107,7 +110,10 @@ class Host:
             args += ["--peers", ",".join(peers)]
         if etcd:
             args += ["--etcd", etcd]
-        node = NodeProcess([*args, *(extra or [])], env=self.env(), command_prefix=self.prefix)
+        env = self.env()
+        if not keyed:
+            del env["KVPOOL_ACCESS_KEY"]
+        node = NodeProcess([*args, *(extra or [])], env=env, command_prefix=self.prefix)
         self.nodes.append(node)
         return node.start()
 

@@ -42,8 +42,11 @@ class Authority:
         self.path = directory / f"{name}-ca.pem"
         self.path.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, common_name: str, filename: str | None = None) -> Issued:
-        """A leaf certificate for ``common_name``, valid for 127.0.0.1 and localhost."""
+    def issue(
+        self, common_name: str, filename: str | None = None, ips: tuple[str, ...] = ()
+    ) -> Issued:
+        """A leaf certificate for ``common_name``, valid for localhost, 127.0.0.1 and
+        ``ips``."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         serial = x509.random_serial_number()
@@ -57,7 +60,10 @@ class Authority:
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                    [
+                        x509.DNSName("localhost"),
+                        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", *ips)),
+                    ]
                 ),
                 critical=False,
             )

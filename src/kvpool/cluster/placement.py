@@ -3,6 +3,11 @@
 Each (key, node) pair gets a pseudo-random score; a key's homes are the ``replicas`` nodes
 with the highest scores.  Every client and daemon that sees the same members computes the
 same homes, and when a node joins or leaves only the keys whose top choices change move.
+
+Only the block hash of a key is scored, not its namespace id: a node scopes a tenant's keys
+into the tenant's namespace (:mod:`kvpool.tenants`) and writes them through under that
+name, and the tenant's client, which knows only its own name for them, must find the same
+homes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Sequence
 import xxhash
 
 from kvpool.cluster.membership import Member
+from kvpool.keys import NAMESPACE_ID_BYTES
 
 
 def _seed(node_id: str) -> int:
@@ -22,9 +28,10 @@ def homes(key: bytes, members: Sequence[Member], replicas: int = 1) -> list[Memb
     """The ``replicas`` home nodes of ``key``, best first."""
     if not members:
         return []
+    block = key[NAMESPACE_ID_BYTES:]
     scored = sorted(
         members,
-        key=lambda m: (xxhash.xxh3_64_intdigest(key, seed=_seed(m.node_id)), m.node_id),
+        key=lambda m: (xxhash.xxh3_64_intdigest(block, seed=_seed(m.node_id)), m.node_id),
         reverse=True,
     )
     return scored[:replicas]
@@ -32,10 +39,11 @@ def homes(key: bytes, members: Sequence[Member], replicas: int = 1) -> list[Memb
 
 def home_ids(key: bytes, seeds: Sequence[tuple[str, int]], replicas: int) -> list[str]:
     """The home node ids of ``key`` among ``(node id, seed)`` pairs, best first."""
+    block = key[NAMESPACE_ID_BYTES:]
     if replicas == 1:
-        return [max(seeds, key=lambda s: (xxhash.xxh3_64_intdigest(key, seed=s[1]), s[0]))[0]]
+        return [max(seeds, key=lambda s: (xxhash.xxh3_64_intdigest(block, seed=s[1]), s[0]))[0]]
     ranked = sorted(
-        seeds, key=lambda s: (xxhash.xxh3_64_intdigest(key, seed=s[1]), s[0]), reverse=True
+        seeds, key=lambda s: (xxhash.xxh3_64_intdigest(block, seed=s[1]), s[0]), reverse=True
     )
     return [node_id for node_id, _ in ranked[:replicas]]
 
