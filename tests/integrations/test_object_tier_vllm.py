@@ -6,10 +6,11 @@ engine finds them in DRAM."""
 
 from __future__ import annotations
 
-import http.client
-import json
-import socket
+import contextlib
+import os
+import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,36 +88,34 @@ def test_prefixes_from_the_object_store(
         from_objects = engine.metric("vllm:kvpool_hit_blocks_object_total")
         assert from_objects >= num_blocks
 
-        # Through the router, behind a request that holds the engine's only slot until the
-        # node reports the prefix prefetched: the router's prefetch brings it up while the
-        # request waits in the engine's queue.  (The order is fixed by events, not by how
-        # fast the blocker would otherwise finish.)
+        # Through the router, while the engine's scheduler cannot look at the request yet:
+        # its engine core is stopped (SIGSTOP) until the node reports the prefix prefetched,
+        # so the router's prefetch runs while the request waits for the engine.  The order
+        # is fixed by events, not by how long some other request keeps the engine busy.
         num_blocks = (computed["prompt_tokens"][1] - 1) // 32
         with Client(b.tcp_address, use_shm=False, timeout=10) as c:
             prefetched = c.stats().prefetch
             assert prefetched is not None
-            with StreamingBlocker(engine.url, model, "unrelated " * 50):
-                dram_before = engine.metric("vllm:kvpool_hit_blocks_dram_total")
-                answer: list[object] = []
+            dram_before = engine.metric("vllm:kvpool_hit_blocks_dram_total")
+            answer: list[object] = []
 
-                def routed_request() -> None:
-                    try:
-                        answer.append(complete(router.url, model, PROMPTS[1])[1])
-                    except Exception as exc:
-                        answer.append(exc)
+            def routed_request() -> None:
+                try:
+                    answer.append(complete(router.url, model, PROMPTS[1])[1])
+                except Exception as exc:
+                    answer.append(exc)
 
+            with stopped(descendants(engine.proc.pid)):
                 routed = threading.Thread(target=routed_request, daemon=True)
                 routed.start()
                 wait_for(
-                    lambda: engine.metric("vllm:num_requests_waiting") >= 1 or bool(answer),
-                    timeout=120,
-                )
-                assert not answer, f"{answer} (router: {''.join(router.output[-30:])})"
-                wait_for(
-                    lambda: c.stats().prefetch.completed - prefetched.completed >= num_blocks,
+                    lambda: (
+                        c.stats().prefetch.completed - prefetched.completed >= num_blocks
+                        or bool(answer)
+                    ),
                     timeout=60,
                 )
-                assert engine.metric("vllm:num_requests_waiting") >= 1  # still queued
+                assert not answer, f"{answer} (router: {''.join(router.output[-30:])})"
             routed.join(timeout=300)
         assert answer == [computed["texts"][1]]
         wait_for(
@@ -135,35 +134,31 @@ def test_prefixes_from_the_object_store(
         engine.stop()
 
 
-class StreamingBlocker:
-    """A streaming completion that occupies the engine until the block exits: it closes the
-    stream then, and the engine aborts the request."""
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (for vLLM's API server: its engine core)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    assert found, "the engine has no child processes"
+    return found
 
-    def __init__(self, url: str, model: str, prompt: str):
-        host, _, port = url.removeprefix("http://").partition(":")
-        self.connection = http.client.HTTPConnection(host, int(port), timeout=300)
-        self.body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": 1500,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
 
-    def __enter__(self) -> StreamingBlocker:
-        self.connection.request(
-            "POST",
-            "/v1/completions",
-            body=json.dumps(self.body),
-            headers={"Content-Type": "application/json"},
-        )
-        response = self.connection.getresponse()
-        assert response.status == 200
-        while not response.readline().startswith(b"data:"):  # the first token: it runs
-            pass
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.connection.sock.shutdown(socket.SHUT_RDWR)
-        self.connection.close()
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[None]:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

@@ -19,8 +19,10 @@ import pytest
 
 from kvpool import AuthenticationError, Forbidden, Namespace, NodeUnavailable, Status
 from kvpool.client import ops
+from kvpool.protocol.frames import HEADER_BYTES, encode_frame
 from kvpool.protocol.messages import (
     GetRequest,
+    LookupRequest,
     Op,
     PinRequest,
     PinResponse,
@@ -264,6 +266,11 @@ def test_connection_caps_and_thousands_of_idle_connections(pool, credentials) ->
         started = time.monotonic()
         assert a.put(keys(4), values(4, 1)).all_stored and a.lookup(keys(4)) == 4
         assert time.monotonic() - started < 5
+    # An authenticated slow writer: a request's header, and its metadata never.
+    slow = raw_connection(pool.tcp_address, alpha)
+    stalled = slow.__enter__()
+    frame = encode_frame(Op.LOOKUP, LookupRequest(keys=keys(4)), request_id=7)
+    stalled.channel.send([frame[:HEADER_BYTES]])
     # Beta may hold 4 connections at once: the fifth is refused, clearly.
     opened = []
     for _ in range(4):
@@ -292,6 +299,9 @@ def test_connection_caps_and_thousands_of_idle_connections(pool, credentials) ->
             data = sock.recv(65536)
         closed += 1
     assert closed == 50
+    stalled.channel.sock.settimeout(5)
+    assert stalled.channel.sock.recv(1) == b""  # cut off, past 10 s without its metadata
+    slow.__exit__(None, None, None)
     for sock in idle:
         sock.close()
     with client(pool.tcp_address, alpha, use_shm=False) as a:

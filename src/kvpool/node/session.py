@@ -191,11 +191,14 @@ class Session:
     async def _serve(self, header: FrameHeader) -> None:
         started = time.perf_counter()
         op_name = Op(header.op).name if header.op in Op._value2member_map_ else "UNKNOWN"
-        try:
-            async with asyncio.timeout(FRAME_TIMEOUT_S):
-                meta = await self.channel.recv_meta(header.meta_len)
-        except TimeoutError:
-            raise TransferTimeout("timed out receiving a request") from None
+        if self.channel.rbuf.num_buffered >= header.meta_len:  # the usual case: no wait
+            meta = await self.channel.recv_meta(header.meta_len)
+        else:
+            try:
+                async with asyncio.timeout(FRAME_TIMEOUT_S):
+                    meta = await self.channel.recv_meta(header.meta_len)
+            except TimeoutError:
+                raise TransferTimeout("timed out receiving a request") from None
         payload_left = header.payload_len
         try:
             handler = _HANDLERS.get(header.op)
