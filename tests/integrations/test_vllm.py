@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
 from kvpool import Client
 from tests.integrations.engine import connector, hit_fraction, prompts, run_engine
+from tests.security.tenants import TenantsFile
 
 pytestmark = pytest.mark.vllm
 
@@ -260,3 +262,34 @@ def test_engines_on_different_nodes_share_prefixes_through_the_cluster(model, re
         )
     finally:
         fabric.close()
+
+
+def test_a_tenants_engine_reuses_its_own_blocks_only(model, reference, start_node, tmp_path):
+    # Two engines of two tenants on one node: each authenticates as its tenant, is served
+    # over the socket (no shared arena for tenants), and reuses only its tenant's blocks.
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    alpha = tenants.add("alpha", quota="128MiB")[0]
+    beta = tenants.add("beta", quota="128MiB")[0]
+    tenants.write()
+    node = start_node(name="tenants", memory="256MiB", extra=["--tenants", str(tenants.path)])
+
+    def config(credential):
+        return connector(node.unix_address, access_id=credential[0], access_key=credential[1])
+
+    def saved(_tag: str) -> None:
+        with Client(node.tcp_address, access_id=alpha[0], access_key=alpha[1]) as c:
+            deadline = time.monotonic() + 60
+            while c.stats().num_blocks < 2 * 20:  # two ~1,000-token prompts of 32-token blocks
+                assert time.monotonic() < deadline, "the engine's saves did not arrive"
+                time.sleep(0.2)
+
+    steps = [gen("save", S4), {"op": "pause", "tag": "saved"}, {"op": "reset_prefix_cache"}]
+    results = run_engine(
+        model, [*steps, gen("load", S4)], connector_config=config(alpha), on_pause=saved
+    )
+    first, load = (r for r in results if r["op"] == "generate")
+    assert first["token_ids"] == load["token_ids"] == reference["S4"]
+    assert hit_fraction(first["counters"], load["counters"], load["prompt_tokens"]) >= 0.9
+    (other,) = run_engine(model, [gen("other", S4)], connector_config=config(beta))
+    assert other["token_ids"] == reference["S4"]
+    assert other["counters"]["external_hits"] == 0  # alpha's blocks are not beta's
