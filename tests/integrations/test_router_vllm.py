@@ -3,6 +3,7 @@ disaggregation meeting in the pool, and cache-aware routing across two hosts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -11,6 +12,8 @@ import urllib.request
 import aiohttp
 import pytest
 
+from kvpool.config import client_config_from
+from kvpool.router.prefix import PrefixLocator, PromptHasher
 from tests.cluster.fabric import Fabric
 from tests.integrations.engine import prompts, run_engine
 from tests.integrations.vllm_server import VllmServer, connector_config
@@ -121,7 +124,15 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
         for host in hosts:
             host.start_node(peers=peers, memory="256MiB")
         for host in hosts:
-            cfg = connector_config(host.unix_address, "kv_both", peers=",".join(peers))
+            # Routing is what this test is about: give saves room on a busy host (by default
+            # an engine drops a save rather than wait 0.2 s past its step for the pool).
+            cfg = connector_config(
+                host.unix_address,
+                "kv_both",
+                peers=",".join(peers),
+                lookup_timeout=2.0,
+                health_max_slow=50,
+            )
             servers.append(
                 VllmServer(
                     model,
@@ -149,11 +160,35 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
         )
         # Four conversations; each returning turn must go where its history is.
         conversations = [p[:1500] for p in prompts(8, 4, words=250)]
+        openings = list(conversations)
         first = {}
         for i, opening in enumerate(conversations):
             first[i], reply = complete(router.url, model, opening)
             conversations[i] = opening + reply
         assert set(first.values()) == {s.url for s in servers}  # load spread the newcomers
+        # An engine saves a prompt's blocks behind its answer, so the next request can come
+        # before they are in the pool.  Wait until the router's own lookup (the same
+        # locator) sees each opening on its engine's node: without that, a returning turn
+        # sent at once raced the saves (a flake on busy hosts), which is no routing fault.
+        locator = PrefixLocator(
+            PromptHasher(model, 32),
+            client_config_from({"timeout": 5, "use_shm": False}, hosts[0].env()),
+            model,
+        )
+        node_of = {s.url: h.tcp_address for s, h in zip(servers, hosts, strict=True)}
+        try:
+            for i, opening in enumerate(openings):
+                node = node_of[first[i]]
+                deadline = time.monotonic() + 60
+                while True:
+                    body = {"prompt": opening}
+                    located = asyncio.run(locator.locate("/v1/completions", body, [node]))
+                    if located.prefix_by_node.get(node, 0) >= located.num_blocks - 1:
+                        break
+                    assert time.monotonic() < deadline, f"conversation {i} not saved: {located}"
+                    time.sleep(0.1)
+        finally:
+            locator.close()
         # The returning turns come in other orders than the openings did, so that spreading
         # by load alone would move conversations: only the cache keeps them home.
         for turn, order in enumerate(([3, 2, 1, 0], [1, 3, 0, 2])):
