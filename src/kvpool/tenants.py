@@ -114,9 +114,6 @@ class TenantsFile:
     tenants: dict[str, Tenant]
     credentials: dict[str, Credential]
 
-    def by_tag(self) -> dict[bytes, Tenant]:
-        return {t.tag: t for t in self.tenants.values()}
-
 
 def load(path: Path) -> TenantsFile:
     """Read and check a tenants file; :class:`ConfigError` names what is wrong."""

@@ -426,7 +426,6 @@ class BlockStore:
             self._remove(block, evicted=True)
             if not self.quotas.room(key, size):
                 return True
-        self.quotas.refused[key[:4]] += 1
         return False
 
     def _evict_past_high_watermark(self) -> None:

@@ -15,20 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-TAG_BYTES = 4  # as kvpool.tenants.TAG_BYTES
+from kvpool.tenants import TAG_BYTES
 
 
 class Quotas:
     def __init__(self, limits: Mapping[bytes, int] | None = None):
         self.limits: dict[bytes, int] = dict(limits or {})
         self.used: dict[bytes, int] = dict.fromkeys(self.limits, 0)
-        self.refused = dict.fromkeys(self.limits, 0)
 
     def recount(self, limits: Mapping[bytes, int], blocks: Iterable[tuple[bytes, int]]) -> None:
         """New limits (a reloaded tenants file), and the usage of the blocks held now."""
         self.limits = dict(limits)
         self.used = dict.fromkeys(self.limits, 0)
-        self.refused = {tag: self.refused.get(tag, 0) for tag in self.limits}
         for key, size in blocks:
             self.added(key, size)
 
