@@ -1,10 +1,12 @@
-"""Block checksums (xxh3-64) and byte views of caller buffers.
+"""Block checksums (xxh3-64), copies, and byte views of caller buffers.
 
-A block's checksum is computed by its writer over the bytes that landed in the pool, and
-verified by every reader over the bytes it received, so a block is never served torn or
-corrupt.  :func:`copy_with_checksum` fuses the copy and the hash: it hashes each piece
-right after copying it, while the piece is still in the CPU cache, which costs far less
-than a second pass over memory.
+A block's checksum is computed over the bytes that landed in the pool (by the node, for
+same-host writes), and verified by every reader over the bytes it received, unless the
+node vouches for them in place (a sealed block read on its host: see
+:mod:`kvpool.node.sealing`), so a block is never served torn or corrupt.
+:func:`copy_with_checksum` fuses the copy and the hash: it hashes each piece right after
+copying it, while the piece is still in the CPU cache, which costs far less than a second
+pass over memory.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ def checksum(data: Any) -> int:
 
 def new_hasher() -> xxhash.xxh3_64:
     return xxhash.xxh3_64()
+
+
+def copy(dst: memoryview, src: memoryview) -> None:
+    """Copy ``src`` into ``dst`` (same length), without holding the GIL."""
+    if len(dst) != len(src):
+        raise ValueError(f"copy of {len(src)} bytes into a buffer of {len(dst)}")
+    if len(src) <= FUSED_PIECE_BYTES:
+        dst[:] = src
+    else:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def copy_with_checksum(dst: memoryview, src: memoryview) -> int:

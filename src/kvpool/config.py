@@ -38,6 +38,7 @@ DEFAULT_ETCD_TTL_S = 5
 DEFAULT_REPLICAS = 1
 DEFAULT_OBJECT_STORE_BYTES = 64 * GiB
 DEFAULT_OBJECT_REFRESH_S = 2.0
+DEFAULT_SCRUB_BYTES_S = 64 * MiB  # a 64 GiB arena in about 17 minutes
 PAGE_BYTES = 4096
 MIN_ARENA_BYTES = 1 * MiB
 
@@ -142,6 +143,9 @@ class NodeConfig:
     fresh: bool = False  # start empty instead of adopting what the last daemon left
     disk_path: str = ""  # the local disk tier's directory ("" : none)
     disk_bytes: int = 0
+    # How fast the node re-hashes the blocks it holds, in bytes a second (0: never): a
+    # block damaged in place is dropped (see kvpool.node.sealing).
+    scrub_bytes_s: int = DEFAULT_SCRUB_BYTES_S
     peers: tuple[str, ...] = ()
     etcd: str = ""
     etcd_prefix: str = DEFAULT_ETCD_PREFIX
@@ -230,6 +234,8 @@ class NodeConfig:
             raise ConfigError("the disk tier needs both --disk PATH and --disk-size")
         if self.disk_bytes < 0:
             raise ConfigError("--disk-size must be positive")
+        if self.scrub_bytes_s < 0:
+            raise ConfigError("--scrub-rate must be 0 (off) or a size a second")
         if self.kv_events_encoding not in ("map", "array"):
             raise ConfigError("--kv-events-encoding must be map or array")
         if self.object_store and not self.disk_path:
@@ -266,6 +272,9 @@ class ClientConfig:
     read_local_only: bool = False
     replicas: int = DEFAULT_REPLICAS
     max_connections: int = 8
+    # Hash every block read from the node's arena, even those the node sealed (see
+    # kvpool.client.shm): for hosts where processes that map the arena are not trusted.
+    verify_reads: bool = False
     # TLS to nodes' TCP ports: the server verified against tls_ca (else the system's CAs);
     # tls_cert/tls_key presented for mutual TLS.  A Unix socket is never wrapped.
     tls: bool = False
@@ -343,6 +352,7 @@ CLIENT_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_ETCD": ("etcd", str),
     "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
     "KVPOOL_WRITE_RCACHE": ("write_rcache", parse_bool),
+    "KVPOOL_VERIFY_READS": ("verify_reads", parse_bool),
     "KVPOOL_READ_LOCAL_ONLY": ("read_local_only", parse_bool),
     "KVPOOL_REPLICAS": ("replicas", int),
     "KVPOOL_TLS": ("tls", parse_bool),
@@ -397,6 +407,7 @@ NODE_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_FRESH": ("fresh", parse_bool),
     "KVPOOL_DISK": ("disk_path", str),
     "KVPOOL_DISK_SIZE": ("disk_bytes", parse_size),
+    "KVPOOL_SCRUB_RATE": ("scrub_bytes_s", parse_size),
     "KVPOOL_KV_EVENTS": ("kv_events", str),
     "KVPOOL_KV_EVENTS_REPLAY": ("kv_events_replay", str),
     "KVPOOL_KV_EVENTS_TOPIC": ("kv_events_topic", str),

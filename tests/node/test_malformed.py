@@ -54,7 +54,7 @@ def still_serving(node):
         return c.get([key("alive")]).values[0] == b"yes"
 
 
-def header(op, meta_len=0, payload_len=0, magic=MAGIC, version=1):
+def header(op, meta_len=0, payload_len=0, magic=MAGIC, version=PROTOCOL_VERSION):
     return HEADER.pack(magic, version, op, 0, 0, 9, meta_len, payload_len)
 
 

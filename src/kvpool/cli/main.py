@@ -76,6 +76,12 @@ def serve(
     disk_size: Annotated[
         str | None, typer.Option(help="How much of it the disk tier may use, e.g. 500GiB.")
     ] = None,
+    scrub_rate: Annotated[
+        str | None,
+        typer.Option(
+            help="Bytes a second the node re-verifies what it holds (0: off), e.g. 64MiB."
+        ),
+    ] = None,
     fresh: Annotated[
         bool,
         typer.Option(
@@ -160,6 +166,7 @@ def serve(
         "hugepages": hugepages or None,
         "disk_path": disk,
         "disk_bytes": parse_size(disk_size) if disk_size else None,
+        "scrub_bytes_s": parse_size(scrub_rate) if scrub_rate is not None else None,
         "fresh": fresh or None,
         "kv_events": kv_events,
         "kv_events_replay": kv_events_replay,

@@ -2,9 +2,10 @@
 
 A :class:`WriteLease` reserves space and hands out writable views; the caller writes its
 blocks straight into them (on the node's host these are arena memory, so an engine copies
-its KV cache into the pool with no staging buffer), then ``commit()`` checksums and
-publishes them atomically.  A :class:`ReadLease` pins blocks, verifies their checksums and
-hands out read-only views until ``release()``.
+its KV cache into the pool with no staging buffer), then ``commit()`` publishes them
+atomically (the node hashes them).  A :class:`ReadLease` pins blocks, verifies those the
+node has not sealed (see :mod:`kvpool.client.shm`) and hands out read-only views until
+``release()``; ``still_held`` says whether what was read from them was surely still pinned.
 
 Lifecycle: ``open`` → use ``views`` → ``commit()`` / ``abort()`` (write) or ``release()``
 (read).  Both are context managers that abort / release on exit.  A lease holds one
@@ -89,9 +90,7 @@ class WriteLease(_Lease):
         self,
         slots: shm.Slots,
         base: Any,
-        commit: Callable[
-            [list[int | None], float | None, list[BlockOrigin | None] | None], ops.PutResult
-        ],
+        commit: Callable[[float | None, list[BlockOrigin | None] | None], ops.PutResult],
         abort: Callable[[], None],
     ) -> None:
         super().__init__(slots, base)
@@ -108,7 +107,7 @@ class WriteLease(_Lease):
         slots = shm.Slots(list(keys), 0, [Status.OK] * n, offsets, views, [], 0)
 
         def commit(
-            _: list[int | None], timeout: float | None, origins: list[BlockOrigin | None] | None
+            timeout: float | None, origins: list[BlockOrigin | None] | None
         ) -> ops.PutResult:
             present = [i for i, v in enumerate(views) if v is not None]
             blocks = [v for v in views if v is not None]
@@ -159,11 +158,9 @@ class WriteLease(_Lease):
                 node.release(conn)
 
         def commit(
-            checksums: list[int | None],
-            timeout: float | None,
-            origins: list[BlockOrigin | None] | None,
+            timeout: float | None, origins: list[BlockOrigin | None] | None
         ) -> ops.PutResult:
-            result = finish(shm.commit_slots(slots, checksums, replicate, origins), timeout)
+            result = finish(shm.commit_slots(slots, replicate, origins), timeout)
             return result if result is not None else ops.PutResult(slots.statuses)
 
         return cls(slots, conn.arena, commit, lambda: finish(ops.abort(slots.slot_id), None))
@@ -175,7 +172,7 @@ class WriteLease(_Lease):
     def commit(
         self, timeout: float | None = None, origins: Sequence[BlockOrigin | None] | None = None
     ) -> ops.PutResult:
-        """Checksum the filled views and publish them; returns a status per key.
+        """Publish the filled views; returns a status per key.
         ``origins``, per key: what the block was computed from (the node's KV events say
         it to routers), if known."""
         if self._done:
@@ -183,8 +180,7 @@ class WriteLease(_Lease):
         if origins is not None and len(origins) != len(self.keys):
             raise UsageError(f"{len(self.keys)} keys but {len(origins)} origins")
         self._done = True
-        checksums = [ck.checksum(v) if v is not None else None for v in self.views]
-        return self._commit(checksums, timeout, list(origins) if origins is not None else None)
+        return self._commit(timeout, list(origins) if origins is not None else None)
 
     def abort(self) -> None:
         """Give the reserved space back without publishing anything."""
@@ -205,6 +201,13 @@ class ReadLease(_Lease):
     def __init__(self, slots: shm.Slots, base: Any, release: Callable[[], None]) -> None:
         super().__init__(slots, base)
         self._release = release
+        self._slots = slots
+
+    @property
+    def still_held(self) -> bool:
+        """Whether the pins surely still hold: check it after reading the views in place,
+        and do not use what was read if it says no (the memory may have been reused)."""
+        return not self._slots.slot_id or self._slots.still_held
 
     @classmethod
     def open(
@@ -223,7 +226,11 @@ class ReadLease(_Lease):
         try:
             wait_ms = ops.lower_tier_wait_ms(deadline - time.monotonic())
             slots = conn.run(shm.pin_slots(keys, conn.arena, prefix, wait_ms=wait_ms), deadline)
-            checksums = [ck.checksum(v) if v is not None else None for v in slots.views]
+            verify = slots.must_verify(node.config.verify_reads)
+            checksums = [
+                ck.checksum(v) if v is not None and hashed else None
+                for v, hashed in zip(slots.views, verify, strict=True)
+            ]
             conn.run(shm.verify_slots(keys, slots, checksums), deadline)
         except BaseException:
             node.release(conn)  # the connection is broken, and with it the pin goes

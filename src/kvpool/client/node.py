@@ -229,7 +229,9 @@ class NodeClient:
         wait_ms = ops.lower_tier_wait_ms(timeout if timeout is not None else self.config.timeout_s)
         return self.call(
             _shm_or_stream(
-                lambda arena: shm.get_shm(keys, dsts, arena, prefix, wait_ms),
+                lambda arena: shm.get_shm(
+                    keys, dsts, arena, prefix, wait_ms, self.config.verify_reads
+                ),
                 lambda: ops.get_stream(keys, dsts, prefix, wait_ms),
             ),
             timeout,

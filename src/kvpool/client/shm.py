@@ -1,8 +1,14 @@
 """The same-host path: blocks copied straight between the caller's buffers and the node's
 arena, with one path per direction, built from :class:`Slots`.
 
-- Writes: ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``).
-- Reads: ``pin_slots`` → read → ``verify_slots`` → ``ops.unpin``.
+- Writes: ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``).  The writer only
+  copies: the node hashes (seals) the blocks itself, behind it (:mod:`kvpool.node.sealing`).
+- Reads: ``pin_slots`` → read → ``verify_slots`` → ``ops.unpin``.  A sealed block is copied
+  without hashing it again: the node hashed those very bytes, nothing writes a committed
+  block, and the pin keeps its memory.  What a reader still checks is that the pin held:
+  a copy that ended past the pin's lease (which began no earlier than the PIN was sent) is
+  hashed after all.  Unsealed blocks (adopted at a warm restart), and every block when the
+  client asks for it (``verify_reads``), are hashed as they are copied.
 
 ``put_shm`` / ``get_shm`` run them in one call; the leases (:mod:`kvpool.client.leases`) run
 them across calls.  Slots are checked against the arena, and statuses merged, only here.
@@ -11,8 +17,9 @@ Like :mod:`kvpool.client.ops`, this is free of I/O: operations yield effects.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool import checksum as ck
 from kvpool.errors import ProtocolError, Status
@@ -61,6 +68,19 @@ class Slots:
     views: list[memoryview | None]
     checksums: list[int]
     lease_ms: int
+    sealed: list[bool] = field(default_factory=list)  # pins only: see the module's notes
+    held_until: float = 0.0  # pins only: the lease's end, at the latest (time.monotonic)
+
+    def must_verify(self, verify_all: bool) -> list[bool]:
+        """Per key: whether its bytes must be hashed as they are read."""
+        if verify_all or len(self.sealed) != len(self.keys):
+            return [True] * len(self.keys)
+        return [not sealed for sealed in self.sealed]
+
+    @property
+    def still_held(self) -> bool:
+        """Whether the pin's lease has surely not run out yet."""
+        return time.monotonic() < self.held_until
 
 
 def _slot_views(
@@ -101,23 +121,19 @@ def reserve_slots(
 
 
 def commit_slots(
-    slots: Slots,
-    checksums: Sequence[int | None],
-    replicate: bool,
-    origins: Sequence[BlockOrigin | None] | None = None,
+    slots: Slots, replicate: bool, origins: Sequence[BlockOrigin | None] | None = None
 ) -> Op_[PutResult]:
-    """Publish the filled slots (a ``None`` checksum drops that one); the statuses of the
-    reservation and of the commit, merged.  ``origins``: what each block was computed from
-    (for the node's KV events), if the writer knows."""
+    """Publish the filled slots (the node hashes them); the statuses of the reservation and
+    of the commit, merged.  ``origins``: what each block was computed from (for the node's
+    KV events), if the writer knows."""
     request = CommitRequest(
         reservation_id=slots.slot_id,
-        checksums=list(checksums),
         replicate=replicate,
         origins=list(origins) if origins is not None else None,
     )
     yield Request(Op.COMMIT, request)
     response, _ = yield Recv(Op.COMMIT, StatusResponse)
-    check_len("statuses", response.statuses, len(checksums))
+    check_len("statuses", response.statuses, len(slots.keys))
     statuses = list(slots.statuses)
     for i, status in enumerate(statuses_of(response.statuses)):
         if statuses[i] is Status.OK:
@@ -130,6 +146,7 @@ def pin_slots(
 ) -> Op_[Slots]:
     """Pin the stored blocks among ``keys`` (only the leading run with ``prefix``)."""
     request = PinRequest(keys=list(keys), prefix=prefix, lease_ms=lease_ms, wait_ms=wait_ms)
+    sent = time.monotonic()  # the node starts the lease after this, on the same clock
     yield Request(Op.PIN, request)
     response, _ = yield Recv(Op.PIN, PinResponse)
     for what in ("statuses", "offsets", "sizes", "checksums"):
@@ -144,6 +161,8 @@ def pin_slots(
         views,
         list(response.checksums),
         response.lease_ms,
+        list(response.sealed) if len(response.sealed) == len(keys) else [],
+        sent + response.lease_ms / 1000,
     )
 
 
@@ -172,20 +191,20 @@ def put_shm(
     if not slots.slot_id:
         return PutResult(slots.statuses)
 
-    def copy_in() -> list[int | None] | BaseException:
+    def copy_in() -> BaseException | None:
         try:
-            return [
-                ck.copy_with_checksum(slot, view) if slot is not None else None
-                for slot, view in zip(slots.views, views, strict=True)
-            ]
+            for slot, view in zip(slots.views, views, strict=True):
+                if slot is not None:
+                    ck.copy(slot, view)
         except BaseException as exc:  # reported after the reservation is aborted
             return exc
+        return None
 
-    checksums = yield Compute(copy_in, sum(len(v) for v in views))
-    if isinstance(checksums, BaseException):
+    failed = yield Compute(copy_in, sum(len(v) for v in views))
+    if failed is not None:
         yield from abort(slots.slot_id)
-        raise checksums
-    return (yield from commit_slots(slots, checksums, replicate, origins))
+        raise failed
+    return (yield from commit_slots(slots, replicate, origins))
 
 
 def get_shm(
@@ -194,18 +213,32 @@ def get_shm(
     arena: memoryview,
     prefix: bool,
     wait_ms: int = 0,
+    verify_all: bool = False,
 ) -> Op_[GetResult]:
-    """Pin the blocks, copy them straight out of the arena, verify, unpin."""
+    """Pin the blocks, copy them straight out of the arena (hashing those that need it),
+    unpin, verify."""
     slots = yield from pin_slots(keys, arena, prefix, wait_ms=wait_ms)
     sizes = [len(v) if v is not None else 0 for v in slots.views]
     targets = destinations(dsts, sizes, slots.statuses)
+    verify = slots.must_verify(verify_all)
 
     def copy_out() -> list[int | None] | BaseException:
         try:
-            return [
-                ck.copy_with_checksum(t, v[: len(t)]) if t is not None and v is not None else None
-                for t, v in zip(targets, slots.views, strict=True)
-            ]
+            checksums: list[int | None] = []
+            for t, v, hashed in zip(targets, slots.views, verify, strict=True):
+                if t is None or v is None:
+                    checksums.append(None)
+                elif hashed:
+                    checksums.append(ck.copy_with_checksum(t, v[: len(t)]))
+                else:
+                    ck.copy(t, v[: len(t)])
+                    checksums.append(None)
+            if not slots.still_held:  # the memory may have been handed out meanwhile
+                checksums = [
+                    c if c is not None or t is None else ck.checksum(t)
+                    for c, t in zip(checksums, targets, strict=True)
+                ]
+            return checksums
         except BaseException as exc:  # reported after the pin is dropped
             return exc
 

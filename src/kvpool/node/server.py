@@ -25,10 +25,12 @@ import msgspec
 from kvpool.config import NodeConfig
 from kvpool.errors import NodeUnavailable
 from kvpool.node.metrics import NodeMetrics
+from kvpool.node.sealing import Sealer
 from kvpool.node.session import Session
 from kvpool.node.tiers import Tiers
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
+from kvpool.store.block import CommitResult
 from kvpool.store.pool import BlockStore
 from kvpool.tenants import Credential, Registry, Tenant
 from kvpool.timing import EXPIRE_INTERVAL_S
@@ -82,6 +84,7 @@ class NodeServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed: asyncio.Future[None] | None = None
         self.store.on_change = self._on_store_change
+        self.sealer = Sealer(store, arena, self.published)
         self.tcp_port = config.port
         self.metrics = NodeMetrics(self.stats)
         self._apply_quotas()
@@ -111,6 +114,8 @@ class NodeServer:
         for listener in self._listeners:
             self._spawn(self._accept_loop(loop, listener))
         self._spawn(self._expire_loop())
+        if self.config.scrub_bytes_s:
+            self._spawn(self.sealer.scrub(self.config.scrub_bytes_s))
         if self.tenants is not None or self.tls is not None:
             self._spawn(self._reload_loop())
 
@@ -247,6 +252,12 @@ class NodeServer:
         """A client asked the node to stop (and, with ``drain``, to empty itself)."""
         if self._on_shutdown is not None:
             self._on_shutdown(drain)
+
+    def published(self, result: CommitResult, replicate: bool) -> None:
+        """Blocks a client wrote became visible (``replicate``: write them through)."""
+        self.bytes_in += result.num_bytes
+        if replicate and result.committed:
+            self.replicate([b.key for b in result.committed])
 
     def replicate(self, keys: Sequence[bytes]) -> None:
         """Committed keys a client asked to write through to their homes."""

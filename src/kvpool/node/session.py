@@ -48,7 +48,7 @@ from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
-from kvpool.store.pool import CommitResult, PinResult
+from kvpool.store.pool import PinResult
 from kvpool.tenants import Credential, Tenant
 from kvpool.timing import LeasePolicy
 
@@ -75,6 +75,10 @@ TENANT_OPS = frozenset(
         Op.PREFETCH,
     }
 )
+
+
+# What need not wait for the seals in flight (every other request sees them done).
+_BEFORE_SEALS = frozenset({Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PUT, Op.UNPIN, Op.HEALTH})
 
 
 class TransferTimeout(Exception):
@@ -213,6 +217,8 @@ class Session:
                 raise BadRequest(f"{op_name} carries no payload")
             if header.op == Op.PUT:
                 payload_left = 0  # from here on the PUT handler consumes the payload itself
+            if header.op not in _BEFORE_SEALS:  # a write that returned is seen by every read
+                await self.server.sealer.wait(getattr(request, "keys", None))
             await handler(self, header, request)
         except (PeerClosed, TransferTimeout, asyncio.CancelledError):
             raise  # the connection is lost, or its framing is: close it
@@ -261,12 +267,9 @@ class Session:
         checksums: Sequence[int | None],
         replicate: bool,
         origins: Sequence[BlockOrigin | None] | None = None,
-    ) -> CommitResult:
+    ) -> None:
         result = self.store.commit(reservation_id, checksums, self.owner, origins)
-        self.server.bytes_in += result.num_bytes
-        if replicate and result.committed:
-            self.server.replicate([b.key for b in result.committed])
-        return result
+        self.server.published(result, replicate)
 
     async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):
@@ -281,8 +284,12 @@ class Session:
         await self._reply(header, Op.RESERVE, response)
 
     async def _commit_request(self, header: FrameHeader, req: msg.CommitRequest) -> None:
-        result = self._commit(req.reservation_id, req.checksums, req.replicate, req.origins)
-        await self._reply(header, Op.COMMIT, _statuses(result.statuses))
+        blocks = self.store.take(req.reservation_id, self.owner)
+        if req.origins is not None and len(req.origins) != len(blocks):
+            raise BadRequest(f"{len(req.origins)} origins for {len(blocks)} blocks")
+        self.server.sealer.seal(blocks, req.replicate, req.origins)  # the writer goes on
+        statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
+        await self._reply(header, Op.COMMIT, _statuses(statuses))
 
     async def _abort(self, header: FrameHeader, req: msg.AbortRequest) -> None:
         self.store.abort(req.reservation_id, self.owner)
@@ -336,6 +343,7 @@ class Session:
             sizes=[b.size if b is not None else 0 for b in blocks],
             checksums=[b.checksum if b is not None else 0 for b in blocks],
             lease_ms=int(result.lease_s * 1000),
+            sealed=[b is not None and b.sealed for b in blocks],
         )
         self.server.bytes_out += sum(response.sizes)
         await self._reply(header, Op.PIN, response)

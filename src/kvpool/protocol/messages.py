@@ -39,8 +39,8 @@ import msgspec
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+PROTOCOL_VERSION = 2  # 2: sealed commits
+SUPPORTED_VERSIONS = (2,)
 
 MAX_KEYS_PER_REQUEST = 16384
 MAX_BLOCK_BYTES = 256 << 20
@@ -186,8 +186,10 @@ class ReserveResponse(Message):
 
 
 class CommitRequest(Message):
+    """Publish a filled reservation.  The node hashes the blocks itself (it *seals* them:
+    see :mod:`kvpool.node.sealing`), so the writer only copies."""
+
     reservation_id: int
-    checksums: Annotated[list[Checksum | None], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
     replicate: bool = True
     origins: Origins | None = None
 
@@ -210,6 +212,9 @@ class PinResponse(Message):
     sizes: Sizes
     checksums: Checksums
     lease_ms: int = 0  # the lease granted
+    # Per key: the node hashed the block's arena bytes itself, so a same-host reader need
+    # not hash them again (empty: none is).
+    sealed: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
 
 
 class UnpinRequest(Message):

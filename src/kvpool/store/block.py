@@ -40,6 +40,9 @@ class Block:
     size: int
     state: BlockState = BlockState.RESERVED
     checksum: int = 0
+    # The node hashed (or verified) these arena bytes itself: same-host readers need not.
+    # Blocks adopted at a warm restart are not, until a reader or the scrubber verifies them.
+    sealed: bool = False
     num_pins: int = 0
     num_reads: int = 0  # pins since it was committed (the admission policy's evidence)
     origin: BlockOrigin | None = None  # what it was computed from, if its writer said (events)

@@ -7,8 +7,8 @@ daemon adopt the blocks of a surviving arena.
 
 Rules (each has a test in tests/store/test_pool.py):
 1. ``reserve`` allocates; the key is *pending* (lookups report it, reads never see it).
-2. ``commit`` makes a block visible atomically with its checksum.  A commit after the
-   reservation was aborted or expired raises :class:`LeaseExpired` and changes nothing.
+2. ``commit`` (``take``, pending with no lease, then ``publish``) makes a block visible
+   atomically with its checksum; after an abort or expiry it raises :class:`LeaseExpired`.
 3. ``abort``, an expired reservation lease, and a disconnecting owner return the memory.
 4. ``pin`` protects committed blocks from eviction until ``unpin`` or the pin lease expires;
    a pinned block that is deleted disappears from the index at once, and its memory is
@@ -19,8 +19,7 @@ Rules (each has a test in tests/store/test_pool.py):
    allocation fails, and down to the low watermark once usage passes the high watermark.
 7. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
    overwritten (a key names its content).
-8. A reservation the node makes for itself (``held``: a promotion from a lower tier) has no
-   lease: it always ends in ``commit`` or ``abort``, once the copy into it is done.
+8. A reservation the node makes for itself (``held``: a promotion) has no lease.
 9. An evicted block is offered to the lower tier (``spill``), which copies it out or
    refuses, before its memory is freed: eviction never waits for a lower tier.
 10. The journal hears every commit before it is acknowledged and every removal before the
@@ -59,6 +58,8 @@ from kvpool.store.quotas import Quotas
 from kvpool.timing import LeasePolicy
 
 Clock = Callable[[], float]
+Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
+Checksums = Sequence[int | None]  # per block (None: drop it)
 
 
 class BlockStore:
@@ -186,26 +187,29 @@ class BlockStore:
         return ReserveResult(reservation_id, statuses, blocks, granted)
 
     def commit(
-        self,
-        reservation_id: int,
-        checksums: Sequence[int | None],
-        owner: int,
-        origins: Sequence[BlockOrigin | None] | None = None,
+        self, reservation_id: int, checksums: Checksums, owner: int, origins: Origins = None
     ) -> CommitResult:
-        """Make the reserved blocks visible; a ``None`` checksum aborts that block.
-        ``origins`` (per block, optional) say what each was computed from."""
+        """:meth:`take` then :meth:`publish`."""
+        return self.publish(self.take(reservation_id, owner), checksums, origins)
+
+    def take(self, reservation_id: int, owner: int) -> list[Block | None]:
+        """End a reservation's lease; its blocks stay pending until :meth:`publish`."""
         reservation = self._reservations.get(reservation_id)
         if reservation is None or reservation.owner != owner:
             raise LeaseExpired(f"reservation {reservation_id} expired or was aborted")
-        if len(checksums) != len(reservation.blocks):
-            raise BadRequest(
-                f"{len(checksums)} checksums for a reservation of {len(reservation.blocks)}"
-            )
+        self._forget_reservation(reservation)
+        return reservation.blocks
+
+    def publish(
+        self, blocks: Sequence[Block | None], checksums: Checksums, origins: Origins = None
+    ) -> CommitResult:
+        """Make taken blocks visible, with checksums the node computed over their bytes."""
+        if len(checksums) != len(blocks):
+            raise BadRequest(f"{len(checksums)} checksums for a reservation of {len(blocks)}")
         if origins is not None and len(origins) != len(checksums):
             raise BadRequest(f"{len(origins)} origins for {len(checksums)} checksums")
-        self._forget_reservation(reservation)
         result = CommitResult([])
-        for i, (block, checksum) in enumerate(zip(reservation.blocks, checksums, strict=True)):
+        for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):
             if block is None:
                 result.statuses.append(Status.NOT_FOUND)
             elif checksum is None:
@@ -236,6 +240,7 @@ class BlockStore:
     def _commit(self, block: Block, checksum: int) -> None:
         block.state = BlockState.COMMITTED
         block.checksum = checksum
+        block.sealed = True
         self.reserved_bytes -= block.size
         self._insert_committed(block)
 
@@ -260,11 +265,7 @@ class BlockStore:
 
     def _forget_reservation(self, reservation: Reservation) -> None:
         del self._reservations[reservation.reservation_id]
-        ids = self._owner_to_reservation_ids.get(reservation.owner)
-        if ids is not None:
-            ids.discard(reservation.reservation_id)
-            if not ids:
-                del self._owner_to_reservation_ids[reservation.owner]
+        _forget_id(self._owner_to_reservation_ids, reservation.owner, reservation.reservation_id)
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -331,11 +332,7 @@ class BlockStore:
         if pin is None or (owner is not None and pin.owner != owner):
             return False
         del self._pins[pin_id]
-        ids = self._owner_to_pin_ids.get(pin.owner)
-        if ids is not None:
-            ids.discard(pin_id)
-            if not ids:
-                del self._owner_to_pin_ids[pin.owner]
+        _forget_id(self._owner_to_pin_ids, pin.owner, pin_id)
         for block in pin.blocks:
             block.num_pins -= 1
             if block.num_pins == 0 and block.state is BlockState.REMOVED:
@@ -344,6 +341,10 @@ class BlockStore:
 
     def get_block(self, key: bytes) -> Block | None:
         return self._committed.get(key)
+
+    def committed_blocks(self) -> list[Block]:
+        """Every committed block, oldest commit first."""
+        return list(self._committed.values())
 
     # -- removal --------------------------------------------------------------------------
 
@@ -470,15 +471,10 @@ class BlockStore:
             self.journal.labelled(namespace_id, label)
 
     def _entries_oldest_first(self) -> Iterator[Entry]:
-        seen = set()
-        for key in self.eviction.victims():
-            block = self._committed.get(key)
-            if block is not None:
-                seen.add(key)
-                yield Entry(block.key, block.offset, block.size, block.checksum)
-        for key, block in self._committed.items():  # whatever the policy does not order
-            if key not in seen:
-                yield Entry(block.key, block.offset, block.size, block.checksum)
+        ordered = [k for k in self.eviction.victims() if k in self._committed]
+        unordered = self._committed.keys() - set(ordered)  # what the policy does not order
+        for block in (self._committed[k] for k in [*ordered, *unordered]):
+            yield Entry(block.key, block.offset, block.size, block.checksum)
 
     @property
     def num_pinned(self) -> int:
@@ -494,3 +490,11 @@ class BlockStore:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+
+def _forget_id(ids_by_owner: dict[int, set[int]], owner: int, id_: int) -> None:
+    ids = ids_by_owner.get(owner)
+    if ids is not None:
+        ids.discard(id_)
+        if not ids:
+            del ids_by_owner[owner]
