@@ -38,14 +38,12 @@ def reserve_op(keys, sizes, lease_ms=0):
     return response
 
 
-def commit_op(reservation_id, checksums, replicate=False):
-    """A COMMIT on a raw connection: the statuses."""
+def commit_op(reservation_id, replicate=False):
+    """A COMMIT on a raw connection (the node hashes the blocks): the statuses."""
     from kvpool.client import ops
     from kvpool.protocol.messages import CommitRequest, Op, StatusResponse
 
-    request = CommitRequest(
-        reservation_id=reservation_id, checksums=list(checksums), replicate=replicate
-    )
+    request = CommitRequest(reservation_id=reservation_id, replicate=replicate)
     yield ops.Request(Op.COMMIT, request)
     response, _ = yield ops.Recv(Op.COMMIT, StatusResponse)
     return response.statuses

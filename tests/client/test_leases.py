@@ -1,9 +1,11 @@
 """Zero-copy leases: fill in place and commit; pin, read in place and release."""
 
+import time
+
 import numpy as np
 import pytest
 
-from kvpool import Status, UsageError
+from kvpool import Client, Status, UsageError
 from tests.helpers import content, key
 
 
@@ -67,19 +69,69 @@ def test_read_lease_verifies_and_pins(any_client):
     assert any_client.stats().num_pinned == 0
 
 
-def test_corrupted_arena_bytes_are_never_handed_out(node, client):
-    keys = [key(f"bad-{i}") for i in range(3)]
-    client.put(keys, [content(k, 50_000) for k in keys])
-    with client.acquire(keys) as lease:
-        offset = lease.offsets[1]
-    with open(node.info["arena"], "r+b") as arena:  # flip one byte of block 1 in the arena
-        arena.seek(offset + 1234)
+def _flip_a_byte(arena_path, offset):
+    with open(arena_path, "r+b") as arena:
+        arena.seek(offset)
         byte = arena.read(1)
-        arena.seek(offset + 1234)
+        arena.seek(offset)
         arena.write(bytes([byte[0] ^ 0xFF]))
-    with client.acquire(keys) as lease:
-        assert lease.statuses == [Status.OK, Status.CHECKSUM_MISMATCH, Status.OK]
-        assert lease.num_prefix == 1
-    assert client.lookup(keys) == 1  # the corrupt block was dropped: it will be rewritten
-    got = client.get(keys)
-    assert got.statuses[1] is Status.NOT_FOUND
+
+
+def test_corrupted_arena_bytes_are_never_handed_out_to_a_verifying_reader(node):
+    """A reader that asks to verify every block (``verify_reads``) finds damage done in
+    place to a sealed block at once, and the node drops it."""
+    with Client(node.unix_address, timeout=10, verify_reads=True) as client:
+        keys = [key(f"bad-{i}") for i in range(3)]
+        client.put(keys, [content(k, 50_000) for k in keys])
+        with client.acquire(keys) as lease:
+            offset = lease.offsets[1]
+        _flip_a_byte(node.info["arena"], offset + 1234)
+        with client.acquire(keys) as lease:
+            assert lease.statuses == [Status.OK, Status.CHECKSUM_MISMATCH, Status.OK]
+            assert lease.num_prefix == 1
+        assert client.lookup(keys) == 1  # the corrupt block was dropped: it will be rewritten
+        got = client.get(keys)
+        assert got.statuses[1] is Status.NOT_FOUND
+
+
+def test_the_scrubber_drops_a_block_damaged_in_place(start_node):
+    """Sealed blocks are read on their host without hashing them again; a byte flipped in
+    the arena under the node is found by its scrubber, and the block dropped and counted."""
+    node = start_node(name="scrub", extra=["--scrub-rate", "1GiB"])
+    with Client(node.unix_address, timeout=10) as client:
+        keys = [key(f"scrub-{i}") for i in range(4)]
+        client.put(keys, [content(k, 200_000) for k in keys])
+        with client.acquire(keys) as lease:
+            offset = lease.offsets[2]
+        _flip_a_byte(node.info["arena"], offset + 99)
+        deadline = time.monotonic() + 30
+        while client.stats().scrub_dropped == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = client.stats()
+        assert stats.scrub_dropped == 1 and stats.corrupt_reports == 1
+        assert stats.scrubbed_bytes >= 4 * 200_000
+        got = client.get(keys)
+        assert got.statuses == [Status.OK, Status.OK, Status.NOT_FOUND, Status.OK]
+        assert got.values[3] == content(keys[3], 200_000).tobytes()
+
+
+def test_a_put_is_seen_at_once_by_another_client_and_survives_a_crash(start_node):
+    """The node acknowledges a same-host commit before it hashes (seals) the blocks: reads
+    on other connections wait for the seal, and a daemon killed meanwhile adopts them."""
+    node = start_node(name="seal", memory="256MiB")
+    keys = [key(f"seal-{i}") for i in range(16)]
+    values = [content(k, 4 << 20) for k in keys]  # 64 MiB: hashed off the event loop
+    with Client(node.unix_address, timeout=10) as writer:
+        with Client(node.unix_address, timeout=10) as reader:
+            assert writer.put(keys, values).all_stored
+            assert reader.lookup(keys) == len(keys)  # no wait asked for: seen already
+            got = reader.get(keys)
+            assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]
+        more = [key(f"seal-more-{i}") for i in range(16)]
+        assert writer.put(more, values).all_stored
+    node.kill()  # at once: the seal of `more` may still have been running
+    again = start_node(name="seal", memory="256MiB")
+    with Client(again.unix_address, timeout=10) as client:
+        assert client.lookup(keys + more) == 32
+        got = client.get(more)
+        assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]

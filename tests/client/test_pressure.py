@@ -179,7 +179,7 @@ def test_the_node_clamps_every_lease_to_its_bound(start_node):
             time.sleep(0.05)
         assert c.stats().num_pinned == 0 and c.stats().reserved_bytes == 0
         with pytest.raises(LeaseExpired):
-            holder.run(commit_op(reserved.reservation_id, [0]), time.monotonic() + 5)
+            holder.run(commit_op(reserved.reservation_id), time.monotonic() + 5)
         assert c.lookup([key("half")]) == 0 and c.put([key("half")], [b"h"]).all_stored
         # The SDK's own leases ask for nothing, and get the bound too.
         with c.acquire([key("pinned")]) as lease:

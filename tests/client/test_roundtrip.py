@@ -135,9 +135,7 @@ def _reserve_only(keys):
 def _commit(reserved):
     from kvpool.protocol.messages import CommitRequest, Op, StatusResponse
 
-    yield ops.Request(
-        Op.COMMIT, CommitRequest(reservation_id=reserved.reservation_id, checksums=[0, 0])
-    )
+    yield ops.Request(Op.COMMIT, CommitRequest(reservation_id=reserved.reservation_id))
     yield ops.Recv(Op.COMMIT, StatusResponse)
 
 

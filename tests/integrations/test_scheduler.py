@@ -52,7 +52,7 @@ def test_consumer_defers_while_a_producer_is_still_writing(node, client):
     req.arrival_time = time.time()
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # pending: ask again
-    writer.run(commit_op(reserved.reservation_id, [0] * 5), time.monotonic() + 5)
+    writer.run(commit_op(reserved.reservation_id), time.monotonic() + 5)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, IS_ASYNC)
     # With the engine's own cache holding 2 blocks, only the 3 after them are loaded.
     assert sched.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, IS_ASYNC)

@@ -85,7 +85,15 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
         {"op": "reset_prefix_cache"},
         gen("corrupted", S2),
     ]
-    extra = {"health_interval": 0.5, "health_recover_after": 2, "timeout": 1.0}
+    # verify_reads: the engine hashes even sealed blocks, so that the bytes damaged in place
+    # below are found at load time (by default the node's scrubber finds them: see
+    # tests/client/test_leases.py).
+    extra = {
+        "health_interval": 0.5,
+        "health_recover_after": 2,
+        "timeout": 1.0,
+        "verify_reads": True,
+    }
     results = run_engine(
         model, steps, connector_config=connector(node.unix_address, **extra), on_pause=on_pause
     )

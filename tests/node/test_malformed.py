@@ -162,7 +162,11 @@ def test_handshake_is_required_and_bounded(node):
 )
 def test_fuzz_frames_against_the_live_daemon(node, op, meta, payload, claimed_payload):
     sock = connect(node)
-    sock.sendall(HEADER.pack(MAGIC, 1, op, 0, 0, 3, len(meta), claimed_payload) + meta + payload)
+    sock.sendall(
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, op, 0, 0, 3, len(meta), claimed_payload)
+        + meta
+        + payload
+    )
     sock.shutdown(socket.SHUT_WR)
     try:
         while sock.recv(65536):

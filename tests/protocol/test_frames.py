@@ -17,6 +17,7 @@ from kvpool.protocol.frames import (
 )
 from kvpool.protocol.messages import (
     MAX_KEYS_PER_REQUEST,
+    PROTOCOL_VERSION,
     REQUEST_TYPES,
     GetResponse,
     LookupRequest,
@@ -49,9 +50,9 @@ def test_bounds_are_enforced_at_decode():
     with pytest.raises(BadRequest):
         decode_request(Op.PUT, huge_block)
     with pytest.raises(TooLarge):
-        parse_header(HEADER.pack(MAGIC, 1, Op.PUT, 0, 0, 0, MAX_META_BYTES + 1, 0))
+        parse_header(HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.PUT, 0, 0, 0, MAX_META_BYTES + 1, 0))
     with pytest.raises(TooLarge):
-        parse_header(HEADER.pack(MAGIC, 1, Op.PUT, 0, 0, 0, 0, 1 << 62))
+        parse_header(HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.PUT, 0, 0, 0, 0, 1 << 62))
     with pytest.raises(BadRequest):
         parse_header(HEADER.pack(b"XX", 1, Op.PUT, 0, 0, 0, 0, 0))
     with pytest.raises(UnsupportedVersion):

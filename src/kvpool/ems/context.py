@@ -243,6 +243,8 @@ class ContextCaching:
                         layout.scatter(ids, layout.pool_view(extent, num))
                     else:
                         layout.scatter(ids, layout.stage(lease.views[:num]))
+                if not lease.still_held:  # its memory may have been reused
+                    num = 0
             return CcResult(num, len(keys))
         except KVPoolError as exc:
             log.info("kvpool EMS load of %d blocks: %s", len(keys), exc)

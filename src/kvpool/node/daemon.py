@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import NodeConfig, format_size
 from kvpool.errors import ConfigError
 from kvpool.node.admin import start_admin
+from kvpool.node.sealing import seal_replayed
 from kvpool.node.server import NodeServer
 from kvpool.node.tiers import Tiers
 from kvpool.node.writeback import WriteBack
@@ -107,6 +108,7 @@ class Daemon:
                 arena.num_bytes,
                 fresh=config.fresh or not arena.is_kept,
             )
+            seal_replayed(self.journal.replayed, arena)
             writeback = None
             if config.disk_path:
                 if config.fresh:

@@ -50,9 +50,10 @@ class _StatsCollector(Collector):
             (
                 "counter",
                 "kvpool_corrupt_blocks",
-                "Blocks readers found corrupt.",
+                "Blocks found corrupt (by readers or the scrubber) and dropped.",
                 s.corrupt_reports,
             ),
+            ("counter", "kvpool_scrubbed_bytes", "Bytes the scrubber re-hashed.", s.scrubbed_bytes),
         ):
             family = families[kind](name, doc, labels=labels)
             family.add_metric(node, value)

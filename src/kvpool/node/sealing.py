@@ -27,6 +27,7 @@ from kvpool import checksum as ck
 from kvpool.keys import BlockOrigin
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block, BlockState, CommitResult
+from kvpool.store.journal import Entry, Replay
 from kvpool.store.pool import BlockStore
 
 log = logging.getLogger("kvpool.node")
@@ -72,6 +73,8 @@ class Sealer:
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         keys = [b.key for b in blocks if b is not None]
+        # Acknowledged before it is hashed: a daemon that dies meanwhile hashes it at start.
+        self.store.journal.filled(Entry(b.key, b.offset, b.size, None) for b in blocks if b)
         for key in keys:
             self._sealing[key] = done
         task = asyncio.ensure_future(asyncio.to_thread(self._hash, blocks))
@@ -149,3 +152,15 @@ class Sealer:
             log.warning("scrub: %d blocks no longer match their checksums; dropped", len(bad))
             self.store.report_corrupt(bad)
         return len(bad)
+
+
+def seal_replayed(replay: Replay, arena: Arena) -> int:
+    """Hash the blocks a journal says were filled but not yet hashed when the last daemon
+    stopped (their writers had finished them), so that they can be adopted; how many."""
+    num = 0
+    for i, entry in enumerate(replay.entries):
+        if entry.checksum is None and 0 <= entry.offset <= arena.num_bytes - entry.size:
+            checksum = ck.checksum(arena.slice(entry.offset, entry.size))
+            replay.entries[i] = Entry(entry.key, entry.offset, entry.size, checksum)
+            num += 1
+    return num

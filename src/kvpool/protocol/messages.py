@@ -280,7 +280,9 @@ class NodeStats(Message):
     uptime_s: float
     namespaces: list[NamespaceStats] = []
     peers: list[str] = []
-    corrupt_reports: int = 0  # blocks readers found corrupt (and the node dropped)
+    corrupt_reports: int = 0  # blocks readers or the scrubber found corrupt (and dropped)
+    scrubbed_bytes: int = 0  # re-hashed by the scrubber (kvpool.node.sealing)
+    scrub_dropped: int = 0  # blocks the scrubber found damaged
     tiers: Annotated[list[TierStats], msgspec.Meta(max_length=MAX_TIERS)] = []
     prefetch: PrefetchStats | None = None
 

@@ -5,13 +5,16 @@ the OOM killer, a SIGTERM for an upgrade).  This journal, a file beside it, says
 those bytes are committed blocks.  Records:
 
 - COMMIT(key, offset, size, checksum): a block became visible;
+- FILLED(key, offset, size): a same-host writer filled and committed a block that the node
+  has not hashed yet (it is being sealed: :mod:`kvpool.node.sealing`); a COMMIT follows.
+  Replay yields it with no checksum, and the restarted daemon hashes it before adopting it;
 - REMOVE(key): it left (deleted, evicted, dropped as corrupt);
 - LABEL(namespace id, label): a namespace's human-readable label (routers find namespaces
   by it).
 
 Rules (each has a test in tests/store/test_journal.py):
-1. A COMMIT is written before the commit is acknowledged: every block a writer was told is
-   stored is in the journal.
+1. A COMMIT or a FILLED is written before the commit is acknowledged: every block a writer
+   was told is stored is in the journal.
 2. A REMOVE is written before the block's memory can be handed out again, so a block that
    replay adopts was never overwritten by another one while the daemon ran.
 3. Reservations are never written: a block being filled when the daemon died is not
@@ -49,7 +52,7 @@ RECORD = struct.Struct("<4sBBHQQQ")  # magic, kind, key length, label length, of
 RECORD_CHECKSUM = struct.Struct("<Q")
 MAX_KEY_BYTES = 255
 MAX_LABEL_BYTES = 1024
-COMMIT, REMOVE, LABEL = 1, 2, 3
+COMMIT, REMOVE, LABEL, FILLED = 1, 2, 3, 4
 # Compact when the journal holds this many times the live records (and is not tiny).
 COMPACT_RATIO = 4
 COMPACT_MIN_RECORDS = 4096
@@ -62,7 +65,7 @@ class Entry:
     key: bytes
     offset: int
     size: int
-    checksum: int
+    checksum: int | None  # None: FILLED, not hashed yet
 
 
 @dataclass(slots=True)
@@ -96,7 +99,11 @@ def _parse(data: bytes) -> Iterator[tuple[int, int, bytes, int, int, int, bytes]
     while position + RECORD.size + RECORD_CHECKSUM.size <= len(data):
         magic, kind, key_len, label_len, offset, size, checksum = RECORD.unpack_from(data, position)
         end = position + RECORD.size + key_len + label_len
-        if magic != RECORD_MAGIC or kind not in (COMMIT, REMOVE, LABEL) or end + 8 > len(data):
+        if (
+            magic != RECORD_MAGIC
+            or kind not in (COMMIT, REMOVE, LABEL, FILLED)
+            or end + 8 > len(data)
+        ):
             return
         (expected,) = RECORD_CHECKSUM.unpack_from(data, end)
         if xxhash.xxh3_64_intdigest(data[position:end]) != expected:
@@ -146,9 +153,9 @@ class Journal:
         for end, kind, key, offset, size, checksum, label in _parse(data):
             num_records += 1
             self._valid_bytes = end
-            if kind == COMMIT:
+            if kind in (COMMIT, FILLED):
                 live.pop(key, None)  # re-inserted: its commit order is the newest
-                live[key] = Entry(key, offset, size, checksum)
+                live[key] = Entry(key, offset, size, checksum if kind == COMMIT else None)
             elif kind == REMOVE:
                 live.pop(key, None)
             else:
@@ -159,7 +166,10 @@ class Journal:
     # -- appending ------------------------------------------------------------------------
 
     def committed(self, entries: Iterable[Entry]) -> None:
-        self._write([_record(COMMIT, e.key, e.offset, e.size, e.checksum) for e in entries])
+        self._write([_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries])
+
+    def filled(self, entries: Iterable[Entry]) -> None:
+        self._write([_record(FILLED, e.key, e.offset, e.size) for e in entries])
 
     def removed(self, keys: Iterable[bytes]) -> None:
         self._write([_record(REMOVE, key) for key in keys])
@@ -186,7 +196,7 @@ class Journal:
                 _record(LABEL, ns, label=label.encode()[:MAX_LABEL_BYTES])
                 for ns, label in labels.items()
             ]
-            records += [_record(COMMIT, e.key, e.offset, e.size, e.checksum) for e in entries]
+            records += [_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries]
             _write_all(fd, b"".join(records))
             os.replace(new, self.path)
         except BaseException:
@@ -218,6 +228,9 @@ class NoJournal:
     replayed = Replay([], {})
 
     def committed(self, entries: Iterable[Entry]) -> None:
+        pass
+
+    def filled(self, entries: Iterable[Entry]) -> None:
         pass
 
     def removed(self, keys: Iterable[bytes]) -> None:

@@ -20,12 +20,10 @@ Rules (each has a test in tests/store/test_pool.py):
 7. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
    overwritten (a key names its content).
 8. A reservation the node makes for itself (``held``: a promotion) has no lease.
-9. An evicted block is offered to the lower tier (``spill``), which copies it out or
-   refuses, before its memory is freed: eviction never waits for a lower tier.
+9. An evicted block is offered to the lower tier (``spill``) before its memory is freed.
 10. The journal hears every commit before it is acknowledged and every removal before the
     memory can be handed out again; a store built on a replayed journal adopts its blocks.
-11. With tenants, a write past its tenant's quota evicts that tenant's blocks first, and no
-    write evicts a block of a tenant within its quota (:mod:`kvpool.store.quotas`).
+11. With tenants, no write evicts a block of a tenant within its quota (``quotas``).
 """
 
 from __future__ import annotations
@@ -111,14 +109,16 @@ class BlockStore:
     def _adopt(self) -> None:
         """Take over the blocks a replayed journal describes (a warm restart)."""
         replayed = self.journal.replayed
-        entries = [e for e in replayed.entries if pages(e.size) * 4096 <= self.capacity]
+        hashed = [e for e in replayed.entries if e.checksum is not None]  # see seal_replayed
+        entries = [e for e in hashed if pages(e.size) * 4096 <= self.capacity]
         taken = self.allocator.adopt([(e.offset, e.size) for e in entries])
         dropped = []
         for entry, ok in zip(entries, taken, strict=True):
             if not ok:
                 dropped.append(entry.key)
                 continue
-            block = Block(entry.key, entry.offset, entry.size, BlockState.COMMITTED, entry.checksum)
+            checksum = entry.checksum or 0
+            block = Block(entry.key, entry.offset, entry.size, BlockState.COMMITTED, checksum)
             self._index[block.key] = block
             self._insert_committed(block)
         for namespace_id, label in replayed.labels.items():
@@ -189,7 +189,6 @@ class BlockStore:
     def commit(
         self, reservation_id: int, checksums: Checksums, owner: int, origins: Origins = None
     ) -> CommitResult:
-        """:meth:`take` then :meth:`publish`."""
         return self.publish(self.take(reservation_id, owner), checksums, origins)
 
     def take(self, reservation_id: int, owner: int) -> list[Block | None]:
@@ -213,6 +212,7 @@ class BlockStore:
             if block is None:
                 result.statuses.append(Status.NOT_FOUND)
             elif checksum is None:
+                self.journal.removed([block.key])  # a FILLED record may name it
                 self._fail(block)
                 result.statuses.append(Status.NOT_FOUND)
             else:

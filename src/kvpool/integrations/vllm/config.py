@@ -131,7 +131,7 @@ def connector_config(
             values[key] = value
         else:
             raise ConfigError(f"unknown kv_connector_extra_config key {key!r}")
-    for key in ("write_rcache", "read_local_only", "use_shm"):
+    for key in ("write_rcache", "read_local_only", "use_shm", "verify_reads"):
         if key in client_options:
             client_options[key] = parse_bool(client_options[key], key)  # type: ignore[arg-type]
     if isinstance(client_options.get("peers"), str):

@@ -91,10 +91,14 @@ class LayerwiseLoad:
                             if self.stopped:
                                 break
                             layout.scatter_planes((plane,), ids, rows)
+                            if not lease.still_held:  # its memory may have been reused
+                                self.num_blocks, num = 0, 0
+                                self.reason = "the pool's pin ran out mid-load"
+                                break
                             self.planes_done = plane + 1
                             self.cond.notify_all()
             worker.health.report_call()
-            if num < len(self.job.block_ids):
+            if num < len(self.job.block_ids) and not self.reason:
                 self.reason = f"{len(self.job.block_ids) - num} block(s) missing or corrupt"
         except KVPoolError as exc:
             worker.health.report_failure(exc)

@@ -183,8 +183,10 @@ class KVPoolWorker:
                 if num_loaded:
                     ids = torch.tensor(job.block_ids[:num_loaded], dtype=torch.long)
                     self.layout.scatter(ids, pool_rows(self.layout, lease, num_loaded))
+                if not lease.still_held:  # its memory may have been reused
+                    num_loaded, reason = 0, "the pool's pin ran out mid-load"
             self.health.report_call()
-            if num_loaded < len(job.block_ids):
+            if num_loaded < len(job.block_ids) and not reason:
                 reason = f"{len(job.block_ids) - num_loaded} block(s) missing or corrupt"
         except KVPoolError as exc:
             self.health.report_failure(exc)
