@@ -28,10 +28,13 @@ S4 = prompts(4, 2)
 
 @pytest.fixture(scope="session")
 def reference(model) -> dict[str, list[list[int]]]:
-    """Greedy outputs with no connector at all."""
+    """Greedy outputs with no connector at all.  ``S4_prefix``: S4 again, its prefix from the
+    engine's own prefix cache.  On some CPUs (an AVX-512 host) the tiny model's greedy
+    outputs differ between a computed prefix and a reused one, in vLLM alone: a prefix
+    loaded from the pool must give exactly what the engine's own cache gives."""
     steps = [
         {"op": "generate", "name": name, "prompts": p, "max_tokens": 12}
-        for name, p in (("S1", S1), ("S2", S2), ("S3", S3), ("S4", S4))
+        for name, p in (("S1", S1), ("S2", S2), ("S3", S3), ("S4", S4), ("S4_prefix", S4))
     ]
     results = run_engine(model, steps)
     return {r["name"]: r["token_ids"] for r in results}
@@ -228,7 +231,7 @@ def test_prefill_producer_and_decode_consumer(model, reference, start_node):
     (decode,) = run_engine(
         model, [gen("decode", S4)], connector_config=connector(node.unix_address, "kv_consumer")
     )
-    assert decode["token_ids"] == reference["S4"]
+    assert decode["token_ids"] == reference["S4_prefix"]
     assert hit_fraction({"external_hits": 0}, decode["counters"], decode["prompt_tokens"]) >= 0.9
     with Client(node.unix_address) as c:
         blocks = c.stats().num_blocks
@@ -296,7 +299,8 @@ def test_a_tenants_engine_reuses_its_own_blocks_only(model, reference, start_nod
         model, [*steps, gen("load", S4)], connector_config=config(alpha), on_pause=saved
     )
     first, load = (r for r in results if r["op"] == "generate")
-    assert first["token_ids"] == load["token_ids"] == reference["S4"]
+    assert first["token_ids"] == reference["S4"]
+    assert load["token_ids"] == reference["S4_prefix"]
     assert hit_fraction(first["counters"], load["counters"], load["prompt_tokens"]) >= 0.9
     (other,) = run_engine(model, [gen("other", S4)], connector_config=config(beta))
     assert other["token_ids"] == reference["S4"]
