@@ -45,7 +45,10 @@ def gen(name, batch, max_tokens=12):
 
 
 def test_store_load_outage_restart_and_corruption(model, reference, start_node):
-    node = start_node(name="engine", memory="256MiB")
+    # No scrubber: the damage done below must be met by the engine's loads (verify_reads),
+    # not dropped first by the node.
+    no_scrub = ["--scrub-rate", "0"]
+    node = start_node(name="engine", memory="256MiB", extra=no_scrub)
     state = {"node": node}
 
     def on_pause(tag: str) -> None:
@@ -58,7 +61,7 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
         elif tag == "kill":
             current.kill()
         elif tag == "restart":
-            state["node"] = start_node(name="engine", memory="256MiB")
+            state["node"] = start_node(name="engine", memory="256MiB", extra=no_scrub)
         elif tag == "corrupt":
             with Client(state["node"].unix_address) as c:
                 assert c.stats().num_blocks > 0
