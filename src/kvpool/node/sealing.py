@@ -12,7 +12,7 @@ it holds.
 - Reads of a key being sealed wait for its seal (a few milliseconds at most), so a write
   that returned is seen by every later read, on any connection.
 - **Scrubbing.** Memory can still be damaged in place (a stray write by a process that maps
-  the arena).  The scrubber re-hashes committed blocks in LRU order at a bounded rate, and
+  the arena).  The scrubber re-hashes committed blocks, oldest commit first, at a bounded rate, and
   drops, and counts, any that no longer match: they become misses and are recomputed.
   Adopted blocks that pass become sealed.
 """
@@ -120,7 +120,7 @@ class Sealer:
     # -- scrubbing ------------------------------------------------------------------------
 
     async def scrub(self, rate_bytes_s: float) -> None:
-        """Re-hash committed blocks, oldest first, at most ``rate_bytes_s``, for ever."""
+        """Re-hash committed blocks, oldest commit first, at most ``rate_bytes_s`` on average."""
         while True:
             blocks = self.store.committed_blocks()
             if not blocks:
