@@ -112,6 +112,13 @@ class Client:
         if self.local is not None:
             self.local.close()
 
+    def on_arena_mapped(self, hook: Callable[[memoryview, memoryview | None], None]) -> None:
+        """Call ``hook(arena, old)`` whenever the client maps the local node's arena (at
+        the first call, and after the node restarts), before any operation uses it: e.g.
+        to register it with a GPU runtime.  Nothing happens without a local node."""
+        if self.local is not None:
+            self.local.on_arena_mapped(hook)
+
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (timeout if timeout is not None else self.config.timeout_s)
 

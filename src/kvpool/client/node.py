@@ -25,21 +25,35 @@ T = TypeVar("T")
 OpFactory = Callable[[memoryview | None], Generator[Any, Any, T]]
 
 
+ArenaHook = Callable[[memoryview, memoryview | None], None]
+
+
 class _ArenaCache:
-    """The mapping of the node's current arena (a restarted node has a new one)."""
+    """The mapping of the node's current arena (a restarted node has a new one), and the
+    hooks told of each new mapping (new, and the one it replaces)."""
 
     def __init__(self, config: ClientConfig):
         self.config = config
         self._arena_id = b""
         self._arena: memoryview | None = None
+        self._hooks: list[ArenaHook] = []
         self._lock = threading.Lock()
 
     def for_welcome(self, welcome: Welcome) -> memoryview | None:
         with self._lock:
             if welcome.arena_id != self._arena_id:
-                self._arena = map_arena(welcome, self.config)
+                old, self._arena = self._arena, map_arena(welcome, self.config)
                 self._arena_id = welcome.arena_id
+                if self._arena is not None:
+                    for hook in self._hooks:
+                        hook(self._arena, old)
             return self._arena
+
+    def add_hook(self, hook: ArenaHook) -> None:
+        with self._lock:
+            self._hooks.append(hook)
+            if self._arena is not None:
+                hook(self._arena, None)
 
 
 def _shm_or_stream(
@@ -121,6 +135,11 @@ class NodeClient:
                 conn.close()
                 self._num_open -= 1
             self._idle.clear()
+
+    def on_arena_mapped(self, hook: ArenaHook) -> None:
+        """Call ``hook(arena, old)`` for the arena mapped now, if any, and for each new one
+        (a restarted node's), before any operation uses it."""
+        self._arenas.add_hook(hook)
 
     @property
     def welcome(self) -> Welcome:

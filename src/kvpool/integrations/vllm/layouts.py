@@ -186,8 +186,10 @@ class PagedLayout:
         return flat.view(self.dtype).view(num_blocks, self.block_elems)
 
     def batch(self, num_blocks: int) -> torch.Tensor:
-        """A host tensor for ``num_blocks`` pool blocks."""
-        return torch.empty(num_blocks, self.block_elems, dtype=self.dtype)
+        """A host tensor for ``num_blocks`` pool blocks (pinned for a cache on a GPU)."""
+        return torch.empty(
+            num_blocks, self.block_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda"
+        )
 
     def stage(self, views: Sequence[memoryview | None]) -> torch.Tensor:
         """Blocks held apart in the pool, side by side in one host tensor (so that the copy
@@ -202,30 +204,39 @@ class PagedLayout:
             row[:] = np.frombuffer(view, dtype=np.uint8)
         return batch
 
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Blocks ``ids`` (on the cache's device) as a new ``[n, block_elems]`` tensor there."""
+        if self._combined is not None:
+            return self._combined.index_select(0, ids).view(len(ids), self.block_elems)
+        rows = torch.empty(len(ids), self.block_elems, dtype=self.dtype, device=self.device)
+        for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
+            rows[:, start:end].copy_(plane.view.index_select(0, ids))
+        return rows
+
+    def scatter_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy ``rows`` (``[n, block_elems]``, on the cache's device) into blocks ``ids``."""
+        if self._combined is not None:
+            combined = rows.view(len(ids), self.num_planes, self.page_elems)
+            self._combined.index_copy_(0, ids, combined)
+            return
+        for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
+            plane.view.index_copy_(0, ids, rows[:, start:end])
+
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` of the cache into ``out`` (a batch, on the host)."""
+        """Copy blocks ``block_ids`` of the cache into ``out`` (a batch, on the host); done
+        when it returns."""
         rows = out.view(len(block_ids), self.block_elems)
         if self._combined is not None and self.device.type == "cpu":
             combined = rows.view(len(block_ids), self.num_planes, self.page_elems)
             torch.index_select(self._combined, 0, block_ids, out=combined)
             return
-        ids = block_ids.to(self.device)
-        if self._combined is not None:
-            rows.copy_(self._combined.index_select(0, ids).view(len(block_ids), -1))
-            return
-        for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
-            rows[:, start:end].copy_(plane.view.index_select(0, ids))
+        rows.copy_(self.gather_rows(block_ids.to(self.device)))
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` (a batch, on the host) into blocks ``block_ids`` of the cache."""
-        ids = block_ids.to(self.device)
+        """Copy ``src`` (a batch, on the host) into blocks ``block_ids`` of the cache; done
+        when it returns."""
         rows = src.view(len(block_ids), self.block_elems)
-        if self._combined is not None:
-            combined = rows.view(len(block_ids), self.num_planes, self.page_elems)
-            self._combined.index_copy_(0, ids, combined.to(self.device))
-        else:
-            for (start, end), plane in zip(self.plane_bounds, self.planes, strict=True):
-                plane.view.index_copy_(0, ids, rows[:, start:end].to(self.device))
+        self.scatter_rows(block_ids.to(self.device), rows.to(self.device))
         _settle(self.device)
 
     def gather_planes(

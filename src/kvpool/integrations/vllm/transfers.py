@@ -17,6 +17,7 @@ from kvpool.keys import BlockOrigin
 
 from .layouts import PagedLayout
 from .metadata import TransferJob
+from .streams import Copies, Mark
 
 if TYPE_CHECKING:
     from .worker import KVPoolWorker
@@ -54,16 +55,20 @@ def pool_rows(layout: PagedLayout, lease: ReadLease | WriteLease, num: int) -> t
 
 
 class LayerwiseLoad:
-    """One request's load, copied into the paged cache plane after plane on a load thread.
+    """One request's load, copied into the paged cache plane after plane on a load thread
+    (all planes at once, on the copies' own stream, when they cannot move apart).
 
-    ``planes_done`` counts the planes in place; ``num_blocks`` is how many leading blocks
-    the load delivers (known once the blocks are pinned).  ``stop`` ends it for good: no
-    plane is copied after it returns.
+    ``planes_done`` counts the planes in place (or, on a stream, enqueued before ``done``);
+    ``num_blocks`` is how many leading blocks the load delivers (known once the blocks are
+    pinned).  ``stop`` ends it for good: no plane is copied after it returns.
     """
 
-    def __init__(self, job: TransferJob, deadline: float):
+    def __init__(self, job: TransferJob, deadline: float, after: Mark = None):
         self.job = job
         self.deadline = deadline
+        self.after = after  # the engine's stream at the step's start
+        self.done: Mark = None  # the copies in the cache, on their stream
+        self.waited: Mark = None  # the last mark the engine's stream was told to wait for
         self.cond = threading.Condition()
         self.planes_done = 0
         self.num_blocks = len(job.block_ids)
@@ -73,7 +78,7 @@ class LayerwiseLoad:
         self.started = time.perf_counter()
 
     def run(self, worker: KVPoolWorker) -> None:
-        layout = worker.layout
+        layout, copies = worker.layout, worker.copies
         assert layout is not None
         try:
             keys = worker.namespace.keys(self.job.block_hashes)
@@ -86,17 +91,27 @@ class LayerwiseLoad:
                 if num:
                     ids = torch.tensor(self.job.block_ids[:num], dtype=torch.long)
                     rows = pool_rows(layout, lease, num)
-                    for plane in range(layout.num_planes):
+                    steps = (
+                        [(plane,) for plane in range(layout.num_planes)]
+                        if copies.per_plane
+                        else [tuple(range(layout.num_planes))]
+                    )
+                    for planes in steps:
                         with self.cond:
                             if self.stopped:
                                 break
-                            layout.scatter_planes((plane,), ids, rows)
-                            if not lease.still_held:  # its memory may have been reused
-                                self.num_blocks, num = 0, 0
+                            self.done = copies.load(layout, ids, rows, planes, self.after)
+                            if copies.per_plane and not lease.still_held:
+                                self.num_blocks, num = 0, 0  # its memory may have been reused
                                 self.reason = "the pool's pin ran out mid-load"
                                 break
-                            self.planes_done = plane + 1
+                            self.planes_done = planes[-1] + 1
                             self.cond.notify_all()
+                    copies.settle(self.done)  # before the pin ends
+                    if not copies.per_plane and not lease.still_held:
+                        with self.cond:
+                            self.num_blocks, num = 0, 0
+                            self.reason = "the pool's pin ran out mid-load"
             worker.health.report_call()
             if num < len(self.job.block_ids) and not self.reason:
                 self.reason = f"{len(self.job.block_ids) - num} block(s) missing or corrupt"
@@ -116,9 +131,10 @@ class LayerwiseLoad:
             self.num_blocks, self.reason = 0, reason
             self.cond.notify_all()
 
-    def wait_for(self, planes: tuple[int, ...]) -> None:
-        """Until ``planes`` are in place, the load ended, or its deadline passed (then it is
-        stopped, and its blocks are recomputed)."""
+    def wait_for(self, planes: tuple[int, ...]) -> Mark:
+        """Until ``planes`` are in place (or enqueued: then the mark the engine's stream
+        must wait for), the load ended, or its deadline passed (then it is stopped, and its
+        blocks are recomputed)."""
         needed = max(planes) + 1 if planes else 0
         with self.cond:
             while self.planes_done < needed and not self.finished and not self.stopped:
@@ -126,25 +142,32 @@ class LayerwiseLoad:
                 if left <= 0:
                     self.stopped = True
                     self.num_blocks, self.reason = 0, "deadline passed"
-                    return
+                    return None
                 self.cond.wait(left)
+            return self.done if self.planes_done >= needed else None
 
     def stop(self, num_planes: int) -> int:
-        """End the load for good; how many leading blocks it delivered in every plane."""
+        """End the load for good; how many leading blocks it delivered in every plane.
+        A load on a stream is waited for until its pin is released (or its deadline)."""
         self.wait_for(tuple(range(num_planes)))
         with self.cond:
+            if self.done is not None:
+                while not self.finished and time.monotonic() < self.deadline:
+                    self.cond.wait(max(self.deadline - time.monotonic(), 0.001))
             self.stopped = True
-            if self.planes_done < num_planes:
+            if self.planes_done < num_planes or (self.done is not None and not self.finished):
                 self.num_blocks = 0
                 self.reason = self.reason or "deadline passed"
             return self.num_blocks
 
 
 class StepSave:
-    """One step's save: reserved while the forward runs, filled plane by plane.
+    """One step's save: reserved while the forward runs, filled plane by plane (or all
+    planes at once, on the copies' own stream, when they cannot move apart).
 
     Copies run under ``lock`` and check ``closed``, so once ``close`` returns nothing reads
-    the paged cache for this save any more.
+    the paged cache for this save any more (on a stream: nothing the engine's stream does
+    not wait for).  ``deliver``, on the commit thread, finishes what pool memory needs.
     """
 
     def __init__(
@@ -165,6 +188,8 @@ class StepSave:
         self.ids: torch.Tensor | None = None
         self.copied: set[int] = set()
         self.closed = False
+        self.copied_out: Mark = None  # the rows are filled once this has run
+        self.in_place = False  # the rows are the arena's memory (else a host batch)
 
     def reserve(self, worker: KVPoolWorker) -> None:
         layout = worker.layout
@@ -181,38 +206,50 @@ class StepSave:
             if self.wanted:
                 self.ids = torch.tensor([self.block_ids[i] for i in self.wanted], dtype=torch.long)
                 extent = lease.extent() if len(self.wanted) == len(self.keys) else None
+                self.in_place = extent is not None
                 self.rows = (
                     layout.pool_view(extent, len(self.wanted))
                     if extent is not None
                     else layout.batch(len(self.wanted))
                 )
 
-    def copy(self, layout: PagedLayout, planes: tuple[int, ...]) -> None:
+    def copy(self, copies: Copies, layout: PagedLayout, planes: tuple[int, ...]) -> None:
+        """Copy ``planes`` of the blocks out, where the copies move planes apart."""
+        if copies.per_plane:
+            self._copy(copies, layout, planes, None)
+
+    def _copy(
+        self, copies: Copies, layout: PagedLayout, planes: tuple[int, ...], after: Mark
+    ) -> None:
         with self.lock:
             if self.closed or self.rows is None or self.ids is None:
                 return
             todo = tuple(p for p in planes if p not in self.copied)
-            if len(todo) == layout.num_planes:
-                layout.gather(self.ids, self.rows)  # the whole batch: one indexed copy
-            elif todo:
-                layout.gather_planes(todo, self.ids, self.rows)
+            if todo:
+                gathered, self.copied_out = copies.save(layout, self.ids, self.rows, todo, after)
+                copies.engine_waits(gathered)
             self.copied.update(todo)
 
-    def close(self, layout: PagedLayout) -> WriteLease | None:
-        """Finish the copies and stop; the filled lease (None: nothing to commit)."""
-        self.copy(layout, tuple(range(layout.num_planes)))
+    def close(self, copies: Copies, layout: PagedLayout) -> WriteLease | None:
+        """Finish the copies out of the cache and stop; the lease to deliver and commit
+        (None: nothing to commit).  Called on the engine's thread, after the forward."""
+        self._copy(copies, layout, tuple(range(layout.num_planes)), copies.mark())
         with self.lock:
             self.closed = True
-            lease, rows = self.lease, self.rows
-        if lease is None:
-            return None
-        if rows is not None and lease.extent() is None:  # scattered slots: one copy each
-            flat = rows.view(len(self.wanted), -1).view(torch.uint8)
-            for row, i in enumerate(self.wanted):
-                view = lease.views[i]
-                assert view is not None
-                torch.frombuffer(view, dtype=torch.uint8).copy_(flat[row])
-        return lease
+            return self.lease
+
+    def deliver(self, copies: Copies) -> None:
+        """Until the blocks are in pool memory: the copies have run, and blocks held apart
+        in the arena are filled from the host batch, one copy each."""
+        copies.settle(self.copied_out)
+        lease, rows = self.lease, self.rows
+        if lease is None or rows is None or self.in_place:
+            return
+        flat = rows.view(len(self.wanted), -1).view(torch.uint8)
+        for row, i in enumerate(self.wanted):
+            view = lease.views[i]
+            assert view is not None
+            torch.frombuffer(view, dtype=torch.uint8).copy_(flat[row])
 
     def abandon(self) -> None:
         with self.lock:

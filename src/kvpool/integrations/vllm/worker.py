@@ -40,11 +40,12 @@ from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
 from kvpool.client.leases import WriteLease
 from kvpool.errors import ConfigError, KVPoolError
-from kvpool.keys import BlockOrigin, Namespace
+from kvpool.keys import Namespace
 
 from .config import ConnectorConfig
 from .layouts import PagedLayout
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob
+from .streams import Copies, HostCopies, Mark, copies_for
 from .transfers import LayerwiseLoad, StepSave, leave_engine_cpus, pool_rows
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
@@ -62,6 +63,7 @@ class KVPoolWorker:
         self.expected_page_bytes = expected_page_bytes
         self.layerwise = config.transfer == "layerwise"
         self.layout: PagedLayout | None = None
+        self.copies: Copies = HostCopies()
         self._client: Client | None = None
         self.health = HealthMonitor(
             self._probe, config.health, name="kvpool (worker)", on_thread_start=leave_engine_cpus
@@ -89,6 +91,7 @@ class KVPoolWorker:
     def client(self) -> Client:
         if self._client is None:
             self._client = Client(config=self.config.client)
+            self._client.on_arena_mapped(self.copies.arena_mapped)
             self.health.start()
         return self._client
 
@@ -107,12 +110,23 @@ class KVPoolWorker:
                 "that might not mean the same thing"
             )
         self.layout = layout
+        self.copies = copies_for(layout.device)
         log.info(
-            "kvpool: KV cache layout %s; pool blocks of %d bytes; %s transfers",
+            "kvpool: KV cache layout %s; pool blocks of %d bytes; %s transfers%s",
             layout.describe(),
             layout.block_bytes,
             self.config.transfer,
+            "" if self.copies.per_plane else ", all planes at once on the worker's own streams",
         )
+        if not self.copies.per_plane:
+            self._map_arena_now()
+
+    def _map_arena_now(self) -> None:
+        """Map (and so register) the local node's arena at start, not on the first load."""
+        try:
+            self.client.health(timeout=self.config.lookup_timeout_s)
+        except KVPoolError as exc:
+            log.warning("kvpool: the pool is not reachable yet (%s); its arena maps later", exc)
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -124,13 +138,14 @@ class KVPoolWorker:
             self._begin_save(meta.saves)
         if self.layerwise:
             deadline = time.monotonic() + self.config.transfer_timeout_s
+            after = self.copies.mark() if meta.loads else None
             for job in meta.loads:
                 if job.is_async:
                     continue  # started by start_load_kv
                 if not self.health.is_healthy:
                     self._finish_load(job, 0, "pool unhealthy", is_async=False)
                     continue
-                load = LayerwiseLoad(job, deadline)
+                load = LayerwiseLoad(job, deadline, after)
                 self._step_loads.append(load)
                 self._executor.submit(load.run, self)
 
@@ -138,12 +153,14 @@ class KVPoolWorker:
         if self._step_loads and self.layout is not None:
             planes = self.layout.layers.get(layer_name, ())
             for load in self._step_loads:
-                load.wait_for(planes)
+                self._engine_waits(load, load.wait_for(planes))
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self.layerwise and self._step_save is not None and self.layout is not None:
             save = self._step_save[0]
-            self._saver.submit(save.copy, self.layout, self.layout.layers.get(layer_name, ()))
+            if self.copies.per_plane:
+                planes = self.layout.layers.get(layer_name, ())
+                self._saver.submit(save.copy, self.copies, self.layout, planes)
 
     def wait_for_save(self, meta: KVPoolMetadata) -> None:
         """After the forward: stop the step's loads, fill its saves; the step may end then."""
@@ -152,23 +169,32 @@ class KVPoolWorker:
         loads, self._step_loads = self._step_loads, []
         for load in loads:
             num = load.stop(self.layout.num_planes)
+            self._engine_waits(load, load.done)  # a late copy lands before any recompute
             self._finish_load(load.job, num, load.reason, time.perf_counter() - load.started, False)
         step_save, self._step_save = self._step_save, None
         if step_save is not None:
             self._finish_save(*step_save)
 
+    def _engine_waits(self, load: LayerwiseLoad, mark: Mark) -> None:
+        if mark is not None and load.waited is not mark:
+            self.copies.engine_waits(mark)
+            load.waited = mark
+
     # -- loads ----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
+        after: Mark = None
         for job in meta.loads:
             if self.layerwise and not job.is_async:
                 continue  # started with the step (begin_step)
             if not self.health.is_healthy or self.layout is None:
                 self._finish_load(job, 0, "pool unhealthy")
                 continue
-            self._executor.submit(self._load, job)
+            if after is None:
+                after = self.copies.mark()
+            self._executor.submit(self._load, job, after)
 
-    def _load(self, job: TransferJob) -> None:
+    def _load(self, job: TransferJob, after: Mark = None) -> None:
         """A whole load (``transfer: whole``): every layer with one indexed copy."""
         assert self.layout is not None
         started = time.perf_counter()
@@ -182,7 +208,8 @@ class KVPoolWorker:
                 num_loaded = lease.num_prefix
                 if num_loaded:
                     ids = torch.tensor(job.block_ids[:num_loaded], dtype=torch.long)
-                    self.layout.scatter(ids, pool_rows(self.layout, lease, num_loaded))
+                    rows = pool_rows(self.layout, lease, num_loaded)
+                    self.copies.settle(self.copies.load(self.layout, ids, rows, None, after))
                 if not lease.still_held:  # its memory may have been reused
                     num_loaded, reason = 0, "the pool's pin ran out mid-load"
             self.health.report_call()
@@ -253,7 +280,7 @@ class KVPoolWorker:
         # the forward, the step waits for it no longer than a lookup.
         try:
             reserved.result(timeout=self.config.lookup_timeout_s)
-            lease = save.close(self.layout)
+            lease = save.close(self.copies, self.layout)
         except FutureTimeout:
             save.abandon()
             with self._lock:
@@ -270,33 +297,33 @@ class KVPoolWorker:
             return
         if lease is None:
             return
-        # The pages are copied out: the rest (checksums, commit) need not hold up the step.
-        future = self._committer.submit(
-            self._commit, lease, len(save.wanted), save.started, save.origins
-        )
+        # The pages are out of the cache: the rest (into pool memory, commit) need not hold
+        # up the step.
+        future = self._committer.submit(self._commit, save, lease)
         with self._lock:
             self._saving.add(future)
         future.add_done_callback(self._saving_done)
 
-    def _commit(
-        self,
-        lease: WriteLease,
-        num_blocks: int,
-        started: float,
-        origins: list[BlockOrigin] | None = None,
-    ) -> None:
+    def _commit(self, save: StepSave, lease: WriteLease) -> None:
         try:
-            result = lease.commit(timeout=self.config.transfer_timeout_s, origins=origins)
+            save.deliver(self.copies)
+            result = lease.commit(timeout=self.config.transfer_timeout_s, origins=save.origins)
         except KVPoolError as exc:
             self.health.report_failure(exc)
             with self._lock:
-                self.stats.add("save_errors", num_blocks)
+                self.stats.add("save_errors", len(save.wanted))
+            return
+        except Exception:  # never let a pool problem fail the engine
+            log.exception("kvpool: save failed")
+            lease.abort()
+            with self._lock:
+                self.stats.add("save_errors", len(save.wanted))
             return
         self.health.report_call()
         with self._lock:
             self.stats.add("saves")
             self.stats.add("saved_blocks", sum(1 for s in result.statuses if s == 0))
-            self.stats.observe("save", time.perf_counter() - started)
+            self.stats.observe("save", time.perf_counter() - save.started)
 
     def _saving_done(self, future: Future[None]) -> None:
         with self._lock:
