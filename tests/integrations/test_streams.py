@@ -209,3 +209,27 @@ def test_the_gpu_benchmark_runs_its_whole_path_on_a_cpu():
     assert result["kvpool"]["save_GBps"] > 0 and result["kvpool"]["load_GBps"] > 0
     # The suffix attended to the loaded prefix: a cache without it gives ~0.2 here.
     assert result["ttft"]["logits_rel_err"] < 1e-4
+
+
+def test_a_restarted_nodes_new_arena_replaces_the_registration(start_node, log):
+    from tests.client.test_restart import free_port
+
+    port = free_port()
+    first = start_node(name="restart", extra=["--port", str(port)])
+    src = caches(1)
+    w = worker(first, src)
+    [(_, old_address, _)] = [e for e in log if e[0] == "register"]
+    first.stop()
+    start_node(name="restart", extra=["--port", str(port)])
+    step(w, KVPoolMetadata(saves=[TransferJob("r1", [1], hashes(1))]))
+    drain(w)
+    registered = [e for e in log if e[0] == "register"]
+    assert len(registered) == 2  # the restarted node's arena is a new one (a new id)
+    unregister = position(log, ("unregister", old_address))
+    assert unregister > position(log, registered[1])
+    # Not while a copy of ours might still touch it: both streams were drained first.
+    syncs = [e[1][0] for e in log[:unregister] if e[0] == "sync"]
+    assert syncs[-2:] == ["load", "save"]
+    got = w.client.get(NS.keys(hashes(1)))
+    assert got.values[0] is not None
+    w.shutdown()
