@@ -20,6 +20,11 @@ too when the planes are alike).
 For layer-by-layer transfers, ``layers`` names the planes of each layer (layers that share a
 cache name the same planes), and ``gather_planes`` / ``scatter_planes`` move some planes of
 a batch: one indexed copy per plane.
+
+``gather`` / ``scatter`` (and the plane variants) move a batch held on the host and are done
+when they return.  ``gather_rows`` / ``scatter_rows`` are the same indexed copies with the
+batch on the cache's own device: the GPU path (:mod:`.streams`) stages batches there, on
+its own streams.
 """
 
 from __future__ import annotations
@@ -226,11 +231,13 @@ class PagedLayout:
         """Copy blocks ``block_ids`` of the cache into ``out`` (a batch, on the host); done
         when it returns."""
         rows = out.view(len(block_ids), self.block_elems)
-        if self._combined is not None and self.device.type == "cpu":
+        if self.device.type != "cpu":
+            rows.copy_(self.gather_rows(block_ids.to(self.device)))
+        elif self._combined is not None:
             combined = rows.view(len(block_ids), self.num_planes, self.page_elems)
             torch.index_select(self._combined, 0, block_ids, out=combined)
-            return
-        rows.copy_(self.gather_rows(block_ids.to(self.device)))
+        else:  # straight into the batch's columns: no staging on the host
+            self.gather_planes(range(self.num_planes), block_ids, out)
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (a batch, on the host) into blocks ``block_ids`` of the cache; done

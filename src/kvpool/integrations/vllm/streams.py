@@ -164,7 +164,7 @@ class CudaRuntime:
         return torch.cuda.stream(stream)
 
     def record(self, stream: Any | None) -> Mark:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # a host wait sleeps, not spins
         event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return event
 
