@@ -233,3 +233,29 @@ def test_a_restarted_nodes_new_arena_replaces_the_registration(start_node, log):
     got = w.client.get(NS.keys(hashes(1)))
     assert got.values[0] is not None
     w.shutdown()
+
+
+def test_a_load_that_fails_half_way_drains_its_stream_before_the_pin_ends(node, log, monkeypatch):
+    src, dst = caches(1), caches(2)
+    saver = worker(node, src)
+    monkeypatch.setattr(streams, "STAGING_BYTES", saver.layout.block_bytes)  # a chunk a block
+    step(saver, KVPoolMetadata(saves=[TransferJob("r1", [3, 7], hashes(2))]))
+    drain(saver)
+    loader = worker(node, dst)
+    real = PagedLayout.scatter_rows
+    calls = []
+
+    def fails_second(layout, ids, rows):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (the test's)")
+        real(layout, ids, rows)
+
+    monkeypatch.setattr(PagedLayout, "scatter_rows", fails_second)
+    del log[:]
+    step(loader, KVPoolMetadata(loads=[TransferJob("r2", [0, 1], hashes(2))]))
+    assert loader.get_block_ids_with_load_errors() == {0, 1}  # recomputed, both
+    syncs = [i for i, e in enumerate(log) if e[0] == "sync" and e[1][0] == "load"]
+    assert syncs and syncs[0] < position(log, ("unpin",))
+    saver.shutdown()
+    loader.shutdown()

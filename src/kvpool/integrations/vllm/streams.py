@@ -40,7 +40,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -218,7 +219,7 @@ class StreamCopies:
         planes: tuple[int, ...] | None,
         after: Mark,
     ) -> Mark:
-        with self.runtime.on(self.load_stream):
+        with self.runtime.on(self.load_stream), self._drained_on_failure(self.load_stream):
             if after is not None:
                 self.runtime.wait(self.load_stream, after)
             device_ids = ids.to(self.device, non_blocking=True)
@@ -236,7 +237,7 @@ class StreamCopies:
         after: Mark,
     ) -> tuple[Mark, Mark]:
         gathered: Mark = None
-        with self.runtime.on(self.save_stream):
+        with self.runtime.on(self.save_stream), self._drained_on_failure(self.save_stream):
             if after is not None:
                 self.runtime.wait(self.save_stream, after)
             device_ids = ids.to(self.device, non_blocking=True)
@@ -247,6 +248,16 @@ class StreamCopies:
                     gathered = self.runtime.record(self.save_stream)
                 rows[part].copy_(staged, non_blocking=True)
             return gathered, self.runtime.record(self.save_stream)
+
+    @contextmanager
+    def _drained_on_failure(self, stream: Any) -> Iterator[None]:
+        """A batch that fails half-way (e.g. out of device memory) leaves no copy running:
+        the caller releases the pool memory it used at once."""
+        try:
+            yield
+        except BaseException:
+            self.runtime.synchronize(self.runtime.record(stream))
+            raise
 
     def engine_waits(self, mark: Mark) -> None:
         if mark is not None:
