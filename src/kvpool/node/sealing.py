@@ -35,6 +35,9 @@ log = logging.getLogger("kvpool.node")
 # Batches at most this large are hashed on the event loop: a hand-off to a thread costs
 # more than hashing them (~50 us at memory speed).
 INLINE_SEAL_BYTES = 1 << 20
+# The scrubber hashes about this much per hand-off to its thread, then sleeps: its memory
+# bandwidth stays smooth, not bursts of many blocks.
+SCRUB_STEP_BYTES = 8 << 20
 
 
 class Sealer:
@@ -51,7 +54,7 @@ class Sealer:
         self._on_published = on_published
         self._sealing: dict[bytes, asyncio.Future[None]] = {}
         self.scrubbed_bytes = 0
-        self.scrub_failures = 0
+        self.scrub_dropped = 0
 
     def _hash(self, blocks: Sequence[Block | None]) -> list[int | None]:
         return [
@@ -125,10 +128,15 @@ class Sealer:
             blocks = self.store.committed_blocks()
             if not blocks:
                 await asyncio.sleep(1.0)
-            for start in range(0, len(blocks), 64):
-                batch = blocks[start : start + 64]
-                await self.scrub_blocks(batch)
-                await asyncio.sleep(sum(b.size for b in batch) / rate_bytes_s)
+            batch: list[Block] = []
+            num_bytes = 0
+            for i, block in enumerate(blocks):
+                batch.append(block)
+                num_bytes += block.size
+                if num_bytes >= SCRUB_STEP_BYTES or i == len(blocks) - 1:
+                    await self.scrub_blocks(batch)
+                    await asyncio.sleep(num_bytes / rate_bytes_s)
+                    batch, num_bytes = [], 0
 
     async def scrub_blocks(self, blocks: list[Block]) -> int:
         """Verify ``blocks`` against their checksums, drop those that fail; how many did.
@@ -148,7 +156,7 @@ class Sealer:
                 bad.append(block.key)
         self.scrubbed_bytes += sum(b.size for b in blocks)
         if bad:
-            self.scrub_failures += len(bad)
+            self.scrub_dropped += len(bad)
             log.warning("scrub: %d blocks no longer match their checksums; dropped", len(bad))
             self.store.report_corrupt(bad)
         return len(bad)

@@ -294,7 +294,7 @@ class NodeServer:
             peers=self.cluster.peer_ids() if self.cluster is not None else [],
             corrupt_reports=counters.corrupt_reports,
             scrubbed_bytes=self.sealer.scrubbed_bytes,
-            scrub_dropped=self.sealer.scrub_failures,
+            scrub_dropped=self.sealer.scrub_dropped,
             tiers=self.tiers.stats(),
             prefetch=self.tiers.prefetch_stats() if self.tiers.can_prefetch else None,
         )
