@@ -3,7 +3,7 @@
 from kvpool.config import PAGE_BYTES
 from kvpool.errors import Status
 from kvpool.store.allocator import SegregatedFitAllocator
-from kvpool.store.journal import COMPACT_MIN_RECORDS, Journal
+from kvpool.store.journal import COMPACT_MIN_RECORDS, Entry, Journal
 from kvpool.store.pool import BlockStore
 from tests.helpers import key
 
@@ -114,6 +114,30 @@ def test_rule6_compaction_keeps_what_is_live(tmp_path):
     again = store_on(tmp_path)
     assert again.lookup([key("kept")]) == (1, False) and len(again) == 1
     assert again.namespaces.labels() == {b"n" * 16: "model-x"}  # labels survive too
+
+
+def test_rule6_a_compaction_keeps_blocks_still_being_sealed(tmp_path):
+    """A block filled and acknowledged, whose seal is still running when other commits
+    compact the journal, is still named after it: a crash then finds it (to hash and
+    adopt); once sealed and committed, it is named once, as a commit."""
+    store = store_on(tmp_path)
+    sealing = store.reserve([key("sealing")], [PAGE_BYTES], owner=1)
+    [block] = store.take(sealing.reservation_id, owner=1)
+    store.journal.filled([Entry(block.key, block.offset, block.size, None)])
+    for i in range(COMPACT_MIN_RECORDS + 10):
+        put(store, [key(f"c{i % 3}")])
+        store.delete([key(f"c{i % 3}")])
+    assert store.journal.num_records < COMPACT_MIN_RECORDS  # it was compacted
+    replayed = journal(tmp_path).replayed.entries
+    assert Entry(block.key, block.offset, block.size, None) in replayed
+    store.publish([block], [1234])
+    for i in range(COMPACT_MIN_RECORDS + 10):
+        put(store, [key(f"d{i % 3}")])
+        store.delete([key(f"d{i % 3}")])
+    replayed = journal(tmp_path).replayed.entries
+    assert [e for e in replayed if e.key == block.key] == [
+        Entry(block.key, block.offset, block.size, 1234)
+    ]
 
 
 def test_rule7_a_journal_of_another_arena_is_discarded(tmp_path):

@@ -23,8 +23,8 @@ Rules (each has a test in tests/store/test_journal.py):
    (the tail a crash cut short) and the journal continues from there.
 5. Replay yields the live blocks in commit order, oldest first (the LRU order to restore).
 6. When the journal holds much more than it describes, it is compacted: a snapshot of the
-   live records is written beside it and renamed over it, so a crash mid-way leaves the old
-   journal whole.
+   live records (committed blocks, and FILLED blocks not committed yet) is written beside it
+   and renamed over it, so a crash mid-way leaves the old journal whole.
 7. The header names the arena (device, inode, size): a journal of another arena is
    discarded at start.
 
@@ -123,6 +123,7 @@ class Journal:
         self.replayed = Replay([], {})
         self.num_records = 0
         self._valid_bytes = 0
+        self._filled: dict[bytes, Entry] = {}  # FILLED, not yet followed by COMMIT or REMOVE
         Path(str(path) + ".new").unlink(missing_ok=True)  # a compaction a crash cut short
         if not fresh:
             self.replayed = self._replay()
@@ -166,13 +167,21 @@ class Journal:
     # -- appending ------------------------------------------------------------------------
 
     def committed(self, entries: Iterable[Entry]) -> None:
+        entries = list(entries)
         self._write([_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries])
+        for entry in entries:
+            self._filled.pop(entry.key, None)
 
     def filled(self, entries: Iterable[Entry]) -> None:
+        entries = list(entries)
         self._write([_record(FILLED, e.key, e.offset, e.size) for e in entries])
+        self._filled.update((entry.key, entry) for entry in entries)
 
     def removed(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
         self._write([_record(REMOVE, key) for key in keys])
+        for key in keys:
+            self._filled.pop(key, None)
 
     def labelled(self, namespace_id: bytes, label: str) -> None:
         self._write([_record(LABEL, namespace_id, label=label.encode()[:MAX_LABEL_BYTES])])
@@ -197,6 +206,8 @@ class Journal:
                 for ns, label in labels.items()
             ]
             records += [_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries]
+            # Blocks still being sealed: their writers were told they are stored.
+            records += [_record(FILLED, e.key, e.offset, e.size) for e in self._filled.values()]
             _write_all(fd, b"".join(records))
             os.replace(new, self.path)
         except BaseException:
