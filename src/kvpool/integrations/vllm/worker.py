@@ -23,6 +23,10 @@ Each step, vLLM binds the step's metadata before the forward, runs the layers, t
   step for it (vLLM's ``WAITING_FOR_REMOTE_KVS``) and is reported through ``get_finished``.
 - Every pool call has a deadline; a failure marks the pool unhealthy, and while it is,
   loads fail at once (the engine recomputes) and saves are skipped.
+- **Where the copies run** is :mod:`.streams`' business: on the pool threads for a cache in
+  host memory, as said above; for a cache on a GPU, all planes at once on the worker's own
+  CUDA streams, which the engine's stream waits for on the GPU (a load before its first
+  layer, a save's gather before the step ends), never on its host thread.
 """
 
 from __future__ import annotations
