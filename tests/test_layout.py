@@ -10,7 +10,7 @@ import kvpool
 ROOT = Path(kvpool.__file__).parent
 # Each layer may import itself and the layers before it, never one after it.
 LAYERS = [
-    {"errors", "timing", "checksum", "keys", "stats", "config", "tenants", "tls"},
+    {"errors", "timing", "checksum", "keys", "stats", "config", "tenants", "tls", "directory"},
     {"protocol"},
     {"store"},
     {"cluster"},

@@ -189,6 +189,10 @@ class NodeConfig:
         return self.node_dir / "index"
 
     @property
+    def directory_path(self) -> Path:
+        return self.node_dir / "directory"
+
+    @property
     def tcp_address(self) -> str:
         return f"{self.advertise_host or self.host}:{self.port}"
 

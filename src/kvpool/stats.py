@@ -36,7 +36,7 @@ class TierStats(_Record):
     used_bytes: int = 0
     num_blocks: int = 0
     hits: int = 0  # blocks lookups found in this tier
-    reads: int = 0  # blocks read out of it (for the DRAM tier: pins and sends)
+    reads: int = 0  # blocks read out of it (for the DRAM tier: pins, sends, directory reads)
     writes: int = 0  # blocks written into it (for lower tiers: write-backs)
     refused: int = 0  # write-backs its admission policy turned down
     dropped: int = 0  # write-backs dropped because the queue was full

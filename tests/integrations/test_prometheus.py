@@ -156,7 +156,7 @@ def test_prometheus_scrapes_node_router_and_engine(model, start_node, prometheus
         # Load and save latency (the engine's), and the node's per-operation latency.
         for name in ("vllm:kvpool_load_seconds_count", "vllm:kvpool_save_seconds_count"):
             assert float(wait_for(base, f"sum({name})")[0]["value"][1]) > 0, name
-        assert wait_for(base, 'kvpool_op_latency_seconds_count{op="pin"}')
+        assert wait_for(base, 'kvpool_op_latency_seconds_count{op=~"pin|touch"}')  # reads
         # The router's requests.
         assert float(wait_for(base, "sum(kvpool_router_requests_total)")[0]["value"][1]) >= 12
 

@@ -237,7 +237,10 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
         assert answering > 0, "".join(router.output[-60:])
         for t in threads:
             t.join(300)
-        assert all(isinstance(o, tuple) and o[1] for o in outcomes.values()), outcomes
+        said = "".join(line for line in router.output[-400:] if "kvpool" in line)
+        assert all(isinstance(o, tuple) and o[1] for o in outcomes.values()), (
+            f"{outcomes}; the router said:\n{said[-8000:]}"
+        )
         assert len(outcomes) == len(conversations)
         with urllib.request.urlopen(router.url + "/metrics", timeout=10) as response:
             metrics = response.read().decode()

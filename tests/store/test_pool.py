@@ -2,10 +2,12 @@
 
 import pytest
 
+from kvpool import directory as d
 from kvpool.config import PAGE_BYTES
 from kvpool.errors import LeaseExpired, Status
 from kvpool.store.block import BlockState
 from kvpool.store.eviction import LRUPolicy, NoEviction
+from kvpool.store.journal import Journal
 from kvpool.store.pool import BlockStore
 from kvpool.timing import LeasePolicy
 from tests.helpers import key
@@ -128,6 +130,64 @@ def test_rule7_existing_keys_are_never_overwritten(store):
     put(store, [key(1)])
     result = store.reserve([key(1), key(2), key(2)], [1, 1, 1], owner=1, lease_s=30)
     assert result.statuses == [Status.EXISTS, Status.OK, Status.PENDING]
+
+
+def shared_directory(tmp_path, arena_bytes):
+    writer = d.DirectoryWriter(tmp_path / "directory", arena_bytes, b"a" * 16)
+    reader = d.DirectoryReader(memoryview(writer._mmap).cast("Q"), writer.num_slots, arena_bytes)
+    return writer, reader
+
+
+def test_rule12_sealed_blocks_are_listed_and_withdrawn_before_their_memory_is_reused(
+    tmp_path, clock
+):
+    arena_bytes = 4 * PAGE_BYTES
+    writer, reader = shared_directory(tmp_path, arena_bytes)
+    store = BlockStore(
+        arena_bytes, clock=clock, directory=writer, high_watermark=1.0, low_watermark=1.0
+    )
+    result = store.reserve([key(1)], [PAGE_BYTES], owner=1, lease_s=30)
+    assert reader.find(key(1)) is None  # reserved: not listed
+    store.commit(result.reservation_id, [7], owner=1)
+    found = reader.find(key(1))
+    assert found is not None and found[2:] == (result.blocks[0].offset, PAGE_BYTES)
+    store.delete([key(1)])
+    assert reader.find(key(1)) is None and not reader.unchanged([found])
+    # Eviction: the oldest block's memory goes to a newer one only after it is withdrawn.
+    for i in range(2, 6):
+        put(store, [key(i)])
+    oldest = reader.find_all([key(2)])
+    assert oldest is not None
+    put(store, [key(6)])  # the arena is full: key 2 is evicted, its memory reused
+    assert store.get_block(key(6)).offset == oldest[0][2]
+    assert reader.find(key(2)) is None and not reader.unchanged(oldest)
+    assert reader.find(key(6)) is not None
+
+
+def test_rule12_adopted_blocks_are_listed_once_the_node_verified_them(tmp_path):
+    arena_bytes = 8 * PAGE_BYTES
+    first = BlockStore(arena_bytes, journal=Journal(tmp_path / "index", 1, 2, arena_bytes))
+    put(first, [key(1)])
+    writer, reader = shared_directory(tmp_path, arena_bytes)
+    again = BlockStore(
+        arena_bytes, journal=Journal(tmp_path / "index", 1, 2, arena_bytes), directory=writer
+    )
+    block = again.get_block(key(1))
+    assert block is not None and not block.sealed
+    assert reader.find(key(1)) is None  # readers hash it through a pin until then
+    again.seal(block)
+    assert reader.find(key(1)) is not None
+
+
+def test_rule13_touched_blocks_stay_recently_used(clock):
+    store = BlockStore(10 * PAGE_BYTES, clock=clock, high_watermark=0.8, low_watermark=0.5)
+    for i in range(8):
+        put(store, [key(i)])
+    assert len(store.touch([key(0), key("absent")])) == 1  # read through the directory
+    assert store.counters.get_hits == 1
+    put(store, [key(8)])  # passes 80%: evict down to 50%
+    assert store.lookup([key(0)]) == (1, False)  # touched: kept
+    assert store.lookup([key(1)]) == (0, False)  # oldest: gone
 
 
 def test_batches_land_contiguously(store):

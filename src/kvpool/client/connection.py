@@ -26,6 +26,7 @@ from collections.abc import Generator
 from typing import Any, TypeVar
 
 from kvpool.config import Address, ClientConfig
+from kvpool.directory import DirectoryReader
 from kvpool.errors import (
     ConnectError,
     KVPoolError,
@@ -187,6 +188,7 @@ class Connection:
         self.node = str(address)
         self.broken = False
         self.arena: memoryview | None = None
+        self.directory: DirectoryReader | None = None  # the arena's, where readers may use it
         self._request_ids = itertools.count(1)
         self._expected_id = 0
         timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))

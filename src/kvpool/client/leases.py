@@ -207,7 +207,7 @@ class ReadLease(_Lease):
     def still_held(self) -> bool:
         """Whether the pins surely still hold: check it after reading the views in place,
         and do not use what was read if it says no (the memory may have been reused)."""
-        return not self._slots.slot_id or self._slots.still_held
+        return self._slots.still_held
 
     @classmethod
     def open(
@@ -223,6 +223,18 @@ class ReadLease(_Lease):
                 if value is not None:
                     lease.adopt(i, memoryview(value))
             return lease
+        listed = (
+            shm.listed_slots(keys, conn.arena, conn.directory)
+            if conn.directory is not None
+            else None
+        )
+        if listed is not None:  # no pin: the directory tells whether the reads held
+            try:
+                conn.run(ops.touch(keys), deadline)
+            finally:
+                node.release(conn)
+            listed.views = [v.toreadonly() if v is not None else None for v in listed.views]
+            return cls(listed, conn.arena, lambda: None)
         try:
             wait_ms = ops.lower_tier_wait_ms(deadline - time.monotonic())
             slots = conn.run(shm.pin_slots(keys, conn.arena, prefix, wait_ms=wait_ms), deadline)

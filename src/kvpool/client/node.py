@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 from kvpool.config import Address, ClientConfig
+from kvpool.directory import DirectoryReader
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
 from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
@@ -22,32 +23,42 @@ from . import ops, shm
 from .connection import Connection, map_arena
 
 T = TypeVar("T")
-OpFactory = Callable[[memoryview | None], Generator[Any, Any, T]]
+OpFactory = Callable[[Connection], Generator[Any, Any, T]]
 
 
 ArenaHook = Callable[[memoryview, memoryview | None], None]
 
 
 class _ArenaCache:
-    """The mapping of the node's current arena (a restarted node has a new one), and the
-    hooks told of each new mapping (new, and the one it replaces)."""
+    """The mapping of the node's current arena and its shared directory (a restarted node
+    has new ones), and the hooks told of each new arena mapping (new, and the one it
+    replaces)."""
 
     def __init__(self, config: ClientConfig):
         self.config = config
         self._arena_id = b""
         self._arena: memoryview | None = None
+        self._directory: DirectoryReader | None = None
         self._hooks: list[ArenaHook] = []
         self._lock = threading.Lock()
 
-    def for_welcome(self, welcome: Welcome) -> memoryview | None:
+    def attach(self, conn: Connection) -> None:
+        """Give a new connection the mappings of the arena its node named."""
+        welcome = conn.welcome
         with self._lock:
             if welcome.arena_id != self._arena_id:
                 old, self._arena = self._arena, map_arena(welcome, self.config)
                 self._arena_id = welcome.arena_id
+                self._directory = None
                 if self._arena is not None:
+                    self._directory = DirectoryReader.open(
+                        welcome.directory_path, welcome.arena_id, welcome.arena_bytes
+                    )
                     for hook in self._hooks:
                         hook(self._arena, old)
-            return self._arena
+            conn.arena = self._arena
+            # Same-host readers hash every block when asked to: the directory spares them that.
+            conn.directory = None if self.config.verify_reads else self._directory
 
     def add_hook(self, hook: ArenaHook) -> None:
         with self._lock:
@@ -57,11 +68,11 @@ class _ArenaCache:
 
 
 def _shm_or_stream(
-    shm: Callable[[memoryview], Generator[Any, Any, T]],
+    shm: Callable[[memoryview, DirectoryReader | None], Generator[Any, Any, T]],
     stream: Callable[[], Generator[Any, Any, T]],
 ) -> OpFactory[T]:
     """An operation through the arena when the client maps it, else over the socket."""
-    return lambda arena: shm(arena) if arena is not None else stream()
+    return lambda conn: shm(conn.arena, conn.directory) if conn.arena is not None else stream()
 
 
 class NodeClient:
@@ -100,7 +111,7 @@ class NodeClient:
                 self._num_open -= 1
                 self._cond.notify()
             raise
-        conn.arena = self._arenas.for_welcome(conn.welcome)
+        self._arenas.attach(conn)
         self.name = conn.node
         self.last_welcome = conn.welcome
         return conn, True
@@ -120,7 +131,7 @@ class NodeClient:
         for attempt in range(2):
             conn, fresh = self._acquire(deadline)
             try:
-                return conn.run(make(conn.arena), deadline)
+                return conn.run(make(conn), deadline)
             except (NodeUnavailable, ConnectError):
                 if fresh or attempt:
                     raise
@@ -229,7 +240,7 @@ class NodeClient:
             raise UsageError(f"{len(keys)} keys but {len(origins)} origins")
         return self.call(
             _shm_or_stream(
-                lambda arena: shm.put_shm(keys, views, arena, replicate, origins),
+                lambda arena, _: shm.put_shm(keys, views, arena, replicate, origins),
                 lambda: ops.put_stream(keys, views, replicate, origins),
             ),
             timeout,
@@ -248,8 +259,8 @@ class NodeClient:
         wait_ms = ops.lower_tier_wait_ms(timeout if timeout is not None else self.config.timeout_s)
         return self.call(
             _shm_or_stream(
-                lambda arena: shm.get_shm(
-                    keys, dsts, arena, prefix, wait_ms, self.config.verify_reads
+                lambda arena, directory: shm.get_shm(
+                    keys, dsts, arena, directory, prefix, wait_ms, self.config.verify_reads
                 ),
                 lambda: ops.get_stream(keys, dsts, prefix, wait_ms),
             ),

@@ -360,6 +360,11 @@ def unpin(pin_id: int) -> Op_[None]:
     yield Request(Op.UNPIN, UnpinRequest(pin_id=pin_id), no_reply=True)
 
 
+def touch(keys: Sequence[bytes]) -> Op_[None]:
+    """Tell the node these blocks were read without a pin (through its directory)."""
+    yield Request(Op.TOUCH, KeysRequest(keys=list(keys)), no_reply=True)
+
+
 # -- maintenance --------------------------------------------------------------------------
 
 

@@ -3,6 +3,11 @@ arena, with one path per direction, built from :class:`Slots`.
 
 - Writes: ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``).  The writer only
   copies: the node hashes (seals) the blocks itself, behind it (:mod:`kvpool.node.sealing`).
+- Reads without a round trip: ``listed_slots`` finds every key in the node's shared
+  directory (:mod:`kvpool.directory`) → read → ``still_held`` (no entry's
+  generation moved, so no block's memory was handed out meanwhile) → ``ops.touch``, which
+  needs no reply.  A key the directory does not list, or a copy that raced a removal, sends
+  the whole batch down the pinned path.
 - Reads: ``pin_slots`` → read → ``verify_slots`` → ``ops.unpin``.  A sealed block is copied
   without hashing it again: the node hashed those very bytes, nothing writes a committed
   block, and the pin keeps its memory.  What a reader still checks is that the pin held:
@@ -22,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool import checksum as ck
+from kvpool.directory import DirectoryReader, Location
 from kvpool.errors import ProtocolError, Status
 from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import (
@@ -47,13 +53,15 @@ from .ops import (
     get_result,
     report_corrupt,
     statuses_of,
+    touch,
     unpin,
 )
 
 
 @dataclass(slots=True)
 class Slots:
-    """Arena slots of a batch that a node reserved (to fill) or pinned (to read).
+    """Arena slots of a batch that a node reserved (to fill) or pinned (to read), or that
+    its directory listed (to read, ``locations`` set).
 
     ``slot_id`` is the reservation or pin id (0: nothing held); per key, ``statuses``,
     ``offsets`` and ``views`` (the slot's arena memory, ``None`` where the status is not
@@ -70,6 +78,8 @@ class Slots:
     lease_ms: int
     sealed: list[bool] = field(default_factory=list)  # pins only: see the module's notes
     held_until: float = 0.0  # pins only: the lease's end, at the latest (time.monotonic)
+    directory: DirectoryReader | None = None  # listed slots only: where they were found
+    locations: list[Location] = field(default_factory=list)
 
     def must_verify(self, verify_all: bool) -> list[bool]:
         """Per key: whether its bytes must be hashed as they are read."""
@@ -79,8 +89,11 @@ class Slots:
 
     @property
     def still_held(self) -> bool:
-        """Whether the pin's lease has surely not run out yet."""
-        return time.monotonic() < self.held_until
+        """Whether what was read from the views is surely good: the pin's lease has not run
+        out yet, or no listed block was withdrawn since it was found."""
+        if self.directory is not None:
+            return self.directory.unchanged(self.locations)
+        return not self.slot_id or time.monotonic() < self.held_until
 
 
 def _slot_views(
@@ -139,6 +152,28 @@ def commit_slots(
         if statuses[i] is Status.OK:
             statuses[i] = status
     return PutResult(statuses)
+
+
+def listed_slots(
+    keys: Sequence[bytes], arena: memoryview, directory: DirectoryReader
+) -> Slots | None:
+    """Every key's block as the directory lists it now, or ``None`` if one is not listed."""
+    locations = directory.find_all(list(keys))
+    if locations is None:
+        return None
+    n = len(keys)
+    return Slots(
+        list(keys),
+        0,
+        [Status.OK] * n,
+        [offset for _, _, offset, _ in locations],
+        [arena[offset : offset + size] for _, _, offset, size in locations],
+        [],
+        0,
+        sealed=[True] * n,
+        directory=directory,
+        locations=locations,
+    )
 
 
 def pin_slots(
@@ -207,44 +242,59 @@ def put_shm(
     return (yield from commit_slots(slots, replicate, origins))
 
 
+def _copy_out(
+    slots: Slots, targets: list[memoryview | None], verify: list[bool]
+) -> list[int | None] | BaseException:
+    """Copy each block into its target, hashing those that need it (and, for a pin that ran
+    out meanwhile, every one); the checksums, or what the copy raised."""
+    try:
+        checksums: list[int | None] = []
+        for t, v, hashed in zip(targets, slots.views, verify, strict=True):
+            if t is None or v is None:
+                checksums.append(None)
+            elif hashed:
+                checksums.append(ck.copy_with_checksum(t, v[: len(t)]))
+            else:
+                ck.copy(t, v[: len(t)])
+                checksums.append(None)
+        if slots.slot_id and not slots.still_held:  # memory may have been handed out
+            checksums = [
+                c if c is not None or t is None else ck.checksum(t)
+                for c, t in zip(checksums, targets, strict=True)
+            ]
+        return checksums
+    except BaseException as exc:  # reported after the pin is dropped
+        return exc
+
+
 def get_shm(
     keys: Sequence[bytes],
     dsts: Sequence[memoryview] | None,
     arena: memoryview,
+    directory: DirectoryReader | None,
     prefix: bool,
     wait_ms: int = 0,
     verify_all: bool = False,
 ) -> Op_[GetResult]:
-    """Pin the blocks, copy them straight out of the arena (hashing those that need it),
-    unpin, verify."""
+    """Copy the blocks straight out of the arena: where the directory lists them all, with
+    no round trip; else pin them, copy (hashing those that need it), unpin, verify."""
+    listed = listed_slots(keys, arena, directory) if directory is not None else None
+    if listed is not None:
+        sizes = [len(v) if v is not None else 0 for v in listed.views]
+        targets = destinations(dsts, sizes, listed.statuses)
+        copied = yield Compute(lambda: _copy_out(listed, targets, [False] * len(keys)), sum(sizes))
+        if isinstance(copied, BaseException):
+            raise copied
+        if listed.still_held:
+            yield from touch(keys)
+            return get_result(listed.statuses, sizes, targets, dsts is None)
     slots = yield from pin_slots(keys, arena, prefix, wait_ms=wait_ms)
     sizes = [len(v) if v is not None else 0 for v in slots.views]
     targets = destinations(dsts, sizes, slots.statuses)
     verify = slots.must_verify(verify_all)
-
-    def copy_out() -> list[int | None] | BaseException:
-        try:
-            checksums: list[int | None] = []
-            for t, v, hashed in zip(targets, slots.views, verify, strict=True):
-                if t is None or v is None:
-                    checksums.append(None)
-                elif hashed:
-                    checksums.append(ck.copy_with_checksum(t, v[: len(t)]))
-                else:
-                    ck.copy(t, v[: len(t)])
-                    checksums.append(None)
-            if not slots.still_held:  # the memory may have been handed out meanwhile
-                checksums = [
-                    c if c is not None or t is None else ck.checksum(t)
-                    for c, t in zip(checksums, targets, strict=True)
-                ]
-            return checksums
-        except BaseException as exc:  # reported after the pin is dropped
-            return exc
-
     checksums: list[int | None] | BaseException = [None] * len(keys)
     if slots.slot_id:
-        checksums = yield Compute(copy_out, sum(sizes))
+        checksums = yield Compute(lambda: _copy_out(slots, targets, verify), sum(sizes))
         yield from unpin(slots.slot_id)
     if isinstance(checksums, BaseException):
         raise checksums

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpool.config import NodeConfig, format_size
+from kvpool.directory import DirectoryWriter
 from kvpool.errors import ConfigError
 from kvpool.node.admin import start_admin
 from kvpool.node.sealing import seal_replayed
@@ -79,6 +80,7 @@ class Daemon:
         self.lock: NodeDirLock | None = None
         self.arena: Arena | None = None
         self.journal: Journal | None = None
+        self.directory: DirectoryWriter | None = None
         self.disk: DiskTier | None = None
         self.store: BlockStore | None = None
         self.server: NodeServer | None = None
@@ -101,6 +103,9 @@ class Daemon:
                 hugepages=config.hugepages,
                 fresh=config.fresh,
             )
+            # Before anything writes the arena: readers of an earlier daemon's directory
+            # stop trusting it (kvpool.directory, rule 3).
+            self.directory = DirectoryWriter(config.directory_path, arena.num_bytes, arena.arena_id)
             self.journal = Journal(
                 config.journal_path,
                 arena.dev,
@@ -141,6 +146,7 @@ class Daemon:
                 leases=config.leases,
                 journal=self.journal,
                 spill=writeback,
+                directory=self.directory,
             )
             if config.kv_events:
                 from kvpool.node.events import MEDIUM_STORAGE, EventsConfig, KVEventPublisher
@@ -241,6 +247,9 @@ class Daemon:
                 self.events.cleared()
             self.events.close()
             self.events = None
+        if self.directory is not None:
+            self.directory.close(remove=True)  # retired: its readers ask the next daemon
+            self.directory = None
         if self.journal is not None:
             self.journal.close(remove=self._drain)
             self.journal = None

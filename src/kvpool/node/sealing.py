@@ -151,7 +151,7 @@ class Sealer:
             if block.state is not BlockState.COMMITTED:
                 continue
             if checksum == block.checksum:
-                block.sealed = True
+                self.store.seal(block)
             else:
                 bad.append(block.key)
         self.scrubbed_bytes += sum(b.size for b in blocks)

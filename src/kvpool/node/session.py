@@ -78,7 +78,7 @@ TENANT_OPS = frozenset(
 
 
 # What need not wait for the seals in flight (every other request sees them done).
-_BEFORE_SEALS = frozenset({Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PUT, Op.UNPIN, Op.HEALTH})
+_BEFORE_SEALS = frozenset({Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PUT, Op.UNPIN, Op.TOUCH, Op.HEALTH})
 
 
 class TransferTimeout(Exception):
@@ -176,6 +176,7 @@ class Session:
             log.warning("unknown access id %r (%s)", hello.access_id, self.peer)
             raise AuthenticationError("access id or key refused")
         arena = self.arena
+        directory = self.store.directory.path
         shared = self.tenant is None  # a tenant never gets the arena: sockets only
         welcome = msg.Welcome(
             node_id=self.server.node_id,
@@ -187,6 +188,7 @@ class Session:
             arena_dev=arena.dev if shared else 0,
             arena_ino=arena.ino if shared else 0,
             arena_id=arena.arena_id if shared else b"",
+            directory_path=str(directory) if shared and directory is not None else "",
         )
         await self._reply(header, Op.HELLO, welcome)
 
@@ -352,6 +354,12 @@ class Session:
         self.store.unpin(req.pin_id, self.owner)
         await self._reply(header, Op.UNPIN, msg.Empty())
 
+    async def _touch(self, header: FrameHeader, req: msg.KeysRequest) -> None:
+        # Blocks a same-host client copied through the shared directory, without a pin.
+        blocks = self.store.touch(req.keys)
+        self.server.tiers.note_read(blocks)
+        self.server.bytes_out += sum(b.size for b in blocks)
+
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
         tiers = self.server.tiers
         await tiers.promote(req.keys, req.prefix, req.wait_ms / 1000)
@@ -364,20 +372,11 @@ class Session:
                 self.store.unpin(result.pin_id)
 
     async def _send_pinned(self, header: FrameHeader, result: PinResult) -> None:
-        statuses: list[int] = []
-        sizes: list[int] = []
-        checksums: list[int] = []
-        views: list[memoryview] = []
-        for block in result.blocks:
-            if block is None:
-                statuses.append(Status.NOT_FOUND)
-                sizes.append(0)
-                checksums.append(0)
-            else:
-                statuses.append(Status.OK)
-                sizes.append(block.size)
-                checksums.append(block.checksum)
-                views.append(self.arena.slice(block.offset, block.size))
+        blocks = result.blocks
+        statuses = [int(Status.OK if b is not None else Status.NOT_FOUND) for b in blocks]
+        sizes = [b.size if b is not None else 0 for b in blocks]
+        checksums = [b.checksum if b is not None else 0 for b in blocks]
+        views = [self.arena.slice(b.offset, b.size) for b in blocks if b is not None]
         total = sum(sizes)
         response = msg.GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
         async with self._within_lease(result.lease_s, "sending a GET payload"):
@@ -489,6 +488,7 @@ _HANDLERS: dict[int, Callable[[Session, FrameHeader, Any], Any]] = {
     Op.ABORT: Session._abort,
     Op.PIN: Session._pin,
     Op.UNPIN: Session._unpin,
+    Op.TOUCH: Session._touch,
     Op.DELETE: Session._delete,
     Op.REPORT_CORRUPT: Session._report_corrupt,
     Op.DESCRIBE: Session._describe,

@@ -89,6 +89,7 @@ class Op(enum.IntEnum):
     HEALTH = 15
     SHUTDOWN = 16
     PREFETCH = 17
+    TOUCH = 18  # no reply: blocks a same-host client read through the shared directory
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
@@ -122,6 +123,7 @@ class Welcome(Message):
     arena_ino: int
     arena_id: bytes
     max_keys: int = MAX_KEYS_PER_REQUEST
+    directory_path: Name = ""  # the shared directory of the arena's blocks, if any
     max_block_bytes: int = MAX_BLOCK_BYTES
 
 
@@ -310,6 +312,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.HEALTH: Empty,
     Op.SHUTDOWN: ShutdownRequest,
     Op.PREFETCH: PrefetchRequest,
+    Op.TOUCH: KeysRequest,
 }
 
 RESPONSE_TYPES: dict[Op, type[Message]] = {
@@ -330,4 +333,5 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.HEALTH: Health,
     Op.SHUTDOWN: Empty,
     Op.PREFETCH: PrefetchResponse,
+    Op.TOUCH: Empty,
 }

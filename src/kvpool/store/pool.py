@@ -24,6 +24,9 @@ Rules (each has a test in tests/store/test_pool.py):
 10. The journal hears every commit before it is acknowledged and every removal before the
     memory can be handed out again; a store built on a replayed journal adopts its blocks.
 11. With tenants, no write evicts a block of a tenant within its quota (``quotas``).
+12. The shared directory (:mod:`kvpool.directory`) lists committed, sealed blocks, and
+    withdraws each before its memory can be handed out again.
+13. ``touch`` counts reads made through the directory: they keep blocks recent, as pins do.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import takewhile
 
+from kvpool.directory import DirectoryWriter, NoDirectory
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import BlockOrigin
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
@@ -51,6 +55,7 @@ from kvpool.store.block import (
 )
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.journal import Entry, Journal, NoJournal
+from kvpool.store.leases import LeaseBook
 from kvpool.store.namespaces import NamespaceTable
 from kvpool.store.quotas import Quotas
 from kvpool.timing import LeasePolicy
@@ -72,6 +77,7 @@ class BlockStore:
         leases: LeasePolicy | None = None,
         journal: Journal | NoJournal | None = None,
         spill: SpillTarget | None = None,
+        directory: DirectoryWriter | NoDirectory | None = None,
         clock: Clock = time.monotonic,
     ):
         self.allocator = allocator or SegregatedFitAllocator(capacity)
@@ -87,15 +93,14 @@ class BlockStore:
         self.events: StoreEvents | None = None
         self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
         self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
-        self._reservations: dict[int, Reservation] = {}
-        self._pins: dict[int, Pin] = {}
-        self._owner_to_reservation_ids: dict[int, set[int]] = {}
-        self._owner_to_pin_ids: dict[int, set[int]] = {}
+        self._reservations: LeaseBook[Reservation] = LeaseBook()
+        self._pins: LeaseBook[Pin] = LeaseBook()
         self._ids = itertools.count(1)
         self.reserved_bytes = 0
         self.committed_bytes = 0
         self.num_committed = 0
         self.journal = journal or NoJournal()
+        self.directory = directory if directory is not None else NoDirectory()
         self.spill = spill
         self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
         self._adopt()
@@ -117,8 +122,8 @@ class BlockStore:
             if not ok:
                 dropped.append(entry.key)
                 continue
-            checksum = entry.checksum or 0
-            block = Block(entry.key, entry.offset, entry.size, BlockState.COMMITTED, checksum)
+            state, checksum = BlockState.COMMITTED, entry.checksum or 0
+            block = Block(entry.key, entry.offset, entry.size, state, checksum)
             self._index[block.key] = block
             self._insert_committed(block)
         for namespace_id, label in replayed.labels.items():
@@ -175,15 +180,13 @@ class BlockStore:
             self._index[keys[i]] = block
             self.reserved_bytes += block.size
             blocks[i] = block
-        reservation_id = 0
         granted = math.inf if held else self.leases.reserve(lease_s)
-        if any(b is not None for b in blocks):
-            reservation_id = next(self._ids)
+        reservation_id = next(self._ids) if any(b is not None for b in blocks) else 0
+        if reservation_id:
             deadline = self.clock() + granted
-            self._reservations[reservation_id] = Reservation(
-                reservation_id, owner, blocks, deadline
+            self._reservations.add(
+                reservation_id, Reservation(reservation_id, owner, blocks, deadline)
             )
-            self._owner_to_reservation_ids.setdefault(owner, set()).add(reservation_id)
         return ReserveResult(reservation_id, statuses, blocks, granted)
 
     def commit(
@@ -193,10 +196,9 @@ class BlockStore:
 
     def take(self, reservation_id: int, owner: int) -> list[Block | None]:
         """End a reservation's lease; its blocks stay pending until :meth:`publish`."""
-        reservation = self._reservations.get(reservation_id)
-        if reservation is None or reservation.owner != owner:
+        reservation = self._reservations.pop(reservation_id, owner)
+        if reservation is None:
             raise LeaseExpired(f"reservation {reservation_id} expired or was aborted")
-        self._forget_reservation(reservation)
         return reservation.blocks
 
     def publish(
@@ -228,10 +230,9 @@ class BlockStore:
         return result
 
     def abort(self, reservation_id: int, owner: int) -> None:
-        reservation = self._reservations.get(reservation_id)
-        if reservation is None or reservation.owner != owner:
+        reservation = self._reservations.pop(reservation_id, owner)
+        if reservation is None:
             return
-        self._forget_reservation(reservation)
         for block in reservation.blocks:
             if block is not None:
                 self._fail(block)
@@ -244,7 +245,16 @@ class BlockStore:
         self.reserved_bytes -= block.size
         self._insert_committed(block)
 
+    def seal(self, block: Block) -> None:
+        """The node verified a committed block's bytes itself (the scrubber): same-host
+        readers may copy it without hashing it, through the directory."""
+        if block.state is BlockState.COMMITTED and not block.sealed:
+            block.sealed = True
+            self.directory.list(block.key, block.offset, block.size)
+
     def _insert_committed(self, block: Block) -> None:
+        if block.sealed:
+            self.directory.list(block.key, block.offset, block.size)
         self._committed[block.key] = block
         self.committed_bytes += block.size
         self.num_committed += 1
@@ -263,10 +273,6 @@ class BlockStore:
             del self._index[block.key]
         self.allocator.free(block.offset)
 
-    def _forget_reservation(self, reservation: Reservation) -> None:
-        del self._reservations[reservation.reservation_id]
-        _forget_id(self._owner_to_reservation_ids, reservation.owner, reservation.reservation_id)
-
     # -- reads ----------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> tuple[int, bool]:
@@ -279,12 +285,10 @@ class BlockStore:
 
     def lookup_mask(self, keys: Sequence[bytes], *, count: bool = True) -> list[bool]:
         """Whether each key is committed."""
-        committed = self._committed
-        present = [k in committed for k in keys]
+        present = [k in self._committed for k in keys]
         if count:
-            hits = sum(present)
-            self.counters.lookup_hits += hits
-            self.counters.lookup_misses += len(keys) - hits
+            self.counters.lookup_hits += sum(present)
+            self.counters.lookup_misses += len(keys) - sum(present)
         return present
 
     def pending_mask(self, keys: Sequence[bytes]) -> list[bool]:
@@ -323,16 +327,22 @@ class BlockStore:
         if not pinned:
             return PinResult(0, found, granted)
         pin_id = next(self._ids)
-        self._pins[pin_id] = Pin(pin_id, owner, pinned, self.clock() + granted)
-        self._owner_to_pin_ids.setdefault(owner, set()).add(pin_id)
+        self._pins.add(pin_id, Pin(pin_id, owner, pinned, self.clock() + granted))
         return PinResult(pin_id, found, granted)
 
+    def touch(self, keys: Sequence[bytes]) -> list[Block]:
+        """Count reads made without a pin (through the directory); the blocks found."""
+        blocks = [b for k in keys if (b := self._committed.get(k)) is not None]
+        for block in blocks:
+            block.num_reads += 1
+            self.eviction.touch(block.key)
+        self.counters.get_hits += len(blocks)
+        return blocks
+
     def unpin(self, pin_id: int, owner: int | None = None) -> bool:
-        pin = self._pins.get(pin_id)
-        if pin is None or (owner is not None and pin.owner != owner):
+        pin = self._pins.pop(pin_id, owner)
+        if pin is None:
             return False
-        del self._pins[pin_id]
-        _forget_id(self._owner_to_pin_ids, pin.owner, pin_id)
         for block in pin.blocks:
             block.num_pins -= 1
             if block.num_pins == 0 and block.state is BlockState.REMOVED:
@@ -370,7 +380,8 @@ class BlockStore:
         del self._index[block.key]
         del self._committed[block.key]
         self.eviction.remove(block.key)
-        self.journal.removed([block.key])  # before the memory can be handed out again
+        self.directory.withdraw(block.key)  # both before the memory can be handed out again
+        self.journal.removed([block.key])
         block.state = BlockState.REMOVED
         if evicted:
             self.counters.evictions += 1
@@ -398,70 +409,65 @@ class BlockStore:
                 return list(self.allocator.carve(extent, sizes))
         return [self._allocate(key, size) for key, size in zip(keys, sizes, strict=True)]
 
-    def _allocate(self, key: bytes, num_bytes: int) -> int | None:
-        offset = self.allocator.allocate(num_bytes)
-        if offset is not None:
-            return offset
-        quotas = self.quotas
+    def _evict(self, allowed: Callable[[bytes], bool], done: Callable[[], bool]) -> bool:
+        """Evict LRU blocks that ``allowed`` admits until ``done()``; whether it got there."""
         for victim in self.eviction.victims():
+            if done():
+                return True
             block = self._index.get(victim)
-            if block is None or not block.is_evictable:
-                continue
-            if quotas is not None and not quotas.may_evict(victim, key):
-                continue  # another tenant's block, within its share
-            self._remove(block, evicted=True)
-            offset = self.allocator.allocate(num_bytes)
-            if offset is not None:
-                return offset
-        return None
+            if block is not None and block.is_evictable and allowed(victim):
+                self._remove(block, evicted=True)
+        return done()
+
+    def _allocate(self, key: bytes, num_bytes: int) -> int | None:
+        offsets: list[int] = []
+
+        def allocated() -> bool:
+            if not offsets and (offset := self.allocator.allocate(num_bytes)) is not None:
+                offsets.append(offset)
+            return bool(offsets)
+
+        quotas = self.quotas  # another tenant's block, within its share, stays
+        self._evict(lambda victim: quotas is None or quotas.may_evict(victim, key), allocated)
+        return offsets[0] if offsets else None
 
     def _fit_quota(self, key: bytes, size: int) -> bool:
-        """Whether ``size`` more bytes fit the key's tenant's quota, after evicting that
-        tenant's own least recently used blocks if need be."""
-        if self.quotas is None or not self.quotas.room(key, size):
+        """Whether ``size`` more bytes fit the tenant's quota, after evicting its own LRU blocks."""
+        quotas = self.quotas
+        if quotas is None or not quotas.room(key, size):
             return True
-        for victim in self.eviction.victims():
-            block = self._index.get(victim)
-            if block is None or not block.is_evictable or not self.quotas.same_tenant(victim, key):
-                continue
-            self._remove(block, evicted=True)
-            if not self.quotas.room(key, size):
-                return True
-        return False
+        return self._evict(
+            lambda victim: quotas.same_tenant(victim, key), lambda: not quotas.room(key, size)
+        )
 
     def _evict_past_high_watermark(self) -> None:
-        if self.allocator.used <= self.high_watermark * self.capacity:
-            return
-        target = self.low_watermark * self.capacity
-        for key in self.eviction.victims():
-            if self.allocator.used <= target:
-                break
-            block = self._index.get(key)
-            if block is None or not block.is_evictable:
-                continue
-            if self.quotas is None or self.quotas.may_evict(key, None):
-                self._remove(block, evicted=True)
+        if self.allocator.used > self.high_watermark * self.capacity:
+            target, quotas = self.low_watermark * self.capacity, self.quotas
+            self._evict(
+                lambda victim: quotas is None or quotas.may_evict(victim, None),
+                lambda: self.allocator.used <= target,
+            )
 
     # -- leases and owners ----------------------------------------------------------------
 
     def expire(self) -> int:
         """Abort expired reservations and drop expired pins; returns how many."""
         now = self.clock()
-        expired_reservations = [r for r in self._reservations.values() if r.deadline <= now]
-        for reservation in expired_reservations:
-            self.abort(reservation.reservation_id, reservation.owner)
-        expired_pins = [p for p in self._pins.values() if p.deadline <= now]
-        for pin in expired_pins:
-            self.unpin(pin.pin_id)
+        expired_reservations = self._reservations.expired(now)
+        for reservation_id, reservation in expired_reservations:
+            self.abort(reservation_id, reservation.owner)
+        expired_pins = self._pins.expired(now)
+        for pin_id, _ in expired_pins:
+            self.unpin(pin_id)
         self.counters.expired_reservations += len(expired_reservations)
         self.counters.expired_pins += len(expired_pins)
         return len(expired_reservations) + len(expired_pins)
 
     def release_owner(self, owner: int) -> None:
         """A client went away: abort its reservations and drop its pins."""
-        for reservation_id in list(self._owner_to_reservation_ids.get(owner, ())):
+        for reservation_id in self._reservations.ids_of(owner):
             self.abort(reservation_id, owner)
-        for pin_id in list(self._owner_to_pin_ids.get(owner, ())):
+        for pin_id in self._pins.ids_of(owner):
             self.unpin(pin_id)
 
     # -- introspection --------------------------------------------------------------------
@@ -490,11 +496,3 @@ class BlockStore:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
-
-
-def _forget_id(ids_by_owner: dict[int, set[int]], owner: int, id_: int) -> None:
-    ids = ids_by_owner.get(owner)
-    if ids is not None:
-        ids.discard(id_)
-        if not ids:
-            del ids_by_owner[owner]
