@@ -217,7 +217,8 @@ def test_a_restarted_nodes_new_arena_replaces_the_registration(start_node, log):
     port = free_port()
     first = start_node(name="restart", extra=["--port", str(port)])
     src = caches(1)
-    w = worker(first, src)
+    # No health probe while the node is down: one would have the save below skipped.
+    w = worker(first, src, health_interval=3600)
     [(_, old_address, _)] = [e for e in log if e[0] == "register"]
     first.stop()
     start_node(name="restart", extra=["--port", str(port)])
