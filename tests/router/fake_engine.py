@@ -7,7 +7,8 @@ serves /health and vLLM-style /metrics, and records what it received.
 ``POST /_config`` changes its behaviour: ``{"fail": n}`` fails the next n requests with 500,
 ``{"drop": n}`` drops the next n streams after their headers, before any chunk,
 ``{"hang": true}`` never answers, ``{"running": r, "waiting": w}`` sets the reported load,
-``{"healthy": false}`` fails /health, ``{"chunks": n, "delay": s}`` shapes the stream.
+``{"healthy": false}`` fails /health, ``{"health_delay": s}`` answers it s seconds late,
+``{"chunks": n, "delay": s}`` shapes the stream.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ STATE = {
     "running": 0.0,
     "waiting": 0.0,
     "healthy": True,
+    "health_delay": 0.0,
     "chunks": 5,
     "delay": 0.0,
     "first_delay": 0.0,
@@ -101,6 +103,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
+    if STATE["health_delay"]:
+        await asyncio.sleep(STATE["health_delay"])
     return web.Response(status=200 if STATE["healthy"] else 503, text="ok")
 
 

@@ -137,6 +137,22 @@ def test_unhealthy_and_killed_engines_are_skipped_and_taken_back(fakes, routers)
     assert set(results) == {b.url}
 
 
+def test_a_slow_health_check_leaves_the_engine_in_and_a_run_of_them_takes_it_out(fakes, routers):
+    """A busy engine answers its health checks late (the router waits 2 s, every second):
+    it stays in rotation until three checks in a row have timed out."""
+    a, b = fakes(2)
+    router = routers([a.url, b.url], "--policy", "round_robin")
+    a.configure(health_delay=3)
+    time.sleep(4)  # at most two of a's checks have timed out by now (each takes 2 s)
+    assert {complete(router)[0] for _ in range(4)} == {a.url, b.url}
+    deadline = time.monotonic() + 60
+    engines = lambda: get_json(router.url + "/admin/engines")["engines"]  # noqa: E731
+    while next(e for e in engines() if e["url"] == a.url)["healthy"]:
+        assert time.monotonic() < deadline, "three timed-out checks left a in rotation"
+        time.sleep(0.2)
+    assert {complete(router)[0] for _ in range(4)} == {b.url}
+
+
 def test_failures_before_the_first_byte_are_retried(fakes, routers):
     a, b = fakes(2)
     a.configure(fail=100)

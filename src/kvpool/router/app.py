@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ log = logging.getLogger("kvpool.router")
 MAX_BODY_BYTES = 32 << 20
 MAX_IDLE_PER_ENGINE = 16  # idle upstream connections kept per engine
 RETRY_BACKOFF_S = 0.1  # before retrying the only engine of a role; doubles per attempt
+# An idle upstream connection is closed before the engine would close it (uvicorn, which
+# serves vLLM, does after 5 s): a request sent as the engine closes it fails for nothing.
+UPSTREAM_KEEPALIVE_S = 4.0
 HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -155,7 +159,9 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = BoundedIdleConnector(MAX_IDLE_PER_ENGINE, limit=0, ttl_dns_cache=300)
+        connector = BoundedIdleConnector(
+            MAX_IDLE_PER_ENGINE, limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S
+        )
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.config.connect_timeout, sock_read=self.config.read_timeout
         )
@@ -191,9 +197,7 @@ class Router:
             routed.notes["tenant"] = credential.tenant
         if self.engines.has_disaggregation:
             await self._prefill(routed, request)
-            candidates = self.engines.available("decode")
-        else:
-            candidates = self.engines.available("any") or self.engines.available("decode")
+        candidates = self._decode_candidates()
         if not candidates:
             return self._error(route, 503, "no healthy engine can serve this request")
         ordered = await self.policy.order(candidates, routed)
@@ -228,6 +232,12 @@ class Router:
         self._prefetches.add(task)
         task.add_done_callback(self._prefetches.discard)
 
+    def _decode_candidates(self) -> list[Engine]:
+        """The engines that may answer a request (after its prefill, where that is apart)."""
+        if self.engines.has_disaggregation:
+            return self.engines.available("decode")
+        return self.engines.available("any") or self.engines.available("decode")
+
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
         # With tenants the credential was the router's to check: it does not travel on.
         dropped = frozenset({"authorization"}) if self.tenants is not None else frozenset()
@@ -236,11 +246,20 @@ class Router:
     def _state(self, engine: Engine) -> str:
         return "healthy" if engine.is_available else "unavailable"
 
-    def _attempts(self, ordered: list[Engine]) -> list[Engine]:
-        """The engines to try in turn: the ranked ones, or the only one, several times."""
-        if len(ordered) == 1:
-            return ordered * self.config.max_attempts
-        return ordered[: self.config.max_attempts]
+    def _attempts(
+        self, ordered: list[Engine], candidates: Callable[[], list[Engine]]
+    ) -> Iterator[Engine]:
+        """The engines to try in turn, ``max_attempts`` at most: the ranked ones, then any
+        candidate that is available by the time a try has failed (one the health checks took
+        back meanwhile); the only one, several times."""
+        tried: list[Engine] = []
+        for _ in range(self.config.max_attempts):
+            fresh = [e for e in [*ordered, *candidates()] if e not in tried and e.is_available]
+            if fresh:
+                tried.append(fresh[0])
+            elif len(tried) != 1 or len(ordered) != 1:
+                return
+            yield tried[-1]
 
     async def _before_attempt(
         self, attempt: int, engine: Engine, previous: Engine | None, phase: str
@@ -261,7 +280,8 @@ class Router:
         if ordered:
             self._prefetch(ordered[0], routed)
         previous: Engine | None = None
-        for attempt, engine in enumerate(self._attempts(ordered)):
+        attempts = self._attempts(ordered, lambda: self.engines.available("prefill"))
+        for attempt, engine in enumerate(attempts):
             await self._before_attempt(attempt, engine, previous, "prefill")
             previous = engine
             self.engines.started(engine)
@@ -299,7 +319,7 @@ class Router:
     ) -> web.StreamResponse:
         assert self._session is not None
         previous: Engine | None = None
-        for attempt, engine in enumerate(self._attempts(ordered)):
+        for attempt, engine in enumerate(self._attempts(ordered, self._decode_candidates)):
             await self._before_attempt(attempt, engine, previous, "decode")
             previous = engine
             response: web.StreamResponse | None = None

@@ -10,7 +10,10 @@ goes once the requests it is serving have finished.
 
 An engine that fails (unreachable, or silent) is taken out at once while another engine can
 do its job; the last engine of a role is taken out only after ``LAST_ENGINE_FAILURES``
-failures in a row, so that one dropped connection never leaves a role with nobody.
+failures in a row, so that one dropped connection never leaves a role with nobody.  A
+health check that times out counts as a failure only after ``SLOW_CHECKS`` in a row: an
+engine busy on a loaded host answers late, and taking it out would leave its requests to
+the others (or to nobody).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
 
 LAST_ENGINE_FAILURES = 3
+SLOW_CHECKS = 3
 
 LOAD_METRICS = {
     "vllm:num_requests_running": "running",
@@ -51,6 +55,7 @@ class Engine:
     kv_usage: float = 0.0
     successes: int = 0
     failures_in_a_row: int = 0
+    slow_checks_in_a_row: int = 0
     num_requests: int = 0
     num_failures: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -220,9 +225,16 @@ class EngineSet:
             if ok:
                 async with self._session.get(f"{engine.url}/metrics") as response:
                     self._read_load(engine, await response.text())
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except TimeoutError as exc:
+            engine.successes = 0
+            engine.slow_checks_in_a_row += 1
+            if engine.slow_checks_in_a_row >= SLOW_CHECKS:
+                self.failed(engine, f"{SLOW_CHECKS} health checks in a row timed out ({exc!r})")
+            return
+        except (aiohttp.ClientError, ValueError) as exc:
             self.failed(engine, exc)
             return
+        engine.slow_checks_in_a_row = 0
         if not ok:
             self.failed(engine, "health check failed")
             return
