@@ -13,6 +13,7 @@ import urllib.request
 import aiohttp
 import pytest
 
+from kvpool.router.engines import Engine, attempts
 from tests.router.servers import FakeEngine, RouterProc, get_json, post
 
 
@@ -151,6 +152,18 @@ def test_a_slow_health_check_leaves_the_engine_in_and_a_run_of_them_takes_it_out
         assert time.monotonic() < deadline, "three timed-out checks left a in rotation"
         time.sleep(0.2)
     assert {complete(router)[0] for _ in range(4)} == {b.url}
+
+
+def test_a_retry_goes_to_an_engine_taken_back_meanwhile():
+    a, b = Engine("http://a"), Engine("http://b", is_healthy=False)
+    tries = attempts([a], lambda: [e for e in (a, b) if e.is_available], 3)
+    assert next(tries) is a  # b was out when the request was ranked
+    a.is_healthy, b.is_healthy = False, True  # a failed it; b's checks took it back
+    assert list(tries) == [b]
+    only = Engine("http://only")
+    assert list(attempts([only], lambda: [only], 3)) == [only] * 3  # it may be restarting
+    x, y = Engine("http://x"), Engine("http://y")
+    assert list(attempts([x, y], lambda: [x, y], 3)) == [x, y]  # each once
 
 
 def test_failures_before_the_first_byte_are_retried(fakes, routers):

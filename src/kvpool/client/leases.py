@@ -3,9 +3,11 @@
 A :class:`WriteLease` reserves space and hands out writable views; the caller writes its
 blocks straight into them (on the node's host these are arena memory, so an engine copies
 its KV cache into the pool with no staging buffer), then ``commit()`` publishes them
-atomically (the node hashes them).  A :class:`ReadLease` pins blocks, verifies those the
-node has not sealed (see :mod:`kvpool.client.shm`) and hands out read-only views until
-``release()``; ``still_held`` says whether what was read from them was surely still pinned.
+atomically (the node hashes them).  A :class:`ReadLease` hands out read-only views of
+blocks until ``release()``: on the node's host, blocks its shared directory lists are
+taken from there with no round trip, others are pinned and those the node has not sealed
+verified (see :mod:`kvpool.client.shm`); ``still_held`` says whether what was read from
+the views surely came from the blocks (no entry's generation moved, no pin ran out).
 
 Lifecycle: ``open`` → use ``views`` → ``commit()`` / ``abort()`` (write) or ``release()``
 (read).  Both are context managers that abort / release on exit.  A lease holds one

@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from kvpool.tenants import Registry
 from kvpool.tls import CertFiles
 
 from .config import RouterSettings
-from .engines import Engine, EngineSet
+from .engines import Engine, EngineSet, attempts
 from .policies import LeastLoad, Policy, RoutedRequest
 from .prefix import PrefixLocator
 
@@ -246,21 +245,6 @@ class Router:
     def _state(self, engine: Engine) -> str:
         return "healthy" if engine.is_available else "unavailable"
 
-    def _attempts(
-        self, ordered: list[Engine], candidates: Callable[[], list[Engine]]
-    ) -> Iterator[Engine]:
-        """The engines to try in turn, ``max_attempts`` at most: the ranked ones, then any
-        candidate that is available by the time a try has failed (one the health checks took
-        back meanwhile); the only one, several times."""
-        tried: list[Engine] = []
-        for _ in range(self.config.max_attempts):
-            fresh = [e for e in [*ordered, *candidates()] if e not in tried and e.is_available]
-            if fresh:
-                tried.append(fresh[0])
-            elif len(tried) != 1 or len(ordered) != 1:
-                return
-            yield tried[-1]
-
     async def _before_attempt(
         self, attempt: int, engine: Engine, previous: Engine | None, phase: str
     ) -> None:
@@ -280,8 +264,10 @@ class Router:
         if ordered:
             self._prefetch(ordered[0], routed)
         previous: Engine | None = None
-        attempts = self._attempts(ordered, lambda: self.engines.available("prefill"))
-        for attempt, engine in enumerate(attempts):
+        tries = attempts(
+            ordered, lambda: self.engines.available("prefill"), self.config.max_attempts
+        )
+        for attempt, engine in enumerate(tries):
             await self._before_attempt(attempt, engine, previous, "prefill")
             previous = engine
             self.engines.started(engine)
@@ -319,7 +305,9 @@ class Router:
     ) -> web.StreamResponse:
         assert self._session is not None
         previous: Engine | None = None
-        for attempt, engine in enumerate(self._attempts(ordered, self._decode_candidates)):
+        for attempt, engine in enumerate(
+            attempts(ordered, self._decode_candidates, self.config.max_attempts)
+        ):
             await self._before_attempt(attempt, engine, previous, "decode")
             previous = engine
             response: web.StreamResponse | None = None

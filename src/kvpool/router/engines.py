@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -95,6 +96,22 @@ class Engine:
             "requests": self.num_requests,
             "failures": self.num_failures,
         }
+
+
+def attempts(
+    ordered: list[Engine], candidates: Callable[[], list[Engine]], max_attempts: int
+) -> Iterator[Engine]:
+    """The engines to try a request on in turn, ``max_attempts`` at most: the ranked ones,
+    then any candidate available by the time a try has failed (one the health checks took
+    back meanwhile); the only one, several times."""
+    tried: list[Engine] = []
+    for _ in range(max_attempts):
+        fresh = [e for e in [*ordered, *candidates()] if e not in tried and e.is_available]
+        if fresh:
+            tried.append(fresh[0])
+        elif len(tried) != 1 or len(ordered) != 1:
+            return
+        yield tried[-1]
 
 
 class EngineSet:
