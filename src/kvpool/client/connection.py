@@ -22,7 +22,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
 from kvpool.config import Address, ClientConfig
@@ -258,7 +258,7 @@ class Connection:
         message = KeysRequest(keys=keys)
         return [encode_frame(Op.TOUCH, message, request_id=request_id, flags=FLAG_NO_REPLY)]
 
-    def _defer_touch(self, keys: list[bytes]) -> None:
+    def _defer_touch(self, keys: Sequence[bytes]) -> None:
         if not self._touched:
             self._touched_since = time.monotonic()
         self._touched.extend(keys)
@@ -279,10 +279,10 @@ class Connection:
     def _perform(self, effect: Any) -> Any:
         channel = self.channel
         if isinstance(effect, ops.Request):
-            if effect.op == Op.TOUCH and isinstance(effect.message, KeysRequest):
-                self._defer_touch(effect.message.keys)
-            else:
-                channel.send(self._frame(effect))
+            channel.send(self._frame(effect))
+            return None
+        if isinstance(effect, ops.Touched):
+            self._defer_touch(effect.keys)
             return None
         if isinstance(effect, ops.Send):
             channel.send(effect.parts)

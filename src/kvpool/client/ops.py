@@ -9,6 +9,8 @@ Each operation is a generator that yields *effects* and receives their results:
 - :class:`RecvInto` — receive payload bytes into a view, feeding a hasher; no result.
 - :class:`Skip` — receive and drop payload bytes.
 - :class:`Compute` — CPU work such as copies and checksums; result ``fn()``.
+- :class:`Touched` — blocks were read without asking the node: tell it (a ``TOUCH``, no
+  reply) with the connection's next request; no result.
 
 A driver (:meth:`kvpool.client.connection.Connection.run`) performs the effects.  Every
 outcome that is not an error comes back as a value: statuses per key, never exceptions.
@@ -103,7 +105,12 @@ class Compute:
     num_bytes: int = 0
 
 
-Effect = Request | Send | Recv | RecvInto | Skip | Compute
+@dataclass(slots=True)
+class Touched:
+    keys: Sequence[bytes]
+
+
+Effect = Request | Send | Recv | RecvInto | Skip | Compute | Touched
 Op_ = Generator[Effect, Any, T]
 
 
@@ -362,7 +369,7 @@ def unpin(pin_id: int) -> Op_[None]:
 
 def touch(keys: Sequence[bytes]) -> Op_[None]:
     """Tell the node these blocks were read without a pin (through its directory)."""
-    yield Request(Op.TOUCH, KeysRequest(keys=list(keys)), no_reply=True)
+    yield Touched(keys)
 
 
 # -- maintenance --------------------------------------------------------------------------

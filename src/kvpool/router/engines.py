@@ -109,8 +109,8 @@ def attempts(
         fresh = [e for e in [*ordered, *candidates()] if e not in tried and e.is_available]
         if fresh:
             tried.append(fresh[0])
-        elif len(tried) != 1 or len(ordered) != 1:
-            return
+        elif tried != ordered or len(ordered) != 1:
+            return  # each engine had its try (the only one ranked may have another)
         yield tried[-1]
 
 
