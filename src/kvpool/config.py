@@ -42,6 +42,12 @@ DEFAULT_SCRUB_BYTES_S = 64 * MiB  # a 64 GiB arena in about 17 minutes
 PAGE_BYTES = 4096
 MIN_ARENA_BYTES = 1 * MiB
 
+
+def pages(num_bytes: int) -> int:
+    """How many arena pages a block of ``num_bytes`` takes (at least one)."""
+    return max(1, -(-num_bytes // PAGE_BYTES))
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 

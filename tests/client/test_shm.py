@@ -92,7 +92,9 @@ def test_a_copy_that_races_a_removal_is_never_delivered(start_node):
             # While the reader is about to copy: the block goes, and its memory is handed
             # to another block with other bytes.
             assert other.delete([victim]) == [Status.OK]
-            assert other.put([newcomer], [content(newcomer, SIZE)]).all_stored
+            with other.reserve([newcomer], [SIZE]) as lease:  # reserved: the freed memory
+                np.copyto(np.frombuffer(lease.views[0], dtype=np.uint8), content(newcomer, SIZE))
+                assert lease.commit().all_stored
             assert other.lookup([newcomer]) == 1
             again = conn.directory.find(newcomer) if conn.directory is not None else None
             assert again is not None and again[2] == where[2]  # the very same memory
@@ -157,3 +159,58 @@ def test_a_restarted_node_retires_the_directory_its_readers_hold(start_node):
         conn = local.hold()
         assert conn.directory is not None and conn.directory is not reader
         local.release(conn)
+
+
+def test_puts_go_into_the_write_area_with_one_round_trip(node):
+    """A connection's puts are copied to the front of its write area, with one COMMIT each
+    and no RESERVE; their statuses are exact, and what they stored reads back."""
+    batches = [[key(f"area-{b}-{i}") for i in range(4)] for b in range(5)]
+    with Client(node.unix_address, timeout=10) as c:
+        reserves, commits = op_count(node, "reserve"), op_count(node, "commit")
+        for keys in batches:
+            assert c.put(keys, [content(k, SIZE) for k in keys]).statuses == [Status.OK] * 4
+        assert op_count(node, "area") == 1  # 20 blocks of 256 KiB fit one area
+        assert op_count(node, "reserve") == reserves
+        assert op_count(node, "commit") == commits + 5
+        again = [batches[0][0], key("area-new")]
+        assert c.put(again, [content(k, SIZE) for k in again]).statuses == [
+            Status.EXISTS,
+            Status.OK,
+        ]
+        for keys in [*batches, again]:
+            got = c.get(keys)
+            assert [bytes(v) for v in got.values] == [content(k, SIZE).tobytes() for k in keys]
+        assert op_count(node, "area") == 1
+
+
+def test_a_write_area_is_written_only_with_half_its_lease_left(start_node):
+    node = start_node(name="short", env={"KVPOOL_RESERVE_LEASE": "1"})
+    first, second = key("lease-1"), key("lease-2")
+    with Client(node.unix_address, timeout=10) as c:
+        assert c.put([first], [content(first, SIZE)]).all_stored
+        assert op_count(node, "area") == 1
+        time.sleep(0.6)  # past half the area's one-second lease: it is not written again
+        assert c.put([second], [content(second, SIZE)]).all_stored
+        assert op_count(node, "area") == 2
+        assert [bytes(v) for v in c.get([first, second]).values] == [
+            content(k, SIZE).tobytes() for k in (first, second)
+        ]
+
+
+def test_with_no_free_area_a_put_reserves_its_slots(start_node):
+    """A node that has no free extent as large as an area says so; the put reserves (which
+    may evict), and the client does not ask again at once."""
+    node = start_node(name="full", memory="4MiB")
+    held = [key(f"held-{i}") for i in range(15)]
+    wanted = [key("wanted-1"), key("wanted-2")]
+    with Client(node.unix_address, timeout=10) as c, Client(node.unix_address) as other:
+        with other.reserve(held, [SIZE] * len(held)) as hog:  # all but one 256 KiB extent
+            assert hog.statuses == [Status.OK] * len(held)
+            reserves = op_count(node, "reserve")
+            assert c.put(wanted[:1], [content(wanted[0], SIZE)]).all_stored
+            assert (op_count(node, "area"), op_count(node, "reserve")) == (1, reserves + 1)
+            hog.abort()
+        assert c.put(wanted[1:], [content(wanted[1], SIZE)]).all_stored
+        assert (op_count(node, "area"), op_count(node, "reserve")) == (1, reserves + 2)
+        got = c.get(wanted[1:])  # (the first filled the arena: it was evicted since)
+        assert bytes(got.values[0]) == content(wanted[1], SIZE).tobytes()

@@ -95,6 +95,42 @@ def test_bad_message_body_gets_an_error_reply_and_the_connection_lives_on(node):
     assert still_serving(node)
 
 
+def test_write_areas_refuse_bad_sizes_and_strangers_and_lose_nothing(node):
+    sock = connect(node)
+
+    def ask(op, message):
+        meta = msgspec.msgpack.encode(message)
+        sock.sendall(header(op, len(meta)) + meta)
+        reply, body = _read_frame(sock)
+        return reply.status, msgspec.msgpack.decode(body)
+
+    assert ask(Op.AREA, {"num_bytes": 0})[0] == Status.BAD_REQUEST
+    assert ask(Op.AREA, {"num_bytes": 1 << 40})[0] == Status.BAD_REQUEST  # past the bound
+    status, area = ask(Op.AREA, {"num_bytes": 64 << 20})  # more than an eighth of 64 MiB
+    assert status == 0 and area.get("area_id", 0) == 0
+    status, area = ask(Op.AREA, {"num_bytes": 1 << 20})
+    assert status == 0 and area["area_id"] and area["num_bytes"] == 1 << 20
+    # Blocks past the area's end, or keys and sizes that differ: refused, nothing taken.
+    too_far = {"area_id": area["area_id"], "keys": [key("far")], "sizes": [(1 << 20) + 1]}
+    assert ask(Op.COMMIT, too_far)[0] == Status.BAD_REQUEST
+    uneven = {"area_id": area["area_id"], "keys": [key("a"), key("b")], "sizes": [4096]}
+    assert ask(Op.COMMIT, uneven)[0] == Status.BAD_REQUEST
+    fits = {"area_id": area["area_id"], "keys": [key("whole")], "sizes": [1 << 20]}
+    status, reply = ask(Op.COMMIT, fits)
+    assert status == 0 and reply["statuses"] == [Status.OK]
+    # Used up: the area is gone; another connection's area is not this one's.
+    assert ask(Op.COMMIT, fits)[0] == Status.LEASE_EXPIRED
+    with Client(node.unix_address) as c:
+        assert c.lookup([key("whole"), key("far"), key("a")]) == 1
+        assert c.put([key("theirs")], [b"x" * 4096]).all_stored
+        assert c.stats().reserved_bytes > 0  # their area
+    _, mine = ask(Op.AREA, {"num_bytes": 4096})
+    stranger = {"area_id": mine["area_id"] + 1000, "keys": [key("s")], "sizes": [4096]}
+    assert ask(Op.COMMIT, stranger)[0] == Status.LEASE_EXPIRED
+    sock.close()
+    assert still_serving(node)
+
+
 @pytest.mark.parametrize(
     "raw",
     [

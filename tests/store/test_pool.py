@@ -4,7 +4,7 @@ import pytest
 
 from kvpool import directory as d
 from kvpool.config import PAGE_BYTES
-from kvpool.errors import LeaseExpired, Status
+from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.store.block import BlockState
 from kvpool.store.eviction import LRUPolicy, NoEviction
 from kvpool.store.journal import Journal
@@ -188,6 +188,53 @@ def test_rule13_touched_blocks_stay_recently_used(clock):
     put(store, [key(8)])  # passes 80%: evict down to 50%
     assert store.lookup([key(0)]) == (1, False)  # touched: kept
     assert store.lookup([key(1)]) == (0, False)  # oldest: gone
+
+
+def test_rule14_a_write_area_becomes_blocks_front_first_and_returns_its_memory(clock):
+    store = BlockStore(64 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
+    area = store.reserve_area(8 * PAGE_BYTES, owner=1, lease_s=10)
+    assert area is not None and store.used_bytes == 8 * PAGE_BYTES
+    start = area.offset
+    put(store, [key(9)])  # stored already: its place in the area is freed at once
+    placed = store.place(area.area_id, [key(1), key(9), key(2)], [100, 100, 2 * PAGE_BYTES], 1)
+    assert placed.statuses == [Status.OK, Status.EXISTS, Status.OK]
+    assert [b and b.offset for b in placed.blocks] == [start, None, start + 2 * PAGE_BYTES]
+    assert store.lookup([key(1), key(2)]) == (0, True)  # pending, as reserved blocks are
+    assert (area.offset, area.num_bytes) == (start + 4 * PAGE_BYTES, 4 * PAGE_BYTES)
+    assert store.used_bytes == 8 * PAGE_BYTES  # 3 pages of blocks, 4 of area, key 9's
+    store.publish(placed.blocks, [1, None, 2])
+    assert store.lookup([key(1), key(2)]) == (2, False)
+    clock.now += 9  # within the lease: this use renews it
+    more = store.place(area.area_id, [key(3)], [PAGE_BYTES], owner=1)
+    assert more.blocks[0] is not None and more.blocks[0].offset == start + 4 * PAGE_BYTES
+    with pytest.raises(LeaseExpired):
+        store.place(area.area_id, [key(4)], [PAGE_BYTES], owner=2)  # not the owner
+    with pytest.raises(BadRequest):
+        store.place(area.area_id, [key(4)], [4 * PAGE_BYTES], owner=1)  # past its end
+    assert area.num_bytes == 3 * PAGE_BYTES and store.lookup([key(4)]) == (0, False)
+    store.publish(more.blocks, [3])
+    clock.now += 9.5
+    assert store.expire() == 0
+    clock.now += 1
+    assert store.expire() == 1  # the area: its rest returns
+    assert store.used_bytes == 5 * PAGE_BYTES and store.reserved_bytes == 0
+    with pytest.raises(LeaseExpired):
+        store.place(area.area_id, [key(5)], [PAGE_BYTES], owner=1)
+    # One area per owner: a new one replaces the old; an owner that leaves returns it.
+    assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
+    assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
+    assert store.used_bytes == 9 * PAGE_BYTES
+    store.release_owner(1)
+    assert store.used_bytes == 5 * PAGE_BYTES and len(store.areas) == 0
+
+
+def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):
+    store = BlockStore(64 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
+    assert store.reserve_area(9 * PAGE_BYTES, owner=1) is None  # past an eighth of the arena
+    put(store, [key(i) for i in range(60)])
+    assert store.reserve_area(8 * PAGE_BYTES, owner=1) is None  # only 4 pages are free
+    assert len(store) == 60  # and nothing was evicted for it
+    assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
 
 
 def test_batches_land_contiguously(store):

@@ -49,6 +49,7 @@ from kvpool.protocol.messages import KeysRequest, Op, Welcome
 from kvpool.tls import client_context
 
 from . import ops
+from .shm import WriteArea
 
 T = TypeVar("T")
 
@@ -194,6 +195,7 @@ class Connection:
         self.broken = False
         self.arena: memoryview | None = None
         self.directory: DirectoryReader | None = None  # the arena's, where readers may use it
+        self.area = WriteArea()  # where this connection's puts go, once the node granted it
         self._request_ids = itertools.count(1)
         self._expected_id = 0
         self._touched: list[bytes] = []  # keys of TOUCH notices not sent yet

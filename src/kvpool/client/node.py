@@ -68,11 +68,11 @@ class _ArenaCache:
 
 
 def _shm_or_stream(
-    shm: Callable[[memoryview, DirectoryReader | None], Generator[Any, Any, T]],
+    shm: Callable[[memoryview, Connection], Generator[Any, Any, T]],
     stream: Callable[[], Generator[Any, Any, T]],
 ) -> OpFactory[T]:
     """An operation through the arena when the client maps it, else over the socket."""
-    return lambda conn: shm(conn.arena, conn.directory) if conn.arena is not None else stream()
+    return lambda conn: shm(conn.arena, conn) if conn.arena is not None else stream()
 
 
 class NodeClient:
@@ -240,7 +240,7 @@ class NodeClient:
             raise UsageError(f"{len(keys)} keys but {len(origins)} origins")
         return self.call(
             _shm_or_stream(
-                lambda arena, _: shm.put_shm(keys, views, arena, replicate, origins),
+                lambda arena, conn: shm.put_shm(keys, views, arena, replicate, origins, conn.area),
                 lambda: ops.put_stream(keys, views, replicate, origins),
             ),
             timeout,
@@ -259,8 +259,8 @@ class NodeClient:
         wait_ms = ops.lower_tier_wait_ms(timeout if timeout is not None else self.config.timeout_s)
         return self.call(
             _shm_or_stream(
-                lambda arena, directory: shm.get_shm(
-                    keys, dsts, arena, directory, prefix, wait_ms, self.config.verify_reads
+                lambda arena, conn: shm.get_shm(
+                    keys, dsts, arena, conn.directory, prefix, wait_ms, self.config.verify_reads
                 ),
                 lambda: ops.get_stream(keys, dsts, prefix, wait_ms),
             ),

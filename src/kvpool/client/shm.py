@@ -1,8 +1,17 @@
 """The same-host path: blocks copied straight between the caller's buffers and the node's
 arena, with one path per direction, built from :class:`Slots`.
 
-- Writes: ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``).  The writer only
-  copies: the node hashes (seals) the blocks itself, behind it (:mod:`kvpool.node.sealing`).
+- Writes: the writer only copies; the node hashes (seals) the blocks itself, behind it
+  (:mod:`kvpool.node.sealing`).  Two ways, one round trip or two:
+
+  - Into the connection's write area (:class:`WriteArea`, :mod:`kvpool.store.areas`):
+    copy the blocks one after another at its front, then one COMMIT names their keys and
+    sizes.  A connection asks for an area (``AREA``, once in many puts) when it has none
+    that fits.  The area is written only while at least half its lease is left (each
+    commit renews it), so a copy ends long before the node could hand that memory to
+    anyone else.
+  - ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``): where the node had no
+    area free, for a batch too large for one, and for zero-copy write leases.
 - Reads without a round trip: ``listed_slots`` finds every key in the node's shared
   directory (:mod:`kvpool.directory`) → read → ``still_held`` (no entry's
   generation moved, so no block's memory was handed out meanwhile) → ``ops.touch``, which
@@ -27,10 +36,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool import checksum as ck
+from kvpool.config import PAGE_BYTES, pages
 from kvpool.directory import DirectoryReader, Location
 from kvpool.errors import ProtocolError, Status
 from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import (
+    MAX_AREA_BYTES,
+    AreaRequest,
+    AreaResponse,
     CommitRequest,
     Op,
     PinRequest,
@@ -56,6 +69,68 @@ from .ops import (
     touch,
     unpin,
 )
+
+AREA_BYTES = 64 << 20  # the write area a connection asks for, unless a batch needs more
+AREA_SHARE = 8  # and at most this fraction of the arena (the node's bound too)
+AREA_RETRY_S = 1.0  # after the node had none free, puts reserve for this long
+
+
+@dataclass(slots=True)
+class WriteArea:
+    """A connection's write area: ``num_bytes`` of free arena memory at ``offset``, held
+    until ``held_until`` at the latest (``time.monotonic``; ``area_id`` 0: none)."""
+
+    area_id: int = 0
+    offset: int = 0
+    num_bytes: int = 0
+    lease_s: float = 0.0
+    held_until: float = 0.0
+    refused_until: float = 0.0  # the node had none free: not asked again before then
+
+    def fits(self, num_bytes: int) -> bool:
+        """Whether ``num_bytes`` of blocks can go in now, with half the lease to spare."""
+        return (
+            bool(self.area_id)
+            and num_bytes <= self.num_bytes
+            and time.monotonic() + self.lease_s / 2 < self.held_until
+        )
+
+    def places(self, sizes: Sequence[int]) -> list[int]:
+        """Where blocks of ``sizes`` go: one after another at the front, page-aligned."""
+        places, offset = [], self.offset
+        for size in sizes:
+            places.append(offset)
+            offset += pages(size) * PAGE_BYTES
+        return places
+
+    def take_front(self, num_bytes: int, sent: float) -> None:
+        """The node took ``num_bytes`` off the front, for a COMMIT sent at ``sent`` (which
+        renewed the lease)."""
+        self.offset += num_bytes
+        self.num_bytes -= num_bytes
+        self.held_until = sent + self.lease_s
+        if not self.num_bytes:
+            self.area_id = 0
+
+
+def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int) -> Op_[None]:
+    """Ask for a write area of at least ``num_bytes`` in place of the one held, unless the
+    node had none free a moment ago or it would be too large."""
+    bound = min(arena_bytes // AREA_SHARE, MAX_AREA_BYTES)
+    if num_bytes > bound or time.monotonic() < area.refused_until:
+        return
+    sent = time.monotonic()
+    area.area_id = 0
+    yield Request(Op.AREA, AreaRequest(num_bytes=min(max(num_bytes, AREA_BYTES), bound)))
+    response, _ = yield Recv(Op.AREA, AreaResponse)
+    if not response.area_id:
+        area.refused_until = sent + AREA_RETRY_S
+        return
+    if response.offset < 0 or response.offset + response.num_bytes > arena_bytes:
+        raise ProtocolError(f"node handed out an area outside its arena: {response.offset}")
+    area.offset, area.num_bytes = response.offset, response.num_bytes
+    area.lease_s, area.held_until = response.lease_ms / 1000, sent + response.lease_ms / 1000
+    area.area_id = response.area_id
 
 
 @dataclass(slots=True)
@@ -220,26 +295,69 @@ def put_shm(
     arena: memoryview,
     replicate: bool,
     origins: Sequence[BlockOrigin | None] | None = None,
+    area: WriteArea | None = None,
 ) -> Op_[PutResult]:
-    """Reserve arena slots, copy the blocks in directly, then commit them."""
-    slots = yield from reserve_slots(keys, [len(v) for v in views], arena)
+    """Copy the blocks straight into the arena, then commit them: at the front of the
+    connection's write ``area`` where it fits them, else into slots reserved first."""
+    sizes = [len(v) for v in views]
+    num_bytes = sum(pages(size) for size in sizes) * PAGE_BYTES
+    if area is not None and not area.fits(num_bytes):
+        yield from renew_area(area, num_bytes, len(arena))
+    if area is not None and area.fits(num_bytes):
+        return (yield from _put_in_area(keys, views, arena, area, replicate, origins))
+    slots = yield from reserve_slots(keys, sizes, arena)
     if not slots.slot_id:
         return PutResult(slots.statuses)
-
-    def copy_in() -> BaseException | None:
-        try:
-            for slot, view in zip(slots.views, views, strict=True):
-                if slot is not None:
-                    ck.copy(slot, view)
-        except BaseException as exc:  # reported after the reservation is aborted
-            return exc
-        return None
-
-    failed = yield Compute(copy_in, sum(len(v) for v in views))
+    failed = yield Compute(lambda: _copy_in(slots.views, views), sum(sizes))
     if failed is not None:
         yield from abort(slots.slot_id)
         raise failed
     return (yield from commit_slots(slots, replicate, origins))
+
+
+def _put_in_area(
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+    arena: memoryview,
+    area: WriteArea,
+    replicate: bool,
+    origins: Sequence[BlockOrigin | None] | None,
+) -> Op_[PutResult]:
+    sizes = [len(v) for v in views]
+    places = area.places(sizes)
+    targets = [arena[p : p + n] for p, n in zip(places, sizes, strict=True)]
+    failed = yield Compute(lambda: _copy_in(targets, views), sum(sizes))
+    if failed is not None:  # nothing is committed: the area's front is still free
+        raise failed
+    request = CommitRequest(
+        area_id=area.area_id,
+        keys=list(keys),
+        sizes=sizes,
+        replicate=replicate,
+        origins=list(origins) if origins is not None else None,
+    )
+    area_id, area.area_id = area.area_id, 0  # until the node confirms it took the front
+    sent = time.monotonic()
+    yield Request(Op.COMMIT, request)
+    response, _ = yield Recv(Op.COMMIT, StatusResponse)
+    check_len("statuses", response.statuses, len(keys))
+    area.area_id = area_id
+    area.take_front(sum(pages(size) for size in sizes) * PAGE_BYTES, sent)
+    return PutResult(statuses_of(response.statuses))
+
+
+def _copy_in(
+    slots: Sequence[memoryview | None], views: Sequence[memoryview]
+) -> BaseException | None:
+    """Copy each block into its slot (None: not written); what the copy raised, if anything
+    (reported once the slots are let go)."""
+    try:
+        for slot, view in zip(slots, views, strict=True):
+            if slot is not None:
+                ck.copy(slot, view)
+    except BaseException as exc:
+        return exc
+    return None
 
 
 def _copy_out(

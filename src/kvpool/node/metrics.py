@@ -35,7 +35,7 @@ class _StatsCollector(Collector):
             (
                 "gauge",
                 "kvpool_reserved_bytes",
-                "Arena bytes reserved by writes in flight.",
+                "Arena bytes reserved by writes in flight and held as write areas.",
                 s.reserved_bytes,
             ),
             ("gauge", "kvpool_blocks", "Committed blocks.", s.num_blocks),

@@ -74,13 +74,13 @@ class Sealer:
         if num_bytes <= INLINE_SEAL_BYTES:
             self._publish(blocks, self._hash(blocks), replicate, origins)
             return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
         keys = [b.key for b in blocks if b is not None]
         # Acknowledged before it is hashed: a daemon that dies meanwhile hashes it at start.
         self.store.journal.filled(Entry(b.key, b.offset, b.size, None) for b in blocks if b)
         for key in keys:
             self._sealing[key] = done
-        task = asyncio.ensure_future(asyncio.to_thread(self._hash, blocks))
 
         def finish(task: asyncio.Future[list[int | None]]) -> None:
             checksums: list[int | None] = [None] * len(blocks)  # dropped, unless hashed
@@ -98,7 +98,10 @@ class Sealer:
                         del self._sealing[key]
                 done.set_result(None)
 
-        task.add_done_callback(finish)
+        def start() -> None:
+            asyncio.ensure_future(asyncio.to_thread(self._hash, blocks)).add_done_callback(finish)
+
+        loop.call_soon(start)  # once the writer's reply is on its way: waking a thread costs
 
     def _publish(
         self,

@@ -279,7 +279,7 @@ class NodeServer:
             tcp_address=self.tcp_address,
             capacity_bytes=store.capacity,
             used_bytes=store.used_bytes,
-            reserved_bytes=store.reserved_bytes,
+            reserved_bytes=store.reserved_bytes + store.areas.num_bytes,
             num_blocks=len(store),
             num_pinned=store.num_pinned,
             hits=counters.lookup_hits,

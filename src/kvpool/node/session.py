@@ -1,10 +1,11 @@
 """One client connection of the node: the handshake, then requests served in order.
 
-- Writes have one path: the store's reserve → commit.  A RESERVE hands the offsets to a
-  same-host client that copies the blocks itself and then sends COMMIT; a PUT carries the
-  blocks, which are received straight into the reserved slots, verified against their
-  checksums piece by piece as they arrive, and committed the same way.  A mismatch is never
-  committed.
+- Writes have one path: pending blocks, then a commit.  A same-host client copies the
+  blocks itself, into slots a RESERVE handed it or, with no round trip first, at the front
+  of its write area (AREA: see :mod:`kvpool.store.areas`), then sends COMMIT.  A PUT
+  carries the blocks, which are received straight into reserved slots, verified against
+  their checksums piece by piece as they arrive, and committed the same way.  A mismatch
+  is never committed.
 - Reads have one path: the store's pin → unpin.  A PIN hands the offsets to a same-host
   client, which verifies and copies, then sends UNPIN; a GET sends the pinned blocks with
   scatter-gather ``sendmsg`` and unpins.
@@ -41,7 +42,6 @@ from kvpool.errors import (
     UnsupportedVersion,
     status_for_error,
 )
-from kvpool.keys import BlockOrigin
 from kvpool.protocol import auth
 from kvpool.protocol import messages as msg
 from kvpool.protocol.channel import AsyncChannel, PeerClosed
@@ -78,7 +78,9 @@ TENANT_OPS = frozenset(
 
 
 # What need not wait for the seals in flight (every other request sees them done).
-_BEFORE_SEALS = frozenset({Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PUT, Op.UNPIN, Op.TOUCH, Op.HEALTH})
+_BEFORE_SEALS = frozenset(
+    {Op.AREA, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PUT, Op.UNPIN, Op.TOUCH, Op.HEALTH}
+)
 
 
 class TransferTimeout(Exception):
@@ -229,6 +231,8 @@ class Session:
                 await self.channel.skip(payload_left)
             if header.wants_reply:
                 await self._reply_error(header.op, header.request_id, exc)
+            else:  # nobody waits for the answer: say it here
+                log.warning("%s from %s without a reply failed: %s", op_name, self.peer, exc)
         except Exception as exc:  # a bug: report it, keep the connection if framing is intact
             log.exception("internal error serving %s", op_name)
             if header.op == Op.PUT:
@@ -263,16 +267,6 @@ class Session:
 
     # -- the write path: reserve -> (fill) -> commit ----------------------------------------
 
-    def _commit(
-        self,
-        reservation_id: int,
-        checksums: Sequence[int | None],
-        replicate: bool,
-        origins: Sequence[BlockOrigin | None] | None = None,
-    ) -> None:
-        result = self.store.commit(reservation_id, checksums, self.owner, origins)
-        self.server.published(result, replicate)
-
     async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):
             raise BadRequest("keys and sizes differ in length")
@@ -285,12 +279,25 @@ class Session:
         )
         await self._reply(header, Op.RESERVE, response)
 
-    async def _commit_request(self, header: FrameHeader, req: msg.CommitRequest) -> None:
-        blocks = self.store.take(req.reservation_id, self.owner)
+    async def _area(self, header: FrameHeader, req: msg.AreaRequest) -> None:
+        area = self.store.reserve_area(req.num_bytes, self.owner, req.lease_ms / 1000)
+        response = msg.AreaResponse(area_id=0)
+        if area is not None:
+            lease_ms = int(area.lease_s * 1000)
+            response = msg.AreaResponse(area.area_id, area.offset, area.num_bytes, lease_ms)
+        await self._reply(header, Op.AREA, response)
+
+    async def _commit(self, header: FrameHeader, req: msg.CommitRequest) -> None:
+        if req.area_id:
+            placed = self.store.place(req.area_id, req.keys, req.sizes, self.owner)
+            blocks, statuses = placed.blocks, placed.statuses
+        else:
+            blocks = self.store.take(req.reservation_id, self.owner)
+            statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
         if req.origins is not None and len(req.origins) != len(blocks):
+            self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
             raise BadRequest(f"{len(req.origins)} origins for {len(blocks)} blocks")
         self.server.sealer.seal(blocks, req.replicate, req.origins)  # the writer goes on
-        statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
         await self._reply(header, Op.COMMIT, _statuses(statuses))
 
     async def _abort(self, header: FrameHeader, req: msg.AbortRequest) -> None:
@@ -301,8 +308,8 @@ class Session:
         keys, sizes = req.keys, req.sizes
         problem = ""
         expected = sum(sizes) + CHECKSUM_BYTES * len(sizes)
-        if len(keys) != len(sizes):
-            problem = "keys and sizes differ in length"
+        if len(keys) != len(sizes) or len(req.origins or keys) != len(keys):
+            problem = "keys, sizes and origins differ in length"
         elif expected != header.payload_len:
             problem = f"payload of {header.payload_len} bytes, sizes need {expected}"
         if problem:
@@ -327,7 +334,8 @@ class Session:
                     statuses[i] = Status.CHECKSUM_MISMATCH
                     checksums.append(None)
         if result.reservation_id:
-            self._commit(result.reservation_id, checksums, req.replicate, req.origins)
+            committed = self.store.commit(result.reservation_id, checksums, self.owner, req.origins)
+            self.server.published(committed, req.replicate)
         await self._reply(header, Op.PUT, _statuses(statuses))
 
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
@@ -479,21 +487,7 @@ def _statuses(statuses: Sequence[Status]) -> msg.StatusResponse:
     return msg.StatusResponse(statuses=[int(s) for s in statuses])
 
 
+# Every request op is served by the Session method of its name (``Op.PUT``: ``_put``).
 _HANDLERS: dict[int, Callable[[Session, FrameHeader, Any], Any]] = {
-    Op.LOOKUP: Session._lookup,
-    Op.PUT: Session._put,
-    Op.GET: Session._get,
-    Op.RESERVE: Session._reserve,
-    Op.COMMIT: Session._commit_request,
-    Op.ABORT: Session._abort,
-    Op.PIN: Session._pin,
-    Op.UNPIN: Session._unpin,
-    Op.TOUCH: Session._touch,
-    Op.DELETE: Session._delete,
-    Op.REPORT_CORRUPT: Session._report_corrupt,
-    Op.DESCRIBE: Session._describe,
-    Op.STATS: Session._stats,
-    Op.HEALTH: Session._health,
-    Op.SHUTDOWN: Session._shutdown,
-    Op.PREFETCH: Session._prefetch,
+    op: getattr(Session, f"_{op.name.lower()}") for op in Op if op not in (Op.CHALLENGE, Op.HELLO)
 }

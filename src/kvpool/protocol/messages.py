@@ -44,6 +44,7 @@ SUPPORTED_VERSIONS = (2,)
 
 MAX_KEYS_PER_REQUEST = 16384
 MAX_BLOCK_BYTES = 256 << 20
+MAX_AREA_BYTES = 1 << 30
 MAX_WAIT_MS = 60_000
 MAX_LEASE_MS = 600_000
 MAX_NAME_LEN = 256
@@ -90,6 +91,7 @@ class Op(enum.IntEnum):
     SHUTDOWN = 16
     PREFETCH = 17
     TOUCH = 18  # no reply: blocks a same-host client read through the shared directory
+    AREA = 19  # a write area for a same-host client (see kvpool.store.areas)
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
@@ -188,12 +190,29 @@ class ReserveResponse(Message):
 
 
 class CommitRequest(Message):
-    """Publish a filled reservation.  The node hashes the blocks itself (it *seals* them:
-    see :mod:`kvpool.node.sealing`), so the writer only copies."""
+    """Publish a filled reservation, or (``area_id``) the blocks of ``keys`` that the writer
+    put one after another at the front of its write area (page-aligned).  The node hashes
+    the blocks itself (it *seals* them: see :mod:`kvpool.node.sealing`), so the writer only
+    copies."""
 
-    reservation_id: int
+    reservation_id: int = 0
     replicate: bool = True
     origins: Origins | None = None
+    area_id: int = 0
+    keys: Keys = []
+    sizes: Sizes = []
+
+
+class AreaRequest(Message):
+    num_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_AREA_BYTES)]
+    lease_ms: LeaseMs = 0
+
+
+class AreaResponse(Message):
+    area_id: int  # 0: no free extent that large now
+    offset: int = 0
+    num_bytes: int = 0
+    lease_ms: int = 0
 
 
 class AbortRequest(Message):
@@ -313,6 +332,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.SHUTDOWN: ShutdownRequest,
     Op.PREFETCH: PrefetchRequest,
     Op.TOUCH: KeysRequest,
+    Op.AREA: AreaRequest,
 }
 
 RESPONSE_TYPES: dict[Op, type[Message]] = {
@@ -334,4 +354,5 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.SHUTDOWN: Empty,
     Op.PREFETCH: PrefetchResponse,
     Op.TOUCH: Empty,
+    Op.AREA: AreaResponse,
 }

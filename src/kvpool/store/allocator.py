@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvpool.config import PAGE_BYTES
+from kvpool.config import PAGE_BYTES, pages
 
 SL_BITS = 3  # 8 second-level bins per power of two
 SL_COUNT = 1 << SL_BITS
+
+
+__all__ = ["Allocator", "BumpAllocator", "SegregatedFitAllocator", "pages"]
 
 
 class Allocator(Protocol):
@@ -37,10 +40,6 @@ class Allocator(Protocol):
     def largest_free(self) -> int: ...
 
     def adopt(self, extents: list[tuple[int, int]]) -> list[bool]: ...
-
-
-def pages(num_bytes: int) -> int:
-    return max(1, -(-num_bytes // PAGE_BYTES))
 
 
 def _bin_of(num_pages: int) -> int:

@@ -67,6 +67,20 @@ class Reservation:
 
 
 @dataclass(slots=True, eq=False)
+class Area:
+    """A write area: free arena memory one same-host writer holds, to put the blocks of its
+    next writes in, one after another, without asking first; reclaimed if not used again
+    before ``deadline`` (each use renews the lease)."""
+
+    area_id: int
+    owner: int
+    offset: int
+    num_bytes: int
+    lease_s: float
+    deadline: float
+
+
+@dataclass(slots=True, eq=False)
 class Pin:
     """Blocks one reader is copying, protected from eviction until ``deadline``."""
 

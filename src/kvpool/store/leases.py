@@ -1,4 +1,5 @@
-"""The book of what clients hold under leases: reservations and pins, by id and by owner.
+"""The book of what clients hold under leases: reservations, write areas and pins, by id
+and by owner.
 
 One :class:`LeaseBook` per kind.  It only keeps the records; the store decides what a lease
 means (an abort, an unpin) when one is ended, expires or its owner goes away.
@@ -28,6 +29,11 @@ class LeaseBook(Generic[H]):
     def add(self, id_: int, held: H) -> None:
         self._id_to_held[id_] = held
         self._owner_to_ids.setdefault(held.owner, set()).add(id_)
+
+    def get(self, id_: int, owner: int) -> H | None:
+        """The lease ``id_``, if ``owner`` holds it."""
+        held = self._id_to_held.get(id_)
+        return held if held is not None and held.owner == owner else None
 
     def pop(self, id_: int, owner: int | None = None) -> H | None:
         """End the lease ``id_`` and return it, if it is held (by ``owner``, when given)."""

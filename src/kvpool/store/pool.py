@@ -27,6 +27,9 @@ Rules (each has a test in tests/store/test_pool.py):
 12. The shared directory (:mod:`kvpool.directory`) lists committed, sealed blocks, and
     withdraws each before its memory can be handed out again.
 13. ``touch`` counts reads made through the directory: they keep blocks recent, as pins do.
+14. A write area is free memory a same-host writer holds under a lease
+    (:mod:`kvpool.store.areas`).  ``place`` makes its front the pending blocks of the keys
+    named, in order, with the statuses ``reserve`` would give, and frees a refused key's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from kvpool.directory import DirectoryWriter, NoDirectory
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import BlockOrigin
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
+from kvpool.store.areas import WriteAreas
 from kvpool.store.block import (
+    Area,
     Block,
     BlockState,
     CommitResult,
@@ -58,6 +63,7 @@ from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.leases import LeaseBook
 from kvpool.store.namespaces import NamespaceTable
 from kvpool.store.quotas import Quotas
+from kvpool.store.space import Space
 from kvpool.timing import LeasePolicy
 
 Clock = Callable[[], float]
@@ -83,8 +89,6 @@ class BlockStore:
         self.allocator = allocator or SegregatedFitAllocator(capacity)
         self.capacity = self.allocator.capacity
         self.eviction = eviction or LRUPolicy()
-        self.high_watermark = high_watermark
-        self.low_watermark = low_watermark
         self.leases = leases or LeasePolicy()
         self.clock = clock
         self.counters = StoreCounters()
@@ -103,11 +107,20 @@ class BlockStore:
         self.directory = directory if directory is not None else NoDirectory()
         self.spill = spill
         self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
+        self.areas = WriteAreas(self.allocator, self.leases, clock, self._ids)
+        self.space = Space(
+            self.allocator,
+            self.eviction,
+            self._index,
+            lambda block: self._remove(block, evicted=True),
+            high_watermark,
+            low_watermark,
+        )
         self._adopt()
 
     def set_quotas(self, limits: dict[bytes, int] | None) -> None:
         """Per-tenant limits, by tag (None: no tenants); counts what is held now."""
-        self.quotas = None if limits is None else Quotas()
+        self.quotas = self.space.quotas = None if limits is None else Quotas()
         if self.quotas is not None and limits is not None:
             self.quotas.recount(limits, ((b.key, b.size) for b in self._index.values()))
 
@@ -150,6 +163,40 @@ class BlockStore:
         node's own copies, which always end in commit or abort)."""
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
+        statuses, wanted = self._admit(keys, sizes)
+        offsets = self.space.allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
+        blocks = self._add_pending(keys, sizes, statuses, wanted, offsets)
+        granted = math.inf if held else self.leases.reserve(lease_s)
+        reservation_id = next(self._ids) if any(b is not None for b in blocks) else 0
+        if reservation_id:
+            deadline = self.clock() + granted
+            self._reservations.add(
+                reservation_id, Reservation(reservation_id, owner, blocks, deadline)
+            )
+        return ReserveResult(reservation_id, statuses, blocks, granted)
+
+    def reserve_area(self, num_bytes: int, owner: int, lease_s: float = 0.0) -> Area | None:
+        """A write area for ``owner`` (rule 14: see :mod:`kvpool.store.areas`)."""
+        return self.areas.grant(num_bytes, owner, lease_s)
+
+    def place(
+        self, area_id: int, keys: Sequence[bytes], sizes: Sequence[int], owner: int
+    ) -> ReserveResult:
+        """The blocks of ``keys`` that the owner wrote one after another at the front of its
+        write area, as pending blocks with no lease (as :meth:`take` leaves them); the
+        place of a refused key is freed."""
+        if len(keys) != len(sizes):
+            raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
+        places = self.areas.take_front(area_id, owner, sizes)
+        statuses, wanted = self._admit(keys, sizes)
+        for i in set(range(len(keys))) - set(wanted):
+            self.allocator.free(places[i])
+        blocks = self._add_pending(keys, sizes, statuses, wanted, [places[i] for i in wanted])
+        return ReserveResult(0, statuses, blocks)
+
+    def _admit(self, keys: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[Status], list[int]]:
+        """Per key, OK where it may be written, else why not; the indexes of the OK keys,
+        which count against their tenant's quota from here on."""
         statuses: list[Status] = []
         wanted: list[int] = []
         seen: set[bytes] = set()
@@ -160,16 +207,26 @@ class BlockStore:
                 statuses.append(Status.PENDING if pending else Status.EXISTS)
             elif pages(size) * 4096 > self.capacity:
                 statuses.append(Status.REFUSED)
-            elif self.quotas is not None and not self._fit_quota(key, size):
+            elif self.quotas is not None and not self.space.fit_quota(key, size):
                 statuses.append(Status.OVER_QUOTA)
             else:
                 statuses.append(Status.OK)
                 wanted.append(i)
                 seen.add(key)
                 if self.quotas is not None:
-                    self.quotas.added(key, size)  # counted from the reservation on
+                    self.quotas.added(key, size)
+        return statuses, wanted
+
+    def _add_pending(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        statuses: list[Status],
+        wanted: list[int],
+        offsets: Sequence[int | None],
+    ) -> list[Block | None]:
+        """Pending blocks of the wanted keys at ``offsets`` (None: NO_SPACE)."""
         blocks: list[Block | None] = [None] * len(keys)
-        offsets = self._allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
         for i, offset in zip(wanted, offsets, strict=True):
             if offset is None:
                 statuses[i] = Status.NO_SPACE
@@ -180,14 +237,7 @@ class BlockStore:
             self._index[keys[i]] = block
             self.reserved_bytes += block.size
             blocks[i] = block
-        granted = math.inf if held else self.leases.reserve(lease_s)
-        reservation_id = next(self._ids) if any(b is not None for b in blocks) else 0
-        if reservation_id:
-            deadline = self.clock() + granted
-            self._reservations.add(
-                reservation_id, Reservation(reservation_id, owner, blocks, deadline)
-            )
-        return ReserveResult(reservation_id, statuses, blocks, granted)
+        return blocks
 
     def commit(
         self, reservation_id: int, checksums: Checksums, owner: int, origins: Origins = None
@@ -223,7 +273,7 @@ class BlockStore:
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
-        self._evict_past_high_watermark()
+        self.space.trim()
         if self.journal.needs_compaction(self.num_committed):
             self.journal.compact(self._entries_oldest_first(), self.namespaces.labels())
         self._changed()
@@ -397,61 +447,10 @@ class BlockStore:
         if block.num_pins == 0:
             self.allocator.free(block.offset)
 
-    # -- space ----------------------------------------------------------------------------
-
-    def _allocate_batch(self, keys: list[bytes], sizes: list[int]) -> list[int | None]:
-        """One contiguous extent for the whole batch if there is one, else block by block."""
-        if not sizes:
-            return []
-        if len(sizes) > 1:
-            extent = self.allocator.allocate(sum(pages(s) * 4096 for s in sizes))
-            if extent is not None:
-                return list(self.allocator.carve(extent, sizes))
-        return [self._allocate(key, size) for key, size in zip(keys, sizes, strict=True)]
-
-    def _evict(self, allowed: Callable[[bytes], bool], done: Callable[[], bool]) -> bool:
-        """Evict LRU blocks that ``allowed`` admits until ``done()``; whether it got there."""
-        for victim in self.eviction.victims():
-            if done():
-                return True
-            block = self._index.get(victim)
-            if block is not None and block.is_evictable and allowed(victim):
-                self._remove(block, evicted=True)
-        return done()
-
-    def _allocate(self, key: bytes, num_bytes: int) -> int | None:
-        offsets: list[int] = []
-
-        def allocated() -> bool:
-            if not offsets and (offset := self.allocator.allocate(num_bytes)) is not None:
-                offsets.append(offset)
-            return bool(offsets)
-
-        quotas = self.quotas  # another tenant's block, within its share, stays
-        self._evict(lambda victim: quotas is None or quotas.may_evict(victim, key), allocated)
-        return offsets[0] if offsets else None
-
-    def _fit_quota(self, key: bytes, size: int) -> bool:
-        """Whether ``size`` more bytes fit the tenant's quota, after evicting its own LRU blocks."""
-        quotas = self.quotas
-        if quotas is None or not quotas.room(key, size):
-            return True
-        return self._evict(
-            lambda victim: quotas.same_tenant(victim, key), lambda: not quotas.room(key, size)
-        )
-
-    def _evict_past_high_watermark(self) -> None:
-        if self.allocator.used > self.high_watermark * self.capacity:
-            target, quotas = self.low_watermark * self.capacity, self.quotas
-            self._evict(
-                lambda victim: quotas is None or quotas.may_evict(victim, None),
-                lambda: self.allocator.used <= target,
-            )
-
     # -- leases and owners ----------------------------------------------------------------
 
     def expire(self) -> int:
-        """Abort expired reservations and drop expired pins; returns how many."""
+        """Abort expired reservations, drop expired pins and areas; returns how many."""
         now = self.clock()
         expired_reservations = self._reservations.expired(now)
         for reservation_id, reservation in expired_reservations:
@@ -459,9 +458,10 @@ class BlockStore:
         expired_pins = self._pins.expired(now)
         for pin_id, _ in expired_pins:
             self.unpin(pin_id)
+        num_areas = self.areas.expire(now)
         self.counters.expired_reservations += len(expired_reservations)
         self.counters.expired_pins += len(expired_pins)
-        return len(expired_reservations) + len(expired_pins)
+        return len(expired_reservations) + len(expired_pins) + num_areas
 
     def release_owner(self, owner: int) -> None:
         """A client went away: abort its reservations and drop its pins."""
@@ -469,6 +469,7 @@ class BlockStore:
             self.abort(reservation_id, owner)
         for pin_id in self._pins.ids_of(owner):
             self.unpin(pin_id)
+        self.areas.release(owner)
 
     # -- introspection --------------------------------------------------------------------
 

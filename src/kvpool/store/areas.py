@@ -1,0 +1,96 @@
+"""Write areas: free arena memory that same-host writers hold, one area per writer, so that
+a put needs no round trip before its copy (rule 14 of :mod:`kvpool.store.pool`).
+
+A writer places the blocks of each put one after another at the front of its area, copies
+them in, and names their keys in one COMMIT; the node carves that front off the area with
+the allocator (the pieces become the blocks, freed one by one later) and renews the
+area's lease.  An area is taken only where a free extent is that large now: nothing is
+evicted for one, and a writer that gets none reserves its blocks the usual way.  It is
+bounded to a share of the arena, and its memory returns when its lease runs out, its
+writer leaves, or the writer asks for another.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from kvpool.config import PAGE_BYTES, pages
+from kvpool.errors import BadRequest, LeaseExpired
+from kvpool.store.allocator import Allocator
+from kvpool.store.block import Area
+from kvpool.store.leases import LeaseBook
+from kvpool.timing import LeasePolicy
+
+AREA_SHARE = 8  # an area takes at most this fraction of the arena
+
+
+class WriteAreas:
+    def __init__(
+        self,
+        allocator: Allocator,
+        leases: LeasePolicy,
+        clock: Callable[[], float],
+        ids: itertools.count[int],
+    ):
+        self.allocator = allocator
+        self.leases = leases
+        self.clock = clock
+        self._ids = ids
+        self._book: LeaseBook[Area] = LeaseBook()
+        self.num_bytes = 0  # held by all the areas now
+
+    def grant(self, num_bytes: int, owner: int, lease_s: float = 0.0) -> Area | None:
+        """An area of ``num_bytes`` (whole pages) for ``owner``, in place of the one it held,
+        if an extent that large is free now."""
+        self.release(owner)
+        size = pages(num_bytes) * PAGE_BYTES
+        offset = None
+        if size <= self.allocator.capacity // AREA_SHARE:
+            offset = self.allocator.allocate(size)
+        if offset is None:
+            return None
+        granted = self.leases.reserve(lease_s)
+        area = Area(next(self._ids), owner, offset, size, granted, self.clock() + granted)
+        self._book.add(area.area_id, area)
+        self.num_bytes += size
+        return area
+
+    def take_front(self, area_id: int, owner: int, sizes: Sequence[int]) -> list[int]:
+        """Carve pieces of ``sizes`` (page-rounded, in order) off the front of the area: their
+        offsets, each now allocated on its own.  The rest stays the area's, its lease
+        renewed."""
+        area = self._book.get(area_id, owner)
+        if area is None:
+            raise LeaseExpired(f"write area {area_id} expired or was replaced")
+        pieces = [pages(size) * PAGE_BYTES for size in sizes]
+        rest = area.num_bytes - sum(pieces)
+        if rest < 0:
+            raise BadRequest(f"{sum(pieces)} bytes of blocks in a write area of {area.num_bytes}")
+        offsets = self.allocator.carve(area.offset, pieces + [rest] * bool(rest))
+        self.num_bytes -= sum(pieces)
+        if rest:
+            area.offset, area.num_bytes = offsets.pop(), rest
+            area.deadline = self.clock() + area.lease_s
+        else:
+            self._book.pop(area_id, owner)
+        return offsets
+
+    def expire(self, now: float) -> int:
+        expired = self._book.expired(now)
+        for area_id, _ in expired:
+            self._drop(area_id)
+        return len(expired)
+
+    def release(self, owner: int) -> None:
+        for area_id in self._book.ids_of(owner):
+            self._drop(area_id)
+
+    def _drop(self, area_id: int) -> None:
+        area = self._book.pop(area_id)
+        if area is not None:
+            self.num_bytes -= area.num_bytes
+            self.allocator.free(area.offset)
+
+    def __len__(self) -> int:
+        return len(self._book)
