@@ -41,9 +41,9 @@ def reserve_op(keys, sizes, lease_ms=0):
 def commit_op(reservation_id, replicate=False):
     """A COMMIT on a raw connection (the node hashes the blocks): the statuses."""
     from kvpool.client import ops
-    from kvpool.protocol.messages import CommitRequest, Op, StatusResponse
+    from kvpool.protocol.messages import CommitRequest, CommitResponse, Op
 
     request = CommitRequest(reservation_id=reservation_id, replicate=replicate)
     yield ops.Request(Op.COMMIT, request)
-    response, _ = yield ops.Recv(Op.COMMIT, StatusResponse)
+    response, _ = yield ops.Recv(Op.COMMIT, CommitResponse)
     return response.statuses

@@ -133,10 +133,10 @@ def _reserve_only(keys):
 
 
 def _commit(reserved):
-    from kvpool.protocol.messages import CommitRequest, Op, StatusResponse
+    from kvpool.protocol.messages import CommitRequest, CommitResponse, Op
 
     yield ops.Request(Op.COMMIT, CommitRequest(reservation_id=reserved.reservation_id))
-    yield ops.Recv(Op.COMMIT, StatusResponse)
+    yield ops.Recv(Op.COMMIT, CommitResponse)
 
 
 def test_async_client(node):

@@ -118,12 +118,15 @@ def test_write_areas_refuse_bad_sizes_and_strangers_and_lose_nothing(node):
     fits = {"area_id": area["area_id"], "keys": [key("whole")], "sizes": [1 << 20]}
     status, reply = ask(Op.COMMIT, fits)
     assert status == 0 and reply["statuses"] == [Status.OK]
-    # Used up: the area is gone; another connection's area is not this one's.
+    # Used up, the area was swapped for a fresh one of the same size; the old one is gone.
+    fresh = reply["area"]
+    assert fresh["area_id"] != area["area_id"] and fresh["num_bytes"] == 1 << 20
     assert ask(Op.COMMIT, fits)[0] == Status.LEASE_EXPIRED
     with Client(node.unix_address) as c:
         assert c.lookup([key("whole"), key("far"), key("a")]) == 1
         assert c.put([key("theirs")], [b"x" * 4096]).all_stored
-        assert c.stats().reserved_bytes > 0  # their area
+        # Theirs (an eighth of the arena, less a page) and this connection's fresh one.
+        assert c.stats().area_bytes == (8 << 20) - 4096 + (1 << 20)
     _, mine = ask(Op.AREA, {"num_bytes": 4096})
     stranger = {"area_id": mine["area_id"] + 1000, "keys": [key("s")], "sizes": [4096]}
     assert ask(Op.COMMIT, stranger)[0] == Status.LEASE_EXPIRED

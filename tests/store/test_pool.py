@@ -228,6 +228,23 @@ def test_rule14_a_write_area_becomes_blocks_front_first_and_returns_its_memory(c
     assert store.used_bytes == 5 * PAGE_BYTES and len(store.areas) == 0
 
 
+def test_rule14_an_area_running_short_is_swapped_for_a_fresh_one(clock):
+    store = BlockStore(64 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
+    area = store.reserve_area(8 * PAGE_BYTES, owner=1)
+    assert area is not None
+    store.place(area.area_id, [key(1)], [5 * PAGE_BYTES], owner=1)  # 3 pages left: short
+    fresh = store.areas.held_by(1)
+    assert fresh is not None and fresh.area_id != area.area_id
+    assert fresh.num_bytes == 8 * PAGE_BYTES and len(store.areas) == 1
+    assert store.used_bytes == 13 * PAGE_BYTES  # the block and the fresh area: the rest went
+    with pytest.raises(LeaseExpired):
+        store.place(area.area_id, [key(2)], [PAGE_BYTES], owner=1)
+    # With no fresh one free, the rest stays.
+    put(store, [key(f"fill-{i}") for i in range(48)])  # 3 pages free
+    store.place(fresh.area_id, [key(3)], [5 * PAGE_BYTES], owner=1)
+    assert store.areas.held_by(1) is fresh and fresh.num_bytes == 3 * PAGE_BYTES
+
+
 def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):
     store = BlockStore(64 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
     assert store.reserve_area(9 * PAGE_BYTES, owner=1) is None  # past an eighth of the arena

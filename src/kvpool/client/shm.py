@@ -45,12 +45,12 @@ from kvpool.protocol.messages import (
     AreaRequest,
     AreaResponse,
     CommitRequest,
+    CommitResponse,
     Op,
     PinRequest,
     PinResponse,
     ReserveRequest,
     ReserveResponse,
-    StatusResponse,
 )
 
 from .ops import (
@@ -103,14 +103,18 @@ class WriteArea:
             offset += pages(size) * PAGE_BYTES
         return places
 
-    def take_front(self, num_bytes: int, sent: float) -> None:
-        """The node took ``num_bytes`` off the front, for a COMMIT sent at ``sent`` (which
-        renewed the lease)."""
-        self.offset += num_bytes
-        self.num_bytes -= num_bytes
+    def update(self, response: AreaResponse | None, arena_bytes: int, sent: float) -> None:
+        """Hold the area the node says this connection holds, as of a request sent at
+        ``sent`` (which renewed its lease); None: none."""
+        self.area_id = 0
+        if response is None or not response.area_id:
+            return
+        if response.offset < 0 or response.offset + response.num_bytes > arena_bytes:
+            raise ProtocolError(f"node handed out an area outside its arena: {response.offset}")
+        self.offset, self.num_bytes = response.offset, response.num_bytes
+        self.lease_s = response.lease_ms / 1000
         self.held_until = sent + self.lease_s
-        if not self.num_bytes:
-            self.area_id = 0
+        self.area_id = response.area_id
 
 
 def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int) -> Op_[None]:
@@ -123,14 +127,9 @@ def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int) -> Op_[None]:
     area.area_id = 0
     yield Request(Op.AREA, AreaRequest(num_bytes=min(max(num_bytes, AREA_BYTES), bound)))
     response, _ = yield Recv(Op.AREA, AreaResponse)
-    if not response.area_id:
+    area.update(response, arena_bytes, sent)
+    if not area.area_id:
         area.refused_until = sent + AREA_RETRY_S
-        return
-    if response.offset < 0 or response.offset + response.num_bytes > arena_bytes:
-        raise ProtocolError(f"node handed out an area outside its arena: {response.offset}")
-    area.offset, area.num_bytes = response.offset, response.num_bytes
-    area.lease_s, area.held_until = response.lease_ms / 1000, sent + response.lease_ms / 1000
-    area.area_id = response.area_id
 
 
 @dataclass(slots=True)
@@ -220,7 +219,7 @@ def commit_slots(
         origins=list(origins) if origins is not None else None,
     )
     yield Request(Op.COMMIT, request)
-    response, _ = yield Recv(Op.COMMIT, StatusResponse)
+    response, _ = yield Recv(Op.COMMIT, CommitResponse)
     check_len("statuses", response.statuses, len(slots.keys))
     statuses = list(slots.statuses)
     for i, status in enumerate(statuses_of(response.statuses)):
@@ -336,13 +335,12 @@ def _put_in_area(
         replicate=replicate,
         origins=list(origins) if origins is not None else None,
     )
-    area_id, area.area_id = area.area_id, 0  # until the node confirms it took the front
+    area.area_id = 0  # until the node says which area this connection holds now
     sent = time.monotonic()
     yield Request(Op.COMMIT, request)
-    response, _ = yield Recv(Op.COMMIT, StatusResponse)
+    response, _ = yield Recv(Op.COMMIT, CommitResponse)
     check_len("statuses", response.statuses, len(keys))
-    area.area_id = area_id
-    area.take_front(sum(pages(size) for size in sizes) * PAGE_BYTES, sent)
+    area.update(response.area, len(arena), sent)
     return PutResult(statuses_of(response.statuses))
 
 

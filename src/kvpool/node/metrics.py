@@ -35,8 +35,14 @@ class _StatsCollector(Collector):
             (
                 "gauge",
                 "kvpool_reserved_bytes",
-                "Arena bytes reserved by writes in flight and held as write areas.",
+                "Arena bytes reserved by writes in flight.",
                 s.reserved_bytes,
+            ),
+            (
+                "gauge",
+                "kvpool_area_bytes",
+                "Free arena bytes that same-host writers hold as write areas.",
+                s.area_bytes,
             ),
             ("gauge", "kvpool_blocks", "Committed blocks.", s.num_blocks),
             ("gauge", "kvpool_pinned_blocks", "Blocks pinned by readers.", s.num_pinned),

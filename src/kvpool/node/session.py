@@ -48,6 +48,7 @@ from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
+from kvpool.store.block import Area
 from kvpool.store.pool import PinResult
 from kvpool.tenants import Credential, Tenant
 from kvpool.timing import LeasePolicy
@@ -281,16 +282,14 @@ class Session:
 
     async def _area(self, header: FrameHeader, req: msg.AreaRequest) -> None:
         area = self.store.reserve_area(req.num_bytes, self.owner, req.lease_ms / 1000)
-        response = msg.AreaResponse(area_id=0)
-        if area is not None:
-            lease_ms = int(area.lease_s * 1000)
-            response = msg.AreaResponse(area.area_id, area.offset, area.num_bytes, lease_ms)
-        await self._reply(header, Op.AREA, response)
+        await self._reply(header, Op.AREA, _area_response(area) or msg.AreaResponse(area_id=0))
 
     async def _commit(self, header: FrameHeader, req: msg.CommitRequest) -> None:
+        area: msg.AreaResponse | None = None
         if req.area_id:
             placed = self.store.place(req.area_id, req.keys, req.sizes, self.owner)
             blocks, statuses = placed.blocks, placed.statuses
+            area = _area_response(self.store.areas.held_by(self.owner))
         else:
             blocks = self.store.take(req.reservation_id, self.owner)
             statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
@@ -298,7 +297,8 @@ class Session:
             self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
             raise BadRequest(f"{len(req.origins)} origins for {len(blocks)} blocks")
         self.server.sealer.seal(blocks, req.replicate, req.origins)  # the writer goes on
-        await self._reply(header, Op.COMMIT, _statuses(statuses))
+        response = msg.CommitResponse([int(s) for s in statuses], area)
+        await self._reply(header, Op.COMMIT, response)
 
     async def _abort(self, header: FrameHeader, req: msg.AbortRequest) -> None:
         self.store.abort(req.reservation_id, self.owner)
@@ -481,6 +481,12 @@ def _scoped(request: Any, tenant: Tenant) -> Any:
     if hasattr(request, "keys"):
         return msgspec.structs.replace(request, keys=tenant.scope_all(request.keys))
     return request
+
+
+def _area_response(area: Area | None) -> msg.AreaResponse | None:
+    if area is None:
+        return None
+    return msg.AreaResponse(area.area_id, area.offset, area.num_bytes, int(area.lease_s * 1000))
 
 
 def _statuses(statuses: Sequence[Status]) -> msg.StatusResponse:

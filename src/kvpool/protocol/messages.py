@@ -215,6 +215,14 @@ class AreaResponse(Message):
     lease_ms: int = 0
 
 
+class CommitResponse(Message):
+    """A status per key; for a commit in a write area, the area the connection holds now
+    (the rest of the old one, or a fresh one once the rest ran short; None: none)."""
+
+    statuses: Statuses
+    area: AreaResponse | None = None
+
+
 class AbortRequest(Message):
     reservation_id: int
 
@@ -304,6 +312,7 @@ class NodeStats(Message):
     corrupt_reports: int = 0  # blocks readers or the scrubber found corrupt (and dropped)
     scrubbed_bytes: int = 0  # re-hashed by the scrubber (kvpool.node.sealing)
     scrub_dropped: int = 0  # blocks the scrubber found damaged
+    area_bytes: int = 0  # free memory same-host writers hold as write areas
     tiers: Annotated[list[TierStats], msgspec.Meta(max_length=MAX_TIERS)] = []
     prefetch: PrefetchStats | None = None
 
@@ -342,7 +351,7 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.PUT: StatusResponse,
     Op.GET: GetResponse,
     Op.RESERVE: ReserveResponse,
-    Op.COMMIT: StatusResponse,
+    Op.COMMIT: CommitResponse,
     Op.ABORT: Empty,
     Op.PIN: PinResponse,
     Op.UNPIN: Empty,

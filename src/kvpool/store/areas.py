@@ -4,8 +4,10 @@ a put needs no round trip before its copy (rule 14 of :mod:`kvpool.store.pool`).
 A writer places the blocks of each put one after another at the front of its area, copies
 them in, and names their keys in one COMMIT; the node carves that front off the area with
 the allocator (the pieces become the blocks, freed one by one later) and renews the
-area's lease.  An area is taken only where a free extent is that large now: nothing is
-evicted for one, and a writer that gets none reserves its blocks the usual way.  It is
+area's lease.  Once the rest is smaller than what was just taken, the node swaps it for a
+fresh area of the size first granted, and says so in the COMMIT's reply: a steady writer
+never asks again.  An area is taken only where a free extent is that large now: nothing
+is evicted for one, and a writer that gets none reserves its blocks the usual way.  It is
 bounded to a share of the arena, and its memory returns when its lease runs out, its
 writer leaves, or the writer asks for another.
 """
@@ -44,6 +46,9 @@ class WriteAreas:
         """An area of ``num_bytes`` (whole pages) for ``owner``, in place of the one it held,
         if an extent that large is free now."""
         self.release(owner)
+        return self._new(num_bytes, owner, lease_s)
+
+    def _new(self, num_bytes: int, owner: int, lease_s: float) -> Area | None:
         size = pages(num_bytes) * PAGE_BYTES
         offset = None
         if size <= self.allocator.capacity // AREA_SHARE:
@@ -51,15 +56,21 @@ class WriteAreas:
         if offset is None:
             return None
         granted = self.leases.reserve(lease_s)
-        area = Area(next(self._ids), owner, offset, size, granted, self.clock() + granted)
+        area = Area(next(self._ids), owner, offset, size, granted, self.clock() + granted, size)
         self._book.add(area.area_id, area)
         self.num_bytes += size
         return area
 
+    def held_by(self, owner: int) -> Area | None:
+        """The area ``owner`` holds now, if any."""
+        ids = self._book.ids_of(owner)
+        return self._book.get(ids[0], owner) if ids else None
+
     def take_front(self, area_id: int, owner: int, sizes: Sequence[int]) -> list[int]:
         """Carve pieces of ``sizes`` (page-rounded, in order) off the front of the area: their
         offsets, each now allocated on its own.  The rest stays the area's, its lease
-        renewed."""
+        renewed, unless it is smaller than the pieces and a fresh area is free (see
+        :meth:`held_by`)."""
         area = self._book.get(area_id, owner)
         if area is None:
             raise LeaseExpired(f"write area {area_id} expired or was replaced")
@@ -74,6 +85,10 @@ class WriteAreas:
             area.deadline = self.clock() + area.lease_s
         else:
             self._book.pop(area_id, owner)
+        if rest < sum(pieces):  # the next write like this one would not fit: refill
+            fresh = self._new(area.granted_bytes, owner, area.lease_s)
+            if fresh is not None and rest:  # else, with none free, the rest stays
+                self._drop(area_id)
         return offsets
 
     def expire(self, now: float) -> int:
