@@ -2,13 +2,21 @@
 alone (medians of 64 calls): put, get, a lookup round trip, memcpy into pre-faulted memory,
 the fused copy and xxh3 hash, and the hash alone.
 
+And the ceiling of any write that another process acknowledges: the same memcpy followed by
+one round trip of a few bytes over a Unix socket to a process that echoes them, and that
+round trip alone (``bare_round_trip_ms``, back to back).  On a VM whose idle vCPUs halt,
+waking the other side costs far more after a copy than back to back.
+
     .venv/bin/python -m benchmarks.breakdown
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -32,6 +40,21 @@ def _median_ms(fn: Callable[[int], object]) -> float:
         fn(i)
         times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1e3, 3)
+
+
+_ECHO = """
+import socket, sys
+sock = socket.socket(fileno=int(sys.argv[1]))
+while data := sock.recv(64):
+    sock.sendall(data)
+"""
+
+
+def _round_trip(sock: socket.socket) -> None:
+    sock.sendall(b"x" * 32)
+    got = 0
+    while got < 32:
+        got += len(sock.recv(64))
 
 
 def main() -> None:
@@ -65,6 +88,19 @@ def main() -> None:
             ),
             "hash_ms": _median_ms(lambda i: [ck.checksum(s) for s in src]),
         }
+    ours, theirs = socket.socketpair()
+    echo = subprocess.Popen(
+        [sys.executable, "-c", _ECHO, str(theirs.fileno())], pass_fds=[theirs.fileno()]
+    )
+    theirs.close()
+    try:
+        out["memcpy_then_round_trip_ms"] = _median_ms(
+            lambda i: ([np.copyto(piece(i, j), src[j]) for j in range(BLOCKS)], _round_trip(ours))
+        )
+        out["bare_round_trip_ms"] = _median_ms(lambda i: _round_trip(ours))
+    finally:
+        ours.close()
+        echo.wait(timeout=10)
     print(" ".join(f"{k}={v}" for k, v in out.items()))
 
 
