@@ -11,7 +11,6 @@ usable.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import functools
@@ -198,7 +197,7 @@ class Connection:
         self.directory: DirectoryReader | None = None  # the arena's, where readers may use it
         self.area = WriteArea()  # where this connection's puts go, once the node granted it
         self._request_ids = itertools.count(1)
-        self._expected_ids: collections.deque[int] = collections.deque()  # replies due
+        self._expected_id = 0
         self._touched: list[bytes] = []  # keys of TOUCH notices not sent yet
         self._touched_since = 0.0
         timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
@@ -241,7 +240,7 @@ class Connection:
         touched = self._touch_frames()
         request_id = next(self._request_ids) & 0xFFFFFFFF
         if not effect.no_reply:
-            self._expected_ids.append(request_id)
+            self._expected_id = request_id
         flags = FLAG_NO_REPLY if effect.no_reply else 0
         frame = encode_frame(
             effect.op,
@@ -270,17 +269,14 @@ class Connection:
             self.channel.send(self._touch_frames())
 
     def _check_response(self, header: FrameHeader, expected_op: int, meta: bytes) -> None:
-        expected_id = -1
-        if expected_op != Op.CHALLENGE:
-            expected_id = self._expected_ids.popleft() if self._expected_ids else -1
         if header.status != 0:
-            if self._expected_ids:  # replies still due that nobody will read: drop it
-                self.broken = True
             raise error_for_status(header.status, decode_error(meta), node=self.node)
         if not header.is_response or header.op != expected_op:
             raise ProtocolError(f"expected a response to op {expected_op}, got op {header.op}")
-        if expected_op != Op.CHALLENGE and header.request_id != expected_id:
-            raise ProtocolError(f"response to request {header.request_id}, expected {expected_id}")
+        if expected_op != Op.CHALLENGE and header.request_id != self._expected_id:
+            raise ProtocolError(
+                f"response to request {header.request_id}, expected {self._expected_id}"
+            )
 
     def _perform(self, effect: Any) -> Any:
         channel = self.channel

@@ -31,7 +31,6 @@ Like :mod:`kvpool.client.ops`, this is free of I/O: operations yield effects.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -323,51 +322,26 @@ def _put_in_area(
     replicate: bool,
     origins: Sequence[BlockOrigin | None] | None,
 ) -> Op_[PutResult]:
-    """Copy the blocks one after another to the area's front and commit them.  A batch of
-    several blocks is committed in two parts, the first (never the larger) as soon as it is
-    copied: the node takes and seals it while the rest is copied, so that the one reply
-    the writer waits for comes from a node already at work."""
     sizes = [len(v) for v in views]
     places = area.places(sizes)
     targets = [arena[p : p + n] for p, n in zip(places, sizes, strict=True)]
-    split = _first_part(sizes)
-    parts = [(0, split), (split, len(sizes))] if split else [(0, len(sizes))]
-    area_id, area.area_id = area.area_id, 0  # until the node says which area it holds now
+    failed = yield Compute(lambda: _copy_in(targets, views), sum(sizes))
+    if failed is not None:  # nothing is committed: the area's front is still free
+        raise failed
+    request = CommitRequest(
+        area_id=area.area_id,
+        keys=list(keys),
+        sizes=sizes,
+        replicate=replicate,
+        origins=list(origins) if origins is not None else None,
+    )
+    area.area_id = 0  # until the node says which area this connection holds now
     sent = time.monotonic()
-    for start, end in parts:
-        copy = functools.partial(_copy_in, targets[start:end], views[start:end])
-        failed = yield Compute(copy, sum(sizes[start:end]))
-        if failed is not None:  # what is not committed stays the area's, unused
-            raise failed
-        request = CommitRequest(
-            area_id=area_id,
-            keys=list(keys[start:end]),
-            sizes=sizes[start:end],
-            replicate=replicate,
-            origins=list(origins[start:end]) if origins is not None else None,
-        )
-        yield Request(Op.COMMIT, request)
-    statuses: list[Status] = []
-    for _ in parts:
-        response, _ = yield Recv(Op.COMMIT, CommitResponse)
-        statuses += statuses_of(response.statuses)
-    check_len("statuses", statuses, len(keys))
+    yield Request(Op.COMMIT, request)
+    response, _ = yield Recv(Op.COMMIT, CommitResponse)
+    check_len("statuses", response.statuses, len(keys))
     area.update(response.area, len(arena), sent)
-    return PutResult(statuses)
-
-
-def _first_part(sizes: Sequence[int]) -> int:
-    """How many leading blocks make the largest first part no larger than the rest (so that
-    the node, seeing the rest of the area no smaller than what the first part took, does
-    not swap the area before the second part arrives); 0: do not split."""
-    pieces = [pages(size) for size in sizes]
-    total, first, split = sum(pieces), 0, 0
-    for i, piece in enumerate(pieces[:-1]):
-        first += piece
-        if first > total - first:
-            break
-        split = i + 1
-    return split
+    return PutResult(statuses_of(response.statuses))
 
 
 def _copy_in(
