@@ -125,8 +125,8 @@ def test_write_areas_refuse_bad_sizes_and_strangers_and_lose_nothing(node):
     with Client(node.unix_address) as c:
         assert c.lookup([key("whole"), key("far"), key("a")]) == 1
         assert c.put([key("theirs")], [b"x" * 4096]).all_stored
-        # Theirs (an eighth of the arena, less a page) and this connection's fresh one.
-        assert c.stats().area_bytes == (8 << 20) - 4096 + (1 << 20)
+        # Theirs (4 MiB, the least a client asks for, less a page) and this one's fresh one.
+        assert c.stats().area_bytes == (4 << 20) - 4096 + (1 << 20)
     _, mine = ask(Op.AREA, {"num_bytes": 4096})
     stranger = {"area_id": mine["area_id"] + 1000, "keys": [key("s")], "sizes": [4096]}
     assert ask(Op.COMMIT, stranger)[0] == Status.LEASE_EXPIRED

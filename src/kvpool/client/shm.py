@@ -70,7 +70,10 @@ from .ops import (
     unpin,
 )
 
-AREA_BYTES = 64 << 20  # the write area a connection asks for, unless a batch needs more
+# A connection asks for an area twice as large as the batch that needs one (at least
+# MIN_AREA_BYTES): the node swaps in a fresh one, in a COMMIT's reply, whenever the rest
+# runs short, so a larger area would only keep more memory idle.
+MIN_AREA_BYTES = 4 << 20
 AREA_SHARE = 8  # and at most this fraction of the arena (the node's bound too)
 AREA_RETRY_S = 1.0  # after the node had none free, puts reserve for this long
 
@@ -125,7 +128,8 @@ def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int) -> Op_[None]:
         return
     sent = time.monotonic()
     area.area_id = 0
-    yield Request(Op.AREA, AreaRequest(num_bytes=min(max(num_bytes, AREA_BYTES), bound)))
+    want = min(max(2 * num_bytes, MIN_AREA_BYTES), bound)
+    yield Request(Op.AREA, AreaRequest(num_bytes=want))
     response, _ = yield Recv(Op.AREA, AreaResponse)
     area.update(response, arena_bytes, sent)
     if not area.area_id:
