@@ -123,7 +123,7 @@ class WriteArea:
 def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int) -> Op_[None]:
     """Ask for a write area of at least ``num_bytes`` in place of the one held, unless the
     node had none free a moment ago or it would be too large."""
-    bound = min(arena_bytes // AREA_SHARE, MAX_AREA_BYTES)
+    bound = min(arena_bytes // AREA_SHARE // PAGE_BYTES * PAGE_BYTES, MAX_AREA_BYTES)
     if num_bytes > bound or time.monotonic() < area.refused_until:
         return
     sent = time.monotonic()
