@@ -134,6 +134,22 @@ def test_write_areas_refuse_bad_sizes_and_strangers_and_lose_nothing(node):
     assert still_serving(node)
 
 
+def test_a_commit_with_the_wrong_number_of_origins_leaves_nothing_pending(node):
+    sock = connect(node)
+    meta = msgspec.msgpack.encode({"keys": [key("orphan")], "sizes": [4096]})
+    sock.sendall(header(Op.RESERVE, len(meta)) + meta)
+    reply, body = _read_frame(sock)
+    assert reply.status == 0
+    reservation_id = msgspec.msgpack.decode(body)["reservation_id"]
+    meta = msgspec.msgpack.encode({"reservation_id": reservation_id, "origins": [None, None]})
+    sock.sendall(header(Op.COMMIT, len(meta)) + meta)
+    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    with Client(node.unix_address) as c:  # dropped: neither stored nor stuck pending
+        assert c.lookup_state([key("orphan")]).is_next_pending is False
+        assert c.put([key("orphan")], [b"o" * 4096]).statuses == [Status.OK]
+    sock.close()
+
+
 @pytest.mark.parametrize(
     "raw",
     [
