@@ -41,11 +41,17 @@ DEFAULT_OBJECT_REFRESH_S = 2.0
 DEFAULT_SCRUB_BYTES_S = 64 * MiB  # a 64 GiB arena in about 17 minutes
 PAGE_BYTES = 4096
 MIN_ARENA_BYTES = 1 * MiB
+AREA_SHARE = 8  # a write area (kvpool.store.areas) is at most this fraction of the arena
 
 
 def pages(num_bytes: int) -> int:
     """How many arena pages a block of ``num_bytes`` takes (at least one)."""
     return max(1, -(-num_bytes // PAGE_BYTES))
+
+
+def page_bytes(num_bytes: int) -> int:
+    """The arena bytes a block of ``num_bytes`` takes: whole pages, at least one."""
+    return pages(num_bytes) * PAGE_BYTES
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool import checksum as ck
-from kvpool.config import PAGE_BYTES, pages
+from kvpool.config import AREA_SHARE, PAGE_BYTES, page_bytes
 from kvpool.directory import DirectoryReader, Location
 from kvpool.errors import ProtocolError, Status
 from kvpool.keys import BlockOrigin
@@ -74,7 +74,6 @@ from .ops import (
 # MIN_AREA_BYTES): the node swaps in a fresh one, in a COMMIT's reply, whenever the rest
 # runs short, so a larger area would only keep more memory idle.
 MIN_AREA_BYTES = 4 << 20
-AREA_SHARE = 8  # and at most this fraction of the arena (the node's bound too)
 AREA_RETRY_S = 1.0  # after the node had none free, puts reserve for this long
 
 
@@ -103,7 +102,7 @@ class WriteArea:
         places, offset = [], self.offset
         for size in sizes:
             places.append(offset)
-            offset += pages(size) * PAGE_BYTES
+            offset += page_bytes(size)
         return places
 
     def update(self, response: AreaResponse | None, arena_bytes: int, sent: float) -> None:
@@ -303,7 +302,7 @@ def put_shm(
     """Copy the blocks straight into the arena, then commit them: at the front of the
     connection's write ``area`` where it fits them, else into slots reserved first."""
     sizes = [len(v) for v in views]
-    num_bytes = sum(pages(size) for size in sizes) * PAGE_BYTES
+    num_bytes = sum(page_bytes(size) for size in sizes)
     if area is not None and not area.fits(num_bytes):
         yield from renew_area(area, num_bytes, len(arena))
     if area is not None and area.fits(num_bytes):

@@ -17,14 +17,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-from kvpool.config import PAGE_BYTES, pages
+from kvpool.config import AREA_SHARE, page_bytes
 from kvpool.errors import BadRequest, LeaseExpired
 from kvpool.store.allocator import Allocator
 from kvpool.store.block import Area
 from kvpool.store.leases import LeaseBook
 from kvpool.timing import LeasePolicy
-
-AREA_SHARE = 8  # an area takes at most this fraction of the arena
 
 
 class WriteAreas:
@@ -49,7 +47,7 @@ class WriteAreas:
         return self._new(num_bytes, owner, lease_s)
 
     def _new(self, num_bytes: int, owner: int, lease_s: float) -> Area | None:
-        size = pages(num_bytes) * PAGE_BYTES
+        size = page_bytes(num_bytes)
         offset = None
         if size <= self.allocator.capacity // AREA_SHARE:
             offset = self.allocator.allocate(size)
@@ -74,7 +72,7 @@ class WriteAreas:
         area = self._book.get(area_id, owner)
         if area is None:
             raise LeaseExpired(f"write area {area_id} expired or was replaced")
-        pieces = [pages(size) * PAGE_BYTES for size in sizes]
+        pieces = [page_bytes(size) for size in sizes]
         rest = area.num_bytes - sum(pieces)
         if rest < 0:
             raise BadRequest(f"{sum(pieces)} bytes of blocks in a write area of {area.num_bytes}")

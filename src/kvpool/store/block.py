@@ -78,7 +78,7 @@ class Area:
     num_bytes: int
     lease_s: float
     deadline: float
-    granted_bytes: int = 0  # its size when granted: what a refill asks for
+    granted_bytes: int  # its size when granted: what a refill asks for
 
 
 @dataclass(slots=True, eq=False)

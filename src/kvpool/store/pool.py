@@ -40,10 +40,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import takewhile
 
+from kvpool.config import page_bytes
 from kvpool.directory import DirectoryWriter, NoDirectory
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import BlockOrigin
-from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages
+from kvpool.store.allocator import Allocator, SegregatedFitAllocator
 from kvpool.store.areas import WriteAreas
 from kvpool.store.block import (
     Area,
@@ -128,7 +129,7 @@ class BlockStore:
         """Take over the blocks a replayed journal describes (a warm restart)."""
         replayed = self.journal.replayed
         hashed = [e for e in replayed.entries if e.checksum is not None]  # see seal_replayed
-        entries = [e for e in hashed if pages(e.size) * 4096 <= self.capacity]
+        entries = [e for e in hashed if page_bytes(e.size) <= self.capacity]
         taken = self.allocator.adopt([(e.offset, e.size) for e in entries])
         dropped = []
         for entry, ok in zip(entries, taken, strict=True):
@@ -205,7 +206,7 @@ class BlockStore:
             if existing is not None or key in seen:
                 pending = existing is None or existing.state is BlockState.RESERVED
                 statuses.append(Status.PENDING if pending else Status.EXISTS)
-            elif pages(size) * 4096 > self.capacity:
+            elif page_bytes(size) > self.capacity:
                 statuses.append(Status.REFUSED)
             elif self.quotas is not None and not self.space.fit_quota(key, size):
                 statuses.append(Status.OVER_QUOTA)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from kvpool.store.allocator import Allocator, pages
+from kvpool.config import page_bytes
+from kvpool.store.allocator import Allocator
 from kvpool.store.block import Block
 from kvpool.store.eviction import EvictionPolicy
 from kvpool.store.quotas import Quotas
@@ -37,7 +38,7 @@ class Space:
         if not sizes:
             return []
         if len(sizes) > 1:
-            extent = self.allocator.allocate(sum(pages(s) * 4096 for s in sizes))
+            extent = self.allocator.allocate(sum(page_bytes(s) for s in sizes))
             if extent is not None:
                 return list(self.allocator.carve(extent, list(sizes)))
         return [self._allocate(key, size) for key, size in zip(keys, sizes, strict=True)]
