@@ -38,6 +38,9 @@ DEFAULT_ETCD_TTL_S = 5
 DEFAULT_REPLICAS = 1
 DEFAULT_OBJECT_STORE_BYTES = 64 * GiB
 DEFAULT_OBJECT_REFRESH_S = 2.0
+# Threads a same-host put or get copies with by default, the caller's included.
+DEFAULT_COPY_THREADS = min(4, os.cpu_count() or 1)
+MAX_COPY_THREADS = 64
 DEFAULT_SCRUB_BYTES_S = 64 * MiB  # a 64 GiB arena in about 17 minutes
 PAGE_BYTES = 4096
 MIN_ARENA_BYTES = 1 * MiB
@@ -288,6 +291,9 @@ class ClientConfig:
     read_local_only: bool = False
     replicas: int = DEFAULT_REPLICAS
     max_connections: int = 8
+    # Threads a same-host put or get copies with, the caller's included (see
+    # kvpool.client.copier): one core moves memory slower than the memory can.
+    copy_threads: int = DEFAULT_COPY_THREADS
     # Hash every block read from the node's arena, even those the node sealed (see
     # kvpool.client.shm): for hosts where processes that map the arena are not trusted.
     verify_reads: bool = False
@@ -309,6 +315,8 @@ class ClientConfig:
             raise ConfigError("timeouts must be positive")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be at least 1")
+        if not 1 <= self.copy_threads <= MAX_COPY_THREADS:
+            raise ConfigError(f"copy_threads must be 1 to {MAX_COPY_THREADS}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("a client certificate (tls_cert) needs its key (tls_key)")
         return self
@@ -371,6 +379,7 @@ CLIENT_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_VERIFY_READS": ("verify_reads", parse_bool),
     "KVPOOL_READ_LOCAL_ONLY": ("read_local_only", parse_bool),
     "KVPOOL_REPLICAS": ("replicas", int),
+    "KVPOOL_COPY_THREADS": ("copy_threads", int),
     "KVPOOL_TLS": ("tls", parse_bool),
     "KVPOOL_TLS_CA": ("tls_ca", str),
     "KVPOOL_TLS_CERT": ("tls_cert", str),

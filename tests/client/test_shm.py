@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvpool import Client, Status, directory
+from kvpool import checksum as ck
 from kvpool.client import ops, shm
 from tests.helpers import content, key
 
@@ -215,3 +216,58 @@ def test_with_no_free_area_a_put_reserves_its_slots(start_node):
         assert (op_count(node, "area"), op_count(node, "reserve")) == (1, reserves + 2)
         got = c.get(wanted[1:])  # (the first filled the arena: it was evicted since)
         assert bytes(got.values[0]) == content(wanted[1], SIZE).tobytes()
+
+
+def test_a_puts_commit_carries_the_checksums_of_the_bytes_that_landed(node):
+    """The writer hashes each block as it copies it in, and its COMMIT says so: the node
+    does not hash the blocks again."""
+    keys = [key(f"hashed-{i}") for i in range(3)]
+    values = [content(k, 3 * SIZE + i) for i, k in enumerate(keys)]
+    commits: list[Any] = []
+
+    def recording(make: Callable[..., Any]) -> Callable[..., Any]:
+        def op(arena: memoryview, conn: Any) -> Any:
+            inner = make(arena, conn)
+            effect = next(inner)
+            while True:
+                if isinstance(effect, ops.Request) and effect.op == ops.Op.COMMIT:
+                    commits.append(effect.message)
+                try:
+                    effect = inner.send((yield effect))
+                except StopIteration as stop:
+                    return stop.value
+
+        return op
+
+    with Client(node.unix_address, timeout=10) as c:
+        local = c._require_local()
+        put = recording(lambda arena, conn: shm.put_shm(keys, values, arena, True, None, conn.area))
+        result = local.call(lambda conn: put(conn.arena, conn), 10)
+        assert result.statuses == [Status.OK] * 3
+        assert [m.checksums for m in commits] == [[ck.checksum(v) for v in values]]
+        assert [bytes(v) for v in c.get(keys).values] == [v.tobytes() for v in values]
+
+
+def test_the_node_publishes_a_writers_checksums_as_they_are(node):
+    """A block committed with its writer's checksum is served with that checksum: a reader
+    on another host gets the bytes of a right one, and a mismatch, never the bytes, for a
+    wrong one."""
+    right, wrong = key("writer-sum-right"), key("writer-sum-wrong")
+    data = content(right, SIZE)
+    with Client(node.unix_address, timeout=10) as c:
+        local = c._require_local()
+
+        def put(k: bytes, checksum: int) -> Any:
+            def op(conn: Any) -> Any:
+                slots = yield from shm.reserve_slots([k], [SIZE], conn.arena)
+                slots.views[0][:] = data.data
+                return (yield from shm.commit_slots(slots, False, None, [checksum]))
+
+            return local.call(op, 10)
+
+        assert put(right, ck.checksum(data)).statuses == [Status.OK]
+        assert put(wrong, ck.checksum(data) ^ 1).statuses == [Status.OK]
+    with Client(node.tcp_address, use_shm=False, timeout=10) as remote:
+        assert bytes(remote.get([right]).values[0]) == data.tobytes()
+        got = remote.get([wrong])
+        assert got.statuses == [Status.CHECKSUM_MISMATCH] and got.num_found == 0

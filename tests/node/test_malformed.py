@@ -134,14 +134,17 @@ def test_write_areas_refuse_bad_sizes_and_strangers_and_lose_nothing(node):
     assert still_serving(node)
 
 
-def test_a_commit_with_the_wrong_number_of_origins_leaves_nothing_pending(node):
+@pytest.mark.parametrize("listed", [{"origins": [None, None]}, {"checksums": [1, 2]}])
+def test_a_commit_with_the_wrong_number_of_origins_or_checksums_leaves_nothing_pending(
+    node, listed
+):
     sock = connect(node)
     meta = msgspec.msgpack.encode({"keys": [key("orphan")], "sizes": [4096]})
     sock.sendall(header(Op.RESERVE, len(meta)) + meta)
     reply, body = _read_frame(sock)
     assert reply.status == 0
     reservation_id = msgspec.msgpack.decode(body)["reservation_id"]
-    meta = msgspec.msgpack.encode({"reservation_id": reservation_id, "origins": [None, None]})
+    meta = msgspec.msgpack.encode({"reservation_id": reservation_id, **listed})
     sock.sendall(header(Op.COMMIT, len(meta)) + meta)
     assert _read_frame(sock)[0].status == Status.BAD_REQUEST
     with Client(node.unix_address) as c:  # dropped: neither stored nor stuck pending

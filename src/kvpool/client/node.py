@@ -21,6 +21,7 @@ from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcom
 
 from . import ops, shm
 from .connection import Connection, map_arena
+from .copier import Copier
 
 T = TypeVar("T")
 OpFactory = Callable[[Connection], Generator[Any, Any, T]]
@@ -86,6 +87,7 @@ class NodeClient:
         self._num_open = 0
         self._cond = threading.Condition()
         self._arenas = _ArenaCache(config)
+        self._copier = Copier(config.copy_threads)
         self._closed = False
         self.last_welcome: Welcome | None = None  # from the newest connection, if any
 
@@ -163,6 +165,7 @@ class NodeClient:
             self._release(conn)
 
     def close(self) -> None:
+        self._copier.close()
         with self._cond:
             self._closed = True
             for conn in self._idle:
@@ -240,7 +243,9 @@ class NodeClient:
             raise UsageError(f"{len(keys)} keys but {len(origins)} origins")
         return self.call(
             _shm_or_stream(
-                lambda arena, conn: shm.put_shm(keys, views, arena, replicate, origins, conn.area),
+                lambda arena, conn: shm.put_shm(
+                    keys, views, arena, replicate, origins, conn.area, self._copier
+                ),
                 lambda: ops.put_stream(keys, views, replicate, origins),
             ),
             timeout,
@@ -260,7 +265,14 @@ class NodeClient:
         return self.call(
             _shm_or_stream(
                 lambda arena, conn: shm.get_shm(
-                    keys, dsts, arena, conn.directory, prefix, wait_ms, self.config.verify_reads
+                    keys,
+                    dsts,
+                    arena,
+                    conn.directory,
+                    prefix,
+                    wait_ms,
+                    self.config.verify_reads,
+                    self._copier,
                 ),
                 lambda: ops.get_stream(keys, dsts, prefix, wait_ms),
             ),

@@ -1,8 +1,11 @@
 """The same-host path: blocks copied straight between the caller's buffers and the node's
 arena, with one path per direction, built from :class:`Slots`.
 
-- Writes: the writer only copies; the node hashes (seals) the blocks itself, behind it
-  (:mod:`kvpool.node.sealing`).  Two ways, one round trip or two:
+- Writes: the writer hashes each block as it copies it in, over a few threads
+  (:class:`~kvpool.client.copier.Copier`), and its COMMIT carries the checksums, so the node
+  publishes the blocks at once, sealed, with no second pass over them.  A process that
+  maps the arena can write any of it, so trusting its checksums trusts it with nothing
+  more.  Two ways, one round trip or two:
 
   - Into the connection's write area (:class:`WriteArea`, :mod:`kvpool.store.areas`):
     copy the blocks one after another at its front, then one COMMIT names their keys and
@@ -11,7 +14,10 @@ arena, with one path per direction, built from :class:`Slots`.
     commit renews it), so a copy ends long before the node could hand that memory to
     anyone else.
   - ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``): where the node had no
-    area free, for a batch too large for one, and for zero-copy write leases.
+    area free, for a batch too large for one, and for zero-copy write leases.  The bytes
+    of a zero-copy lease are written by the caller (or a DMA engine), not copied here, so
+    its COMMIT carries no checksums, and the node hashes (seals) those blocks itself
+    (:mod:`kvpool.node.sealing`).
 - Reads without a round trip: ``listed_slots`` finds every key in the node's shared
   directory (:mod:`kvpool.directory`) → read → ``still_held`` (no entry's
   generation moved, so no block's memory was handed out meanwhile) → ``ops.touch``, which
@@ -53,6 +59,7 @@ from kvpool.protocol.messages import (
     ReserveResponse,
 )
 
+from .copier import Copier
 from .ops import (
     Compute,
     GetResult,
@@ -211,15 +218,19 @@ def reserve_slots(
 
 
 def commit_slots(
-    slots: Slots, replicate: bool, origins: Sequence[BlockOrigin | None] | None = None
+    slots: Slots,
+    replicate: bool,
+    origins: Sequence[BlockOrigin | None] | None = None,
+    checksums: Sequence[int | None] | None = None,
 ) -> Op_[PutResult]:
-    """Publish the filled slots (the node hashes them); the statuses of the reservation and
-    of the commit, merged.  ``origins``: what each block was computed from (for the node's
-    KV events), if the writer knows."""
+    """Publish the filled slots, with the ``checksums`` of their bytes (None: the node
+    hashes them); the statuses of the reservation and of the commit, merged.  ``origins``:
+    what each block was computed from (for the node's KV events), if the writer knows."""
     request = CommitRequest(
         reservation_id=slots.slot_id,
         replicate=replicate,
         origins=list(origins) if origins is not None else None,
+        checksums=[c or 0 for c in checksums] if checksums is not None else None,
     )
     yield Request(Op.COMMIT, request)
     response, _ = yield Recv(Op.COMMIT, CommitResponse)
@@ -298,23 +309,26 @@ def put_shm(
     replicate: bool,
     origins: Sequence[BlockOrigin | None] | None = None,
     area: WriteArea | None = None,
+    copier: Copier | None = None,
 ) -> Op_[PutResult]:
-    """Copy the blocks straight into the arena, then commit them: at the front of the
-    connection's write ``area`` where it fits them, else into slots reserved first."""
+    """Copy the blocks straight into the arena, hashing them as they land, then commit them:
+    at the front of the connection's write ``area`` where it fits them, else into slots
+    reserved first."""
+    copier = copier or Copier(1)
     sizes = [len(v) for v in views]
     num_bytes = sum(page_bytes(size) for size in sizes)
     if area is not None and not area.fits(num_bytes):
         yield from renew_area(area, num_bytes, len(arena))
     if area is not None and area.fits(num_bytes):
-        return (yield from _put_in_area(keys, views, arena, area, replicate, origins))
+        return (yield from _put_in_area(keys, views, arena, area, replicate, origins, copier))
     slots = yield from reserve_slots(keys, sizes, arena)
     if not slots.slot_id:
         return PutResult(slots.statuses)
-    failed = yield Compute(lambda: _copy_in(slots.views, views), sum(sizes))
-    if failed is not None:
+    checksums = yield Compute(lambda: _copy_in(copier, slots.views, views), sum(sizes))
+    if isinstance(checksums, BaseException):
         yield from abort(slots.slot_id)
-        raise failed
-    return (yield from commit_slots(slots, replicate, origins))
+        raise checksums
+    return (yield from commit_slots(slots, replicate, origins, checksums))
 
 
 def _put_in_area(
@@ -324,17 +338,19 @@ def _put_in_area(
     area: WriteArea,
     replicate: bool,
     origins: Sequence[BlockOrigin | None] | None,
+    copier: Copier,
 ) -> Op_[PutResult]:
     sizes = [len(v) for v in views]
     places = area.places(sizes)
     targets = [arena[p : p + n] for p, n in zip(places, sizes, strict=True)]
-    failed = yield Compute(lambda: _copy_in(targets, views), sum(sizes))
-    if failed is not None:  # nothing is committed: the area's front is still free
-        raise failed
+    checksums = yield Compute(lambda: _copy_in(copier, targets, views), sum(sizes))
+    if isinstance(checksums, BaseException):  # nothing is committed: the front is still free
+        raise checksums
     request = CommitRequest(
         area_id=area.area_id,
         keys=list(keys),
         sizes=sizes,
+        checksums=[c or 0 for c in checksums],
         replicate=replicate,
         origins=list(origins) if origins is not None else None,
     )
@@ -348,34 +364,27 @@ def _put_in_area(
 
 
 def _copy_in(
-    slots: Sequence[memoryview | None], views: Sequence[memoryview]
-) -> BaseException | None:
-    """Copy each block into its slot (None: not written); what the copy raised, if anything
-    (reported once the slots are let go)."""
+    copier: Copier, slots: Sequence[memoryview | None], views: Sequence[memoryview]
+) -> list[int | None] | BaseException:
+    """Copy each block into its slot (None: not written), hashing it as it lands; the
+    checksums, or what the copy raised (reported once the slots are let go)."""
     try:
-        for slot, view in zip(slots, views, strict=True):
-            if slot is not None:
-                ck.copy(slot, view)
+        return copier.copy(slots, views, hashed=True)
     except BaseException as exc:
         return exc
-    return None
 
 
 def _copy_out(
-    slots: Slots, targets: list[memoryview | None], verify: list[bool]
+    copier: Copier, slots: Slots, targets: list[memoryview | None], verify: list[bool]
 ) -> list[int | None] | BaseException:
     """Copy each block into its target, hashing those that need it (and, for a pin that ran
     out meanwhile, every one); the checksums, or what the copy raised."""
     try:
-        checksums: list[int | None] = []
-        for t, v, hashed in zip(targets, slots.views, verify, strict=True):
-            if t is None or v is None:
-                checksums.append(None)
-            elif hashed:
-                checksums.append(ck.copy_with_checksum(t, v[: len(t)]))
-            else:
-                ck.copy(t, v[: len(t)])
-                checksums.append(None)
+        sources = [
+            v[: len(t)] if t is not None and v is not None else None
+            for t, v in zip(targets, slots.views, strict=True)
+        ]
+        checksums = copier.copy(targets, sources, verify)
         if slots.slot_id and not slots.still_held:  # memory may have been handed out
             checksums = [
                 c if c is not None or t is None else ck.checksum(t)
@@ -394,14 +403,18 @@ def get_shm(
     prefix: bool,
     wait_ms: int = 0,
     verify_all: bool = False,
+    copier: Copier | None = None,
 ) -> Op_[GetResult]:
     """Copy the blocks straight out of the arena: where the directory lists them all, with
     no round trip; else pin them, copy (hashing those that need it), unpin, verify."""
+    copier = copier or Copier(1)
     listed = listed_slots(keys, arena, directory) if directory is not None else None
     if listed is not None:
         sizes = [len(v) if v is not None else 0 for v in listed.views]
         targets = destinations(dsts, sizes, listed.statuses)
-        copied = yield Compute(lambda: _copy_out(listed, targets, [False] * len(keys)), sum(sizes))
+        copied = yield Compute(
+            lambda: _copy_out(copier, listed, targets, [False] * len(keys)), sum(sizes)
+        )
         if isinstance(copied, BaseException):
             raise copied
         if listed.still_held:
@@ -413,7 +426,7 @@ def get_shm(
     verify = slots.must_verify(verify_all)
     checksums: list[int | None] | BaseException = [None] * len(keys)
     if slots.slot_id:
-        checksums = yield Compute(lambda: _copy_out(slots, targets, verify), sum(sizes))
+        checksums = yield Compute(lambda: _copy_out(copier, slots, targets, verify), sum(sizes))
         yield from unpin(slots.slot_id)
     if isinstance(checksums, BaseException):
         raise checksums

@@ -293,10 +293,11 @@ class Session:
         else:
             blocks = self.store.take(req.reservation_id, self.owner)
             statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
-        if req.origins is not None and len(req.origins) != len(blocks):
-            self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
-            raise BadRequest(f"{len(req.origins)} origins for {len(blocks)} blocks")
-        self.server.sealer.seal(blocks, req.replicate, req.origins)  # the writer goes on
+        for name, listed in (("origins", req.origins), ("checksums", req.checksums)):
+            if listed is not None and len(listed) != len(blocks):
+                self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
+                raise BadRequest(f"{len(listed)} {name} for {len(blocks)} blocks")
+        self.server.sealer.seal(blocks, req.replicate, req.origins, req.checksums)
         response = msg.CommitResponse([int(s) for s in statuses], area)
         await self._reply(header, Op.COMMIT, response)
 

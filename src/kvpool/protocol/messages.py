@@ -16,7 +16,10 @@ PUT            keys, sizes + payload (checksum, block)*   status per key
 GET            keys                                       status, size, checksum per key
                                                           + payload of the found blocks
 RESERVE        keys, sizes (same-node writers)            status and arena offset per key
-COMMIT         reservation id, checksum per key           status per key
+AREA           bytes wanted (same-node writers)           write area: id, arena offset, size
+COMMIT         reservation id (or area id, keys, sizes);  status per key (+ the area held now)
+               the writer's checksum per key, if it
+               hashed the blocks as it copied them
 ABORT          reservation id                             -
 PIN            keys (same-node readers)                   pin id, offset, size, checksum per key
 UNPIN          pin id                                     - (sent without waiting for a reply)
@@ -191,9 +194,9 @@ class ReserveResponse(Message):
 
 class CommitRequest(Message):
     """Publish a filled reservation, or (``area_id``) the blocks of ``keys`` that the writer
-    put one after another at the front of its write area (page-aligned).  The node hashes
-    the blocks itself (it *seals* them: see :mod:`kvpool.node.sealing`), so the writer only
-    copies."""
+    put one after another at the front of its write area (page-aligned).  ``checksums``:
+    one per block, computed by the writer over the bytes it copied in; without them the
+    node hashes the blocks itself (it *seals* them: see :mod:`kvpool.node.sealing`)."""
 
     reservation_id: int = 0
     replicate: bool = True
@@ -201,6 +204,7 @@ class CommitRequest(Message):
     area_id: int = 0
     keys: Keys = []
     sizes: Sizes = []
+    checksums: Checksums | None = None
 
 
 class AreaRequest(Message):

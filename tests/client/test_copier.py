@@ -1,0 +1,115 @@
+"""The copier: a batch copied over several threads lands whole, hashed as it lands, and no
+thread is still copying once the call returns, even when a piece fails."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpool import checksum as ck
+from kvpool.client import copier as copier_module
+from kvpool.client.copier import Copier
+
+MiB = 1 << 20
+
+
+def batch(sizes: list[int]) -> tuple[list[memoryview], list[memoryview]]:
+    rng = np.random.default_rng(len(sizes))
+    srcs = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
+    dsts = [memoryview(np.zeros(n, dtype=np.uint8)) for n in sizes]
+    return srcs, dsts
+
+
+def test_a_batch_lands_whole_and_hashed_over_several_threads(monkeypatch):
+    sizes = [2 * MiB, 3 * MiB + 17, 2 * MiB, 5 * MiB]
+    srcs, dsts = batch(sizes)
+    threads: set[str] = set()
+    real_copy, real_fused = ck.copy, ck.copy_with_checksum
+
+    def slow(real):  # each piece takes long enough that the helpers get some of them
+        def run(dst, src):
+            threads.add(threading.current_thread().name)
+            time.sleep(0.01)
+            return real(dst, src)
+
+        return run
+
+    monkeypatch.setattr(ck, "copy", slow(real_copy))
+    monkeypatch.setattr(ck, "copy_with_checksum", slow(real_fused))
+    copier = Copier(3)
+    try:
+        got = copier.copy(dsts, srcs, hashed=[True, False, True, False])
+        assert [bytes(d) for d in dsts] == [bytes(s) for s in srcs]
+        assert got == [ck.checksum(srcs[0]), None, ck.checksum(srcs[2]), None]
+        assert len(threads) == 3
+    finally:
+        copier.close()
+
+
+def test_skipped_blocks_stay_untouched_and_small_batches_stay_on_the_caller(monkeypatch):
+    srcs, dsts = batch([256 << 10, 256 << 10, 256 << 10])
+    threads: set[str] = set()
+    real_copy = ck.copy
+
+    def record(dst, src):
+        threads.add(threading.current_thread().name)
+        real_copy(dst, src)
+
+    monkeypatch.setattr(ck, "copy", record)
+    copier = Copier(4)
+    try:
+        got = copier.copy([dsts[0], None, dsts[2]], [srcs[0], srcs[1], None])
+        assert got == [None, None, None]
+        assert bytes(dsts[0]) == bytes(srcs[0])
+        assert not any(any(d) for d in dsts[1:])
+        assert threads == {threading.current_thread().name}
+    finally:
+        copier.close()
+
+
+def test_a_failed_piece_is_raised_once_nothing_is_copying_any_more(monkeypatch):
+    """The caller's piece fails while a helper is in the middle of its own: the call waits
+    for that piece to end, gives up the rest, and raises the failure."""
+    srcs, dsts = batch([8 * MiB])
+    caller = threading.current_thread()
+    helper_copying = threading.Event()
+    finished: list[int] = []
+    failed: list[int] = []
+    real_copy = ck.copy
+
+    def copy(dst, src):
+        if threading.current_thread() is caller and not failed:
+            assert helper_copying.wait(10)
+            failed.append(1)
+            raise RuntimeError("a piece failed")
+        if threading.current_thread() is not caller:
+            helper_copying.set()
+            time.sleep(0.05)
+        real_copy(dst, src)
+        finished.append(1)
+
+    monkeypatch.setattr(ck, "copy", copy)
+    copier = Copier(2)
+    try:
+        with pytest.raises(RuntimeError, match="a piece failed"):
+            copier.copy(dsts, srcs)
+        done = len(finished)
+        time.sleep(0.2)
+        assert done >= 1 and len(finished) == done  # nobody copies after the call
+        assert done == 1  # the helper's piece; the rest were given up
+    finally:
+        copier.close()
+
+
+def test_a_mismatched_pair_is_refused_before_anything_is_copied():
+    srcs, dsts = batch([4 * MiB, 4 * MiB])
+    with pytest.raises(ValueError, match="copy of"):
+        Copier(2).copy([dsts[0], dsts[1][:-1]], srcs)
+    assert not any(bytes(dsts[0]))
+
+
+def test_the_default_thread_count_is_bounded():
+    assert 1 <= copier_module.DEFAULT_COPY_THREADS <= 4
