@@ -104,6 +104,27 @@ def test_a_failed_piece_is_raised_once_nothing_is_copying_any_more(monkeypatch):
         copier.close()
 
 
+def test_a_batch_of_many_small_blocks_stays_on_the_caller(monkeypatch):
+    """Blocks under GIL_FREE_BYTES are copied holding the GIL: threads would only take
+    turns."""
+    srcs, dsts = batch([ck.GIL_FREE_BYTES // 2] * 128)  # 4 MiB in all
+    threads: set[str] = set()
+    real_copy = ck.copy
+
+    def record(dst, src):
+        threads.add(threading.current_thread().name)
+        real_copy(dst, src)
+
+    monkeypatch.setattr(ck, "copy", record)
+    copier = Copier(4)
+    try:
+        copier.copy(dsts, srcs)
+        assert threads == {threading.current_thread().name}
+        assert [bytes(d) for d in dsts] == [bytes(s) for s in srcs]
+    finally:
+        copier.close()
+
+
 def test_a_mismatched_pair_is_refused_before_anything_is_copied():
     srcs, dsts = batch([4 * MiB, 4 * MiB])
     with pytest.raises(ValueError, match="copy of"):

@@ -115,20 +115,36 @@ def test_the_scrubber_drops_a_block_damaged_in_place(start_node):
         assert got.values[3] == content(keys[3], 200_000).tobytes()
 
 
-def test_a_put_is_seen_at_once_by_another_client_and_survives_a_crash(start_node):
-    """The node acknowledges a same-host commit before it hashes (seals) the blocks: reads
-    on other connections wait for the seal, and a daemon killed meanwhile adopts them."""
+def fill_and_commit(client: Client, keys: list[bytes], values: list[np.ndarray]) -> bool:
+    """A zero-copy write lease: its bytes are not the client's copies, so the node seals them."""
+    with client.reserve(keys, [len(v) for v in values]) as lease:
+        for view, value in zip(lease.views, values, strict=True):
+            np.frombuffer(view, np.uint8)[:] = value
+        return lease.commit().all_stored
+
+
+@pytest.mark.parametrize("write", ["put", "lease"])
+def test_a_write_is_seen_at_once_by_another_client_and_survives_a_crash(start_node, write):
+    """The node acknowledges a same-host commit before it publishes it (a put, with the
+    checksums its writer computed) or hashes (seals) it (a zero-copy lease): reads on
+    other connections wait for it, and a daemon killed meanwhile adopts the blocks."""
     node = start_node(name="seal", memory="256MiB")
     keys = [key(f"seal-{i}") for i in range(16)]
     values = [content(k, 4 << 20) for k in keys]  # 64 MiB: hashed off the event loop
+
+    def stored(client: Client, keys: list[bytes]) -> bool:
+        if write == "put":
+            return client.put(keys, values).all_stored
+        return fill_and_commit(client, keys, values)
+
     with Client(node.unix_address, timeout=10) as writer:
         with Client(node.unix_address, timeout=10) as reader:
-            assert writer.put(keys, values).all_stored
+            assert stored(writer, keys)
             assert reader.lookup(keys) == len(keys)  # no wait asked for: seen already
             got = reader.get(keys)
             assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]
         more = [key(f"seal-more-{i}") for i in range(16)]
-        assert writer.put(more, values).all_stored
+        assert stored(writer, more)
     node.kill()  # at once: the seal of `more` may still have been running
     again = start_node(name="seal", memory="256MiB")
     with Client(again.unix_address, timeout=10) as client:

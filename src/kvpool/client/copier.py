@@ -18,7 +18,8 @@ threads run them side by side.
   thread writes a block after its commit or after its pin is dropped.  The first error
   raised by any piece is raised by the call.
 - Batches smaller than ``PARALLEL_MIN_BYTES`` are copied on the calling thread: waking a
-  thread costs more than it saves there.
+  thread costs more than it saves there.  So are batches of blocks smaller than
+  :data:`kvpool.checksum.GIL_FREE_BYTES` on average, which are copied holding the GIL.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Copier:
 
     def _run(self, pieces: list[Callable[[], None]], num_bytes: int) -> None:
         helpers = min(self.num_threads - 1, len(pieces) - 1)
-        if helpers <= 0 or num_bytes < PARALLEL_MIN_BYTES:
+        small = num_bytes < PARALLEL_MIN_BYTES or num_bytes < len(pieces) * ck.GIL_FREE_BYTES
+        if helpers <= 0 or small:
             for piece in pieces:
                 piece()
             return
