@@ -66,6 +66,10 @@ def test_bench_json_has_every_case_and_field():
         assert case["gbps"] > 0 and case["ceiling_gbps"] > 0
         # The ratio is the median of per-round ratios: near, not equal to, the ratio of medians.
         assert 0.2 < case["ratio"] / (case["gbps"] / case["ceiling_gbps"]) < 5
+        if case["path"] == "shm":  # also beside memcpy over the client's copy threads
+            assert case["threads_ceiling_gbps"] > 0 and case["threads_ratio"] > 0
+        else:
+            assert case["threads_ceiling_gbps"] is None
     kv = {(c["op"], c["path"], c["block_bytes"]) for c in cases if c["system"] == "kvpool"}
     assert kv == {
         (op, path, size)

@@ -2,7 +2,9 @@
 the same run.
 
 - same-node (``path=shm``): the client copies through the node's arena; the ceiling is a
-  memcpy of the same blocks into a shared-memory mapping.
+  memcpy of the same blocks into a shared-memory mapping, on one thread.  The client copies
+  over ``copy_threads`` threads (:mod:`kvpool.client.copier`), so a second ceiling is the
+  same memcpy over that many threads (``threads_ceiling_gbps``).
 - TCP (``path=tcp``): the client streams over a TCP socket; the ceiling is a plain Python
   socket stream of the same blocks between two processes (sendall / recv_into).
 - Redis, when ``redis-server`` is installed, over TCP with pipelined SET / MGET: the remote
@@ -31,7 +33,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvpool.checksum import byte_view
 from kvpool.client.client import Client
+from kvpool.client.copier import Copier
 from kvpool.config import MiB, format_size
 from kvpool.demo.process import NodeProcess
 from kvpool.keys import Namespace
@@ -65,6 +69,8 @@ class Case:
     p50_ms: float
     p99_ms: float
     vs_redis: float | None = None
+    threads_ceiling_gbps: float | None = None  # shm: memcpy over the client's copy threads
+    threads_ratio: float | None = None
 
 
 @dataclass
@@ -255,7 +261,8 @@ def _run_size(
     size = format_size(block_bytes)
     # The memcpy ceiling spreads over as much shared memory as the pool's data does, so
     # that neither side profits from blocks still in the CPU cache.
-    with shm_buffer(batch_bytes * num_calls) as target:
+    with contextlib.ExitStack() as stack:
+        target = stack.enter_context(shm_buffer(batch_bytes * num_calls))
 
         def slots(call: int) -> list[np.ndarray]:
             base = (call % num_calls) * batch_bytes
@@ -272,11 +279,22 @@ def _run_size(
             for s, d in zip(slots(call), dst, strict=True):
                 np.copyto(d, s)
 
+        copier = Copier(shm_client.config.copy_threads)
+        stack.callback(copier.close)
+        src_views, dst_views = [byte_view(s) for s in src], [byte_view(d) for d in dst]
+
+        def memcpy_threads_in(call: int) -> None:
+            copier.copy([byte_view(d) for d in slots(call)], src_views)
+
+        def memcpy_threads_out(call: int) -> None:
+            copier.copy(dst_views, [byte_view(s) for s in slots(call)])
+
         for op, fns in (
             (
                 "put",
                 {
                     "memcpy": memcpy_in,
+                    "memcpy_threads": memcpy_threads_in,
                     "shm": put_with(shm_client, "shm"),
                     "stream": lambda _: stream.send(src),
                     "tcp": put_with(tcp_client, "tcp"),
@@ -286,6 +304,7 @@ def _run_size(
                 "get",
                 {
                     "memcpy": memcpy_out,
+                    "memcpy_threads": memcpy_threads_out,
                     "shm": get_with(shm_client, "shm"),
                     "stream": lambda _: stream.recv(dst),
                     "tcp": get_with(tcp_client, "tcp"),
@@ -299,8 +318,15 @@ def _run_size(
                     fns["redis"] = lambda call: redis_peer.get(keys_of("redis", call % num_calls))
             progress(f"{size} {op}: {', '.join(fns)}")
             times = _interleaved(ROUNDS, calls, fns)
+            shm = _case(
+                "kvpool", op, "shm", block_bytes, batch_bytes, times["shm"], times["memcpy"]
+            )
+            threads = _case(
+                "kvpool", op, "shm", block_bytes, batch_bytes, times["shm"], times["memcpy_threads"]
+            )
+            shm.threads_ceiling_gbps, shm.threads_ratio = threads.ceiling_gbps, threads.ratio
             ours = [
-                _case("kvpool", op, "shm", block_bytes, batch_bytes, times["shm"], times["memcpy"]),
+                shm,
                 _case("kvpool", op, "tcp", block_bytes, batch_bytes, times["tcp"], times["stream"]),
             ]
             report.cases.extend(ours)
@@ -344,6 +370,7 @@ def render(report: Report, console: Console) -> None:
         "GB/s",
         "ceiling GB/s",
         "ratio",
+        "threads ceiling (ratio)",
         "p50 ms",
         "p99 ms",
         "vs redis",
@@ -358,6 +385,7 @@ def render(report: Report, console: Console) -> None:
             f"{c.gbps:.2f}",
             f"{c.ceiling_gbps:.2f}",
             f"{c.ratio:.2f}",
+            f"{c.threads_ceiling_gbps:.2f} ({c.threads_ratio:.2f})" if c.threads_ratio else "-",
             f"{c.p50_ms:.2f}",
             f"{c.p99_ms:.2f}",
             f"{c.vs_redis:.2f}x" if c.vs_redis else "-",
