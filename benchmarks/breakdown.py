@@ -1,6 +1,8 @@
 """Where a same-node call goes: one client, 8 MiB batches of 2 MiB blocks, each piece timed
 alone (medians of 64 calls): put, get, a lookup round trip, memcpy into pre-faulted memory,
-the fused copy and xxh3 hash, and the hash alone.
+the fused copy and xxh3 hash, and the hash alone; and the same memcpy and fused copy over
+the client's copy threads (``*_threads_ms``, :mod:`kvpool.client.copier`), as a put and a
+get make them.
 
 And the ceiling of any write that another process acknowledges: the same memcpy followed by
 one round trip of a few bytes over a Unix socket to a process that echoes them, and that
@@ -24,6 +26,7 @@ import numpy as np
 
 from kvpool import checksum as ck
 from kvpool.client.client import Client
+from kvpool.client.copier import Copier
 from kvpool.config import MiB
 from kvpool.demo.process import NodeProcess
 from kvpool.keys import Namespace
@@ -88,6 +91,16 @@ def main() -> None:
             ),
             "hash_ms": _median_ms(lambda i: [ck.checksum(s) for s in src]),
         }
+        copier = Copier(client.config.copy_threads)
+        views = [memoryview(s) for s in src]
+        for name, hashed in (("memcpy_threads_ms", False), ("fused_copy_hash_threads_ms", True)):
+            out[name] = _median_ms(
+                lambda i, hashed=hashed: copier.copy(
+                    [memoryview(piece(i, j)) for j in range(BLOCKS)], views, hashed
+                )
+            )
+        copier.close()
+        out["copy_threads"] = client.config.copy_threads
     ours, theirs = socket.socketpair()
     echo = subprocess.Popen(
         [sys.executable, "-c", _ECHO, str(theirs.fileno())], pass_fds=[theirs.fileno()]

@@ -92,3 +92,10 @@ def test_environment_then_overrides():
     )
     assert node.memory_bytes == 2 << 30 and node.port == 1234 and node.name == "x"
     assert ClientConfig().validate().timeout_s > 0
+
+
+def test_copy_threads_come_from_the_environment_and_are_bounded():
+    assert client_config_from(None, {"KVPOOL_COPY_THREADS": "3"}).copy_threads == 3
+    for bad in ("0", "65"):
+        with pytest.raises(ConfigError, match="copy_threads"):
+            client_config_from(None, {"KVPOOL_COPY_THREADS": bad})
