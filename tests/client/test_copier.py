@@ -3,6 +3,7 @@ thread is still copying once the call returns, even when a piece fails."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -134,3 +135,41 @@ def test_a_mismatched_pair_is_refused_before_anything_is_copied():
 
 def test_the_default_thread_count_is_bounded():
     assert 1 <= copier_module.DEFAULT_COPY_THREADS <= 4
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_copies_over_threads_of_its_own():
+    """Threads do not survive fork: a child's copier starts its own, and copies whole."""
+    srcs, dsts = batch([4 * MiB, 4 * MiB])
+    copier = Copier(2)
+    try:
+        copier.copy(dsts, srcs)  # the parent's helper thread is started
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what it copied, and on how many threads
+            code = 1
+            try:
+                threads: set[str] = set()
+                real_copy = ck.copy
+
+                def record(dst, src):
+                    threads.add(threading.current_thread().name)
+                    time.sleep(0.01)
+                    real_copy(dst, src)
+
+                ck.copy = record
+                fresh = [memoryview(np.zeros(len(s), np.uint8)) for s in srcs]
+                copier.copy(fresh, srcs)
+                whole = [bytes(d) for d in fresh] == [bytes(s) for s in srcs]
+                os.write(writer, f"{len(threads)} {whole}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(writer)
+        with os.fdopen(reader) as pipe:
+            report = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert report == "2 True"
+    finally:
+        copier.close()

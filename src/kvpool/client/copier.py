@@ -17,6 +17,8 @@ threads run them side by side.
 - **Nothing outlives the call.**  It returns once every piece is copied or given up, so no
   thread writes a block after its commit or after its pin is dropped.  The first error
   raised by any piece is raised by the call.
+- **Fork-safe.**  A child forked after a copier started its threads has none of them: its
+  copiers start their own on first use.
 - Batches smaller than ``PARALLEL_MIN_BYTES`` are copied on the calling thread: waking a
   thread costs more than it saves there.  So are batches of blocks smaller than
   :data:`kvpool.checksum.GIL_FREE_BYTES` on average, which are copied holding the GIL.
@@ -24,7 +26,9 @@ threads run them side by side.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +47,7 @@ class Copier:
         self.num_threads = max(1, num_threads)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        _copiers.add(self)
 
     def copy(
         self,
@@ -126,3 +131,16 @@ def _hashed_copy(
         checksums[i] = ck.copy_with_checksum(dst, src)
 
     return piece
+
+
+_copiers: weakref.WeakSet[Copier] = weakref.WeakSet()
+
+
+def _forget_threads_after_fork() -> None:
+    for copier in list(_copiers):
+        copier._pool = None  # its threads stayed in the parent
+        copier._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads_after_fork)
