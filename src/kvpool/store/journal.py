@@ -6,7 +6,7 @@ those bytes are committed blocks.  Records:
 
 - COMMIT(key, offset, size, checksum): a block became visible;
 - FILLED(key, offset, size): a same-host writer filled and committed a block that the node
-  has not published yet (it is being sealed: :mod:`kvpool.node.sealing`); a COMMIT follows.
+  has not hashed yet (it is being sealed: :mod:`kvpool.node.sealing`); a COMMIT follows.
   Replay yields it with no checksum, and the restarted daemon hashes it before adopting it;
 - REMOVE(key): it left (deleted, evicted, dropped as corrupt);
 - LABEL(namespace id, label): a namespace's human-readable label (routers find namespaces
