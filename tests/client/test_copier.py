@@ -24,22 +24,28 @@ def batch(sizes: list[int]) -> tuple[list[memoryview], list[memoryview]]:
     return srcs, dsts
 
 
-def test_a_batch_lands_whole_and_hashed_over_several_threads(monkeypatch):
-    sizes = [2 * MiB, 3 * MiB + 17, 2 * MiB, 5 * MiB]
-    srcs, dsts = batch(sizes)
+def threads_copying(monkeypatch, piece_s: float = 0.0) -> set[str]:
+    """The names of the threads that copy pieces from here on, each piece taking at least
+    ``piece_s``."""
     threads: set[str] = set()
-    real_copy, real_fused = ck.copy, ck.copy_with_checksum
 
-    def slow(real):  # each piece takes long enough that the helpers get some of them
+    def recorded(real):
         def run(dst, src):
             threads.add(threading.current_thread().name)
-            time.sleep(0.01)
+            time.sleep(piece_s)
             return real(dst, src)
 
         return run
 
-    monkeypatch.setattr(ck, "copy", slow(real_copy))
-    monkeypatch.setattr(ck, "copy_with_checksum", slow(real_fused))
+    monkeypatch.setattr(ck, "copy", recorded(ck.copy))
+    monkeypatch.setattr(ck, "copy_with_checksum", recorded(ck.copy_with_checksum))
+    return threads
+
+
+def test_a_batch_lands_whole_and_hashed_over_several_threads(monkeypatch):
+    sizes = [2 * MiB, 3 * MiB + 17, 2 * MiB, 5 * MiB]
+    srcs, dsts = batch(sizes)
+    threads = threads_copying(monkeypatch, 0.01)  # long enough that helpers get pieces
     copier = Copier(3)
     try:
         got = copier.copy(dsts, srcs, hashed=[True, False, True, False])
@@ -52,14 +58,7 @@ def test_a_batch_lands_whole_and_hashed_over_several_threads(monkeypatch):
 
 def test_skipped_blocks_stay_untouched_and_small_batches_stay_on_the_caller(monkeypatch):
     srcs, dsts = batch([256 << 10, 256 << 10, 256 << 10])
-    threads: set[str] = set()
-    real_copy = ck.copy
-
-    def record(dst, src):
-        threads.add(threading.current_thread().name)
-        real_copy(dst, src)
-
-    monkeypatch.setattr(ck, "copy", record)
+    threads = threads_copying(monkeypatch)
     copier = Copier(4)
     try:
         got = copier.copy([dsts[0], None, dsts[2]], [srcs[0], srcs[1], None])
@@ -109,14 +108,7 @@ def test_a_batch_of_many_small_blocks_stays_on_the_caller(monkeypatch):
     """Blocks under GIL_FREE_BYTES are copied holding the GIL: threads would only take
     turns."""
     srcs, dsts = batch([ck.GIL_FREE_BYTES // 2] * 128)  # 4 MiB in all
-    threads: set[str] = set()
-    real_copy = ck.copy
-
-    def record(dst, src):
-        threads.add(threading.current_thread().name)
-        real_copy(dst, src)
-
-    monkeypatch.setattr(ck, "copy", record)
+    threads = threads_copying(monkeypatch)
     copier = Copier(4)
     try:
         copier.copy(dsts, srcs)
