@@ -196,7 +196,9 @@ def test_rule14_a_write_area_becomes_blocks_front_first_and_returns_its_memory(c
     assert area is not None and store.used_bytes == 8 * PAGE_BYTES
     start = area.offset
     put(store, [key(9)])  # stored already: its place in the area is freed at once
-    placed = store.place(area.area_id, [key(1), key(9), key(2)], [100, 100, 2 * PAGE_BYTES], 1)
+    placed = store.place(
+        area.area_id, [key(1), key(9), key(2)], [100, 100, 2 * PAGE_BYTES], 1, False
+    )
     assert placed.statuses == [Status.OK, Status.EXISTS, Status.OK]
     assert [b and b.offset for b in placed.blocks] == [start, None, start + 2 * PAGE_BYTES]
     assert store.lookup([key(1), key(2)]) == (0, True)  # pending, as reserved blocks are
@@ -205,12 +207,12 @@ def test_rule14_a_write_area_becomes_blocks_front_first_and_returns_its_memory(c
     store.publish(placed.blocks, [1, None, 2])
     assert store.lookup([key(1), key(2)]) == (2, False)
     clock.now += 9  # within the lease: this use renews it
-    more = store.place(area.area_id, [key(3)], [PAGE_BYTES], owner=1)
+    more = store.place(area.area_id, [key(3)], [PAGE_BYTES], owner=1, keep=False)
     assert more.blocks[0] is not None and more.blocks[0].offset == start + 4 * PAGE_BYTES
     with pytest.raises(LeaseExpired):
-        store.place(area.area_id, [key(4)], [PAGE_BYTES], owner=2)  # not the owner
+        store.place(area.area_id, [key(4)], [PAGE_BYTES], owner=2, keep=False)  # not the owner
     with pytest.raises(BadRequest):
-        store.place(area.area_id, [key(4)], [4 * PAGE_BYTES], owner=1)  # past its end
+        store.place(area.area_id, [key(4)], [4 * PAGE_BYTES], owner=1, keep=False)  # past its end
     assert area.num_bytes == 3 * PAGE_BYTES and store.lookup([key(4)]) == (0, False)
     store.publish(more.blocks, [3])
     clock.now += 9.5
@@ -219,7 +221,7 @@ def test_rule14_a_write_area_becomes_blocks_front_first_and_returns_its_memory(c
     assert store.expire() == 1  # the area: its rest returns
     assert store.used_bytes == 5 * PAGE_BYTES and store.reserved_bytes == 0
     with pytest.raises(LeaseExpired):
-        store.place(area.area_id, [key(5)], [PAGE_BYTES], owner=1)
+        store.place(area.area_id, [key(5)], [PAGE_BYTES], owner=1, keep=False)
     # One area per owner: a new one replaces the old; an owner that leaves returns it.
     assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
     assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
@@ -232,17 +234,33 @@ def test_rule14_an_area_running_short_is_swapped_for_a_fresh_one(clock):
     store = BlockStore(64 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
     area = store.reserve_area(8 * PAGE_BYTES, owner=1)
     assert area is not None
-    store.place(area.area_id, [key(1)], [5 * PAGE_BYTES], owner=1)  # 3 pages left: short
+    store.place(area.area_id, [key(1)], [5 * PAGE_BYTES], owner=1, keep=False)  # 3 pages left
     fresh = store.areas.held_by(1)
     assert fresh is not None and fresh.area_id != area.area_id
     assert fresh.num_bytes == 8 * PAGE_BYTES and len(store.areas) == 1
     assert store.used_bytes == 13 * PAGE_BYTES  # the block and the fresh area: the rest went
     with pytest.raises(LeaseExpired):
-        store.place(area.area_id, [key(2)], [PAGE_BYTES], owner=1)
+        store.place(area.area_id, [key(2)], [PAGE_BYTES], owner=1, keep=False)
     # With no fresh one free, the rest stays.
     put(store, [key(f"fill-{i}") for i in range(48)])  # 3 pages free
-    store.place(fresh.area_id, [key(3)], [5 * PAGE_BYTES], owner=1)
+    store.place(fresh.area_id, [key(3)], [5 * PAGE_BYTES], owner=1, keep=False)
     assert store.areas.held_by(1) is fresh and fresh.num_bytes == 3 * PAGE_BYTES
+
+
+def test_rule14_an_area_its_writer_keeps_stays_where_it_is_even_short(clock):
+    """A pipelined writer copies its next blocks into the rest before the node reads the
+    COMMIT that names the blocks before them: that rest must not move, nor be freed."""
+    store = BlockStore(64 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)
+    area = store.reserve_area(8 * PAGE_BYTES, owner=1)
+    assert area is not None
+    start = area.offset
+    store.place(area.area_id, [key(1)], [5 * PAGE_BYTES], owner=1, keep=True)  # 3 pages left
+    assert store.areas.held_by(1) is area and len(store.areas) == 1
+    assert (area.offset, area.num_bytes) == (start + 5 * PAGE_BYTES, 3 * PAGE_BYTES)
+    assert store.used_bytes == 8 * PAGE_BYTES  # no fresh area beside it
+    placed = store.place(area.area_id, [key(2)], [3 * PAGE_BYTES], owner=1, keep=True)
+    assert placed.blocks[0] is not None and placed.blocks[0].offset == start + 5 * PAGE_BYTES
+    assert store.areas.held_by(1) is None  # all taken: nothing left to keep
 
 
 def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):

@@ -36,6 +36,8 @@ from rich.table import Table
 from kvpool.checksum import byte_view
 from kvpool.client.client import Client
 from kvpool.client.copier import Copier
+from kvpool.client.futures import PoolFuture
+from kvpool.client.ops import PutResult
 from kvpool.config import MiB, format_size
 from kvpool.demo.process import NodeProcess
 from kvpool.keys import Namespace
@@ -117,9 +119,10 @@ def run_cases(options: BenchOptions, progress: Callable[[str], None] = lambda _:
     ns = Namespace(model="kvpool-bench", extra=secrets.token_hex(8))
     with contextlib.ExitStack() as stack:
         if options.address is None:
-            # Room for every block of the largest case, through both paths at once.
+            # Room for every block of the largest case, through its three ways of putting
+            # at once (an arena up to 2 GiB is populated as a client maps it).
             data_bytes = max(_shape(options, size)[3] for size in options.block_sizes)
-            arena_bytes = int(2 * data_bytes * 1.25) + 128 * MiB
+            arena_bytes = int(3 * data_bytes * 1.1) + 128 * MiB
             node = NodeProcess.private(f"bench-{os.getpid()}", arena_bytes, ephemeral=True)
             stack.enter_context(node)
             shm_address, tcp_address = node.unix_address, node.tcp_address
@@ -213,6 +216,21 @@ def _case(
     )
 
 
+def _shm_case(
+    op: str,
+    path: str,
+    block_bytes: int,
+    batch_bytes: int,
+    ours: list[list[float]],
+    times: dict[str, list[list[float]]],
+) -> Case:
+    """A same-node case beside memcpy on one thread, and on the client's copy threads."""
+    case = _case("kvpool", op, path, block_bytes, batch_bytes, ours, times["memcpy"])
+    threads = _case("kvpool", op, path, block_bytes, batch_bytes, ours, times["memcpy_threads"])
+    case.threads_ceiling_gbps, case.threads_ratio = threads.ceiling_gbps, threads.ratio
+    return case
+
+
 def _shape(options: BenchOptions, block_bytes: int) -> tuple[int, int, int, int]:
     """Blocks per call, bytes per call, timed calls per round, and the bytes all calls
     write, for one block size."""
@@ -250,6 +268,17 @@ def _run_size(
 
         return put
 
+    writer = shm_client.writer(timeout=60)
+    pending: list[PoolFuture[PutResult]] = []
+
+    def put_pipelined(call: int) -> None:
+        pending.append(writer.put(keys_of("pipelined", call), src))
+        if (call + 1 - WARMUP_CALLS) % calls == 0:  # a round's last call: its replies too
+            writer.flush()
+            if not all(f.result().all_stored for f in pending):
+                raise RuntimeError("bench pipelined put failed")
+            pending.clear()
+
     def get_with(client: Client, tag: str) -> Callable[[int], None]:
         def get(call: int) -> None:
             result = client.get(keys_of(tag, call % num_calls), dst)
@@ -262,6 +291,7 @@ def _run_size(
     # The memcpy ceiling spreads over as much shared memory as the pool's data does, so
     # that neither side profits from blocks still in the CPU cache.
     with contextlib.ExitStack() as stack:
+        stack.callback(writer.close)
         target = stack.enter_context(shm_buffer(batch_bytes * num_calls))
 
         def slots(call: int) -> list[np.ndarray]:
@@ -296,6 +326,7 @@ def _run_size(
                     "memcpy": memcpy_in,
                     "memcpy_threads": memcpy_threads_in,
                     "shm": put_with(shm_client, "shm"),
+                    "pipelined": put_pipelined,
                     "stream": lambda _: stream.send(src),
                     "tcp": put_with(tcp_client, "tcp"),
                 },
@@ -318,15 +349,12 @@ def _run_size(
                     fns["redis"] = lambda call: redis_peer.get(keys_of("redis", call % num_calls))
             progress(f"{size} {op}: {', '.join(fns)}")
             times = _interleaved(ROUNDS, calls, fns)
-            shm = _case(
-                "kvpool", op, "shm", block_bytes, batch_bytes, times["shm"], times["memcpy"]
-            )
-            threads = _case(
-                "kvpool", op, "shm", block_bytes, batch_bytes, times["shm"], times["memcpy_threads"]
-            )
-            shm.threads_ceiling_gbps, shm.threads_ratio = threads.ceiling_gbps, threads.ratio
-            ours = [
-                shm,
+
+            ours = [_shm_case(op, "shm", block_bytes, batch_bytes, times["shm"], times)]
+            if "pipelined" in times:
+                piped = times["pipelined"]
+                ours.append(_shm_case(op, "shm, pipelined", block_bytes, batch_bytes, piped, times))
+            ours += [
                 _case("kvpool", op, "tcp", block_bytes, batch_bytes, times["tcp"], times["stream"]),
             ]
             report.cases.extend(ours)
@@ -337,7 +365,7 @@ def _run_size(
                 report.cases.append(redis_case)
                 for case in ours:
                     case.vs_redis = round(case.gbps / redis_case.gbps, 2)
-    for tag, client in (("shm", shm_client), ("tcp", tcp_client)):
+    for tag, client in (("shm", shm_client), ("pipelined", shm_client), ("tcp", tcp_client)):
         client.delete([k for call in range(num_calls) for k in keys_of(tag, call)], timeout=60)
     if redis_peer is not None:
         redis_peer.client.flushall()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, UsageError
@@ -27,35 +27,16 @@ from kvpool.keys import BlockOrigin, Namespace
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
 
 from . import ops
+from .futures import PoolFuture
 from .leases import ReadLease, WriteLease
 from .node import NodeClient
 from .ops import GetResult, LookupState, PutResult
 from .routing import ClusterClient
+from .writer import Writer
 
 T = TypeVar("T")
 
 _BACKGROUND_THREADS = 4
-
-
-class PoolFuture(Generic[T]):
-    """The pending result of an asynchronous save or load."""
-
-    def __init__(self, future: concurrent.futures.Future[T]):
-        self._future = future
-
-    def ready(self) -> bool:
-        """Whether the operation has finished (successfully or not)."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> T:
-        """The result, waiting up to ``timeout``; raises what the operation raised."""
-        return self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
-
-    def add_done_callback(self, fn: Callable[[PoolFuture[T]], Any]) -> None:
-        self._future.add_done_callback(lambda _: fn(self))
 
 
 def make_config(
@@ -248,6 +229,11 @@ class Client:
         if self.cluster is not None:
             return self.cluster.acquire(keys, prefix, self._deadline(timeout))
         return ReadLease.open(self._require_local(), keys, prefix, timeout)
+
+    def writer(self, *, timeout: float | None = None) -> Writer:
+        """A stream of puts to the local node whose commits overlap the next put's copy
+        (see :mod:`kvpool.client.writer`); close it, or use it as a context manager."""
+        return Writer(self._require_local(), self.config.write_rcache, timeout)
 
     # -- asynchronous save and load --------------------------------------------------------
 

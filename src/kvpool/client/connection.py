@@ -11,6 +11,7 @@ usable.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -197,7 +198,7 @@ class Connection:
         self.directory: DirectoryReader | None = None  # the arena's, where readers may use it
         self.area = WriteArea()  # where this connection's puts go, once the node granted it
         self._request_ids = itertools.count(1)
-        self._expected_id = 0
+        self._expected_ids: collections.deque[int] = collections.deque()  # replies due
         self._touched: list[bytes] = []  # keys of TOUCH notices not sent yet
         self._touched_since = 0.0
         timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
@@ -240,7 +241,7 @@ class Connection:
         touched = self._touch_frames()
         request_id = next(self._request_ids) & 0xFFFFFFFF
         if not effect.no_reply:
-            self._expected_id = request_id
+            self._expected_ids.append(request_id)
         flags = FLAG_NO_REPLY if effect.no_reply else 0
         frame = encode_frame(
             effect.op,
@@ -269,14 +270,15 @@ class Connection:
             self.channel.send(self._touch_frames())
 
     def _check_response(self, header: FrameHeader, expected_op: int, meta: bytes) -> None:
+        """Replies come in the order of the requests: this one answers the oldest due."""
+        due = self._expected_ids
+        expected_id = due.popleft() if due and expected_op != Op.CHALLENGE else 0
         if header.status != 0:
             raise error_for_status(header.status, decode_error(meta), node=self.node)
         if not header.is_response or header.op != expected_op:
             raise ProtocolError(f"expected a response to op {expected_op}, got op {header.op}")
-        if expected_op != Op.CHALLENGE and header.request_id != self._expected_id:
-            raise ProtocolError(
-                f"response to request {header.request_id}, expected {self._expected_id}"
-            )
+        if expected_op != Op.CHALLENGE and header.request_id != expected_id:
+            raise ProtocolError(f"response to request {header.request_id}, expected {expected_id}")
 
     def _perform(self, effect: Any) -> Any:
         channel = self.channel

@@ -219,6 +219,11 @@ class NodeClient:
     def release(self, conn: Connection) -> None:
         self._release(conn)
 
+    @property
+    def copier(self) -> Copier:
+        """The client's copy threads (see :mod:`kvpool.client.copier`)."""
+        return self._copier
+
     def exists(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         return self.call(lambda _: ops.exists(keys), timeout) if keys else []
 

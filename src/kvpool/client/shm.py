@@ -12,7 +12,8 @@ arena, with one path per direction, built from :class:`Slots`.
     sizes.  A connection asks for an area (``AREA``, once in many puts) when it has none
     that fits.  The area is written only while at least half its lease is left (each
     commit renews it), so a copy ends long before the node could hand that memory to
-    anyone else.
+    anyone else.  ``send_in_area`` and ``commit_reply`` are the two halves, which a
+    :class:`~kvpool.client.writer.Writer` runs a put apart.
   - ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``): where the node had no
     area free, for a batch too large for one, and for zero-copy write leases.  The bytes
     of a zero-copy lease are written by the caller (or a DMA engine), not copied here, so
@@ -126,15 +127,16 @@ class WriteArea:
         self.area_id = response.area_id
 
 
-def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int) -> Op_[None]:
-    """Ask for a write area of at least ``num_bytes`` in place of the one held, unless the
-    node had none free a moment ago or it would be too large."""
+def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int, batches: int = 2) -> Op_[None]:
+    """Ask for a write area of ``batches`` times ``num_bytes`` in place of the one held
+    (less if that is too large, none if ``num_bytes`` is), unless the node had none free a
+    moment ago."""
     bound = min(arena_bytes // AREA_SHARE // PAGE_BYTES * PAGE_BYTES, MAX_AREA_BYTES)
     if num_bytes > bound or time.monotonic() < area.refused_until:
         return
     sent = time.monotonic()
     area.area_id = 0
-    want = min(max(2 * num_bytes, MIN_AREA_BYTES), bound)
+    want = min(max(batches * num_bytes, MIN_AREA_BYTES), bound)
     yield Request(Op.AREA, AreaRequest(num_bytes=want))
     response, _ = yield Recv(Op.AREA, AreaResponse)
     area.update(response, arena_bytes, sent)
@@ -340,12 +342,42 @@ def _put_in_area(
     origins: Sequence[BlockOrigin | None] | None,
     copier: Copier,
 ) -> Op_[PutResult]:
+    sent = yield from send_in_area(keys, views, arena, area, replicate, origins, copier)
+    return (yield from commit_reply(sent, area, len(arena)))
+
+
+@dataclass(slots=True)
+class SentCommit:
+    """A COMMIT of blocks in a write area, sent, its reply not read yet.  ``kept``: the
+    ``(area_id, offset, num_bytes)`` the writer goes on with (the node keeps the rest of
+    the area where it is), or None (the writer waits for the reply to learn its area)."""
+
+    keys: list[bytes]
+    sent: float
+    kept: tuple[int, int, int] | None
+
+
+def send_in_area(
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+    arena: memoryview,
+    area: WriteArea,
+    replicate: bool,
+    origins: Sequence[BlockOrigin | None] | None,
+    copier: Copier,
+    keep: bool = False,
+) -> Op_[SentCommit]:
+    """Copy the blocks in at the front of the write area, hashing them, and send their
+    COMMIT.  With ``keep``, while the rest of the area holds another batch this large, the
+    node is told to keep that rest, and ``area`` moves on to it at once."""
     sizes = [len(v) for v in views]
     places = area.places(sizes)
     targets = [arena[p : p + n] for p, n in zip(places, sizes, strict=True)]
     checksums = yield Compute(lambda: _copy_in(copier, targets, views), sum(sizes))
     if isinstance(checksums, BaseException):  # nothing is committed: the front is still free
         raise checksums
+    taken = sum(page_bytes(size) for size in sizes)
+    keep = keep and area.num_bytes - taken >= taken
     request = CommitRequest(
         area_id=area.area_id,
         keys=list(keys),
@@ -353,13 +385,30 @@ def _put_in_area(
         checksums=[c or 0 for c in checksums],
         replicate=replicate,
         origins=list(origins) if origins is not None else None,
+        keep_area=keep,
     )
-    area.area_id = 0  # until the node says which area this connection holds now
     sent = time.monotonic()
     yield Request(Op.COMMIT, request)
+    if not keep:
+        area.area_id = 0  # until the reply says which area this connection holds now
+        return SentCommit(list(keys), sent, None)
+    # The lease is not extended here: only a reply says the node renewed it.
+    area.offset, area.num_bytes = area.offset + taken, area.num_bytes - taken
+    return SentCommit(list(keys), sent, (area.area_id, area.offset, area.num_bytes))
+
+
+def commit_reply(sent: SentCommit, area: WriteArea, arena_bytes: int) -> Op_[PutResult]:
+    """Read the reply to a COMMIT :func:`send_in_area` sent: its statuses, and the area."""
     response, _ = yield Recv(Op.COMMIT, CommitResponse)
-    check_len("statuses", response.statuses, len(keys))
-    area.update(response.area, len(arena), sent)
+    check_len("statuses", response.statuses, len(sent.keys))
+    if sent.kept is None:
+        area.update(response.area, arena_bytes, sent.sent)
+    else:
+        held = response.area
+        if held is None or (held.area_id, held.offset, held.num_bytes) != sent.kept:
+            raise ProtocolError("the node moved a write area it was told to keep")
+        if area.area_id == held.area_id:  # renewed when the node read the COMMIT
+            area.held_until = max(area.held_until, sent.sent + held.lease_ms / 1000)
     return PutResult(statuses_of(response.statuses))
 
 

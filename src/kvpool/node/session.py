@@ -287,7 +287,7 @@ class Session:
     async def _commit(self, header: FrameHeader, req: msg.CommitRequest) -> None:
         area: msg.AreaResponse | None = None
         if req.area_id:
-            placed = self.store.place(req.area_id, req.keys, req.sizes, self.owner)
+            placed = self.store.place(req.area_id, req.keys, req.sizes, self.owner, req.keep_area)
             blocks, statuses = placed.blocks, placed.statuses
             area = _area_response(self.store.areas.held_by(self.owner))
         else:

@@ -196,7 +196,9 @@ class CommitRequest(Message):
     """Publish a filled reservation, or (``area_id``) the blocks of ``keys`` that the writer
     put one after another at the front of its write area (page-aligned).  ``checksums``:
     one per block, computed by the writer over the bytes it copied in; without them the
-    node hashes the blocks itself (it *seals* them: see :mod:`kvpool.node.sealing`)."""
+    node hashes the blocks itself (it *seals* them: see :mod:`kvpool.node.sealing`).
+    ``keep_area``: the rest of the write area stays where it is, even if it is short (the
+    writer copies its next blocks there before this COMMIT's reply comes back)."""
 
     reservation_id: int = 0
     replicate: bool = True
@@ -205,6 +207,7 @@ class CommitRequest(Message):
     keys: Keys = []
     sizes: Sizes = []
     checksums: Checksums | None = None
+    keep_area: bool = False
 
 
 class AreaRequest(Message):

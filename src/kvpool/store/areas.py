@@ -7,7 +7,9 @@ the allocator (the pieces become the blocks, freed one by one later) and renews 
 area's lease.  Once the rest is smaller than what was just taken, the node swaps it for a
 fresh area of the size first granted, and says so in the COMMIT's reply: a steady writer
 never asks again.  An area is taken only where a free extent is that large now: nothing
-is evicted for one, and a writer that gets none reserves its blocks the usual way.  It is
+is evicted for one, and a writer that gets none reserves its blocks the usual way.  A
+writer that copies its next blocks before the node read its COMMIT asks the node to keep
+the rest where it is (``keep``), so the node never swaps the memory it is writing.  It is
 bounded to a share of the arena, and its memory returns when its lease runs out, its
 writer leaves, or the writer asks for another.
 """
@@ -64,11 +66,14 @@ class WriteAreas:
         ids = self._book.ids_of(owner)
         return self._book.get(ids[0], owner) if ids else None
 
-    def take_front(self, area_id: int, owner: int, sizes: Sequence[int]) -> list[int]:
+    def take_front(
+        self, area_id: int, owner: int, sizes: Sequence[int], *, keep: bool = False
+    ) -> list[int]:
         """Carve pieces of ``sizes`` (page-rounded, in order) off the front of the area: their
         offsets, each now allocated on its own.  The rest stays the area's, its lease
         renewed, unless it is smaller than the pieces and a fresh area is free (see
-        :meth:`held_by`)."""
+        :meth:`held_by`).  With ``keep`` the rest always stays: the writer is copying its
+        next blocks there already (a pipelined commit)."""
         area = self._book.get(area_id, owner)
         if area is None:
             raise LeaseExpired(f"write area {area_id} expired or was replaced")
@@ -83,7 +88,7 @@ class WriteAreas:
             area.deadline = self.clock() + area.lease_s
         else:
             self._book.pop(area_id, owner)
-        if rest < sum(pieces):  # the next write like this one would not fit: refill
+        if rest < sum(pieces) and not keep:  # the next write like this would not fit: refill
             fresh = self._new(area.granted_bytes, owner, area.lease_s)
             if fresh is not None and rest:  # else, with none free, the rest stays
                 self._drop(area_id)

@@ -181,14 +181,14 @@ class BlockStore:
         return self.areas.grant(num_bytes, owner, lease_s)
 
     def place(
-        self, area_id: int, keys: Sequence[bytes], sizes: Sequence[int], owner: int
+        self, area_id: int, keys: Sequence[bytes], sizes: Sequence[int], owner: int, keep: bool
     ) -> ReserveResult:
         """The blocks of ``keys`` that the owner wrote one after another at the front of its
         write area, as pending blocks with no lease (as :meth:`take` leaves them); the
-        place of a refused key is freed."""
+        place of a refused key is freed.  ``keep``: see :meth:`WriteAreas.take_front`."""
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
-        places = self.areas.take_front(area_id, owner, sizes)
+        places = self.areas.take_front(area_id, owner, sizes, keep=keep)
         statuses, wanted = self._admit(keys, sizes)
         for i in set(range(len(keys))) - set(wanted):
             self.allocator.free(places[i])
