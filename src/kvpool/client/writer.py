@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -56,14 +57,19 @@ class _WriterFuture(PoolFuture[ops.PutResult]):
         self._writer = writer
 
     def result(self, timeout: float | None = None) -> ops.PutResult:
-        if not self._future.done():
-            self._writer.flush(timeout)
+        self._settle(timeout)
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._future.done():
-            self._writer.flush(timeout)
+        self._settle(timeout)
         return self._future.exception(timeout)
+
+    def _settle(self, timeout: float | None) -> None:
+        """Read the replies due, this one's included.  What a failed read raises, the
+        futures due hold already (this one's too), so it is not raised here."""
+        if not self._future.done():
+            with contextlib.suppress(Exception):
+                self._writer.flush(timeout)
 
 
 class Writer:
@@ -113,7 +119,8 @@ class Writer:
                 self._drain(conn, 0, deadline)  # which may say where a fresh area is
                 fits = conn.arena is not None and conn.area.fits(num_bytes)
             try:
-                outcome = conn.run(self._put(conn, keys, views, origins, fits), deadline)
+                put = self._put(conn, keys, views, origins, num_bytes, fits)
+                outcome = conn.run(put, deadline)
             except BaseException as exc:
                 if conn.broken:
                     self._fail_due(conn, exc)
@@ -131,15 +138,16 @@ class Writer:
         keys: Sequence[bytes],
         views: list[memoryview],
         origins: Sequence[BlockOrigin | None] | None,
+        num_bytes: int,
         fits: bool,
     ) -> ops.Op_[ops.PutResult | shm.SentCommit]:
-        """The put's operation: a COMMIT sent into the area (``fits``: it has room, decided
-        once, since only then may replies still be due), or a whole put."""
+        """The put's operation: a COMMIT sent into the area (``fits``: it has room for
+        ``num_bytes``, decided once, before: only then may replies still be due), or a whole
+        put."""
         arena, area, copier = conn.arena, conn.area, self._node.copier
         if arena is None:
             return (yield from ops.put_stream(keys, views, self._replicate, origins))
         if not fits:
-            num_bytes = sum(page_bytes(len(v)) for v in views)
             yield from shm.renew_area(area, num_bytes, len(arena), AREA_BATCHES)
             if not area.fits(num_bytes):
                 put = shm.put_shm(keys, views, arena, self._replicate, origins, None, copier)
@@ -164,12 +172,9 @@ class Writer:
         finally:
             with self._lock:
                 self._closed = True
-                if self._conn is not None and self._due:  # replies unread: not reusable
-                    self._conn.broken = True
-                    self._fail_due(self._conn, ConnectionAbortedError("the writer was closed"))
-                elif self._conn is not None:
+                if self._conn is not None:  # nothing due on it: a failed read dropped it
                     self._node.release(self._conn)
-                self._conn = None
+                    self._conn = None
 
     def _connection(self, deadline: float) -> Connection:
         if self._conn is None:
