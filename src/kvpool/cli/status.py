@@ -83,27 +83,28 @@ def prefetch_table(stats: list[NodeStats]) -> Table:
     return table
 
 
+# The per-tier counters shown after capacity and usage: column title, TierStats field.
+TIER_COUNTER_COLUMNS = (
+    ("blocks", "num_blocks"),
+    ("hits", "hits"),
+    ("reads", "reads"),
+    ("writes", "writes"),
+    ("refused", "refused"),
+    ("dropped", "dropped"),
+    ("promotions", "promotions"),
+    ("evictions", "evictions"),
+    ("corrupt", "corrupt"),
+    ("recovered", "recovered"),
+    ("errors", "errors"),
+)
+
+
 def tier_table(stats: list[NodeStats]) -> Table:
     table = Table(title="tiers")
-    columns = (
-        "node",
-        "tier",
-        "capacity",
-        "used",
-        "blocks",
-        "hits",
-        "reads",
-        "writes",
-        "refused",
-        "dropped",
-        "promotions",
-        "evictions",
-        "corrupt",
-        "recovered",
-        "errors",
-    )
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("node", "tier") else "right")
+    for column in ("node", "tier"):
+        table.add_column(column, justify="left")
+    for column in ("capacity", "used", *(title for title, _ in TIER_COUNTER_COLUMNS)):
+        table.add_column(column, justify="right")
     for node in stats:
         for tier in node.tiers:
             percent = 100 * tier.used_bytes / max(tier.capacity_bytes, 1)
@@ -112,22 +113,7 @@ def tier_table(stats: list[NodeStats]) -> Table:
                 tier.name,
                 format_size(tier.capacity_bytes),
                 f"{format_size(tier.used_bytes)} ({percent:.0f}%)",
-                *(
-                    str(getattr(tier, name))
-                    for name in (
-                        "num_blocks",
-                        "hits",
-                        "reads",
-                        "writes",
-                        "refused",
-                        "dropped",
-                        "promotions",
-                        "evictions",
-                        "corrupt",
-                        "recovered",
-                        "errors",
-                    )
-                ),
+                *(str(getattr(tier, field)) for _, field in TIER_COUNTER_COLUMNS),
             )
     return table
 

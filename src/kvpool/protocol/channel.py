@@ -32,6 +32,10 @@ DISCARD_BYTES = 1 << 20
 _discard = memoryview(bytearray(DISCARD_BYTES))
 
 
+# What a non-blocking socket call raises when it must wait (TLS included).
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
 class PeerClosed(ConnectionError):
     """The other side closed the connection."""
 
@@ -135,10 +139,18 @@ class AsyncChannel:
             try:
                 self.sock.do_handshake()
                 return
-            except ssl.SSLWantReadError:
-                await self._readable()
-            except ssl.SSLWantWriteError:
-                await self._writable()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as exc:
+                await self._wait_for(exc, reading=True)
+
+    async def _wait_for(self, exc: BaseException, *, reading: bool) -> None:
+        """Wait until the socket can go on after a non-blocking call raised ``exc``: TLS may
+        need to write while reading, or read while writing; otherwise the call's own way."""
+        if isinstance(exc, ssl.SSLWantWriteError):
+            await self._writable()
+        elif isinstance(exc, ssl.SSLWantReadError) or reading:
+            await self._readable()
+        else:
+            await self._writable()
 
     async def _readable(self) -> None:
         await self._ready(self.loop.add_reader, self.loop.remove_reader)
@@ -158,11 +170,8 @@ class AsyncChannel:
         while True:
             try:
                 num = self.sock.recv_into(view)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
-                await self._readable()
-                continue
-            except ssl.SSLWantWriteError:
-                await self._writable()
+            except _WOULD_BLOCK as exc:
+                await self._wait_for(exc, reading=True)
                 continue
             except ssl.SSLZeroReturnError:
                 num = 0
@@ -205,11 +214,8 @@ class AsyncChannel:
             try:
                 tls = self._tls
                 num = self.sock.send(views[0]) if tls else self.sock.sendmsg(views[:IOV_MAX])
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
-                await self._writable()
-                continue
-            except ssl.SSLWantReadError:
-                await self._readable()
+            except _WOULD_BLOCK as exc:
+                await self._wait_for(exc, reading=False)
                 continue
             views = _advance(views, num)
 

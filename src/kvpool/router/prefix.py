@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.client.client import Client
+from kvpool.cluster.cooldown import Cooldowns
 from kvpool.config import ClientConfig
 from kvpool.errors import PoolTimeout
 from kvpool.keys import NAMESPACE_ID_BYTES, block_key
@@ -95,8 +96,9 @@ class PrefixLocator:
         self.model = model
         self._clients: dict[str, Client] = {}
         self._namespaces: dict[str, tuple[float, list[bytes]]] = {}
-        self._down_until: dict[str, float] = {}
-        self._timeouts: dict[str, int] = {}  # slow answers in a row, per node
+        # A node that cannot be reached is left alone for a moment; a slow one (a busy
+        # host) only after several slow answers in a row.
+        self._down = Cooldowns(ROUTER_NODE_DOWN_S, max_slow=ROUTER_MAX_SLOW_ANSWERS)
         # Its own threads: a slow node must not take the event loop's default executor.
         self._executor = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvpool-locate")
 
@@ -165,7 +167,7 @@ class PrefixLocator:
         now = time.monotonic()
         asked = []
         for node in sorted(set(nodes)):
-            if node and self._down_until.get(node, 0.0) > now:
+            if node and self._down.is_down(node, now):
                 located.unanswered[node] = "skipped: did not answer lately"
             elif node:
                 asked.append(node)
@@ -181,18 +183,15 @@ class PrefixLocator:
             located.prefix_by_node[node] = 0
             if task.done() and task.exception() is None:
                 located.prefix_by_node[node] = task.result()
-                self._timeouts[node] = 0
+                self._down.answered(node)
                 continue
             if not task.done():
                 task.add_done_callback(_consume)  # it ends at its own deadline
             error = task.exception() if task.done() else None
-            # A node that cannot be reached is left alone for a moment; a slow one (a busy
-            # host) only after several slow answers in a row.
-            slow = error is None or isinstance(error, PoolTimeout)
-            self._timeouts[node] = self._timeouts.get(node, 0) + 1 if slow else 0
-            if not slow or self._timeouts[node] >= ROUTER_MAX_SLOW_ANSWERS:
-                self._down_until[node] = time.monotonic() + ROUTER_NODE_DOWN_S
-                self._timeouts[node] = 0
+            if error is None or isinstance(error, PoolTimeout):
+                self._down.slow(node)
+            else:
+                self._down.failed(node)
             located.unanswered[node] = f"no answer: {error or 'not in time'}"
             log.info("prefix lookup on %s: %s", node, error or "no answer in time")
         return located
