@@ -38,6 +38,7 @@ from kvpool.client.client import Client
 from kvpool.client.copier import Copier
 from kvpool.client.futures import PoolFuture
 from kvpool.client.ops import PutResult
+from kvpool.client.writer import Writer
 from kvpool.config import MiB, format_size
 from kvpool.demo.process import NodeProcess
 from kvpool.keys import Namespace
@@ -240,6 +241,90 @@ def _shape(options: BenchOptions, block_bytes: int) -> tuple[int, int, int, int]
     return per_call, batch_bytes, calls, batch_bytes * (WARMUP_CALLS + ROUNDS * calls)
 
 
+class _Blocks:
+    """One block size's workload: the blocks a call writes, the buffers a call reads into,
+    and the keys of every call of every path."""
+
+    def __init__(self, options: BenchOptions, ns: Namespace, block_bytes: int):
+        self.per_call, self.batch_bytes, self.calls, _ = _shape(options, block_bytes)
+        self.num_calls = WARMUP_CALLS + ROUNDS * self.calls
+        self.block_bytes = block_bytes
+        self.ns = ns
+        rng = np.random.default_rng(block_bytes)
+        self.src = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(self.per_call)]
+        self.dst = [np.zeros(block_bytes, dtype=np.uint8) for _ in range(self.per_call)]
+
+    def keys_of(self, tag: str, call: int) -> list[bytes]:
+        prefix = f"{tag}-{self.block_bytes}-{call}"
+        return [self.ns.key(f"{prefix}-{i}".encode()) for i in range(self.per_call)]
+
+    def put_with(self, client: Client, tag: str) -> Callable[[int], None]:
+        def put(call: int) -> None:
+            result = client.put(self.keys_of(tag, call), self.src)
+            if not result.all_stored:
+                raise RuntimeError(f"bench put failed: {result.statuses[:4]}")
+
+        return put
+
+    def pipelined_with(self, writer: Writer) -> Callable[[int], None]:
+        pending: list[PoolFuture[PutResult]] = []
+
+        def put(call: int) -> None:
+            pending.append(writer.put(self.keys_of("pipelined", call), self.src))
+            if (call + 1 - WARMUP_CALLS) % self.calls == 0:  # a round's last call: its replies
+                writer.flush()
+                if not all(f.result().all_stored for f in pending):
+                    raise RuntimeError("bench pipelined put failed")
+                pending.clear()
+
+        return put
+
+    def get_with(self, client: Client, tag: str) -> Callable[[int], None]:
+        def get(call: int) -> None:
+            result = client.get(self.keys_of(tag, call % self.num_calls), self.dst)
+            if result.num_found != self.per_call:
+                raise RuntimeError(f"bench get missed blocks: {result.statuses[:4]}")
+
+        return get
+
+    def delete(self, client: Client, tag: str) -> None:
+        keys = [k for call in range(self.num_calls) for k in self.keys_of(tag, call)]
+        client.delete(keys, timeout=60)
+
+
+class _MemcpyCeilings:
+    """memcpy of a call's blocks into and out of shared memory, on one thread and over the
+    client's copy threads.  The target spans as much shared memory as the pool's data does,
+    so that neither side profits from blocks still in the CPU cache."""
+
+    def __init__(self, blocks: _Blocks, target: np.ndarray, copier: Copier):
+        self.blocks = blocks
+        self.target = target
+        self.copier = copier
+        self.src_views = [byte_view(s) for s in blocks.src]
+        self.dst_views = [byte_view(d) for d in blocks.dst]
+
+    def slots(self, call: int) -> list[np.ndarray]:
+        b = self.blocks
+        base = (call % b.num_calls) * b.batch_bytes
+        size = b.block_bytes
+        return [self.target[base + i * size : base + (i + 1) * size] for i in range(b.per_call)]
+
+    def copy_in(self, call: int) -> None:
+        for s, d in zip(self.blocks.src, self.slots(call), strict=True):
+            np.copyto(d, s)
+
+    def copy_out(self, call: int) -> None:
+        for s, d in zip(self.slots(call), self.blocks.dst, strict=True):
+            np.copyto(d, s)
+
+    def threads_in(self, call: int) -> None:
+        self.copier.copy([byte_view(d) for d in self.slots(call)], self.src_views)
+
+    def threads_out(self, call: int) -> None:
+        self.copier.copy(self.dst_views, [byte_view(s) for s in self.slots(call)])
+
+
 def _run_size(
     report: Report,
     options: BenchOptions,
@@ -251,124 +336,56 @@ def _run_size(
     redis_peer: RedisPeer | None,
     progress: Callable[[str], None],
 ) -> None:
-    per_call, batch_bytes, calls, _ = _shape(options, block_bytes)
-    num_calls = WARMUP_CALLS + ROUNDS * calls
-    rng = np.random.default_rng(block_bytes)
-    src = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(per_call)]
-    dst = [np.zeros(block_bytes, dtype=np.uint8) for _ in range(per_call)]
-
-    def keys_of(tag: str, call: int) -> list[bytes]:
-        return [ns.key(f"{tag}-{block_bytes}-{call}-{i}".encode()) for i in range(per_call)]
-
-    def put_with(client: Client, tag: str) -> Callable[[int], None]:
-        def put(call: int) -> None:
-            result = client.put(keys_of(tag, call), src)
-            if not result.all_stored:
-                raise RuntimeError(f"bench put failed: {result.statuses[:4]}")
-
-        return put
-
-    writer = shm_client.writer(timeout=60)
-    pending: list[PoolFuture[PutResult]] = []
-
-    def put_pipelined(call: int) -> None:
-        pending.append(writer.put(keys_of("pipelined", call), src))
-        if (call + 1 - WARMUP_CALLS) % calls == 0:  # a round's last call: its replies too
-            writer.flush()
-            if not all(f.result().all_stored for f in pending):
-                raise RuntimeError("bench pipelined put failed")
-            pending.clear()
-
-    def get_with(client: Client, tag: str) -> Callable[[int], None]:
-        def get(call: int) -> None:
-            result = client.get(keys_of(tag, call % num_calls), dst)
-            if result.num_found != per_call:
-                raise RuntimeError(f"bench get missed blocks: {result.statuses[:4]}")
-
-        return get
-
-    size = format_size(block_bytes)
-    # The memcpy ceiling spreads over as much shared memory as the pool's data does, so
-    # that neither side profits from blocks still in the CPU cache.
+    blocks = _Blocks(options, ns, block_bytes)
     with contextlib.ExitStack() as stack:
+        writer = shm_client.writer(timeout=60)
         stack.callback(writer.close)
-        target = stack.enter_context(shm_buffer(batch_bytes * num_calls))
-
-        def slots(call: int) -> list[np.ndarray]:
-            base = (call % num_calls) * batch_bytes
-            return [
-                target[base + i * block_bytes : base + (i + 1) * block_bytes]
-                for i in range(per_call)
-            ]
-
-        def memcpy_in(call: int) -> None:
-            for s, d in zip(src, slots(call), strict=True):
-                np.copyto(d, s)
-
-        def memcpy_out(call: int) -> None:
-            for s, d in zip(slots(call), dst, strict=True):
-                np.copyto(d, s)
-
+        target = stack.enter_context(shm_buffer(blocks.batch_bytes * blocks.num_calls))
         copier = Copier(shm_client.config.copy_threads)
         stack.callback(copier.close)
-        src_views, dst_views = [byte_view(s) for s in src], [byte_view(d) for d in dst]
-
-        def memcpy_threads_in(call: int) -> None:
-            copier.copy([byte_view(d) for d in slots(call)], src_views)
-
-        def memcpy_threads_out(call: int) -> None:
-            copier.copy(dst_views, [byte_view(s) for s in slots(call)])
-
-        for op, fns in (
-            (
-                "put",
-                {
-                    "memcpy": memcpy_in,
-                    "memcpy_threads": memcpy_threads_in,
-                    "shm": put_with(shm_client, "shm"),
-                    "pipelined": put_pipelined,
-                    "stream": lambda _: stream.send(src),
-                    "tcp": put_with(tcp_client, "tcp"),
-                },
-            ),
-            (
-                "get",
-                {
-                    "memcpy": memcpy_out,
-                    "memcpy_threads": memcpy_threads_out,
-                    "shm": get_with(shm_client, "shm"),
-                    "stream": lambda _: stream.recv(dst),
-                    "tcp": get_with(tcp_client, "tcp"),
-                },
-            ),
-        ):
-            if redis_peer is not None:
-                if op == "put":
-                    fns["redis"] = lambda call: redis_peer.put(keys_of("redis", call), src)
-                else:
-                    fns["redis"] = lambda call: redis_peer.get(keys_of("redis", call % num_calls))
-            progress(f"{size} {op}: {', '.join(fns)}")
-            times = _interleaved(ROUNDS, calls, fns)
-
-            ours = [_shm_case(op, "shm", block_bytes, batch_bytes, times["shm"], times)]
-            if "pipelined" in times:
-                piped = times["pipelined"]
-                ours.append(_shm_case(op, "shm, pipelined", block_bytes, batch_bytes, piped, times))
-            ours += [
-                _case("kvpool", op, "tcp", block_bytes, batch_bytes, times["tcp"], times["stream"]),
-            ]
-            report.cases.extend(ours)
-            if "redis" in times:
-                redis_case = _case(
-                    "redis", op, "tcp", block_bytes, batch_bytes, times["redis"], times["stream"]
-                )
-                report.cases.append(redis_case)
-                for case in ours:
-                    case.vs_redis = round(case.gbps / redis_case.gbps, 2)
+        memcpy = _MemcpyCeilings(blocks, target, copier)
+        puts: dict[str, Callable[[int], None]] = {
+            "memcpy": memcpy.copy_in,
+            "memcpy_threads": memcpy.threads_in,
+            "shm": blocks.put_with(shm_client, "shm"),
+            "pipelined": blocks.pipelined_with(writer),
+            "stream": lambda _: stream.send(blocks.src),
+            "tcp": blocks.put_with(tcp_client, "tcp"),
+        }
+        gets: dict[str, Callable[[int], None]] = {
+            "memcpy": memcpy.copy_out,
+            "memcpy_threads": memcpy.threads_out,
+            "shm": blocks.get_with(shm_client, "shm"),
+            "stream": lambda _: stream.recv(blocks.dst),
+            "tcp": blocks.get_with(tcp_client, "tcp"),
+        }
+        if redis_peer is not None:
+            puts["redis"] = lambda call: redis_peer.put(blocks.keys_of("redis", call), blocks.src)
+            gets["redis"] = lambda call: redis_peer.get(
+                blocks.keys_of("redis", call % blocks.num_calls)
+            )
+        for op, fns in (("put", puts), ("get", gets)):
+            progress(f"{format_size(block_bytes)} {op}: {', '.join(fns)}")
+            _record(report, op, blocks, _interleaved(ROUNDS, blocks.calls, fns))
     for tag, client in (("shm", shm_client), ("pipelined", shm_client), ("tcp", tcp_client)):
-        client.delete([k for call in range(num_calls) for k in keys_of(tag, call)], timeout=60)
+        blocks.delete(client, tag)
     if redis_peer is not None:
         redis_peer.client.flushall()
+
+
+def _record(report: Report, op: str, blocks: _Blocks, times: dict[str, list[list[float]]]) -> None:
+    """The cases of one operation, each beside its ceiling (and Redis, where it ran)."""
+    sizes = (blocks.block_bytes, blocks.batch_bytes)
+    ours = [_shm_case(op, "shm", *sizes, times["shm"], times)]
+    if "pipelined" in times:
+        ours.append(_shm_case(op, "shm, pipelined", *sizes, times["pipelined"], times))
+    ours.append(_case("kvpool", op, "tcp", *sizes, times["tcp"], times["stream"]))
+    report.cases.extend(ours)
+    if "redis" in times:
+        redis_case = _case("redis", op, "tcp", *sizes, times["redis"], times["stream"])
+        report.cases.append(redis_case)
+        for case in ours:
+            case.vs_redis = round(case.gbps / redis_case.gbps, 2)
 
 
 def _lookup_case(client: Client, ns: Namespace) -> dict[str, Any]:
