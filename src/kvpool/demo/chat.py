@@ -11,12 +11,17 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from kvpool.demo.process import NodeProcess
+
+if TYPE_CHECKING:
+    from kvpool.demo.workload import Comparison
+
+LABELS = {"nopool": "no connector", "pool": "kvpool", "example": "ExampleConnector"}
 
 
 def run_demo(
@@ -50,12 +55,11 @@ def run_demo(
         }
         if compare_example:
             configs["example"] = example_connector(example_dir)
-        labels = {"nopool": "no connector", "pool": "kvpool", "example": "ExampleConnector"}
         with console.status("") as status:
 
             def progress(run: str) -> None:
                 status.update(
-                    f"vLLM engine with {labels[run]}: {num_conversations} conversations x "
+                    f"vLLM engine with {LABELS[run]}: {num_conversations} conversations x "
                     f"{num_turns} turns"
                 )
 
@@ -64,20 +68,29 @@ def run_demo(
         summary["node"] = node.info["name"]
     if json_output:
         sys.stdout.write(json.dumps(summary) + "\n")
-        return summary
+    else:
+        _print_report(console, comparison, summary, list(configs))
+    return summary
+
+
+def _print_report(
+    console: Console, comparison: Comparison, summary: dict[str, Any], runs: list[str]
+) -> None:
+    """The per-turn table and the summary lines; ``runs``: the engines compared, by name."""
+    num_conversations = summary["conversations"]
     table = Table(
         title=f"kvpool demo: time to first token per turn (median ms), {num_conversations} "
         "interleaved conversations, tiny Llama on vLLM (CPU)"
     )
     table.add_column("turn", justify="right")
     table.add_column("prompt tokens", justify="right")
-    for run in configs:
-        table.add_column(labels[run], justify="right")
+    for run in runs:
+        table.add_column(LABELS[run], justify="right")
     table.add_column("speed-up", justify="right")
     table.add_column("prompt cached: no pool / kvpool", justify="right")
     for row in comparison.per_turn():
         cells = [str(row["turn"]), str(row["prompt_tokens"])]
-        cells += [f"{row[run]:.0f}" if row[run] is not None else "-" for run in configs]
+        cells += [f"{row[run]:.0f}" if row[run] is not None else "-" for run in runs]
         speedup = row["nopool"] / row["pool"] if row["nopool"] and row["pool"] else None
         cells.append(f"{speedup:.1f}x" if speedup else "-")
         cells.append(f"{100 * row['nopool_cached']:.0f}% / {100 * row['pool_cached']:.0f}%")
@@ -94,10 +107,9 @@ def run_demo(
         f"p90 TTFT after the first turn: {summary['ttft_ms_p90_nopool']} ms without the pool, "
         f"{summary['ttft_ms_p90_pool']} ms with it"
     )
-    if compare_example:
+    if "example" in runs:
         console.print(
             f"ExampleConnector: median TTFT {summary['ttft_ms_median_example']} ms, "
             f"p90 {summary['ttft_ms_p90_example']} ms, "
             f"hit rate {100 * summary['hit_rate_example']:.1f}%"
         )
-    return summary
