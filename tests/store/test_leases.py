@@ -18,19 +18,6 @@ from tests.helpers import key
 LIMITS = LeaseLimits(pin_s=2.0, reserve_s=3.0, hold_s=5.0, default_hold_s=4.0, wait_s=1.0)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def clock():
-    return Clock()
-
-
 @dataclass
 class Node:
     ledger: LeaseLedger

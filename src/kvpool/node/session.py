@@ -52,7 +52,7 @@ from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
-from kvpool.store.block import Area
+from kvpool.store.block import Area, Block
 from kvpool.store.pool import PinResult
 from kvpool.tenants import Credential, Tenant
 from kvpool.timing import LeaseLimits
@@ -313,7 +313,10 @@ class Session:
 
     async def _area(self, header: FrameHeader, req: msg.AreaRequest) -> None:
         area = self.store.reserve_area(req.num_bytes, self.owner, req.lease_ms / 1000)
-        await self._reply(header, Op.AREA, _area_response(area) or msg.AreaResponse(area_id=0))
+        response = _area_response(area)
+        if response is None:
+            response = msg.AreaResponse(area_id=0)  # none free now: reserve the usual way
+        await self._reply(header, Op.AREA, response)
 
     async def _commit(self, header: FrameHeader, req: msg.CommitRequest) -> None:
         area: msg.AreaResponse | None = None
@@ -324,10 +327,10 @@ class Session:
         else:
             blocks = self.store.take(req.reservation_id, self.owner)
             statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
-        for name, listed in (("origins", req.origins), ("checksums", req.checksums)):
-            if listed is not None and len(listed) != len(blocks):
-                self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
-                raise BadRequest(f"{len(listed)} {name} for {len(blocks)} blocks")
+        problem = _per_block_mismatch(req, len(blocks))
+        if problem:
+            self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
+            raise BadRequest(problem)
         self.services.sealer.seal(blocks, req.replicate, req.origins, req.checksums)
         response = msg.CommitResponse([int(s) for s in statuses], area)
         await self._reply(header, Op.COMMIT, response)
@@ -337,38 +340,41 @@ class Session:
         await self._reply(header, Op.ABORT, msg.Empty())
 
     async def _put(self, header: FrameHeader, req: msg.PutRequest) -> None:
-        keys, sizes = req.keys, req.sizes
-        problem = ""
-        expected = sum(sizes) + CHECKSUM_BYTES * len(sizes)
-        if len(keys) != len(sizes) or len(req.origins or keys) != len(keys):
-            problem = "keys, sizes and origins differ in length"
-        elif expected != header.payload_len:
-            problem = f"payload of {header.payload_len} bytes, sizes need {expected}"
+        problem = _put_mismatch(req, header.payload_len)
         if problem:
             await self.channel.skip(header.payload_len)
             raise BadRequest(problem)
-        result = self.store.reserve(keys, sizes, self.owner)
+        result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)
-        checksums: list[int | None] = []
         async with self._within_lease(result.lease_s, "receiving a PUT payload"):
-            for i, block in enumerate(result.blocks):
-                meta = await self.channel.recv_meta(CHECKSUM_BYTES)
-                expected_checksum = int.from_bytes(meta, "little")
-                if block is None:
-                    await self.channel.skip(sizes[i])
-                    checksums.append(None)
-                    continue
-                hasher = ck.new_hasher()
-                await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
-                if hasher.intdigest() == expected_checksum:
-                    checksums.append(expected_checksum)
-                else:
-                    statuses[i] = Status.CHECKSUM_MISMATCH
-                    checksums.append(None)
+            checksums = await self._receive_blocks(result.blocks, req.sizes, statuses)
         if result.reservation_id:
             committed = self.store.commit(result.reservation_id, checksums, self.owner, req.origins)
             self.services.traffic.published(committed, req.replicate)
         await self._reply(header, Op.PUT, _statuses(statuses))
+
+    async def _receive_blocks(
+        self, blocks: Sequence[Block | None], sizes: Sequence[int], statuses: list[Status]
+    ) -> list[int | None]:
+        """Receive a PUT's payload, each block (after its checksum) straight into its
+        reserved slot, hashed as it arrives; per block, the checksum to commit it with
+        (None: skipped, or it did not match, which ``statuses`` then says)."""
+        checksums: list[int | None] = []
+        for i, block in enumerate(blocks):
+            meta = await self.channel.recv_meta(CHECKSUM_BYTES)
+            expected = int.from_bytes(meta, "little")
+            if block is None:
+                await self.channel.skip(sizes[i])
+                checksums.append(None)
+                continue
+            hasher = ck.new_hasher()
+            await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
+            if hasher.intdigest() == expected:
+                checksums.append(expected)
+            else:
+                statuses[i] = Status.CHECKSUM_MISMATCH
+                checksums.append(None)
+        return checksums
 
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
 
@@ -514,6 +520,28 @@ def _scoped(request: Any, tenant: Tenant) -> Any:
     if hasattr(request, "keys"):
         return msgspec.structs.replace(request, keys=tenant.scope_all(request.keys))
     return request
+
+
+def _put_mismatch(req: msg.PutRequest, payload_len: int) -> str:
+    """What is wrong with a PUT's lists and payload length ("": nothing)."""
+    num_keys = len(req.keys)
+    if len(req.sizes) != num_keys:
+        return "keys, sizes and origins differ in length"
+    if req.origins and len(req.origins) != num_keys:
+        return "keys, sizes and origins differ in length"
+    expected = sum(req.sizes) + CHECKSUM_BYTES * num_keys
+    if expected != payload_len:
+        return f"payload of {payload_len} bytes, sizes need {expected}"
+    return ""
+
+
+def _per_block_mismatch(req: msg.CommitRequest, num_blocks: int) -> str:
+    """Whether a COMMIT's per-block lists name as many blocks as it commits ("": they do)."""
+    if req.origins is not None and len(req.origins) != num_blocks:
+        return f"{len(req.origins)} origins for {num_blocks} blocks"
+    if req.checksums is not None and len(req.checksums) != num_blocks:
+        return f"{len(req.checksums)} checksums for {num_blocks} blocks"
+    return ""
 
 
 def _area_response(area: Area | None) -> msg.AreaResponse | None:

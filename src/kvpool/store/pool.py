@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from itertools import takewhile
 
 from kvpool.config import page_bytes
 from kvpool.directory import DirectoryWriter, NoDirectory
@@ -340,11 +341,7 @@ class BlockStore:
 
     def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> tuple[int, bool]:
         """The length of the longest committed prefix, and whether the next key is pending."""
-        num_prefix = 0
-        for key in keys:
-            if key not in self._committed:
-                break
-            num_prefix += 1
+        num_prefix = len(list(takewhile(self._committed.__contains__, keys)))
         pending = num_prefix < len(keys) and keys[num_prefix] in self._index
         if count:
             self.record_lookup(keys, num_prefix)
