@@ -62,6 +62,10 @@ class ClusterHooks(Protocol):
 
 
 class NodeServer:
+    """Listens, accepts a :class:`Session` per connection (numbered from 1: its lease owner
+    id), expires leases, and reports the node's statistics.  ``start`` binds and spawns
+    its loops; ``stop`` closes every session and waits for them."""
+
     def __init__(
         self,
         config: NodeConfig,
@@ -72,7 +76,11 @@ class NodeServer:
         on_shutdown: Callable[[bool], None] | None = None,
         tenants: Registry | None = None,
         tls: CertFiles | None = None,
+        changes: StoreChanges | None = None,
     ):
+        """``changes``: what the store calls on every change (built with it, as
+        ``BlockStore(on_change=changes.notify)``); without it the server makes one and
+        sets the store's ``on_change`` itself."""
         self.config = config
         self.tenants = tenants
         self.tls = tls  # the TCP listener's TLS (the Unix socket stays local, in the clear)
@@ -84,12 +92,14 @@ class NodeServer:
         self.identity = NodeIdentity.of(config)
         self.registry = SessionRegistry()
         self.traffic = Traffic(cluster.enqueue if cluster is not None else None)
-        self.changes = StoreChanges()
+        if changes is None:
+            changes = StoreChanges()
+            store.on_change = changes.notify
+        self.changes = changes
         self.credentials = Credentials(config, tenants)
         self._owner_ids = itertools.count(1)  # connection numbers: lease owners >= 1
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.store.on_change = self.changes.notify
         self.sealer = Sealer(store, arena, self.traffic.published)
         self.metrics = NodeMetrics(self.stats)
         self.services = SessionServices(

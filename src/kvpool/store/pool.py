@@ -88,8 +88,14 @@ class BlockStore:
         journal: Journal | NoJournal | None = None,
         spill: SpillTarget | None = None,
         directory: DirectoryWriter | NoDirectory | None = None,
+        events: StoreEvents | None = None,
+        on_change: Callable[[], None] | None = None,
         clock: Clock = time.monotonic,
     ):
+        """``ledger``: the node's lease ledger, shared with its prefetch holds (else the
+        store keeps one of its own under ``leases``); ``events``: told of every block that
+        becomes visible or leaves; ``on_change``: called after any change a waiting lookup
+        may be waiting for."""
         self.allocator = allocator or SegregatedFitAllocator(capacity)
         self.capacity = self.allocator.capacity
         self.eviction = eviction or LRUPolicy()
@@ -100,8 +106,8 @@ class BlockStore:
         self.clock = self.ledger.clock
         self.counters = StoreCounters()
         self.namespaces = NamespaceTable()
-        self.on_change: Callable[[], None] | None = None
-        self.events: StoreEvents | None = None
+        self.on_change = on_change
+        self.events = events
         self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
         self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
         self._reservations: LeaseBook[Reservation] = self.ledger.open_book(
