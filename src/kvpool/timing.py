@@ -1,12 +1,15 @@
-"""The one lease-and-timeout policy: how long pins and reservations last, how long a node
-that failed is skipped, and how a call's time budget is shared out.
+"""Time bounds: the node's lease limits (how long anything may hold the node's memory), how
+long a node that failed is skipped, and how a call's time budget is shared out.
 
-The owner of a resource clamps what callers ask for: the node grants a pin or a
-reservation at most its :class:`LeasePolicy` bound, whatever lease a client requests, so
-``KVPOOL_PIN_LEASE`` and ``KVPOOL_RESERVE_LEASE`` bound what a dead or stalled client can
-hold.  A client that asks for nothing (0) gets the bound.
+The owner of a resource clamps what callers ask for.  The node grants a pin, a reservation,
+a write area or a prefetch hold at most its :class:`LeaseLimits` bound, whatever a client
+requests (``KVPOOL_PIN_LEASE`` and ``KVPOOL_RESERVE_LEASE`` set two of them), so they bound
+what a dead or stalled client can hold.  A client that asks for nothing (0) gets the
+default.  The node announces its limits in its Welcome
+(:class:`kvpool.protocol.messages.Limits`), so a client need keep no copy of its own.
 
-Every other module takes these values from here, never from constants of its own.
+The node's store applies them through its lease ledger (:mod:`kvpool.store.leases`); the
+cool-downs and budgets below are the client's, the router's and the write-through's.
 """
 
 from __future__ import annotations
@@ -17,13 +20,24 @@ from kvpool.errors import ConfigError
 
 DEFAULT_PIN_LEASE_S = 10.0
 DEFAULT_RESERVE_LEASE_S = 30.0
-# How often the node reclaims expired pins and reservations.
+DEFAULT_HOLD_S = 30.0  # a prefetch hold that names no time
+MAX_HOLD_S = 120.0  # the longest a prefetch hold keeps blocks for a queued request
+MAX_WAIT_S = 60.0  # the longest a lookup or a read waits on the node for blocks
+# How often the node reclaims expired leases.
 EXPIRE_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
-class LeasePolicy:
-    """How long a pin or a reservation lasts without its holder.
+class LeaseLimits:
+    """The node's one set of lease limits: how long each kind of hold lasts at most without
+    its holder renewing or ending it.
+
+    - ``pin_s``: a pin (a reader copying blocks);
+    - ``reserve_s``: a reservation or a write area (a writer filling memory);
+    - ``hold_s``: a prefetch hold (blocks kept in DRAM for a queued request), and
+      ``default_hold_s`` for a hold that names no time;
+    - ``wait_s``: how long a lookup or a read may wait for blocks still being written or
+      promoted.
 
     A transfer the node streams itself (a PUT it receives, a GET it sends) holds its pin or
     reservation for at most the same bound, and ends one expiry interval before it: the
@@ -32,22 +46,39 @@ class LeasePolicy:
 
     pin_s: float = DEFAULT_PIN_LEASE_S
     reserve_s: float = DEFAULT_RESERVE_LEASE_S
+    hold_s: float = MAX_HOLD_S
+    default_hold_s: float = DEFAULT_HOLD_S
+    wait_s: float = MAX_WAIT_S
 
-    def validate(self) -> LeasePolicy:
-        if self.pin_s <= EXPIRE_INTERVAL_S or self.reserve_s <= EXPIRE_INTERVAL_S:
+    def validate(self) -> LeaseLimits:
+        if min(self.pin_s, self.reserve_s, self.hold_s) <= EXPIRE_INTERVAL_S:
             raise ConfigError(
                 f"lease durations must be longer than {EXPIRE_INTERVAL_S} s "
-                f"(pin {self.pin_s} s, reserve {self.reserve_s} s)"
+                f"(pin {self.pin_s} s, reserve {self.reserve_s} s, hold {self.hold_s} s)"
             )
+        if not 0 < self.default_hold_s <= self.hold_s:
+            raise ConfigError(
+                f"the default hold ({self.default_hold_s} s) must be within (0, {self.hold_s}] s"
+            )
+        if self.wait_s < 0:
+            raise ConfigError(f"the longest wait ({self.wait_s} s) cannot be negative")
         return self
 
     def pin(self, requested_s: float = 0.0) -> float:
         """The pin lease granted for ``requested_s`` (0: the bound)."""
-        return _clamp(requested_s, self.pin_s)
+        return _clamp(requested_s, self.pin_s, self.pin_s)
 
     def reserve(self, requested_s: float = 0.0) -> float:
-        """The reservation lease granted for ``requested_s`` (0: the bound)."""
-        return _clamp(requested_s, self.reserve_s)
+        """The reservation (or write area) lease granted for ``requested_s`` (0: the bound)."""
+        return _clamp(requested_s, self.reserve_s, self.reserve_s)
+
+    def hold(self, requested_s: float = 0.0) -> float:
+        """The prefetch hold granted for ``requested_s`` (0: the default hold)."""
+        return _clamp(requested_s, self.default_hold_s, self.hold_s)
+
+    def wait(self, requested_s: float) -> float:
+        """How long a request that asks to wait ``requested_s`` may wait (0: not at all)."""
+        return min(max(requested_s, 0.0), self.wait_s)
 
     @staticmethod
     def transfer_budget(lease_s: float) -> float:
@@ -55,8 +86,12 @@ class LeasePolicy:
         return max(lease_s - EXPIRE_INTERVAL_S, EXPIRE_INTERVAL_S / 2)
 
 
-def _clamp(requested_s: float, bound_s: float) -> float:
-    return bound_s if requested_s <= 0 else min(requested_s, bound_s)
+# The name the node's configuration and older callers use.
+LeasePolicy = LeaseLimits
+
+
+def _clamp(requested_s: float, default_s: float, bound_s: float) -> float:
+    return default_s if requested_s <= 0 else min(requested_s, bound_s)
 
 
 # Cool-downs: how long a node that failed is left alone.

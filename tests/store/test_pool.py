@@ -13,19 +13,6 @@ from kvpool.timing import LeasePolicy
 from tests.helpers import key
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def clock():
-    return Clock()
-
-
 @pytest.fixture
 def store(clock):
     return BlockStore(32 * PAGE_BYTES, clock=clock, high_watermark=1.0, low_watermark=1.0)

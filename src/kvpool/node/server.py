@@ -1,10 +1,13 @@
 """The node's protocol server: listeners on a Unix socket and TCP, one
-:class:`~kvpool.node.session.Session` per connection, the store's expiry clock, and the
-node's statistics.
+:class:`~kvpool.node.session.Session` per connection, the lease ledger's expiry clock, and
+the node's statistics.
 
-The server owns what its sessions share: the store (touched only from the event loop), the
-arena, byte counters, and the cluster hooks it was built with (write-through of committed
-blocks to their home nodes, and the member list for status).
+The server builds what its sessions share once, as one
+:class:`~kvpool.node.services.SessionServices` (the store, touched only from the event
+loop, the arena, the tiers, the sealer, credentials, the session registry, byte counters,
+the write-through of committed blocks to their home nodes), and hands each session that
+and nothing else.  Every ``EXPIRE_INTERVAL_S`` it ends the expired leases of every kind
+through the store's one ledger (:meth:`BlockStore.expire`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import itertools
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,16 +25,22 @@ from typing import Any, Protocol
 import msgspec
 
 from kvpool.config import NodeConfig
-from kvpool.errors import NodeUnavailable
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
+from kvpool.node.services import (
+    Credentials,
+    NodeIdentity,
+    SessionRegistry,
+    SessionServices,
+    StoreChanges,
+    Traffic,
+)
 from kvpool.node.session import Session
 from kvpool.node.tiers import Tiers
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
-from kvpool.store.block import CommitResult
 from kvpool.store.pool import BlockStore
-from kvpool.tenants import Credential, Registry, Tenant
+from kvpool.tenants import Registry, Tenant
 from kvpool.timing import EXPIRE_INTERVAL_S
 from kvpool.tls import CertFiles
 
@@ -54,6 +62,10 @@ class ClusterHooks(Protocol):
 
 
 class NodeServer:
+    """Listens, accepts a :class:`Session` per connection (numbered from 1: its lease owner
+    id), expires leases, and reports the node's statistics.  ``start`` binds and spawns
+    its loops; ``stop`` closes every session and waits for them."""
+
     def __init__(
         self,
         config: NodeConfig,
@@ -64,30 +76,59 @@ class NodeServer:
         on_shutdown: Callable[[bool], None] | None = None,
         tenants: Registry | None = None,
         tls: CertFiles | None = None,
+        changes: StoreChanges | None = None,
     ):
+        """``changes``: what the store calls on every change (built with it, as
+        ``BlockStore(on_change=changes.notify)``); without it the server makes one and
+        sets the store's ``on_change`` itself."""
         self.config = config
         self.tenants = tenants
         self.tls = tls  # the TCP listener's TLS (the Unix socket stays local, in the clear)
-        self._tenant_sessions: dict[str, set[Session]] = {}
         self.store = store
         self.arena = arena
         self.tiers = tiers or Tiers(store, arena)
         self.cluster = cluster
         self._on_shutdown = on_shutdown
-        self.node_id = config.name
-        self.started_at = time.monotonic()
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.sessions: set[Session] = set()
-        self._owner_ids = itertools.count(1)
+        self.identity = NodeIdentity.of(config)
+        self.registry = SessionRegistry()
+        self.traffic = Traffic(cluster.enqueue if cluster is not None else None)
+        if changes is None:
+            changes = StoreChanges()
+            store.on_change = changes.notify
+        self.changes = changes
+        self.credentials = Credentials(config, tenants)
+        self._owner_ids = itertools.count(1)  # connection numbers: lease owners >= 1
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._changed: asyncio.Future[None] | None = None
-        self.store.on_change = self._on_store_change
-        self.sealer = Sealer(store, arena, self.published)
-        self.tcp_port = config.port
+        self.sealer = Sealer(store, arena, self.traffic.published)
         self.metrics = NodeMetrics(self.stats)
+        self.services = SessionServices(
+            store=store,
+            arena=arena,
+            tiers=self.tiers,
+            sealer=self.sealer,
+            metrics=self.metrics,
+            identity=self.identity,
+            credentials=self.credentials,
+            registry=self.registry,
+            traffic=self.traffic,
+            changes=self.changes,
+            stats=self.stats,
+            shutdown=self._shutdown_requested,
+        )
         self._apply_quotas()
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    @property
+    def tcp_port(self) -> int:
+        return self.identity.tcp_port
+
+    @property
+    def sessions(self) -> set[Session]:
+        return self.registry.sessions  # type: ignore[return-value]
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -109,7 +150,7 @@ class NodeServer:
             (self.config.host, self.config.port), family=_family(self.config.host), backlog=512
         )
         tcp.setblocking(False)
-        self.tcp_port = tcp.getsockname()[1]
+        self.identity.tcp_port = tcp.getsockname()[1]
         self._listeners = [unix, tcp]
         for listener in self._listeners:
             self._spawn(self._accept_loop(loop, listener))
@@ -147,7 +188,7 @@ class NodeServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(self.sessions) >= MAX_CONNECTIONS:
+            if len(self.registry) >= MAX_CONNECTIONS:
                 sock.close()
                 continue
             if sock.family != socket.AF_UNIX:
@@ -160,45 +201,21 @@ class NodeServer:
                 sock = self.tls.context.wrap_socket(
                     sock, server_side=True, do_handshake_on_connect=False
                 )
-            session = Session(self, sock, next(self._owner_ids))
+            session = Session(self.services, sock, next(self._owner_ids))
             session.task = self._spawn(session.run())
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
             if self.store.expire():
-                self._on_store_change()
-            self.tiers.holds.expire()
+                self.changes.notify()
+            holds_ledger = self.tiers.holds.ledger
+            if holds_ledger is not self.store.ledger:
+                # Until the assembly root builds the holds on the store's ledger
+                # (Holds(..., ledger=store.ledger)), their own ledger expires here too.
+                holds_ledger.expire()
 
-    # -- identities -----------------------------------------------------------------------
-
-    @property
-    def requires_auth(self) -> bool:
-        return self.tenants is not None or bool(self.config.access_key)
-
-    def credential(self, access_id: str) -> Credential | None:
-        """The credential of an access id (None: unknown, or the node needs none)."""
-        if self.tenants is not None:
-            return self.tenants.credential(access_id)
-        if self.config.access_key and access_id == self.config.access_id:
-            return Credential(access_id, self.config.access_key, None)
-        return None
-
-    def admit_session(self, session: Session) -> None:
-        """Count an authenticated tenant connection, refusing past the tenant's cap."""
-        tenant = session.tenant
-        if tenant is None:
-            return
-        sessions = self._tenant_sessions.setdefault(tenant.name, set())
-        if len(sessions) >= tenant.max_connections:
-            raise NodeUnavailable(
-                f"tenant {tenant.name} has {tenant.max_connections} connections open, its cap"
-            )
-        sessions.add(session)
-
-    def forget_session(self, session: Session) -> None:
-        if session.tenant is not None:
-            self._tenant_sessions.get(session.tenant.name, set()).discard(session)
+    # -- tenants -------------------------------------------------------------------------
 
     def _apply_quotas(self) -> None:
         if self.tenants is None:
@@ -222,7 +239,7 @@ class NodeServer:
             return
         self._apply_quotas()
         closed = 0
-        for session in list(self.sessions):
+        for session in list(self.registry.sessions):
             held = session.credential
             if held is None:
                 continue
@@ -235,34 +252,12 @@ class NodeServer:
                 closed += 1
         log.info("%d connection(s) closed by the new tenants file", closed)
 
-    # -- store change notification (for lookups that wait) --------------------------------
+    # -- what sessions ask of the node --------------------------------------------------
 
-    def _on_store_change(self) -> None:
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
-        self._changed = None
-
-    async def wait_for_change(self, timeout: float) -> None:
-        if self._changed is None:
-            self._changed = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
-
-    def request_shutdown(self, *, drain: bool) -> None:
+    def _shutdown_requested(self, drain: bool) -> None:
         """A client asked the node to stop (and, with ``drain``, to empty itself)."""
         if self._on_shutdown is not None:
             self._on_shutdown(drain)
-
-    def published(self, result: CommitResult, replicate: bool) -> None:
-        """Blocks a client wrote became visible (``replicate``: write them through)."""
-        self.bytes_in += result.num_bytes
-        if replicate and result.committed:
-            self.replicate([b.key for b in result.committed])
-
-    def replicate(self, keys: Sequence[bytes]) -> None:
-        """Committed keys a client asked to write through to their homes."""
-        if self.cluster is not None:
-            self.cluster.enqueue(keys)
 
     # -- status ---------------------------------------------------------------------------
 
@@ -275,7 +270,7 @@ class NodeServer:
         namespaces = [msgspec.structs.replace(usage) for usage in store.namespaces]
         return NodeStats(
             node_id=self.node_id,
-            host_id=self.config.host_id,
+            host_id=self.identity.host_id,
             tcp_address=self.tcp_address,
             capacity_bytes=store.capacity,
             used_bytes=store.used_bytes,
@@ -287,10 +282,10 @@ class NodeServer:
             misses=counters.lookup_misses,
             puts=counters.puts,
             evictions=counters.evictions,
-            bytes_in=self.bytes_in,
-            bytes_out=self.bytes_out,
-            num_connections=len(self.sessions),
-            uptime_s=time.monotonic() - self.started_at,
+            bytes_in=self.traffic.bytes_in,
+            bytes_out=self.traffic.bytes_out,
+            num_connections=len(self.registry),
+            uptime_s=self.identity.uptime_s,
             namespaces=namespaces,
             peers=self.cluster.peer_ids() if self.cluster is not None else [],
             corrupt_reports=counters.corrupt_reports,
@@ -310,7 +305,7 @@ class NodeServer:
         used = quotas.used.get(tenant.tag, 0) if quotas is not None else 0
         return NodeStats(
             node_id=self.node_id,
-            host_id=self.config.host_id,
+            host_id=self.identity.host_id,
             tcp_address=self.tcp_address,
             capacity_bytes=tenant.quota_bytes,
             used_bytes=used,
@@ -323,15 +318,14 @@ class NodeServer:
             evictions=0,
             bytes_in=0,
             bytes_out=0,
-            num_connections=len(self._tenant_sessions.get(tenant.name, ())),
-            uptime_s=time.monotonic() - self.started_at,
+            num_connections=self.registry.num_of(tenant),
+            uptime_s=self.identity.uptime_s,
             namespaces=rows,
         )
 
     @property
     def tcp_address(self) -> str:
-        host = self.config.advertise_host or self.config.host
-        return f"{host}:{self.tcp_port}"
+        return self.identity.tcp_address
 
 
 def _family(host: str) -> socket.AddressFamily:

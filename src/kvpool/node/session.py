@@ -9,8 +9,11 @@
 - Reads have one path: the store's pin → unpin.  A PIN hands the offsets to a same-host
   client, which verifies and copies, then sends UNPIN; a GET sends the pinned blocks with
   scatter-gather ``sendmsg`` and unpins.
-- Leases are the store's: a client's requested lease is clamped to the node's bound, and a
-  transfer the session streams itself ends before its lease (see :mod:`kvpool.timing`).
+- Leases are the store's ledger's: a client's requested lease is clamped to the node's
+  :class:`~kvpool.timing.LeaseLimits` (announced in the Welcome), and a transfer the
+  session streams itself ends before its lease.
+- The session uses the node through one narrow object, :class:`SessionServices`
+  (:mod:`kvpool.node.services`), and serves each op with the method :data:`HANDLERS` names.
 - Bad input gets an error reply: a bad message body (framing intact) keeps the connection;
   a bad frame header closes it.  Either way the daemon keeps serving everyone else.
 - A client that hangs up (:class:`~kvpool.protocol.channel.PeerClosed`) just ends its
@@ -25,8 +28,8 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -42,19 +45,17 @@ from kvpool.errors import (
     UnsupportedVersion,
     status_for_error,
 )
+from kvpool.node.services import SessionServices
 from kvpool.protocol import auth
 from kvpool.protocol import messages as msg
 from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
-from kvpool.store.block import Area
+from kvpool.store.block import Area, Block
 from kvpool.store.pool import PinResult
 from kvpool.tenants import Credential, Tenant
-from kvpool.timing import LeasePolicy
-
-if TYPE_CHECKING:
-    from kvpool.node.server import NodeServer
+from kvpool.timing import LeaseLimits
 
 log = logging.getLogger("kvpool.node")
 
@@ -91,10 +92,13 @@ class TransferTimeout(Exception):
 class Session:
     """One client connection."""
 
-    def __init__(self, server: NodeServer, sock: socket.socket, owner: int):
-        self.server = server
-        self.store = server.store
-        self.arena = server.arena
+    def __init__(self, services: SessionServices, sock: socket.socket, owner: int):
+        """``owner``: the connection's number (>= 1), which owns its leases in the ledger."""
+        self.services = services
+        self.store = services.store
+        self.arena = services.arena
+        self.tiers = services.tiers
+        self.limits = services.limits
         self.owner = owner
         self.channel = AsyncChannel(sock)
         self.peer = "unix" if sock.family == socket.AF_UNIX else str(sock.getpeername()[0])
@@ -110,7 +114,7 @@ class Session:
             self.channel.close()
 
     async def run(self) -> None:
-        self.server.sessions.add(self)
+        self.services.registry.opened(self)
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                 await self.channel.handshake()  # TLS, on a TCP listener that has it
@@ -138,19 +142,23 @@ class Session:
         except OSError as exc:
             log.debug("connection from %s failed: %s", self.peer, exc)
         finally:
-            self.server.sessions.discard(self)
-            self.server.forget_session(self)
+            self.services.registry.closed(self)
             self.store.release_owner(self.owner)
             self.channel.close()
 
     async def _handshake(self) -> None:
-        config = self.server.config
         server_nonce = auth.new_nonce()
+        header, hello = await self._challenge(server_nonce)
+        proof = self._authenticate(hello, server_nonce)
+        await self._reply(header, Op.HELLO, self._welcome(proof))
+
+    async def _challenge(self, server_nonce: bytes) -> tuple[FrameHeader, msg.Hello]:
+        """Send the CHALLENGE; the client's HELLO, in a version this node speaks."""
         challenge = msg.Challenge(
             versions=list(SUPPORTED_VERSIONS),
             nonce=server_nonce,
-            node_id=self.server.node_id,
-            auth_required=bool(config.access_key),
+            node_id=self.services.identity.node_id,
+            auth_required=self.services.credentials.announces_auth,
         )
         await self.channel.send([encode_frame(Op.CHALLENGE, challenge, flags=FLAG_RESPONSE)])
         header = await self.channel.recv_header()
@@ -161,69 +169,71 @@ class Session:
             raise BadRequest("expected HELLO")
         if hello.version not in SUPPORTED_VERSIONS:
             raise UnsupportedVersion(f"client speaks version {hello.version}")
-        proof = b""
-        credential = self.server.credential(hello.access_id)
-        if credential is not None:
-            ok = auth.verify(
-                credential.key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
-            )
-            if not ok:
-                log.warning(
-                    "authentication failed for access id %r (%s)", hello.access_id, self.peer
-                )
+        return header, hello
+
+    def _authenticate(self, hello: msg.Hello, server_nonce: bytes) -> bytes:
+        """Check the client's proof, if the node knows its access id; the node's proof."""
+        credentials = self.services.credentials
+        credential = credentials.credential(hello.access_id)
+        if credential is None:
+            if credentials.requires_auth:
+                log.warning("unknown access id %r (%s)", hello.access_id, self.peer)
                 raise AuthenticationError("access id or key refused")
-            proof = auth.proof(credential.key, "node", hello.access_id, server_nonce, hello.nonce)
-            self.credential, self.tenant = credential, credential.tenant
-            self.server.admit_session(self)  # the tenant's connection cap
-        elif self.server.requires_auth:
-            log.warning("unknown access id %r (%s)", hello.access_id, self.peer)
+            return b""
+        ok = auth.verify(
+            credential.key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
+        )
+        if not ok:
+            log.warning("authentication failed for access id %r (%s)", hello.access_id, self.peer)
             raise AuthenticationError("access id or key refused")
+        self.credential = credential
+        self.tenant = credential.tenant
+        self.services.registry.admit(self)  # the tenant's connection cap
+        return auth.proof(credential.key, "node", hello.access_id, server_nonce, hello.nonce)
+
+    def _welcome(self, proof: bytes) -> msg.Welcome:
+        identity = self.services.identity
+        welcome = msg.Welcome(
+            node_id=identity.node_id,
+            proof=proof,
+            host_id=identity.host_id,
+            tcp_address=identity.tcp_address,
+            arena_path="",
+            arena_bytes=0,
+            arena_dev=0,
+            arena_ino=0,
+            arena_id=b"",
+            limits=msg.Limits.of(self.limits),
+        )
+        if self.tenant is not None:
+            return welcome  # a tenant never gets the arena: sockets only
         arena = self.arena
         directory = self.store.directory.path
-        shared = self.tenant is None  # a tenant never gets the arena: sockets only
-        welcome = msg.Welcome(
-            node_id=self.server.node_id,
-            proof=proof,
-            host_id=config.host_id,
-            tcp_address=self.server.tcp_address,
-            arena_path=str(arena.path) if shared else "",
-            arena_bytes=arena.num_bytes if shared else 0,
-            arena_dev=arena.dev if shared else 0,
-            arena_ino=arena.ino if shared else 0,
-            arena_id=arena.arena_id if shared else b"",
-            directory_path=str(directory) if shared and directory is not None else "",
-        )
-        await self._reply(header, Op.HELLO, welcome)
+        welcome.arena_path = str(arena.path)
+        welcome.arena_bytes = arena.num_bytes
+        welcome.arena_dev = arena.dev
+        welcome.arena_ino = arena.ino
+        welcome.arena_id = arena.arena_id
+        if directory is not None:
+            welcome.directory_path = str(directory)
+        return welcome
 
     # -- dispatch -------------------------------------------------------------------------
 
     async def _serve(self, header: FrameHeader) -> None:
         started = time.perf_counter()
-        op_name = Op(header.op).name if header.op in Op._value2member_map_ else "UNKNOWN"
-        if self.channel.rbuf.num_buffered >= header.meta_len:  # the usual case: no wait
-            meta = await self.channel.recv_meta(header.meta_len)
-        else:
-            try:
-                async with asyncio.timeout(FRAME_TIMEOUT_S):
-                    meta = await self.channel.recv_meta(header.meta_len)
-            except TimeoutError:
-                raise TransferTimeout("timed out receiving a request") from None
+        op_name = _op_name(header.op)
+        meta = await self._recv_meta(header)
         payload_left = header.payload_len
         try:
-            handler = _HANDLERS.get(header.op)
+            handler = HANDLERS.get(header.op)
             if handler is None:
                 raise BadRequest(f"unexpected op {op_name}")
-            request = decode_request(header.op, meta)
-            if self.tenant is not None:
-                if header.op not in TENANT_OPS:
-                    raise Forbidden(f"{op_name} is not open to tenants")
-                request = _scoped(request, self.tenant)
-            if header.op != Op.PUT and header.payload_len:
-                raise BadRequest(f"{op_name} carries no payload")
+            request = self._decode(header, meta, op_name)
             if header.op == Op.PUT:
                 payload_left = 0  # from here on the PUT handler consumes the payload itself
             if header.op not in _BEFORE_SEALS:  # a write that returned is seen by every read
-                await self.server.sealer.wait(getattr(request, "keys", None))
+                await self.services.sealer.wait(getattr(request, "keys", None))
             await handler(self, header, request)
         except (PeerClosed, TransferTimeout, asyncio.CancelledError):
             raise  # the connection is lost, or its framing is: close it
@@ -241,9 +251,30 @@ class Session:
             if header.wants_reply:
                 await self._reply_error(header.op, header.request_id, exc)
         finally:
-            self.server.metrics.op_latency.labels(op_name.lower()).observe(
+            self.services.metrics.op_latency.labels(op_name.lower()).observe(
                 time.perf_counter() - started
             )
+
+    async def _recv_meta(self, header: FrameHeader) -> bytes:
+        """A request's metadata, which a slow writer gets FRAME_TIMEOUT_S to finish."""
+        if self.channel.rbuf.num_buffered >= header.meta_len:  # the usual case: no wait
+            return await self.channel.recv_meta(header.meta_len)
+        try:
+            async with asyncio.timeout(FRAME_TIMEOUT_S):
+                return await self.channel.recv_meta(header.meta_len)
+        except TimeoutError:
+            raise TransferTimeout("timed out receiving a request") from None
+
+    def _decode(self, header: FrameHeader, meta: bytes, op_name: str) -> Any:
+        """The request, scoped to the connection's tenant, if it may send it."""
+        request = decode_request(header.op, meta)
+        if self.tenant is not None:
+            if header.op not in TENANT_OPS:
+                raise Forbidden(f"{op_name} is not open to tenants")
+            request = _scoped(request, self.tenant)
+        if header.op != Op.PUT and header.payload_len:
+            raise BadRequest(f"{op_name} carries no payload")
+        return request
 
     async def _reply(
         self,
@@ -282,7 +313,10 @@ class Session:
 
     async def _area(self, header: FrameHeader, req: msg.AreaRequest) -> None:
         area = self.store.reserve_area(req.num_bytes, self.owner, req.lease_ms / 1000)
-        await self._reply(header, Op.AREA, _area_response(area) or msg.AreaResponse(area_id=0))
+        response = _area_response(area)
+        if response is None:
+            response = msg.AreaResponse(area_id=0)  # none free now: reserve the usual way
+        await self._reply(header, Op.AREA, response)
 
     async def _commit(self, header: FrameHeader, req: msg.CommitRequest) -> None:
         area: msg.AreaResponse | None = None
@@ -293,11 +327,11 @@ class Session:
         else:
             blocks = self.store.take(req.reservation_id, self.owner)
             statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
-        for name, listed in (("origins", req.origins), ("checksums", req.checksums)):
-            if listed is not None and len(listed) != len(blocks):
-                self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
-                raise BadRequest(f"{len(listed)} {name} for {len(blocks)} blocks")
-        self.server.sealer.seal(blocks, req.replicate, req.origins, req.checksums)
+        problem = _per_block_mismatch(req, len(blocks))
+        if problem:
+            self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
+            raise BadRequest(problem)
+        self.services.sealer.seal(blocks, req.replicate, req.origins, req.checksums)
         response = msg.CommitResponse([int(s) for s in statuses], area)
         await self._reply(header, Op.COMMIT, response)
 
@@ -306,44 +340,47 @@ class Session:
         await self._reply(header, Op.ABORT, msg.Empty())
 
     async def _put(self, header: FrameHeader, req: msg.PutRequest) -> None:
-        keys, sizes = req.keys, req.sizes
-        problem = ""
-        expected = sum(sizes) + CHECKSUM_BYTES * len(sizes)
-        if len(keys) != len(sizes) or len(req.origins or keys) != len(keys):
-            problem = "keys, sizes and origins differ in length"
-        elif expected != header.payload_len:
-            problem = f"payload of {header.payload_len} bytes, sizes need {expected}"
+        problem = _put_mismatch(req, header.payload_len)
         if problem:
             await self.channel.skip(header.payload_len)
             raise BadRequest(problem)
-        result = self.store.reserve(keys, sizes, self.owner)
+        result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)
-        checksums: list[int | None] = []
         async with self._within_lease(result.lease_s, "receiving a PUT payload"):
-            for i, block in enumerate(result.blocks):
-                meta = await self.channel.recv_meta(CHECKSUM_BYTES)
-                expected_checksum = int.from_bytes(meta, "little")
-                if block is None:
-                    await self.channel.skip(sizes[i])
-                    checksums.append(None)
-                    continue
-                hasher = ck.new_hasher()
-                await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
-                if hasher.intdigest() == expected_checksum:
-                    checksums.append(expected_checksum)
-                else:
-                    statuses[i] = Status.CHECKSUM_MISMATCH
-                    checksums.append(None)
+            checksums = await self._receive_blocks(result.blocks, req.sizes, statuses)
         if result.reservation_id:
             committed = self.store.commit(result.reservation_id, checksums, self.owner, req.origins)
-            self.server.published(committed, req.replicate)
+            self.services.traffic.published(committed, req.replicate)
         await self._reply(header, Op.PUT, _statuses(statuses))
+
+    async def _receive_blocks(
+        self, blocks: Sequence[Block | None], sizes: Sequence[int], statuses: list[Status]
+    ) -> list[int | None]:
+        """Receive a PUT's payload, each block (after its checksum) straight into its
+        reserved slot, hashed as it arrives; per block, the checksum to commit it with
+        (None: skipped, or it did not match, which ``statuses`` then says)."""
+        checksums: list[int | None] = []
+        for i, block in enumerate(blocks):
+            meta = await self.channel.recv_meta(CHECKSUM_BYTES)
+            expected = int.from_bytes(meta, "little")
+            if block is None:
+                await self.channel.skip(sizes[i])
+                checksums.append(None)
+                continue
+            hasher = ck.new_hasher()
+            await self.channel.recv_into(self.arena.slice(block.offset, block.size), hasher)
+            if hasher.intdigest() == expected:
+                checksums.append(expected)
+            else:
+                statuses[i] = Status.CHECKSUM_MISMATCH
+                checksums.append(None)
+        return checksums
 
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
 
     async def _pin(self, header: FrameHeader, req: msg.PinRequest) -> None:
-        tiers = self.server.tiers
-        await tiers.promote(req.keys, req.prefix, req.wait_ms / 1000)
+        tiers = self.tiers
+        await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
         result = self.store.pin(req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix)
         blocks = result.blocks
         tiers.note_read(blocks)
@@ -356,7 +393,7 @@ class Session:
             lease_ms=int(result.lease_s * 1000),
             sealed=[b is not None and b.sealed for b in blocks],
         )
-        self.server.bytes_out += sum(response.sizes)
+        self.services.traffic.sent(sum(response.sizes))
         await self._reply(header, Op.PIN, response)
 
     async def _unpin(self, header: FrameHeader, req: msg.UnpinRequest) -> None:
@@ -366,12 +403,12 @@ class Session:
     async def _touch(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         # Blocks a same-host client copied through the shared directory, without a pin.
         blocks = self.store.touch(req.keys)
-        self.server.tiers.note_read(blocks)
-        self.server.bytes_out += sum(b.size for b in blocks)
+        self.tiers.note_read(blocks)
+        self.services.traffic.sent(sum(b.size for b in blocks))
 
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
-        tiers = self.server.tiers
-        await tiers.promote(req.keys, req.prefix, req.wait_ms / 1000)
+        tiers = self.tiers
+        await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
         result = self.store.pin(req.keys, self.owner, prefix=req.prefix)
         tiers.note_read(result.blocks)
         try:
@@ -390,7 +427,7 @@ class Session:
         response = msg.GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
         async with self._within_lease(result.lease_s, "sending a GET payload"):
             await self._reply(header, Op.GET, response, views, total)
-        self.server.bytes_out += total
+        self.services.traffic.sent(total)
 
     @contextlib.asynccontextmanager
     async def _within_lease(self, lease_s: float, what: str) -> Any:
@@ -398,7 +435,7 @@ class Session:
         connection closes (which aborts the reservation or drops the pin) before the
         memory could change hands."""
         try:
-            async with asyncio.timeout(LeasePolicy.transfer_budget(lease_s)):
+            async with asyncio.timeout(LeaseLimits.transfer_budget(lease_s)):
                 yield
         except TimeoutError:
             raise TransferTimeout(f"timed out {what}") from None
@@ -407,7 +444,7 @@ class Session:
 
     async def _lookup(self, header: FrameHeader, req: msg.LookupRequest) -> None:
         keys = req.keys
-        tiers = self.server.tiers
+        tiers = self.tiers
         if req.mask:
             present, writing, in_tiers = tiers.presence(keys)
             response = msg.LookupResponse(
@@ -416,62 +453,63 @@ class Session:
             await self._reply(header, Op.LOOKUP, response)
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + req.wait_ms / 1000
+        deadline = loop.time() + self.limits.wait(req.wait_ms / 1000)
         while True:
             num_prefix, pending, in_tiers = tiers.lookup(keys)
             remaining = deadline - loop.time()
             if num_prefix == len(keys) or remaining <= 0 or not (pending or req.wait_absent):
                 break
-            await self.server.wait_for_change(remaining)
+            await self.services.changes.wait(remaining)
         tiers.record_lookup(keys, num_prefix, in_tiers)
         if req.prefetch_ms and any(in_tiers):  # the hint of a request still queued
-            tiers.prefetch(keys[:num_prefix], req.prefetch_ms / 1000)
+            tiers.prefetch(keys[:num_prefix], self.limits.hold(req.prefetch_ms / 1000))
         response = msg.LookupResponse(
             num_prefix=num_prefix, num_pending=int(pending), tiers=in_tiers
         )
         await self._reply(header, Op.LOOKUP, response)
 
     async def _prefetch(self, header: FrameHeader, req: msg.PrefetchRequest) -> None:
-        response = self.server.tiers.prefetch(req.keys, req.hold_ms / 1000, req.cancel)
+        hold_s = self.limits.hold(req.hold_ms / 1000)
+        response = self.tiers.prefetch(req.keys, hold_s, req.cancel)
         await self._reply(header, Op.PREFETCH, response)
 
     async def _delete(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         statuses = self.store.delete(req.keys)
-        lower = self.server.tiers
-        on_disk = [t != TIER_DRAM for t in lower.presence(req.keys)[2]]
-        lower.delete(req.keys)
-        for i, was_there in enumerate(on_disk):  # gone from every tier
-            if was_there and statuses[i] is Status.NOT_FOUND:
+        _, _, in_tiers = self.tiers.presence(req.keys)
+        self.tiers.delete(req.keys)
+        for i, tier in enumerate(in_tiers):  # gone from every tier
+            if tier != TIER_DRAM and statuses[i] is Status.NOT_FOUND:
                 statuses[i] = Status.OK
         await self._reply(header, Op.DELETE, _statuses(statuses))
 
     async def _report_corrupt(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         log.warning("a reader reported %d corrupt block(s); dropping them", len(req.keys))
-        await self._reply(header, Op.REPORT_CORRUPT, _statuses(self.store.report_corrupt(req.keys)))
+        statuses = self.store.report_corrupt(req.keys)
+        await self._reply(header, Op.REPORT_CORRUPT, _statuses(statuses))
 
     async def _describe(self, header: FrameHeader, req: msg.DescribeRequest) -> None:
         self.store.describe(req.namespace_id, req.label)
         await self._reply(header, Op.DESCRIBE, msg.Empty())
 
     async def _stats(self, header: FrameHeader, req: msg.Empty) -> None:
-        await self._reply(header, Op.STATS, self.server.stats(self.tenant))
+        await self._reply(header, Op.STATS, self.services.stats(self.tenant))
 
     async def _health(self, header: FrameHeader, req: msg.Empty) -> None:
-        uptime = time.monotonic() - self.server.started_at
-        await self._reply(
-            header, Op.HEALTH, msg.Health(ok=True, node_id=self.server.node_id, uptime_s=uptime)
-        )
+        identity = self.services.identity
+        health = msg.Health(ok=True, node_id=identity.node_id, uptime_s=identity.uptime_s)
+        await self._reply(header, Op.HEALTH, health)
 
     async def _shutdown(self, header: FrameHeader, req: msg.ShutdownRequest) -> None:
-        if req.node_id != self.server.node_id:
-            raise BadRequest(f"shutdown of node {req.node_id!r} sent to {self.server.node_id!r}")
+        node_id = self.services.identity.node_id
+        if req.node_id != node_id:
+            raise BadRequest(f"shutdown of node {req.node_id!r} sent to {node_id!r}")
         log.warning(
             "shutdown requested by %s%s",
             self.peer,
             " (drain: the node empties)" if req.drain else "",
         )
         await self._reply(header, Op.SHUTDOWN, msg.Empty())
-        self.server.request_shutdown(drain=req.drain)
+        self.services.shutdown(req.drain)
 
 
 def _scoped(request: Any, tenant: Tenant) -> Any:
@@ -484,6 +522,28 @@ def _scoped(request: Any, tenant: Tenant) -> Any:
     return request
 
 
+def _put_mismatch(req: msg.PutRequest, payload_len: int) -> str:
+    """What is wrong with a PUT's lists and payload length ("": nothing)."""
+    num_keys = len(req.keys)
+    if len(req.sizes) != num_keys:
+        return "keys, sizes and origins differ in length"
+    if req.origins and len(req.origins) != num_keys:
+        return "keys, sizes and origins differ in length"
+    expected = sum(req.sizes) + CHECKSUM_BYTES * num_keys
+    if expected != payload_len:
+        return f"payload of {payload_len} bytes, sizes need {expected}"
+    return ""
+
+
+def _per_block_mismatch(req: msg.CommitRequest, num_blocks: int) -> str:
+    """Whether a COMMIT's per-block lists name as many blocks as it commits ("": they do)."""
+    if req.origins is not None and len(req.origins) != num_blocks:
+        return f"{len(req.origins)} origins for {num_blocks} blocks"
+    if req.checksums is not None and len(req.checksums) != num_blocks:
+        return f"{len(req.checksums)} checksums for {num_blocks} blocks"
+    return ""
+
+
 def _area_response(area: Area | None) -> msg.AreaResponse | None:
     if area is None:
         return None
@@ -494,7 +554,32 @@ def _statuses(statuses: Sequence[Status]) -> msg.StatusResponse:
     return msg.StatusResponse(statuses=[int(s) for s in statuses])
 
 
-# Every request op is served by the Session method of its name (``Op.PUT``: ``_put``).
-_HANDLERS: dict[int, Callable[[Session, FrameHeader, Any], Any]] = {
-    op: getattr(Session, f"_{op.name.lower()}") for op in Op if op not in (Op.CHALLENGE, Op.HELLO)
+def _op_name(op: int) -> str:
+    if op in Op._value2member_map_:
+        return Op(op).name
+    return "UNKNOWN"
+
+
+Handler = Callable[[Session, FrameHeader, Any], Awaitable[None]]
+
+# The Session method that serves each request op (CHALLENGE and HELLO belong to the
+# handshake, which comes before any of these).
+HANDLERS: dict[int, Handler] = {
+    Op.LOOKUP: Session._lookup,
+    Op.PUT: Session._put,
+    Op.GET: Session._get,
+    Op.RESERVE: Session._reserve,
+    Op.COMMIT: Session._commit,
+    Op.ABORT: Session._abort,
+    Op.PIN: Session._pin,
+    Op.UNPIN: Session._unpin,
+    Op.DELETE: Session._delete,
+    Op.REPORT_CORRUPT: Session._report_corrupt,
+    Op.DESCRIBE: Session._describe,
+    Op.STATS: Session._stats,
+    Op.HEALTH: Session._health,
+    Op.SHUTDOWN: Session._shutdown,
+    Op.PREFETCH: Session._prefetch,
+    Op.TOUCH: Session._touch,
+    Op.AREA: Session._area,
 }

@@ -41,6 +41,7 @@ import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
+from kvpool.timing import MAX_WAIT_S, LeaseLimits
 
 PROTOCOL_VERSION = 2  # 2: sealed commits
 SUPPORTED_VERSIONS = (2,)
@@ -48,7 +49,9 @@ SUPPORTED_VERSIONS = (2,)
 MAX_KEYS_PER_REQUEST = 16384
 MAX_BLOCK_BYTES = 256 << 20
 MAX_AREA_BYTES = 1 << 30
-MAX_WAIT_MS = 60_000
+MAX_WAIT_MS = int(MAX_WAIT_S * 1000)
+# The longest lease or hold a request may name on the wire: a bound on the message, not a
+# grant (the node grants at most its LeaseLimits, announced in its Welcome).
 MAX_LEASE_MS = 600_000
 MAX_NAME_LEN = 256
 MAX_TIERS = 8
@@ -117,6 +120,40 @@ class Hello(Message):
     client_name: Name = ""
 
 
+class Limits(Message):
+    """The node's lease limits (:class:`kvpool.timing.LeaseLimits`), as its Welcome
+    announces them: the most it grants, whatever a client asks for."""
+
+    pin_ms: int
+    reserve_ms: int  # reservations and write areas
+    hold_ms: int  # prefetch holds
+    default_hold_ms: int
+    wait_ms: int  # a lookup's or a read's wait for blocks
+
+    @classmethod
+    def of(cls, limits: LeaseLimits) -> Limits:
+        return cls(
+            pin_ms=_ms(limits.pin_s),
+            reserve_ms=_ms(limits.reserve_s),
+            hold_ms=_ms(limits.hold_s),
+            default_hold_ms=_ms(limits.default_hold_s),
+            wait_ms=_ms(limits.wait_s),
+        )
+
+    def lease_limits(self) -> LeaseLimits:
+        return LeaseLimits(
+            pin_s=self.pin_ms / 1000,
+            reserve_s=self.reserve_ms / 1000,
+            hold_s=self.hold_ms / 1000,
+            default_hold_s=self.default_hold_ms / 1000,
+            wait_s=self.wait_ms / 1000,
+        )
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
 class Welcome(Message):
     node_id: Name
     proof: Proof
@@ -130,6 +167,8 @@ class Welcome(Message):
     max_keys: int = MAX_KEYS_PER_REQUEST
     directory_path: Name = ""  # the shared directory of the arena's blocks, if any
     max_block_bytes: int = MAX_BLOCK_BYTES
+    # The node's lease limits (None: a node from before they were announced).
+    limits: Limits | None = None
 
 
 class LookupRequest(Message):

@@ -11,35 +11,26 @@ is evicted for one, and a writer that gets none reserves its blocks the usual wa
 writer that copies its next blocks before the node read its COMMIT asks the node to keep
 the rest where it is (``keep``), so the node never swaps the memory it is writing.  It is
 bounded to a share of the arena, and its memory returns when its lease runs out, its
-writer leaves, or the writer asks for another.
+writer leaves, or the writer asks for another.  Areas are leases of the node's ledger
+(:mod:`kvpool.store.leases`, kind ``AREA``), granted as long as a reservation.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvpool.config import AREA_SHARE, page_bytes
 from kvpool.errors import BadRequest, LeaseExpired
 from kvpool.store.allocator import Allocator
 from kvpool.store.block import Area
-from kvpool.store.leases import LeaseBook
-from kvpool.timing import LeasePolicy
+from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
 
 
 class WriteAreas:
-    def __init__(
-        self,
-        allocator: Allocator,
-        leases: LeasePolicy,
-        clock: Callable[[], float],
-        ids: itertools.count[int],
-    ):
+    def __init__(self, allocator: Allocator, ledger: LeaseLedger):
         self.allocator = allocator
-        self.leases = leases
-        self.clock = clock
-        self._ids = ids
-        self._book: LeaseBook[Area] = LeaseBook()
+        self.ledger = ledger
+        self._book: LeaseBook[Area] = ledger.open_book(LeaseKind.AREA, self._free)
         self.num_bytes = 0  # held by all the areas now
 
     def grant(self, num_bytes: int, owner: int, lease_s: float = 0.0) -> Area | None:
@@ -55,8 +46,8 @@ class WriteAreas:
             offset = self.allocator.allocate(size)
         if offset is None:
             return None
-        granted = self.leases.reserve(lease_s)
-        area = Area(next(self._ids), owner, offset, size, granted, self.clock() + granted, size)
+        granted, deadline = self.ledger.deadline(LeaseKind.AREA, lease_s)
+        area = Area(self.ledger.new_id(), owner, offset, size, granted, deadline, size)
         self._book.add(area.area_id, area)
         self.num_bytes += size
         return area
@@ -85,7 +76,7 @@ class WriteAreas:
         self.num_bytes -= sum(pieces)
         if rest:
             area.offset, area.num_bytes = offsets.pop(), rest
-            area.deadline = self.clock() + area.lease_s
+            area.deadline = self.ledger.clock() + area.lease_s
         else:
             self._book.pop(area_id, owner)
         if rest < sum(pieces) and not keep:  # the next write like this would not fit: refill
@@ -94,21 +85,20 @@ class WriteAreas:
                 self._drop(area_id)
         return offsets
 
-    def expire(self, now: float) -> int:
-        expired = self._book.expired(now)
-        for area_id, _ in expired:
-            self._drop(area_id)
-        return len(expired)
-
     def release(self, owner: int) -> None:
+        """Free the area ``owner`` holds, if any (it asks for another)."""
         for area_id in self._book.ids_of(owner):
             self._drop(area_id)
 
     def _drop(self, area_id: int) -> None:
         area = self._book.pop(area_id)
         if area is not None:
-            self.num_bytes -= area.num_bytes
-            self.allocator.free(area.offset)
+            self._free(area_id, area)
+
+    def _free(self, area_id: int, area: Area) -> None:
+        """An area's lease ended (its book dropped the record already): its memory returns."""
+        self.num_bytes -= area.num_bytes
+        self.allocator.free(area.offset)
 
     def __len__(self) -> int:
         return len(self._book)

@@ -15,23 +15,32 @@ Counters say whether prefetching pays: of the blocks a prefetch brought up from 
 tier, how many were read while held (*useful*) and how many lapsed or left unread
 (*wasted*).
 
+Each hold is a lease of the node's ledger (:mod:`kvpool.store.leases`, kind ``HOLD``, owner
+``Owner.PREFETCHER``): its time is clamped to the ledger's ``hold_s`` (0: the default
+hold), and the ledger's ``expire`` drops the lapsed ones.
+
 Synchronous, touched from one thread (the daemon's event loop), as the store is.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvpool.store.eviction import EvictionPolicy
+from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 
 
-@dataclass(slots=True)
-class _Hold:
-    until: float
+@dataclass(slots=True, eq=False)
+class Hold:
+    """One block kept for queued requests until ``deadline`` (a second hold extends it)."""
+
+    hold_id: int
+    key: bytes
     size: int
     fetched: bool  # brought up by a prefetch (counts as useful or wasted)
+    deadline: float
+    owner: int = Owner.PREFETCHER
 
 
 @dataclass(slots=True)
@@ -43,66 +52,68 @@ class HoldCounters:
 
 
 class Holds:
-    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_bytes: int, ledger: LeaseLedger | None = None) -> None:
         self.max_bytes = max_bytes
-        self.clock = clock
+        self.ledger = ledger if ledger is not None else LeaseLedger()
         self.counters = HoldCounters()
         self.held_bytes = 0
-        self._holds: dict[bytes, _Hold] = {}
+        self._key_to_hold: dict[bytes, Hold] = {}
+        self._book: LeaseBook[Hold] = self.ledger.open_book(LeaseKind.HOLD, self._lapsed)
 
     def __len__(self) -> int:
-        return len(self._holds)
+        return len(self._key_to_hold)
 
     def hold(self, key: bytes, size: int, hold_s: float, *, fetched: bool) -> bool:
-        """Keep ``key`` for a queued request for ``hold_s`` (a second hold extends it)."""
-        until = self.clock() + hold_s
-        current = self._holds.get(key)
+        """Keep ``key`` for a queued request for ``hold_s`` (0: the default hold), at most the
+        ledger's bound; a second hold extends the first."""
+        _, deadline = self.ledger.deadline(LeaseKind.HOLD, hold_s)
+        current = self._key_to_hold.get(key)
         if current is not None:
-            current.until = max(current.until, until)
+            current.deadline = max(current.deadline, deadline)
             current.fetched = current.fetched or fetched
             return True
         if self.held_bytes + size > self.max_bytes:
             self.counters.refused += 1
             return False
-        self._holds[key] = _Hold(until, size, fetched)
+        hold = Hold(self.ledger.new_id(), key, size, fetched, deadline)
+        self._key_to_hold[key] = hold
+        self._book.add(hold.hold_id, hold)
         self.held_bytes += size
         self.counters.held += 1
         return True
 
     def is_held(self, key: bytes) -> bool:
-        hold = self._holds.get(key)
+        hold = self._key_to_hold.get(key)
         if hold is None:
             return False
-        if hold.until > self.clock():
+        if hold.deadline > self.ledger.clock():
             return True
-        self._drop(key, hold)
+        self._drop(hold)
         return False
 
     def read(self, keys: Sequence[bytes]) -> None:
         """The request ran: its blocks need no protection any more."""
         for key in keys:
-            hold = self._holds.pop(key, None)
+            hold = self._key_to_hold.pop(key, None)
             if hold is not None:
+                self._book.pop(hold.hold_id)
                 self.held_bytes -= hold.size
                 self.counters.useful += hold.fetched
 
     def release(self, keys: Sequence[bytes]) -> None:
         """Not needed after all (a cancelled prefetch, a block that left or never came)."""
         for key in keys:
-            hold = self._holds.get(key)
+            hold = self._key_to_hold.get(key)
             if hold is not None:
-                self._drop(key, hold)
+                self._drop(hold)
 
-    def expire(self) -> int:
-        """Drop lapsed holds; how many."""
-        now = self.clock()
-        lapsed = [(k, h) for k, h in self._holds.items() if h.until <= now]
-        for key, hold in lapsed:
-            self._drop(key, hold)
-        return len(lapsed)
+    def _drop(self, hold: Hold) -> None:
+        if self._book.pop(hold.hold_id) is not None:
+            self._lapsed(hold.hold_id, hold)
 
-    def _drop(self, key: bytes, hold: _Hold) -> None:
-        del self._holds[key]
+    def _lapsed(self, hold_id: int, hold: Hold) -> None:
+        """The hold ended unread (its book dropped the record already)."""
+        del self._key_to_hold[hold.key]
         self.held_bytes -= hold.size
         self.counters.wasted += hold.fetched
 

@@ -13,8 +13,9 @@ Rules (each has a test in tests/store/test_pool.py):
 4. ``pin`` protects committed blocks from eviction until ``unpin`` or the pin lease expires;
    a pinned block that is deleted disappears from the index at once, and its memory is
    returned when the last pin drops.
-5. Every lease is granted by the store's :class:`~kvpool.timing.LeasePolicy`: whatever a
-   caller asks for, a pin or a reservation lasts at most the policy's bound.
+5. Every lease is granted by the store's lease ledger (:mod:`kvpool.store.leases`) under its
+   :class:`~kvpool.timing.LeaseLimits`: whatever a caller asks for, a pin, a reservation
+   or a write area lasts at most the bound of its kind.
 6. Eviction removes least recently used committed, unpinned blocks: on demand when an
    allocation fails, and down to the low watermark once usage passes the high watermark.
 7. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
@@ -30,12 +31,13 @@ Rules (each has a test in tests/store/test_pool.py):
 14. A write area is free memory a same-host writer holds under a lease
     (:mod:`kvpool.store.areas`).  ``place`` makes its front the pending blocks of the keys
     named, in order, with the statuses ``reserve`` would give, and frees a refused key's.
+15. Reservations, pins, write areas and prefetch holds are leases of one ledger: its
+    ``expire`` (:meth:`BlockStore.expire`) ends each kind the way it ends, and a
+    disconnecting owner's leases of every kind end together (:meth:`release_owner`).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import takewhile
@@ -61,11 +63,11 @@ from kvpool.store.block import (
 )
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.journal import Entry, Journal, NoJournal
-from kvpool.store.leases import LeaseBook
+from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
 from kvpool.store.namespaces import NamespaceTable
 from kvpool.store.quotas import Quotas
 from kvpool.store.space import Space
-from kvpool.timing import LeasePolicy
+from kvpool.timing import LeaseLimits
 
 Clock = Callable[[], float]
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
@@ -81,26 +83,37 @@ class BlockStore:
         eviction: EvictionPolicy | None = None,
         high_watermark: float = 0.95,
         low_watermark: float = 0.90,
-        leases: LeasePolicy | None = None,
+        leases: LeaseLimits | None = None,
+        ledger: LeaseLedger | None = None,
         journal: Journal | NoJournal | None = None,
         spill: SpillTarget | None = None,
         directory: DirectoryWriter | NoDirectory | None = None,
+        events: StoreEvents | None = None,
+        on_change: Callable[[], None] | None = None,
         clock: Clock = time.monotonic,
     ):
+        """``ledger``: the node's lease ledger, shared with its prefetch holds (else the
+        store keeps one of its own under ``leases``); ``events``: told of every block that
+        becomes visible or leaves; ``on_change``: called after any change a waiting lookup
+        may be waiting for."""
         self.allocator = allocator or SegregatedFitAllocator(capacity)
         self.capacity = self.allocator.capacity
         self.eviction = eviction or LRUPolicy()
-        self.leases = leases or LeasePolicy()
-        self.clock = clock
+        # The node's one lease ledger (shared with the prefetch holds, when the node passes
+        # it), else one of the store's own under ``leases``.
+        self.ledger = ledger if ledger is not None else LeaseLedger(leases, clock)
+        self.limits = self.ledger.limits
+        self.clock = self.ledger.clock
         self.counters = StoreCounters()
         self.namespaces = NamespaceTable()
-        self.on_change: Callable[[], None] | None = None
-        self.events: StoreEvents | None = None
+        self.on_change = on_change
+        self.events = events
         self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
         self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
-        self._reservations: LeaseBook[Reservation] = LeaseBook()
-        self._pins: LeaseBook[Pin] = LeaseBook()
-        self._ids = itertools.count(1)
+        self._reservations: LeaseBook[Reservation] = self.ledger.open_book(
+            LeaseKind.RESERVATION, self._end_reservation
+        )
+        self._pins: LeaseBook[Pin] = self.ledger.open_book(LeaseKind.PIN, self._end_pin)
         self.reserved_bytes = 0
         self.committed_bytes = 0
         self.num_committed = 0
@@ -108,22 +121,18 @@ class BlockStore:
         self.directory = directory if directory is not None else NoDirectory()
         self.spill = spill
         self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
-        self.areas = WriteAreas(self.allocator, self.leases, clock, self._ids)
-        self.space = Space(
-            self.allocator,
-            self.eviction,
-            self._index,
-            lambda block: self._remove(block, evicted=True),
-            high_watermark,
-            low_watermark,
-        )
+        self.areas = WriteAreas(self.allocator, self.ledger)
+        self.space = Space(self.allocator, self.eviction, self, high_watermark, low_watermark)
         self._adopt()
 
     def set_quotas(self, limits: dict[bytes, int] | None) -> None:
         """Per-tenant limits, by tag (None: no tenants); counts what is held now."""
-        self.quotas = self.space.quotas = None if limits is None else Quotas()
-        if self.quotas is not None and limits is not None:
+        if limits is None:
+            self.quotas = None
+        else:
+            self.quotas = Quotas()
             self.quotas.recount(limits, ((b.key, b.size) for b in self._index.values()))
+        self.space.quotas = self.quotas
 
     def _adopt(self) -> None:
         """Take over the blocks a replayed journal describes (a warm restart)."""
@@ -136,8 +145,8 @@ class BlockStore:
             if not ok:
                 dropped.append(entry.key)
                 continue
-            state, checksum = BlockState.COMMITTED, entry.checksum or 0
-            block = Block(entry.key, entry.offset, entry.size, state, checksum)
+            checksum = entry.checksum or 0
+            block = Block(entry.key, entry.offset, entry.size, BlockState.COMMITTED, checksum)
             self._index[block.key] = block
             self._insert_committed(block)
         for namespace_id, label in replayed.labels.items():
@@ -167,13 +176,14 @@ class BlockStore:
         statuses, wanted = self._admit(keys, sizes)
         offsets = self.space.allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
         blocks = self._add_pending(keys, sizes, statuses, wanted, offsets)
-        granted = math.inf if held else self.leases.reserve(lease_s)
-        reservation_id = next(self._ids) if any(b is not None for b in blocks) else 0
-        if reservation_id:
-            deadline = self.clock() + granted
-            self._reservations.add(
-                reservation_id, Reservation(reservation_id, owner, blocks, deadline)
-            )
+        if held:
+            granted = deadline = LeaseLedger.no_deadline()
+        else:
+            granted, deadline = self.ledger.deadline(LeaseKind.RESERVATION, lease_s)
+        if all(b is None for b in blocks):
+            return ReserveResult(0, statuses, blocks, granted)
+        reservation_id = self.ledger.new_id()
+        self._reservations.add(reservation_id, Reservation(reservation_id, owner, blocks, deadline))
         return ReserveResult(reservation_id, statuses, blocks, granted)
 
     def reserve_area(self, num_bytes: int, owner: int, lease_s: float = 0.0) -> Area | None:
@@ -190,8 +200,9 @@ class BlockStore:
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         places = self.areas.take_front(area_id, owner, sizes, keep=keep)
         statuses, wanted = self._admit(keys, sizes)
-        for i in set(range(len(keys))) - set(wanted):
-            self.allocator.free(places[i])
+        for i, status in enumerate(statuses):
+            if status is not Status.OK:
+                self.allocator.free(places[i])
         blocks = self._add_pending(keys, sizes, statuses, wanted, [places[i] for i in wanted])
         return ReserveResult(0, statuses, blocks)
 
@@ -203,9 +214,12 @@ class BlockStore:
         seen: set[bytes] = set()
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             existing = self._index.get(key)
-            if existing is not None or key in seen:
-                pending = existing is None or existing.state is BlockState.RESERVED
-                statuses.append(Status.PENDING if pending else Status.EXISTS)
+            if key in seen:
+                statuses.append(Status.PENDING)  # named twice: the first is being written
+            elif existing is not None and existing.state is BlockState.RESERVED:
+                statuses.append(Status.PENDING)
+            elif existing is not None:
+                statuses.append(Status.EXISTS)
             elif page_bytes(size) > self.capacity:
                 statuses.append(Status.REFUSED)
             elif self.quotas is not None and not self.space.fit_quota(key, size):
@@ -269,7 +283,8 @@ class BlockStore:
                 self._fail(block)
                 result.statuses.append(Status.NOT_FOUND)
             else:
-                block.origin = origins[i] if origins is not None else None
+                if origins is not None:
+                    block.origin = origins[i]
                 self._commit(block, checksum)
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
@@ -282,8 +297,12 @@ class BlockStore:
 
     def abort(self, reservation_id: int, owner: int) -> None:
         reservation = self._reservations.pop(reservation_id, owner)
-        if reservation is None:
-            return
+        if reservation is not None:
+            self._end_reservation(reservation_id, reservation)
+
+    def _end_reservation(self, reservation_id: int, reservation: Reservation) -> None:
+        """A reservation ended uncommitted (aborted, expired, its owner gone): its memory
+        returns (rule 3)."""
         for block in reservation.blocks:
             if block is not None:
                 self._fail(block)
@@ -338,8 +357,9 @@ class BlockStore:
         """Whether each key is committed."""
         present = [k in self._committed for k in keys]
         if count:
-            self.counters.lookup_hits += sum(present)
-            self.counters.lookup_misses += len(keys) - sum(present)
+            num_present = sum(present)
+            self.counters.lookup_hits += num_present
+            self.counters.lookup_misses += len(keys) - num_present
         return present
 
     def pending_mask(self, keys: Sequence[bytes]) -> list[bool]:
@@ -364,7 +384,8 @@ class BlockStore:
         committed = self._committed
         for key in keys:
             block = committed.get(key)
-            if block is None or (prefix and len(pinned) < len(found)):
+            past_a_miss = prefix and len(pinned) < len(found)
+            if block is None or past_a_miss:
                 found.append(None)
                 continue
             block.num_pins += 1
@@ -374,19 +395,22 @@ class BlockStore:
             pinned.append(block)
         self.counters.get_hits += len(pinned)
         self.counters.get_misses += len(keys) - len(pinned)
-        granted = self.leases.pin(lease_s)
+        granted, deadline = self.ledger.deadline(LeaseKind.PIN, lease_s)
         if not pinned:
             return PinResult(0, found, granted)
-        pin_id = next(self._ids)
-        self._pins.add(pin_id, Pin(pin_id, owner, pinned, self.clock() + granted))
+        pin_id = self.ledger.new_id()
+        self._pins.add(pin_id, Pin(pin_id, owner, pinned, deadline))
         return PinResult(pin_id, found, granted)
 
     def touch(self, keys: Sequence[bytes]) -> list[Block]:
         """Count reads made without a pin (through the directory); the blocks found."""
-        blocks = [b for k in keys if (b := self._committed.get(k)) is not None]
-        for block in blocks:
-            block.num_reads += 1
-            self.eviction.touch(block.key)
+        blocks = []
+        for key in keys:
+            block = self._committed.get(key)
+            if block is not None:
+                block.num_reads += 1
+                self.eviction.touch(key)
+                blocks.append(block)
         self.counters.get_hits += len(blocks)
         return blocks
 
@@ -394,14 +418,30 @@ class BlockStore:
         pin = self._pins.pop(pin_id, owner)
         if pin is None:
             return False
+        self._end_pin(pin_id, pin)
+        return True
+
+    def _end_pin(self, pin_id: int, pin: Pin) -> None:
+        """A pin ended (unpinned, expired, its owner gone): a removed block's memory returns
+        with its last pin (rule 4)."""
         for block in pin.blocks:
             block.num_pins -= 1
             if block.num_pins == 0 and block.state is BlockState.REMOVED:
                 self.allocator.free(block.offset)
-        return True
 
     def get_block(self, key: bytes) -> Block | None:
         return self._committed.get(key)
+
+    def evictable(self, key: bytes) -> Block | None:
+        """The block ``key`` names, if eviction may take it now (for :class:`Space`)."""
+        block = self._index.get(key)
+        if block is None or not block.is_evictable:
+            return None
+        return block
+
+    def evict(self, block: Block) -> None:
+        """Remove an evictable block as evicted: offered to the lower tier first (rule 9)."""
+        self._remove(block, evicted=True)
 
     def committed_blocks(self) -> list[Block]:
         """Every committed block, oldest commit first."""
@@ -450,27 +490,22 @@ class BlockStore:
 
     # -- leases and owners ----------------------------------------------------------------
 
-    def expire(self) -> int:
-        """Abort expired reservations, drop expired pins and areas; returns how many."""
-        now = self.clock()
-        expired_reservations = self._reservations.expired(now)
-        for reservation_id, reservation in expired_reservations:
-            self.abort(reservation_id, reservation.owner)
-        expired_pins = self._pins.expired(now)
-        for pin_id, _ in expired_pins:
-            self.unpin(pin_id)
-        num_areas = self.areas.expire(now)
-        self.counters.expired_reservations += len(expired_reservations)
-        self.counters.expired_pins += len(expired_pins)
-        return len(expired_reservations) + len(expired_pins) + num_areas
+    def expire(self, now: float | None = None) -> int:
+        """End every expired lease of the ledger, of every kind (rule 15): abort expired
+        reservations, drop expired pins, write areas and prefetch holds; how many."""
+        ledger = self.ledger
+        reservations_before = ledger.num_expired[LeaseKind.RESERVATION]
+        pins_before = ledger.num_expired[LeaseKind.PIN]
+        num_expired = ledger.expire(now)
+        self.counters.expired_reservations += (
+            ledger.num_expired[LeaseKind.RESERVATION] - reservations_before
+        )
+        self.counters.expired_pins += ledger.num_expired[LeaseKind.PIN] - pins_before
+        return num_expired
 
     def release_owner(self, owner: int) -> None:
-        """A client went away: abort its reservations and drop its pins."""
-        for reservation_id in self._reservations.ids_of(owner):
-            self.abort(reservation_id, owner)
-        for pin_id in self._pins.ids_of(owner):
-            self.unpin(pin_id)
-        self.areas.release(owner)
+        """A client went away: abort its reservations, drop its pins and its write area."""
+        self.ledger.release(owner)
 
     # -- introspection --------------------------------------------------------------------
 

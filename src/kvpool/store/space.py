@@ -1,11 +1,15 @@
 """Room in the arena for new blocks: allocation that evicts the least recently used blocks
 on demand, and down to the low watermark once usage passes the high one, within tenants'
 quotas (rules 6 and 11 of :mod:`kvpool.store.pool`, which owns the blocks it evicts).
+
+It asks the store, through :class:`Evictee`, which block a key names and whether it may be
+evicted now, and has the store evict it; it never sees the store's index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvpool.config import page_bytes
 from kvpool.store.allocator import Allocator
@@ -14,20 +18,28 @@ from kvpool.store.eviction import EvictionPolicy
 from kvpool.store.quotas import Quotas
 
 
+class Evictee(Protocol):
+    """The owner of the blocks (the store), as eviction sees it."""
+
+    def evictable(self, key: bytes) -> Block | None:
+        """The block ``key`` names, if it may be evicted now (committed and unpinned)."""
+
+    def evict(self, block: Block) -> None:
+        """Remove the block, as evicted (offered to a lower tier first)."""
+
+
 class Space:
     def __init__(
         self,
         allocator: Allocator,
         eviction: EvictionPolicy,
-        index: Mapping[bytes, Block],
-        evict: Callable[[Block], None],
+        blocks: Evictee,
         high_watermark: float,
         low_watermark: float,
     ):
         self.allocator = allocator
         self.eviction = eviction
-        self._index = index  # the store's: every block, by key
-        self._evict_block = evict  # removes a block from the store, as evicted
+        self.blocks = blocks
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.quotas: Quotas | None = None  # the store's, when it has tenants
@@ -55,31 +67,46 @@ class Space:
     def trim(self) -> None:
         """Past the high watermark, evict down to the low one."""
         capacity = self.allocator.capacity
-        if self.allocator.used > self.high_watermark * capacity:
-            target, quotas = self.low_watermark * capacity, self.quotas
-            self._evict(
-                lambda victim: quotas is None or quotas.may_evict(victim, None),
-                lambda: self.allocator.used <= target,
-            )
+        if self.allocator.used <= self.high_watermark * capacity:
+            return
+        target = self.low_watermark * capacity
+        quotas = self.quotas
+
+        def allowed(victim: bytes) -> bool:
+            return quotas is None or quotas.may_evict(victim, None)
+
+        def low_enough() -> bool:
+            return self.allocator.used <= target
+
+        self._evict(allowed, low_enough)
 
     def _allocate(self, key: bytes, num_bytes: int) -> int | None:
+        """Room for one block, evicting what this key's writer may evict until it fits."""
         offsets: list[int] = []
+        quotas = self.quotas
+
+        def allowed(victim: bytes) -> bool:
+            # Another tenant's block, within its share, stays.
+            return quotas is None or quotas.may_evict(victim, key)
 
         def allocated() -> bool:
-            if not offsets and (offset := self.allocator.allocate(num_bytes)) is not None:
-                offsets.append(offset)
+            if not offsets:
+                offset = self.allocator.allocate(num_bytes)
+                if offset is not None:
+                    offsets.append(offset)
             return bool(offsets)
 
-        quotas = self.quotas  # another tenant's block, within its share, stays
-        self._evict(lambda victim: quotas is None or quotas.may_evict(victim, key), allocated)
-        return offsets[0] if offsets else None
+        self._evict(allowed, allocated)
+        if not offsets:
+            return None
+        return offsets[0]
 
     def _evict(self, allowed: Callable[[bytes], bool], done: Callable[[], bool]) -> bool:
         """Evict LRU blocks that ``allowed`` admits until ``done()``; whether it got there."""
         for victim in self.eviction.victims():
             if done():
                 return True
-            block = self._index.get(victim)
-            if block is not None and block.is_evictable and allowed(victim):
-                self._evict_block(block)
+            block = self.blocks.evictable(victim)
+            if block is not None and allowed(victim):
+                self.blocks.evict(block)
         return done()
