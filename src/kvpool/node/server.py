@@ -27,12 +27,12 @@ from kvpool.errors import NodeUnavailable
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
 from kvpool.node.session import Session
-from kvpool.node.tiers import Tiers
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import CommitResult
 from kvpool.store.pool import BlockStore
 from kvpool.tenants import Credential, Registry, Tenant
+from kvpool.tiers.chain import Tiers
 from kvpool.timing import EXPIRE_INTERVAL_S
 from kvpool.tls import CertFiles
 
