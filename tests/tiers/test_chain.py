@@ -1,0 +1,144 @@
+"""The tier chain over a real arena, store and disk tier: one promotion path for reads from
+the lower tiers and for prefetches from other nodes; events through the sink the tiers were
+built with; the chain built from a node's configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import xxhash
+
+from kvpool.config import NodeConfig
+from kvpool.keys import BlockOrigin
+from kvpool.stats import TIER_DISK
+from kvpool.store.arena import Arena
+from kvpool.store.pool import BlockStore
+from kvpool.tiers.build import open_lower_tiers
+from kvpool.tiers.chain import LowerTiers, Tiers
+from kvpool.tiers.disk import DiskTier
+from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource
+from tests.helpers import content, key
+
+BLOCK = 64 << 10
+SEGMENT = 4 << 20
+
+
+class Recorder:
+    """A KV-event sink that keeps what it is told (the node's is a ZMQ publisher)."""
+
+    def __init__(self) -> None:
+        self.stored: list[tuple[bytes, BlockOrigin | None, str]] = []
+        self.removed: list[tuple[bytes, str]] = []
+
+    def stored_key(self, key: bytes, origin: BlockOrigin | None, medium: str) -> None:
+        self.stored.append((key, origin, medium))
+
+    def removed_keys(self, keys: list[bytes], medium: str) -> None:
+        self.removed += [(k, medium) for k in keys]
+
+
+def blocks(tag: str, n: int) -> list[tuple[bytes, memoryview, int]]:
+    out = []
+    for i in range(n):
+        k = key(f"{tag}-{i}")
+        data = memoryview(content(k, BLOCK).tobytes())
+        out.append((k, data, xxhash.xxh3_64_intdigest(data)))
+    return out
+
+
+def in_dram(tiers: Tiers, k: bytes) -> bytes | None:
+    block = tiers.store.get_block(k)
+    return None if block is None else bytes(tiers.arena.slice(block.offset, block.size))
+
+
+def chain(tmp_path: Path, disk: DiskTier | None, remote: RemoteSource | None = None) -> Tiers:
+    arena = Arena(tmp_path / "arena", 16 << 20)
+    lower = LowerTiers([disk], None, disk) if disk is not None else LowerTiers()
+    return Tiers(BlockStore(arena.num_bytes), arena, lower, remote=remote)
+
+
+def test_a_read_promotes_verified_blocks_and_a_lost_one_stays_a_miss(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
+    written = blocks("a", 8)
+    disk.write(written)
+    tiers = chain(tmp_path, disk)
+    lost = written[3][0]
+    disk.delete([lost])
+
+    async def run() -> None:
+        num_prefix, _, where = tiers.lookup([k for k, _, _ in written])
+        assert num_prefix == 3 and where == bytes([TIER_DISK]) * 3  # lookups: memory only
+        await tiers.promote([k for k, _, _ in written], prefix=False)
+        await tiers.stop()
+
+    asyncio.run(run())
+    for k, data, _ in written:
+        assert in_dram(tiers, k) == (None if k == lost else bytes(data))
+    disk_stats = tiers.stats()[1]
+    assert disk_stats.name == "disk" and disk_stats.promotions == 7
+    assert not tiers.store.reserved_bytes  # every reservation of the promoter was settled
+
+
+def test_a_prefetch_from_other_nodes_comes_up_through_the_same_path(tmp_path: Path) -> None:
+    held = {k: bytes(data) for k, data, _ in blocks("r", 4)}
+    asked: list[list[bytes]] = []
+
+    async def fetch(keys: list[bytes]) -> list[bytes | None]:  # another node, in memory
+        asked.append(keys)
+        return [held.get(k) for k in keys]
+
+    tiers = chain(tmp_path, None, RemoteSource(fetch, max_keys=3))
+    keys = [*held, key("nowhere")]
+
+    async def run() -> None:
+        answer = tiers.prefetch(keys, hold_s=5.0)
+        assert answer.num_started == 3  # at most max_keys go to other nodes
+        while tiers.promoted_remote + len(asked) < 4:
+            await asyncio.sleep(0.01)
+        await tiers.stop()
+
+    asyncio.run(run())
+    assert asked == [keys[:3]]
+    assert [in_dram(tiers, k) for k in keys[:3]] == [held[k] for k in keys[:3]]
+    assert tiers.promoted_remote == 3 and len(tiers.holds) == 3
+    assert not tiers.store.reserved_bytes
+
+
+def test_the_disk_reports_to_the_sink_it_was_built_with(tmp_path: Path) -> None:
+    events = Recorder()
+    disk = DiskTier(tmp_path, 8 << 20, segment_bytes=SEGMENT, events=events)
+    written = blocks("e", 160)  # 10 MiB through 8 MiB of 4 MiB segments: one is evicted
+    origin = BlockOrigin(token_ids=[1, 2, 3])
+    disk.write(written[:40], {written[0][0]: origin})
+    disk.write(written[40:])
+    stored = {k: (o, m) for k, o, m in events.stored}
+    assert stored[written[0][0]] == (origin, MEDIUM_STORAGE)
+    assert stored[written[1][0]] == (None, MEDIUM_STORAGE)
+    disk.delete([written[-1][0]])
+    assert (written[-1][0], MEDIUM_STORAGE) in events.removed
+    evicted = {k for k, _ in events.removed} - {written[-1][0]}
+    assert evicted and not any(disk.contains(list(evicted)))
+    disk.close()
+
+
+def test_the_chain_is_built_from_the_node_configuration(tmp_path: Path) -> None:
+    arena = Arena(tmp_path / "arena", 16 << 20)
+    config = NodeConfig(name="c", disk_path=str(tmp_path / "disk"), disk_bytes=16 << 20)
+
+    async def build(config: NodeConfig) -> LowerTiers:
+        return await open_lower_tiers(config, arena)
+
+    assert asyncio.run(build(NodeConfig(name="c"))).chain == []
+    lower = asyncio.run(build(config))
+    assert lower.chain == [lower.disk] and lower.writeback is not None
+    assert lower.disk is not None and lower.writeback.disk is lower.disk
+    lower.disk.write(blocks("f", 2))
+    lower.disk.close()
+    again = asyncio.run(build(config))  # a restart finds the blocks again
+    assert again.disk is not None and len(again.disk) == 2
+    again.disk.close()
+    fresh = asyncio.run(build(dataclasses.replace(config, fresh=True)))
+    assert fresh.disk is not None and len(fresh.disk) == 0
+    fresh.disk.close()
