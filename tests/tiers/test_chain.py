@@ -1,21 +1,18 @@
 """The tier chain over a real arena, store and disk tier: one promotion path for reads from
 the lower tiers and for prefetches from other nodes; events through the sink the tiers were
-built with; the chain built from a node's configuration."""
+built with."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 
 import xxhash
 
-from kvpool.config import NodeConfig
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK
 from kvpool.store.arena import Arena
 from kvpool.store.pool import BlockStore
-from kvpool.tiers.build import open_lower_tiers
 from kvpool.tiers.chain import LowerTiers, Tiers
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource
@@ -121,24 +118,3 @@ def test_the_disk_reports_to_the_sink_it_was_built_with(tmp_path: Path) -> None:
     evicted = {k for k, _ in events.removed} - {written[-1][0]}
     assert evicted and not any(disk.contains(list(evicted)))
     disk.close()
-
-
-def test_the_chain_is_built_from_the_node_configuration(tmp_path: Path) -> None:
-    arena = Arena(tmp_path / "arena", 16 << 20)
-    config = NodeConfig(name="c", disk_path=str(tmp_path / "disk"), disk_bytes=16 << 20)
-
-    async def build(config: NodeConfig) -> LowerTiers:
-        return await open_lower_tiers(config, arena)
-
-    assert asyncio.run(build(NodeConfig(name="c"))).chain == []
-    lower = asyncio.run(build(config))
-    assert lower.chain == [lower.disk] and lower.writeback is not None
-    assert lower.disk is not None and lower.writeback.disk is lower.disk
-    lower.disk.write(blocks("f", 2))
-    lower.disk.close()
-    again = asyncio.run(build(config))  # a restart finds the blocks again
-    assert again.disk is not None and len(again.disk) == 2
-    again.disk.close()
-    fresh = asyncio.run(build(dataclasses.replace(config, fresh=True)))
-    assert fresh.disk is not None and len(fresh.disk) == 0
-    fresh.disk.close()

@@ -136,8 +136,8 @@ class DiskTier(KeyIndex[Location]):
                 f"--disk-size must be at least {2 * self.segment_bytes >> 20} MiB (two segments)"
             )
         self.counters = DiskCounters()
-        self._below = below
-        self._events = events
+        self._below: SegmentSink | None = None
+        self._events: TierEvents | None = None
         self._segments: dict[int, Segment] = {}
         self._open: Segment | None = None
         self._fds: dict[int, int] = {}
@@ -145,6 +145,10 @@ class DiskTier(KeyIndex[Location]):
         self.path.mkdir(parents=True, exist_ok=True)
         self._check_identity()
         self._recover()
+        # Set after re-indexing: segments a start drops to fit its capacity are neither
+        # handed below nor reported.
+        self._below = below
+        self._events = events
 
     # -- start ----------------------------------------------------------------------------
 
