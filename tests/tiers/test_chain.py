@@ -5,17 +5,19 @@ built with."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import xxhash
 
+from kvpool.checksum import copy_with_checksum
 from kvpool.keys import BlockOrigin
-from kvpool.stats import TIER_DISK
+from kvpool.stats import TIER_DISK, TIER_OBJECT, TierStats
 from kvpool.store.arena import Arena
 from kvpool.store.pool import BlockStore
 from kvpool.tiers.chain import LowerTiers, Tiers
 from kvpool.tiers.disk import DiskTier
-from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource
+from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource, Tier
 from tests.helpers import content, key
 
 BLOCK = 64 << 10
@@ -34,6 +36,42 @@ class Recorder:
 
     def removed_keys(self, keys: list[bytes], medium: str) -> None:
         self.removed += [(k, medium) for k in keys]
+
+
+class MemoryTier:
+    """A :class:`Tier` in memory, standing for the object store below the disk."""
+
+    tier_id = TIER_OBJECT
+    medium = "OBJECT"
+    capacity = 1 << 30
+
+    def __init__(self, held: list[tuple[bytes, memoryview, int]]) -> None:
+        self.blocks = {k: (bytes(data), checksum) for k, data, checksum in held}
+        self.num_reads = 0
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self.blocks for k in keys]
+
+    def size_of(self, key: bytes) -> int | None:
+        return len(self.blocks[key][0]) if key in self.blocks else None
+
+    def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]:
+        out: list[int | None] = []
+        for k, dst in jobs:
+            data, checksum = self.blocks.get(k, (b"", None))
+            copied = copy_with_checksum(dst[: len(data)], memoryview(data))
+            out.append(checksum if data and copied == checksum else None)
+            self.num_reads += 1
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return sum(self.blocks.pop(k, None) is not None for k in keys)
+
+    def stats(self) -> TierStats:
+        return TierStats(name="memory", num_blocks=len(self.blocks))
+
+    def close(self) -> None:
+        pass
 
 
 def blocks(tag: str, n: int) -> list[tuple[bytes, memoryview, int]]:
@@ -76,6 +114,34 @@ def test_a_read_promotes_verified_blocks_and_a_lost_one_stays_a_miss(tmp_path: P
     disk_stats = tiers.stats()[1]
     assert disk_stats.name == "disk" and disk_stats.promotions == 7
     assert not tiers.store.reserved_bytes  # every reservation of the promoter was settled
+
+
+def test_a_block_its_tier_found_corrupt_is_read_from_the_tiers_after_it(
+    tmp_path: Path,
+) -> None:
+    disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
+    written = blocks("b", 6)
+    disk.write(written[:4])
+    below = MemoryTier(written[2:])  # holds the last four; the disk the first four
+    arena = Arena(tmp_path / "arena", 16 << 20)
+    chain: list[Tier] = [disk, below]
+    tiers = Tiers(BlockStore(arena.num_bytes), arena, LowerTiers(chain, None, disk))
+    keys = [k for k, _, _ in written]
+    assert tiers.lookup(keys)[2] == bytes([TIER_DISK] * 4 + [TIER_OBJECT] * 2)
+    garbled = disk.location(keys[3])
+    assert garbled is not None
+    with open(tmp_path / "disk" / f"seg-{garbled.segment_id:08d}.kvs", "r+b") as f:
+        f.seek(garbled.offset + 100)
+        f.write(b"garbage")
+
+    async def run() -> None:
+        await tiers.promote(keys, prefix=True)
+        await tiers.stop()
+
+    asyncio.run(run())
+    assert all(in_dram(tiers, k) == bytes(data) for k, data, _ in written)
+    assert tiers.promoted == {TIER_DISK: 3, TIER_OBJECT: 3} and below.num_reads == 3
+    assert disk.counters.corrupt == 1
 
 
 def test_a_prefetch_from_other_nodes_comes_up_through_the_same_path(tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ class Tier(Protocol):
 
     tier_id: int  # kvpool.stats.TIER_*: how lookups name the tier
     medium: str  # of its KV events
+    capacity: int  # bytes
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
 
