@@ -131,7 +131,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
     the same blocks."""
 
     tier_id = TIER_OBJECT
-    medium = "OBJECT"
+    medium = "OBJECT"  # it reports no KV events (see above)
 
     def __init__(self, config: ObjectStoreConfig, staging: Path, writer: str):
         super().__init__()

@@ -67,7 +67,8 @@ class Tier(Protocol):
       the write-back's ``write``; the object store: the disk's evicted segments,
       :class:`SegmentSink`) and never make the tier above wait.
     - Report blocks stored and removed through the :class:`TierEvents` it was given at
-      construction, if any, under ``medium``.
+      construction, if any, under ``medium`` (the object store, which every node shares,
+      takes none: each node would announce the same blocks).
     - Keep ``stats`` cheap: counters, no I/O.  The chain adds what only it sees (lookup
       hits, promotions, the write-back's refusals).
     """
