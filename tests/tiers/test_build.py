@@ -11,7 +11,7 @@ from kvpool.config import NodeConfig
 from kvpool.store.arena import Arena
 from kvpool.tiers.build import open_lower_tiers
 from kvpool.tiers.chain import LowerTiers
-from tests.tiers.test_chain import blocks
+from tests.tiers.test_disk import blocks
 
 
 def test_the_chain_is_built_from_the_node_configuration(tmp_path: Path) -> None:

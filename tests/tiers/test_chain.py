@@ -8,8 +8,6 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-import xxhash
-
 from kvpool.checksum import copy_with_checksum
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TIER_OBJECT, TierStats
@@ -18,7 +16,8 @@ from kvpool.store.pool import BlockStore
 from kvpool.tiers.chain import LowerTiers, Tiers
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource, Tier
-from tests.helpers import content, key
+from tests.helpers import key
+from tests.tiers.test_disk import blocks as disk_blocks
 
 BLOCK = 64 << 10
 SEGMENT = 4 << 20
@@ -74,15 +73,6 @@ class MemoryTier:
         pass
 
 
-def blocks(tag: str, n: int) -> list[tuple[bytes, memoryview, int]]:
-    out = []
-    for i in range(n):
-        k = key(f"{tag}-{i}")
-        data = memoryview(content(k, BLOCK).tobytes())
-        out.append((k, data, xxhash.xxh3_64_intdigest(data)))
-    return out
-
-
 def in_dram(tiers: Tiers, k: bytes) -> bytes | None:
     block = tiers.store.get_block(k)
     return None if block is None else bytes(tiers.arena.slice(block.offset, block.size))
@@ -96,7 +86,7 @@ def chain(tmp_path: Path, disk: DiskTier | None, remote: RemoteSource | None = N
 
 def test_a_read_promotes_verified_blocks_and_a_lost_one_stays_a_miss(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
-    written = blocks("a", 8)
+    written = disk_blocks("a", 8, BLOCK)
     disk.write(written)
     tiers = chain(tmp_path, disk)
     lost = written[3][0]
@@ -120,7 +110,7 @@ def test_a_block_its_tier_found_corrupt_is_read_from_the_tiers_after_it(
     tmp_path: Path,
 ) -> None:
     disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
-    written = blocks("b", 6)
+    written = disk_blocks("b", 6, BLOCK)
     disk.write(written[:4])
     below = MemoryTier(written[2:])  # holds the last four; the disk the first four
     arena = Arena(tmp_path / "arena", 16 << 20)
@@ -145,7 +135,7 @@ def test_a_block_its_tier_found_corrupt_is_read_from_the_tiers_after_it(
 
 
 def test_a_prefetch_from_other_nodes_comes_up_through_the_same_path(tmp_path: Path) -> None:
-    held = {k: bytes(data) for k, data, _ in blocks("r", 4)}
+    held = {k: bytes(data) for k, data, _ in disk_blocks("r", 4, BLOCK)}
     asked: list[list[bytes]] = []
 
     async def fetch(keys: list[bytes]) -> list[bytes | None]:  # another node, in memory
@@ -172,7 +162,7 @@ def test_a_prefetch_from_other_nodes_comes_up_through_the_same_path(tmp_path: Pa
 def test_the_disk_reports_to_the_sink_it_was_built_with(tmp_path: Path) -> None:
     events = Recorder()
     disk = DiskTier(tmp_path, 8 << 20, segment_bytes=SEGMENT, events=events)
-    written = blocks("e", 160)  # 10 MiB through 8 MiB of 4 MiB segments: one is evicted
+    written = disk_blocks("e", 160, BLOCK)  # 10 MiB through 8 MiB of 4 MiB segments
     origin = BlockOrigin(token_ids=[1, 2, 3])
     disk.write(written[:40], {written[0][0]: origin})
     disk.write(written[40:])
