@@ -34,7 +34,7 @@ import numpy as np
 import xxhash
 
 from kvpool.demo.process import NodeProcess
-from kvpool.store.disk import DiskTier
+from kvpool.tiers.disk import DiskTier
 
 TOTAL_BYTES = 1 << 30
 ROUNDS = 3

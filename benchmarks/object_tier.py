@@ -30,9 +30,9 @@ import obstore
 import xxhash
 from tests.s3server import S3Server
 
-from kvpool.store.bucket import PACKS, ObjectStoreConfig, open_store
-from kvpool.store.disk import DiskTier
-from kvpool.store.objects import MAX_STAGED_SEGMENTS, UPLOAD_CHUNK_BYTES, ObjectTier
+from kvpool.tiers.bucket import PACKS, ObjectStoreConfig, open_store
+from kvpool.tiers.disk import DiskTier
+from kvpool.tiers.objects import MAX_STAGED_SEGMENTS, UPLOAD_CHUNK_BYTES, ObjectTier
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
@@ -51,20 +51,24 @@ def one_round(server: S3Server, seed: int, work: Path) -> dict[str, float]:
         f"s3://{bucket}/pool", 1 << 40, endpoint=server.endpoint, refresh_s=3600
     )
     segment_bytes = SEGMENT_BLOCKS * (BLOCK + 256)
-    disk = DiskTier(work / f"disk-{seed}", 2 * segment_bytes, segment_bytes=segment_bytes)
     tier = ObjectTier(config, work / f"disk-{seed}" / "outgoing", "bench")
     tier.start()
     staged: list[Path] = []
 
-    def keep_copy(path: Path, blocks: list[tuple[bytes, int, int, int]]) -> bool:
-        copy = work / f"bare-{seed}-{path.name}"
-        os.link(path, copy)  # the same file, for the bare client afterwards
-        staged.append(copy)
-        accepted = tier.offer_segment(path, blocks)
-        assert accepted, "the upload queue was full"
-        return accepted
+    class KeepCopy:
+        """The object tier's intake, keeping a link to each segment for the bare client."""
 
-    disk.on_segment_evicted = keep_copy
+        def offer_segment(self, path: Path, blocks: list[tuple[bytes, int, int, int]]) -> bool:
+            copy = work / f"bare-{seed}-{path.name}"
+            os.link(path, copy)  # the same file, for the bare client afterwards
+            staged.append(copy)
+            accepted = tier.offer_segment(path, blocks)
+            assert accepted, "the upload queue was full"
+            return accepted
+
+    disk = DiskTier(
+        work / f"disk-{seed}", 2 * segment_bytes, segment_bytes=segment_bytes, below=KeepCopy()
+    )
     first = _blocks(seed, SEGMENT_BLOCKS)
     rest = _blocks(seed + 1000, SEGMENT_BLOCKS * (SEGMENTS + 1))
     items = first + rest
@@ -120,7 +124,7 @@ def one_round(server: S3Server, seed: int, work: Path) -> dict[str, float]:
         paired.append(times[by_bare] / times[by_tier])
     read = len(keys) * BLOCK
 
-    tier.stop()
+    tier.close()
     disk.close()
     for path in staged:
         path.unlink()

@@ -13,6 +13,7 @@ LAYERS = [
     {"errors", "timing", "checksum", "keys", "stats", "config", "tenants", "tls", "directory"},
     {"protocol"},
     {"store"},
+    {"tiers"},
     {"cluster"},
     {"client"},
     {"node"},

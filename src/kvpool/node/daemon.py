@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import shutil
 import signal
 import sys
 import time
@@ -33,17 +32,16 @@ from kvpool.errors import ConfigError
 from kvpool.node.admin import start_admin
 from kvpool.node.sealing import seal_replayed
 from kvpool.node.server import NodeServer
-from kvpool.node.tiers import Tiers
-from kvpool.node.writeback import WriteBack
 from kvpool.store.arena import Arena, NodeDirLock
-from kvpool.store.bucket import ObjectStoreConfig
-from kvpool.store.disk import ID_FILE, SEGMENT_RE, DiskTier
 from kvpool.store.eviction import LRUPolicy
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
-from kvpool.store.objects import OUTGOING_DIR, ObjectTier
 from kvpool.store.pool import BlockStore
 from kvpool.tenants import Registry
+from kvpool.tiers.build import empty_disk_dir, open_lower_tiers
+from kvpool.tiers.chain import Tiers
+from kvpool.tiers.disk import DiskTier
+from kvpool.tiers.tier import RemoteSource
 from kvpool.tls import CertFiles
 
 if TYPE_CHECKING:
@@ -114,42 +112,8 @@ class Daemon:
                 fresh=config.fresh or not arena.is_kept,
             )
             seal_replayed(self.journal.replayed, arena)
-            writeback = None
-            if config.disk_path:
-                if config.fresh:
-                    _empty_disk_dir(config.disk_path)
-                disk = self.disk = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: DiskTier(Path(config.disk_path), config.disk_bytes)
-                )
-                writeback = WriteBack(disk, arena)
-            objects = None
-            if config.object_store and self.disk is not None:
-                objects = ObjectTier(
-                    ObjectStoreConfig(
-                        config.object_store,
-                        config.object_store_bytes,
-                        endpoint=config.object_store_endpoint,
-                        region=config.object_store_region,
-                        refresh_s=config.object_refresh_s,
-                    ),
-                    Path(config.disk_path) / OUTGOING_DIR,
-                    writer=config.name,
-                )
-                await asyncio.get_running_loop().run_in_executor(None, objects.start)
-                self.disk.on_segment_evicted = objects.offer_segment
-            holds = Holds(arena.num_bytes // 2)
-            store = self.store = BlockStore(
-                arena.num_bytes,
-                eviction=QueueAwareEviction(LRUPolicy(), holds),
-                high_watermark=config.high_watermark,
-                low_watermark=config.low_watermark,
-                leases=config.leases,
-                journal=self.journal,
-                spill=writeback,
-                directory=self.directory,
-            )
             if config.kv_events:
-                from kvpool.node.events import MEDIUM_STORAGE, EventsConfig, KVEventPublisher
+                from kvpool.node.events import EventsConfig, KVEventPublisher
 
                 self.events = KVEventPublisher(
                     EventsConfig(
@@ -159,19 +123,29 @@ class Daemon:
                         config.kv_events_encoding,
                     )
                 )
-                store.events = self.events
-                if writeback is not None and self.disk is not None:
-                    writeback.events = self.events
-                    events = self.events
-                    self.disk.on_removed = lambda keys: events.removed_keys(keys, MEDIUM_STORAGE)
-                if not store.counters.adopted:
-                    self.events.cleared()  # whatever an earlier daemon announced is gone
-            tiers = Tiers(store, arena, self.disk, writeback, objects, holds)
+            lower = await open_lower_tiers(config, arena, self.events)
+            self.disk = lower.disk
+            holds = Holds(arena.num_bytes // 2)
+            store = self.store = BlockStore(
+                arena.num_bytes,
+                eviction=QueueAwareEviction(LRUPolicy(), holds),
+                high_watermark=config.high_watermark,
+                low_watermark=config.low_watermark,
+                leases=config.leases,
+                journal=self.journal,
+                spill=lower.writeback,
+                directory=self.directory,
+                events=self.events,
+            )
+            if self.events is not None and not store.counters.adopted:
+                self.events.cleared()  # whatever an earlier daemon announced is gone
+            remote = None
             if config.peers or config.etcd:
                 from kvpool.node.cluster_agent import NodeAgent
 
                 self.cluster = NodeAgent(config, store, arena)
-                tiers.remote = self.cluster.fetch  # prefetch reads other nodes too
+                remote = RemoteSource(self.cluster.fetch)  # prefetch reads other nodes too
+            tiers = Tiers(store, arena, lower, holds, remote)
             self.server = NodeServer(
                 config,
                 store,
@@ -257,7 +231,7 @@ class Daemon:
             self.arena.close(remove=self._drain)
             self.arena = None
         if self._drain and self.config.disk_path:
-            _empty_disk_dir(self.config.disk_path)
+            empty_disk_dir(self.config.disk_path)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -283,18 +257,6 @@ class Daemon:
             )
         finally:
             await self.stop()
-
-
-def _empty_disk_dir(path: str) -> None:
-    """Remove the disk tier's files (only kvpool's: segments, the identity file, and the
-    segments waiting for upload to the object store)."""
-    directory = Path(path)
-    if not directory.is_dir():
-        return
-    shutil.rmtree(directory / OUTGOING_DIR, ignore_errors=True)
-    for entry in directory.iterdir():
-        if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
-            entry.unlink(missing_ok=True)
 
 
 def run_daemon(config: NodeConfig) -> None:

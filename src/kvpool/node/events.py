@@ -44,12 +44,11 @@ import msgspec
 from kvpool.errors import ConfigError
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.store.block import Block
+from kvpool.tiers.tier import MEDIUM_DRAM
 
 log = logging.getLogger("kvpool.node")
 
 ENCODINGS = ("map", "array")
-MEDIUM_DRAM = "CPU"
-MEDIUM_STORAGE = "STORAGE"  # the disk tier
 MAX_QUEUED = 100_000
 MAX_BATCH_EVENTS = 1024
 FLUSH_S = 0.02  # events wait at most this long for others to share their batch
@@ -124,8 +123,10 @@ _CLASSES = {
 
 
 class KVEventPublisher:
-    """The store's event sink (``BlockStore.events``): turns blocks into vLLM's events and
-    publishes them in batches from its own thread."""
+    """The one place the node's KV events leave from: the sink given to the DRAM store
+    (``BlockStore(events=...)``, :class:`~kvpool.store.block.StoreEvents`) and to the
+    lower tiers (:class:`~kvpool.tiers.tier.TierEvents`) when they are built.  It turns
+    blocks into vLLM's events and publishes them in batches from its own thread."""
 
     def __init__(self, config: EventsConfig):
         if config.encoding not in ENCODINGS:
@@ -167,7 +168,7 @@ class KVEventPublisher:
         sock.bind(endpoint)
         return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
-    # -- the store's hooks (on the event loop: never block) --------------------------------
+    # -- the sink (from the event loop and the tiers' threads: never block) ----------------
 
     def stored(self, block: Block) -> None:
         self.stored_key(block.key, block.origin, MEDIUM_DRAM)

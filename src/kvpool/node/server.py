@@ -36,11 +36,11 @@ from kvpool.node.services import (
     Traffic,
 )
 from kvpool.node.session import Session
-from kvpool.node.tiers import Tiers
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.pool import BlockStore
 from kvpool.tenants import Registry, Tenant
+from kvpool.tiers.chain import Tiers
 from kvpool.timing import EXPIRE_INTERVAL_S
 from kvpool.tls import CertFiles
 

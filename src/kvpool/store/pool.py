@@ -107,7 +107,6 @@ class BlockStore:
         self.counters = StoreCounters()
         self.namespaces = NamespaceTable()
         self.on_change = on_change
-        self.events = events
         self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
         self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
         self._reservations: LeaseBook[Reservation] = self.ledger.open_book(
@@ -124,6 +123,7 @@ class BlockStore:
         self.areas = WriteAreas(self.allocator, self.ledger)
         self.space = Space(self.allocator, self.eviction, self, high_watermark, low_watermark)
         self._adopt()
+        self.events = events  # after adopting: those were announced when they were stored
 
     def set_quotas(self, limits: dict[bytes, int] | None) -> None:
         """Per-tenant limits, by tag (None: no tenants); counts what is held now."""

@@ -7,7 +7,7 @@ import pytest
 import xxhash
 
 from kvpool.errors import ConfigError
-from kvpool.store.disk import DiskTier
+from kvpool.tiers.disk import DiskTier
 from tests.helpers import content, key
 
 SEGMENT = 4 << 20

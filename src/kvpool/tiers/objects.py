@@ -61,7 +61,8 @@ import obstore
 
 from kvpool.checksum import copy_with_checksum
 from kvpool.errors import ConfigError
-from kvpool.store.bucket import (
+from kvpool.stats import TIER_OBJECT, TierStats
+from kvpool.tiers.bucket import (
     INDEX_VERSION,
     INDEXES,
     MAX_INDEX_BYTES,
@@ -76,6 +77,7 @@ from kvpool.store.bucket import (
     index_name,
     open_store,
 )
+from kvpool.tiers.tier import KeyIndex, SegmentBlocks
 
 log = logging.getLogger("kvpool.objects")
 
@@ -122,10 +124,17 @@ class ObjectCounters:
     deleted_packs: int = 0  # packs removed to keep the bucket within its capacity
 
 
-class ObjectTier:
-    """Blocks in the shared bucket, found by key; see the module docstring for the rules."""
+class ObjectTier(KeyIndex[ObjectLocation]):
+    """Blocks in the shared bucket, found by key (a :class:`~kvpool.tiers.tier.Tier` and
+    the disk's :class:`~kvpool.tiers.tier.SegmentSink`); see the module docstring for the
+    rules.  It reports no KV events: the bucket is shared, and every node would announce
+    the same blocks."""
+
+    tier_id = TIER_OBJECT
+    medium = "OBJECT"  # it reports no KV events (see above)
 
     def __init__(self, config: ObjectStoreConfig, staging: Path, writer: str):
+        super().__init__()
         self.config = config
         self.capacity = config.capacity
         self.counters = ObjectCounters()
@@ -134,10 +143,8 @@ class ObjectTier:
         self._fetcher = ThreadPoolExecutor(READ_PARALLELISM, thread_name_prefix="kvpool-object-get")
         self._store = open_store(config, timeout_s=WRITE_TIMEOUT_S, retries=WRITE_RETRIES)
         self._staging = staging
-        self._lock = threading.Lock()
-        self._index: dict[bytes, ObjectLocation] = {}
         self._packs: dict[str, _Pack] = {}
-        self._queue: deque[tuple[Path, list[tuple[bytes, int, int, int]]]] = deque()
+        self._queue: deque[tuple[Path, SegmentBlocks]] = deque()
         self._cond = threading.Condition(self._lock)
         self._stopping = False
         self._threads: list[threading.Thread] = []
@@ -168,7 +175,7 @@ class ObjectTier:
             thread.start()
             self._threads.append(thread)
 
-    def stop(self) -> None:
+    def close(self) -> None:
         """Stop both threads; segments still waiting for upload are dropped (cache)."""
         with self._cond:
             self._stopping = True
@@ -182,17 +189,6 @@ class ObjectTier:
 
     # -- lookups --------------------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        with self._lock:
-            return [k in self._index for k in keys]
-
-    def location(self, key: bytes) -> ObjectLocation | None:
-        with self._lock:
-            return self._index.get(key)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
     @property
     def used_bytes(self) -> int:
         with self._lock:
@@ -202,9 +198,24 @@ class ObjectTier:
     def num_packs(self) -> int:
         return len(self._packs)
 
+    def stats(self) -> TierStats:
+        counters = self.counters
+        return TierStats(
+            name="object",
+            capacity_bytes=self.capacity,
+            used_bytes=self.used_bytes,
+            num_blocks=len(self),
+            reads=counters.reads,
+            writes=counters.uploaded_blocks,
+            dropped=counters.dropped_segments,
+            evictions=counters.deleted_packs,
+            corrupt=counters.corrupt,
+            errors=counters.read_errors + counters.refresh_errors,
+        )
+
     # -- writes ---------------------------------------------------------------------------
 
-    def offer_segment(self, path: Path, blocks: list[tuple[bytes, int, int, int]]) -> bool:
+    def offer_segment(self, path: Path, blocks: SegmentBlocks) -> bool:
         """The disk evicts the segment at ``path`` holding ``(key, offset, size, checksum)``
         blocks: keep a link to it for upload, or drop it.  Called by the disk's writer,
         under its lock: it only links the file and queues it."""
@@ -240,7 +251,7 @@ class ObjectTier:
             finally:
                 staged.unlink(missing_ok=True)
 
-    def _upload(self, staged: Path, blocks: list[tuple[bytes, int, int, int]]) -> None:
+    def _upload(self, staged: Path, blocks: SegmentBlocks) -> None:
         name = staged.name
         num_bytes = staged.stat().st_size
         obstore.put(
@@ -433,7 +444,7 @@ class ObjectTier:
                 del self._index[key]
         return None
 
-    def forget(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes]) -> int:
         """Forget these blocks here (a DELETE); their bytes go when their pack ages out."""
         with self._lock:
             return sum(self._index.pop(k, None) is not None for k in keys)

@@ -14,9 +14,9 @@ import pytest
 import xxhash
 
 from kvpool.errors import ConfigError
-from kvpool.store.bucket import INDEXES, PACKS, ObjectStoreConfig, open_store
-from kvpool.store.disk import DiskTier
-from kvpool.store.objects import ObjectTier
+from kvpool.tiers.bucket import INDEXES, PACKS, ObjectStoreConfig, open_store
+from kvpool.tiers.disk import DiskTier
+from kvpool.tiers.objects import ObjectTier
 from tests.s3server import S3Server
 
 MiB = 1 << 20
@@ -43,15 +43,14 @@ def tiers(
 ) -> Iterator[tuple[DiskTier, ObjectTier, ObjectTier]]:
     """A writer node's disk (4 MiB segments) feeding its object tier, and a second node's
     object tier on the same bucket."""
-    disk = DiskTier(tmp_path / "disk", 8 * MiB, segment_bytes=4 * MiB)
     writer = ObjectTier(config(s3_server, s3_bucket), tmp_path / "disk" / "outgoing", "a")
     reader = ObjectTier(config(s3_server, s3_bucket), tmp_path / "b-outgoing", "b")
+    disk = DiskTier(tmp_path / "disk", 8 * MiB, segment_bytes=4 * MiB, below=writer)
     writer.start()
     reader.start()
-    disk.on_segment_evicted = writer.offer_segment
     yield disk, writer, reader
-    writer.stop()
-    reader.stop()
+    writer.close()
+    reader.close()
     disk.close()
 
 
@@ -138,10 +137,9 @@ def test_a_pack_deleted_elsewhere_is_a_miss(
 def test_the_bucket_stays_within_its_capacity(
     s3_server: S3Server, s3_bucket: str, aws_env: None, tmp_path: Path
 ) -> None:
-    disk = DiskTier(tmp_path / "disk", 8 * MiB, segment_bytes=4 * MiB)
     tier = ObjectTier(config(s3_server, s3_bucket, capacity=10 * MiB), tmp_path / "out", "a")
+    disk = DiskTier(tmp_path / "disk", 8 * MiB, segment_bytes=4 * MiB, below=tier)
     tier.start()
-    disk.on_segment_evicted = tier.offer_segment
     try:
         for seed in range(6):  # six segments evicted: about 24 MiB offered
             write(disk, blocks(14, 100 + seed))
@@ -154,7 +152,7 @@ def test_the_bucket_stays_within_its_capacity(
         assert tier.counters.deleted_packs >= 1
         assert tier.used_bytes <= 10 * MiB
     finally:
-        tier.stop()
+        tier.close()
         disk.close()
 
 

@@ -1,11 +1,19 @@
-"""The node's tiers: DRAM (the store and its arena), the local disk below it, and the
-object store that the whole cluster shares below that.
+"""The node's tier chain: DRAM (the store and its arena), then the lower tiers in order
+(:class:`~kvpool.tiers.tier.Tier`: the local disk, then the object store that the whole
+cluster shares), with other nodes (:class:`~kvpool.tiers.tier.RemoteSource`) as one more
+source that only prefetches ask.
 
 - **Lookups** count a block on disk or in the object store as present; the answer says
   which tier holds each block of the prefix.  They only read in-memory indexes, on the
   event loop: never a request to the object store.
-- **Write-back**: DRAM evictions go to disk (:mod:`kvpool.node.writeback`), and the disk's
-  evicted segments go to the object store (:mod:`kvpool.store.objects`).
+- **Write-back**: DRAM evictions go to disk (:mod:`kvpool.tiers.writeback`), and the disk's
+  evicted segments go to the object store (:mod:`kvpool.tiers.objects`).
+- **One promotion path** (:meth:`Tiers._promote`): reserve slots under the node's own
+  owner (``PROMOTER_OWNER``, no lease), fill them on an I/O thread (a lower tier reads and
+  verifies; a block its tier lost meanwhile is tried in the tiers after it; other nodes'
+  bytes are copied with their checksum), then commit what arrived (or abort on a bug).
+  Promotion on read, prefetch from lower tiers and prefetch from other nodes all go
+  through it.
 - **Promotion on read**: a PIN or GET of a block that is in a lower tier but not in DRAM
   first copies it back, straight into a slot the node reserves for itself, verifies it,
   and commits it; the read then proceeds from DRAM.  Concurrent reads of one block share
@@ -26,19 +34,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from kvpool.checksum import copy_with_checksum
-from kvpool.node.writeback import WriteBack
 from kvpool.protocol.messages import PrefetchResponse
-from kvpool.stats import TIER_DISK, TIER_DRAM, TIER_OBJECT, PrefetchStats, TierStats
+from kvpool.stats import TIER_DRAM, PrefetchStats, TierStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block
-from kvpool.store.disk import DiskTier
 from kvpool.store.holds import Holds
-from kvpool.store.objects import ObjectTier
 from kvpool.store.pool import BlockStore
+from kvpool.tiers.disk import DiskTier
+from kvpool.tiers.tier import RemoteSource, Tier
+from kvpool.tiers.writeback import WriteBack
 
 log = logging.getLogger("kvpool.node")
 
@@ -48,34 +57,43 @@ DEFAULT_WAIT_S = 2.0  # a read that names no deadline waits this long for lower 
 DEFAULT_HOLD_S = 30.0
 MAX_HOLD_S = 120.0
 PREFETCH_MAX_BYTES = 512 << 20
-MAX_REMOTE_PREFETCH_KEYS = 1024
 
-# Reads blocks from other nodes of the cluster: per key, its bytes or None.
-RemoteFetch = Callable[[list[bytes]], Awaitable[list[bytes | None]]]
+# Fills reserved slots, given as ``(index, destination)``: per slot, its checksum or None.
+Fill = Callable[[list[tuple[int, memoryview]]], list[int | None]]
+
+
+@dataclass
+class LowerTiers:
+    """The tiers below DRAM, fastest first, and the write-back that feeds the first (the
+    disk); built from the node's configuration by
+    :func:`kvpool.tiers.build.open_lower_tiers`."""
+
+    chain: list[Tier] = field(default_factory=list)
+    writeback: WriteBack | None = None
+    disk: DiskTier | None = None
 
 
 class Tiers:
-    """Lookups, promotions, prefetches and statistics across the node's tiers."""
+    """Lookups, promotions, prefetches and statistics across the node's tiers.  Lifecycle:
+    ``start`` (the write-back's thread), then lookups and promotions on the event loop,
+    then ``stop`` (waits for promotions, writes back what is queued, closes the tiers)."""
 
     def __init__(
         self,
         store: BlockStore,
         arena: Arena,
-        disk: DiskTier | None = None,
-        writeback: WriteBack | None = None,
-        objects: ObjectTier | None = None,
+        lower: LowerTiers | None = None,
         holds: Holds | None = None,
-        remote: RemoteFetch | None = None,
+        remote: RemoteSource | None = None,
     ) -> None:
         self.store = store
         self.arena = arena
-        self.disk = disk
-        self.writeback = writeback
-        self.objects = objects
+        self.lower = lower if lower is not None else LowerTiers()
+        self.chain = self.lower.chain
         self.remote = remote  # other nodes of the cluster (prefetch only)
         self.holds = holds if holds is not None else Holds(arena.num_bytes // 2)
-        self.hits = {TIER_DRAM: 0, TIER_DISK: 0, TIER_OBJECT: 0}
-        self.promoted = {TIER_DISK: 0, TIER_OBJECT: 0}
+        self.hits = {TIER_DRAM: 0} | {tier.tier_id: 0 for tier in self.chain}
+        self.promoted = {tier.tier_id: 0 for tier in self.chain}
         self.promoted_remote = 0  # blocks a prefetch copied from other nodes
         self.num_late = 0  # reads that stopped waiting for a promotion at their deadline
         self.prefetched = PrefetchStats()
@@ -86,15 +104,15 @@ class Tiers:
 
     @property
     def has_lower(self) -> bool:
-        return self.disk is not None or self.objects is not None
+        return bool(self.chain)
 
     @property
     def can_prefetch(self) -> bool:
         return self.has_lower or self.remote is not None
 
     def start(self) -> None:
-        if self.writeback is not None:
-            self.writeback.start()
+        if self.lower.writeback is not None:
+            self.lower.writeback.start()
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -103,26 +121,22 @@ class Tiers:
         await loop.run_in_executor(None, self._stop_threads)
 
     def _stop_threads(self) -> None:
-        if self.writeback is not None:
-            self.writeback.stop()
+        if self.lower.writeback is not None:
+            self.lower.writeback.stop()
         self._io.shutdown(wait=True)
         self._prefetch_io.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.close()
-        if self.objects is not None:
-            self.objects.stop()
+        for tier in self.chain:
+            tier.close()
 
     # -- lookups --------------------------------------------------------------------------
 
     def _lower_tiers(self, keys: Sequence[bytes]) -> list[int | None]:
         """Per key, the fastest lower tier that holds it (``None``: none does)."""
         found: list[int | None] = [None] * len(keys)
-        for tier, holder in ((TIER_DISK, self.disk), (TIER_OBJECT, self.objects)):
-            if holder is None:
-                continue
-            for i, held in enumerate(holder.contains(keys)):
+        for tier in self.chain:
+            for i, held in enumerate(tier.contains(keys)):
                 if held and found[i] is None:
-                    found[i] = tier
+                    found[i] = tier.tier_id
         return found
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, bool, bytes]:
@@ -214,69 +228,96 @@ class Tiers:
         return waits, wanted
 
     def _source(self, key: bytes) -> tuple[int, int] | None:
-        """The size of the block and the lower tier to read it from."""
-        if self.disk is not None:
-            location = self.disk.location(key)
-            if location is not None:
-                return location.size, TIER_DISK
-        if self.objects is not None:
-            found = self.objects.location(key)
-            if found is not None:
-                return found.size, TIER_OBJECT
+        """The size of the block and the first lower tier that holds it."""
+        for tier in self.chain:
+            size = tier.size_of(key)
+            if size is not None:
+                return size, tier.tier_id
         return None
 
     def _start(
         self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor
     ) -> asyncio.Future[int]:
-        task = asyncio.ensure_future(self._promote(wanted, lane))
+        task = asyncio.ensure_future(self._promote_lower(wanted, lane))
         for key, _, _ in wanted:
             self._promoting[key] = task
         return task
 
-    async def _promote(self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor) -> int:
-        store = self.store
+    async def _promote_lower(
+        self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor
+    ) -> int:
+        """Promote ``(key, size, tier)`` blocks from the lower tiers; how many came up."""
         keys = [k for k, _, _ in wanted]
-        result = store.reserve(keys, [s for _, s, _ in wanted], PROMOTER_OWNER, held=True)
-        num_promoted = 0
+        served: list[int | None] = [None] * len(wanted)  # the tier each block came from
         try:
-            jobs = [(b, wanted[i][2], i) for i, b in enumerate(result.blocks) if b is not None]
-            checksums: list[int | None] = [None] * len(keys)
-            if jobs:
-                loop = asyncio.get_running_loop()
-                # Not cancellable: this task outlives the readers that wait on it.
-                for i, tier, checksum in await loop.run_in_executor(lane, self._read, jobs):
-                    checksums[i] = checksum
-                    if checksum is not None:
-                        self.promoted[tier] += 1
-                        num_promoted += 1
-            if result.reservation_id:
-                store.commit(result.reservation_id, checksums, PROMOTER_OWNER)
-        except Exception:  # a bug must not leave a reservation held for good
-            log.exception("promotion of %d blocks from a lower tier failed", len(keys))
-            store.abort(result.reservation_id, PROMOTER_OWNER)
+            checksums = await self._promote(
+                keys,
+                [size for _, size, _ in wanted],
+                lambda slots: self._read(wanted, slots, served),
+                lane,
+            )
         finally:
             for key in keys:
                 self._promoting.pop(key, None)
+        num_promoted = 0
+        for tier_id, checksum in zip(served, checksums, strict=True):
+            if tier_id is not None and checksum is not None:
+                self.promoted[tier_id] += 1
+                num_promoted += 1
         return num_promoted
 
-    def _read(self, jobs: list[tuple[Block, int, int]]) -> list[tuple[int, int, int | None]]:
-        """Read each block from its tier into its slot: ``(index, tier, checksum)``."""
-        done: list[tuple[int, int, int | None]] = []
-        from_objects = []
-        for block, tier, i in jobs:
-            dst = self.arena.slice(block.offset, block.size)
-            if tier == TIER_DISK and self.disk is not None:
-                checksum = self.disk.read_into(block.key, dst)
-                if checksum is not None or self.objects is None:
-                    done.append((i, tier, checksum))
-                    continue
-            from_objects.append((block, i, dst))  # also a disk block lost meanwhile
-        if from_objects and self.objects is not None:
-            checksums = self.objects.read_many([(b.key, dst) for b, _, dst in from_objects])
-            done += [
-                (i, TIER_OBJECT, c) for (_, i, _), c in zip(from_objects, checksums, strict=True)
-            ]
-        return done
+    async def _promote(
+        self, keys: list[bytes], sizes: list[int], fill: Fill, lane: ThreadPoolExecutor
+    ) -> list[int | None]:
+        """The one promotion path: reserve slots for ``keys`` under the node's own owner,
+        ``fill`` them on ``lane`` (it verifies, or computes, each checksum), then commit
+        what arrived.  Per key, its checksum, or None where it did not come up (already
+        stored or pending, no room, or not read)."""
+        store = self.store
+        result = store.reserve(keys, sizes, PROMOTER_OWNER, held=True)
+        checksums: list[int | None] = [None] * len(keys)
+        slots = [
+            (i, self.arena.slice(block.offset, block.size))
+            for i, block in enumerate(result.blocks)
+            if block is not None
+        ]
+        try:
+            if slots:
+                loop = asyncio.get_running_loop()
+                # Not cancellable: this task outlives the readers that wait on it.
+                filled = await loop.run_in_executor(lane, fill, slots)
+                for (i, _), checksum in zip(slots, filled, strict=True):
+                    checksums[i] = checksum
+            if result.reservation_id:
+                store.commit(result.reservation_id, checksums, PROMOTER_OWNER)
+        except Exception:  # a bug must not leave a reservation held for good
+            log.exception("promotion of %d blocks failed", len(keys))
+            store.abort(result.reservation_id, PROMOTER_OWNER)
+            return [None] * len(keys)
+        return checksums
+
+    def _read(
+        self,
+        wanted: list[tuple[bytes, int, int]],
+        slots: list[tuple[int, memoryview]],
+        served: list[int | None],
+    ) -> list[int | None]:
+        """Read each slot's block from its tier (``wanted[index]``), verified; one that
+        tier lost meanwhile is tried in the tiers after it.  Notes in ``served`` the tier
+        each block came from."""
+        position = {tier.tier_id: n for n, tier in enumerate(self.chain)}
+        first = [position[wanted[i][2]] for i, _ in slots]
+        checksums: list[int | None] = [None] * len(slots)
+        for n, tier in enumerate(self.chain):
+            batch = [j for j in range(len(slots)) if first[j] <= n and checksums[j] is None]
+            if not batch:
+                continue
+            jobs = [(wanted[slots[j][0]][0], slots[j][1]) for j in batch]
+            for j, checksum in zip(batch, tier.read_many(jobs), strict=True):
+                if checksum is not None:
+                    checksums[j] = checksum
+                    served[slots[j][0]] = tier.tier_id
+        return checksums
 
     # -- prefetch -------------------------------------------------------------------------
 
@@ -314,8 +355,8 @@ class Tiers:
             else:
                 wanted.append((key, *source))
                 self._prefetch_bytes += size
-        if elsewhere:  # other nodes may hold them: asked in the background
-            elsewhere = elsewhere[:MAX_REMOTE_PREFETCH_KEYS]
+        if elsewhere and self.remote is not None:  # other nodes may: asked in the background
+            elsewhere = elsewhere[: self.remote.max_keys]
             answer.num_started += len(elsewhere)
             self._spawn_remote(elsewhere, hold_s)
         if wanted:
@@ -340,30 +381,20 @@ class Tiers:
         """Copy blocks that other nodes hold into this node's DRAM, and hold them."""
         assert self.remote is not None
         try:
-            values = await self.remote(keys)
             found = [
-                (k, v)
-                for k, v in zip(keys, values, strict=True)
-                if v is not None and self._prefetch_bytes + len(v) <= PREFETCH_MAX_BYTES
+                (key, value)
+                for key, value in await self.remote.fetch(keys)
+                if self._prefetch_bytes + len(value) <= PREFETCH_MAX_BYTES
             ]
             if not found:
                 return 0
-            store = self.store
-            sizes = [len(v) for _, v in found]
-            result = store.reserve([k for k, _ in found], sizes, PROMOTER_OWNER, held=True)
-
-            def copy_in() -> list[int | None]:
-                sums: list[int | None] = [None] * len(found)
-                for i, block in enumerate(result.blocks):
-                    if block is not None:
-                        dst = self.arena.slice(block.offset, block.size)
-                        sums[i] = copy_with_checksum(dst, memoryview(found[i][1]))
-                return sums
-
-            loop = asyncio.get_running_loop()
-            checksums = await loop.run_in_executor(self._prefetch_io, copy_in)
-            if result.reservation_id:
-                store.commit(result.reservation_id, checksums, PROMOTER_OWNER)
+            values = [memoryview(value) for _, value in found]
+            checksums = await self._promote(
+                [key for key, _ in found],
+                [len(value) for value in values],
+                lambda slots: [copy_with_checksum(dst, values[i]) for i, dst in slots],
+                self._prefetch_io,
+            )
             num = 0
             for (key, value), checksum in zip(found, checksums, strict=True):
                 if checksum is not None and self.holds.hold(key, len(value), hold_s, fetched=True):
@@ -390,16 +421,14 @@ class Tiers:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Forget the keys in the tiers below DRAM; how many were there."""
-        num = self.disk.delete(keys) if self.disk is not None else 0
-        if self.objects is not None:
-            num += self.objects.forget(keys)
-        return num
+        return sum(tier.delete(keys) for tier in self.chain)
 
     # -- status ---------------------------------------------------------------------------
 
     def stats(self) -> list[TierStats]:
+        """One entry per tier, DRAM first; each lower tier's own counters, with what only
+        the chain sees: its lookup hits, its promotions, the write-back's refusals."""
         store, counters = self.store, self.store.counters
-        writeback = self.writeback
         tiers = [
             TierStats(
                 name="dram",
@@ -414,43 +443,15 @@ class Tiers:
                 recovered=counters.adopted,
             )
         ]
-        if self.disk is not None:
-            disk = self.disk.counters
-            tiers.append(
-                TierStats(
-                    name="disk",
-                    capacity_bytes=self.disk.capacity,
-                    used_bytes=self.disk.used_bytes,
-                    num_blocks=len(self.disk),
-                    hits=self.hits[TIER_DISK],
-                    reads=disk.hits,
-                    writes=disk.writes,
-                    refused=writeback.num_refused if writeback is not None else 0,
-                    dropped=writeback.num_dropped if writeback is not None else 0,
-                    promotions=self.promoted[TIER_DISK],
-                    evictions=disk.evicted_blocks,
-                    corrupt=disk.corrupt,
-                    recovered=disk.recovered,
-                )
-            )
-        if self.objects is not None:
-            objects = self.objects.counters
-            tiers.append(
-                TierStats(
-                    name="object",
-                    capacity_bytes=self.objects.capacity,
-                    used_bytes=self.objects.used_bytes,
-                    num_blocks=len(self.objects),
-                    hits=self.hits[TIER_OBJECT],
-                    reads=objects.reads,
-                    writes=objects.uploaded_blocks,
-                    dropped=objects.dropped_segments,
-                    promotions=self.promoted[TIER_OBJECT],
-                    evictions=objects.deleted_packs,
-                    corrupt=objects.corrupt,
-                    errors=objects.read_errors + objects.refresh_errors,
-                )
-            )
+        writeback = self.lower.writeback
+        for tier in self.chain:
+            stats = tier.stats()
+            stats.hits = self.hits[tier.tier_id]
+            stats.promotions = self.promoted[tier.tier_id]
+            if writeback is not None and tier is writeback.disk:
+                stats.refused = writeback.num_refused
+                stats.dropped = writeback.num_dropped
+            tiers.append(stats)
         return tiers
 
     def prefetch_stats(self) -> PrefetchStats:

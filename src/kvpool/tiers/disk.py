@@ -22,6 +22,11 @@ files, no in-place updates)::
 - The index lives in memory and is rebuilt at start from the files: a host that lost
   /dev/shm (a reboot) finds its disk blocks again.
 
+Events: the blocks a write places are reported stored, and the blocks an evicted segment
+or a delete takes away removed, to the :class:`~kvpool.tiers.tier.TierEvents` the tier was
+built with, medium ``STORAGE``.  A segment it evicts is first handed to the tier below
+(``below``: the object store), which links the file before it is deleted.
+
 Threads: lookups (``contains``) are cheap and may come from the event loop; reads and
 writes do blocking I/O and come from worker threads.  One lock guards the index and the
 segment table, and is never held during I/O: a writer reserves its place in the open
@@ -36,15 +41,17 @@ import os
 import re
 import secrets
 import struct
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
 from kvpool.errors import ConfigError
+from kvpool.keys import BlockOrigin
+from kvpool.stats import TIER_DISK, TierStats
+from kvpool.tiers.tier import MEDIUM_STORAGE, KeyIndex, SegmentSink, TierEvents
 
 RECORD_MAGIC = b"KVDR"
 # magic, key length, flags, size, checksum (payload), written at (ns), header checksum
@@ -102,10 +109,23 @@ class DiskCounters:
     torn_records: int = 0
 
 
-class DiskTier:
-    """Blocks on local disk, found by key; see the module docstring for the rules."""
+class DiskTier(KeyIndex[Location]):
+    """Blocks on local disk, found by key (a :class:`~kvpool.tiers.tier.Tier`); see the
+    module docstring for the rules."""
 
-    def __init__(self, path: Path, capacity: int, *, segment_bytes: int = 0):
+    tier_id = TIER_DISK
+    medium = MEDIUM_STORAGE
+
+    def __init__(
+        self,
+        path: Path,
+        capacity: int,
+        *,
+        segment_bytes: int = 0,
+        below: SegmentSink | None = None,
+        events: TierEvents | None = None,
+    ):
+        super().__init__()
         self.path = Path(path)
         self.capacity = capacity
         self.segment_bytes = segment_bytes or max(
@@ -116,15 +136,8 @@ class DiskTier:
                 f"--disk-size must be at least {2 * self.segment_bytes >> 20} MiB (two segments)"
             )
         self.counters = DiskCounters()
-        # Told of blocks that leave the tier (evicted with their segment, or deleted).
-        self.on_removed: Callable[[list[bytes]], None] | None = None
-        # Given each evicted segment's file and its live (key, offset, size, checksum)
-        # blocks, before the file is deleted (the object tier links it for upload).
-        self.on_segment_evicted: (
-            Callable[[Path, list[tuple[bytes, int, int, int]]], object] | None
-        ) = None
-        self._lock = threading.Lock()
-        self._index: dict[bytes, Location] = {}
+        self._below: SegmentSink | None = None
+        self._events: TierEvents | None = None
         self._segments: dict[int, Segment] = {}
         self._open: Segment | None = None
         self._fds: dict[int, int] = {}
@@ -132,6 +145,10 @@ class DiskTier:
         self.path.mkdir(parents=True, exist_ok=True)
         self._check_identity()
         self._recover()
+        # Set after re-indexing: segments a start drops to fit its capacity are neither
+        # handed below nor reported.
+        self._below = below
+        self._events = events
 
     # -- start ----------------------------------------------------------------------------
 
@@ -248,30 +265,39 @@ class DiskTier:
 
     # -- lookups --------------------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        with self._lock:
-            return [k in self._index for k in keys]
-
-    def location(self, key: bytes) -> Location | None:
-        with self._lock:
-            return self._index.get(key)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
     @property
     def used_bytes(self) -> int:
         with self._lock:
             return sum(s.num_bytes for s in self._segments.values())
 
+    def stats(self) -> TierStats:
+        counters = self.counters
+        return TierStats(
+            name="disk",
+            capacity_bytes=self.capacity,
+            used_bytes=self.used_bytes,
+            num_blocks=len(self),
+            reads=counters.hits,
+            writes=counters.writes,
+            evictions=counters.evicted_blocks,
+            corrupt=counters.corrupt,
+            recovered=counters.recovered,
+        )
+
     # -- writes ---------------------------------------------------------------------------
 
-    def write(self, blocks: Sequence[tuple[bytes, memoryview, int]]) -> int:
+    def write(
+        self,
+        blocks: Sequence[tuple[bytes, memoryview, int]],
+        origins: Mapping[bytes, BlockOrigin] | None = None,
+    ) -> int:
         """Append ``(key, bytes, checksum)`` blocks as records; returns how many were
         written (all but those larger than a segment).  One ``pwritev`` per segment
         touched: large sequential writes.  The keys become visible once their bytes are
-        written.  One writer at a time."""
+        written, and are reported stored with what ``origins`` says they were computed
+        from.  One writer at a time."""
         written = 0
+        origins = origins or {}
         batch: list[tuple[bytes, memoryview, int]] = []
         room = self._open.num_bytes if self._open is not None else self.segment_bytes
         for key, data, checksum in blocks:
@@ -279,15 +305,17 @@ class DiskTier:
             if len(key) > MAX_KEY_BYTES or need > self.segment_bytes:
                 continue
             if room + need > self.segment_bytes:
-                written += self._append(batch)
+                written += self._append(batch, origins)
                 batch = []
                 self._roll()
                 room = 0
             batch.append((key, data, checksum))
             room += need
-        return written + self._append(batch)
+        return written + self._append(batch, origins)
 
-    def _append(self, blocks: list[tuple[bytes, memoryview, int]]) -> int:
+    def _append(
+        self, blocks: list[tuple[bytes, memoryview, int]], origins: Mapping[bytes, BlockOrigin]
+    ) -> int:
         segment = self._open
         if not blocks or segment is None:
             return 0
@@ -309,11 +337,14 @@ class DiskTier:
             segment.num_bytes = position
             segment.headers += headers
             segment.last_used = next(self._clock)
-            if not segment.dropped:
-                for key, location in placed:
-                    self._place(key, location, segment)
+            stored = [] if segment.dropped else placed
+            for key, location in stored:
+                self._place(key, location, segment)
             self.counters.writes += len(blocks)
             self.counters.written_bytes += position - start
+        if self._events is not None:
+            for key, _ in stored:
+                self._events.stored_key(key, origins.get(key), self.medium)
         return len(blocks)
 
     def _roll(self) -> None:
@@ -362,10 +393,10 @@ class DiskTier:
                 self.counters.evicted_blocks += 1
                 evicted.append(key)
                 live.append((key, location.offset, location.size, location.checksum))
-        if live and self.on_segment_evicted is not None:
-            self.on_segment_evicted(segment.path, live)
-        if evicted and self.on_removed is not None:
-            self.on_removed(evicted)
+        if live and self._below is not None:
+            self._below.offer_segment(segment.path, live)
+        if evicted and self._events is not None:
+            self._events.removed_keys(evicted, self.medium)
         self.counters.evicted_segments += 1
         segment.dropped = True
         segment.path.unlink(missing_ok=True)
@@ -385,6 +416,10 @@ class DiskTier:
         return fd
 
     # -- reads ----------------------------------------------------------------------------
+
+    def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]:
+        """Each ``(key, destination)`` read with :meth:`read_into`, in order."""
+        return [self.read_into(key, dst) for key, dst in jobs]
 
     def read_into(self, key: bytes, dst: memoryview) -> int | None:
         """Read the block into ``dst`` (at least its size) and verify it: its checksum, or
@@ -431,8 +466,8 @@ class DiskTier:
                     segment = self._segments.get(location.segment_id)
                     if segment is not None:
                         segment.keys.discard(key)
-        if gone and self.on_removed is not None:
-            self.on_removed(gone)
+        if gone and self._events is not None:
+            self._events.removed_keys(gone, self.medium)
         return len(gone)
 
     def sync(self) -> None:

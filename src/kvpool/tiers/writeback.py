@@ -2,7 +2,8 @@
 queue; if the admission policy takes it and the queue has room, it is copied into a staging
 buffer (one memcpy; its arena memory is freed at once, so an allocation that evicts never
 waits) and one writer thread appends it to disk in large batches.  A full queue drops the
-block: DRAM never waits for the disk.
+block: DRAM never waits for the disk.  The disk reports the blocks it writes as stored
+(KV events), with the origins the write-back keeps for them until then.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import threading
 from collections import deque
 
 from kvpool.keys import BlockOrigin
-from kvpool.node.events import MEDIUM_STORAGE, KVEventPublisher
-from kvpool.store.admission import AdmissionPolicy, ReusedFirst
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block
-from kvpool.store.disk import DiskTier
+from kvpool.tiers.admission import AdmissionPolicy, ReusedFirst
+from kvpool.tiers.disk import DiskTier
 
 log = logging.getLogger("kvpool.node")
 
@@ -47,7 +47,6 @@ class WriteBack:
         self._thread: threading.Thread | None = None
         # What queued blocks were computed from, until they are written (KV events).
         self._origins: dict[bytes, BlockOrigin] = {}
-        self.events: KVEventPublisher | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvpool-writeback", daemon=True)
@@ -57,7 +56,7 @@ class WriteBack:
         """The store's spill target (on the event loop): copy the block out, or refuse."""
         if self._thread is None or self._stopping:
             return False
-        if self.disk.location(block.key) is not None:
+        if self.disk.size_of(block.key) is not None:
             self.num_present += 1
             return False
         with self._cond:
@@ -100,14 +99,11 @@ class WriteBack:
                     item = self._queue.popleft()
                     batch.append(item)
                     num_bytes += len(item[1])
+            origins = {key: self._origins.pop(key) for key, _, _ in batch if key in self._origins}
             try:
-                self.disk.write(batch)
+                self.disk.write(batch, origins)
             except OSError as exc:  # a full or failing disk: the blocks are simply not kept
                 log.warning("disk write-back of %d blocks failed: %s", len(batch), exc)
-            for key, _, _ in batch:
-                origin = self._origins.pop(key, None)
-                if self.events is not None and self.disk.location(key) is not None:
-                    self.events.stored_key(key, origin, MEDIUM_STORAGE)
             with self._cond:
                 self._unwritten_bytes -= num_bytes
                 for _, view, _ in batch:  # keep buffers for reuse, up to the budget

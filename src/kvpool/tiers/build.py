@@ -1,0 +1,71 @@
+"""The node's lower tiers, built from its configuration in one place: the disk tier (and
+the write-back that feeds it from DRAM), and the object store below it.
+
+Order of construction, so that no hook is assigned afterwards: the object tier first (the
+disk hands it the segments it evicts), then the disk (re-indexing its segments, on a
+thread), then the write-back over the disk; each is given the KV-event sink, if any.  The
+store is built next with ``spill=lower.writeback``, and the chain over both with
+``Tiers(store, arena, lower, holds, remote)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+from kvpool.config import NodeConfig
+from kvpool.store.arena import Arena
+from kvpool.tiers.bucket import ObjectStoreConfig
+from kvpool.tiers.chain import LowerTiers
+from kvpool.tiers.disk import ID_FILE, SEGMENT_RE, DiskTier
+from kvpool.tiers.objects import OUTGOING_DIR, ObjectTier
+from kvpool.tiers.tier import Tier, TierEvents
+from kvpool.tiers.writeback import WriteBack
+
+
+async def open_lower_tiers(
+    config: NodeConfig, arena: Arena, events: TierEvents | None = None
+) -> LowerTiers:
+    """The tiers below DRAM that ``config`` asks for, open and running (the object tier's
+    threads started; the write-back's starts with ``Tiers.start``).  With ``fresh``, the
+    disk tier's files are removed first.  Blocking work runs on a thread."""
+    if not config.disk_path:
+        return LowerTiers()
+    loop = asyncio.get_running_loop()
+    if config.fresh:
+        empty_disk_dir(config.disk_path)
+    objects = None
+    if config.object_store:
+        objects = ObjectTier(
+            ObjectStoreConfig(
+                config.object_store,
+                config.object_store_bytes,
+                endpoint=config.object_store_endpoint,
+                region=config.object_store_region,
+                refresh_s=config.object_refresh_s,
+            ),
+            Path(config.disk_path) / OUTGOING_DIR,
+            writer=config.name,
+        )
+    disk = await loop.run_in_executor(
+        None,
+        lambda: DiskTier(Path(config.disk_path), config.disk_bytes, below=objects, events=events),
+    )
+    chain: list[Tier] = [disk]
+    if objects is not None:
+        await loop.run_in_executor(None, objects.start)
+        chain.append(objects)
+    return LowerTiers(chain, WriteBack(disk, arena), disk)
+
+
+def empty_disk_dir(path: str) -> None:
+    """Remove the disk tier's files (only kvpool's: segments, the identity file, and the
+    segments waiting for upload to the object store)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return
+    shutil.rmtree(directory / OUTGOING_DIR, ignore_errors=True)
+    for entry in directory.iterdir():
+        if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
+            entry.unlink(missing_ok=True)

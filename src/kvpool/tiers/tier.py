@@ -1,0 +1,140 @@
+"""What every tier below DRAM is to the node: the :class:`Tier` protocol, the event sink the
+tiers report through, and :class:`RemoteSource`, other nodes read as one more source.
+
+The chain (:mod:`kvpool.tiers.chain`) holds the lower tiers in order, fastest first (disk,
+then the object store), and reads a block from the first that holds it; other nodes come
+after every local tier, and only prefetches ask them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
+
+from kvpool.keys import BlockOrigin
+from kvpool.stats import TierStats
+
+MEDIUM_DRAM = "CPU"  # the medium of the DRAM arena's KV events
+MEDIUM_STORAGE = "STORAGE"  # the disk tier's
+
+# Reads blocks from other nodes of the cluster: per key, its bytes or None.
+RemoteFetch = Callable[[list[bytes]], Awaitable[list[bytes | None]]]
+
+# ``(key, offset, size, checksum)`` of each live block of a disk segment.
+SegmentBlocks = list[tuple[bytes, int, int, int]]
+
+
+class TierEvents(Protocol):
+    """Where the tiers report what they hold (the node's KV events: its
+    :class:`~kvpool.node.events.KVEventPublisher`).  Passed to a tier's constructor, never
+    assigned later.  Both methods are thread-safe and never block: a tier may call them
+    from its I/O threads, under its own lock."""
+
+    def stored_key(self, key: bytes, origin: BlockOrigin | None, medium: str) -> None: ...
+
+    def removed_keys(self, keys: list[bytes], medium: str) -> None: ...
+
+
+class SegmentSink(Protocol):
+    """The tier below the disk: it is handed each segment the disk evicts."""
+
+    def offer_segment(self, path: Path, blocks: SegmentBlocks) -> bool: ...
+
+
+class Tier(Protocol):
+    """A tier below DRAM, found by key (:class:`~kvpool.tiers.disk.DiskTier`,
+    :class:`~kvpool.tiers.objects.ObjectTier`).
+
+    What a caller guarantees:
+
+    - ``contains``, ``size_of``, ``delete`` and ``stats`` may come from the event loop;
+      ``read_many`` and ``close`` come from a worker thread (they block on I/O).
+    - Each destination given to ``read_many`` is at least the block's size and is not read
+      by anyone until ``read_many`` returns.
+    - ``close`` is called once, after the last read.
+
+    What an implementation must do:
+
+    - Answer ``contains``, ``size_of`` and ``delete`` from memory alone: never I/O, never a
+      request (a deleted block's bytes go later, with its segment or pack).
+    - Serve only verified bytes: ``read_many`` checks each block against the checksum it
+      was stored with (xxh3-64, the one DRAM keeps) and returns that checksum, or ``None``
+      for a block it does not hold, could not read in time, or found corrupt (which it then
+      drops from its index and counts).
+    - Take blocks from the tier above only through the intake it was built with (the disk:
+      the write-back's ``write``; the object store: the disk's evicted segments,
+      :class:`SegmentSink`) and never make the tier above wait.
+    - Report blocks stored and removed through the :class:`TierEvents` it was given at
+      construction, if any, under ``medium`` (the object store, which every node shares,
+      takes none: each node would announce the same blocks).
+    - Keep ``stats`` cheap: counters, no I/O.  The chain adds what only it sees (lookup
+      hits, promotions, the write-back's refusals).
+    """
+
+    tier_id: int  # kvpool.stats.TIER_*: how lookups name the tier
+    medium: str  # of its KV events
+    capacity: int  # bytes
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def size_of(self, key: bytes) -> int | None: ...
+
+    def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]: ...
+
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None: ...
+
+
+class RemoteSource:
+    """Other nodes of the cluster as a read-only source: no index here (``contains`` is
+    unknown until asked), so only prefetches ask it, in the background, and at most
+    ``max_keys`` keys at a time.  ``fetch`` runs on the event loop (the cluster agent's
+    requests are asynchronous); the bytes it returns are not verified against a checksum
+    (the agent's client checked them as they arrived)."""
+
+    def __init__(self, fetch: RemoteFetch, max_keys: int = 1024) -> None:
+        self._fetch = fetch
+        self.max_keys = max_keys
+
+    async def fetch(self, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """``(key, bytes)`` of the keys some other node holds."""
+        values = await self._fetch(keys)
+        return [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
+
+
+class _Located(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+L = TypeVar("L", bound=_Located)
+
+
+class KeyIndex(Generic[L]):
+    """The in-memory index a lower tier answers lookups from: key → where its block is.
+    ``_lock`` guards it (and whatever else the tier puts under it); it is never held
+    during I/O."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._index: dict[bytes, L] = {}
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def location(self, key: bytes) -> L | None:
+        with self._lock:
+            return self._index.get(key)
+
+    def size_of(self, key: bytes) -> int | None:
+        location = self.location(key)
+        return None if location is None else location.size
+
+    def __len__(self) -> int:
+        return len(self._index)

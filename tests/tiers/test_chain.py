@@ -1,0 +1,176 @@
+"""The tier chain over a real arena, store and disk tier: one promotion path for reads from
+the lower tiers and for prefetches from other nodes; events through the sink the tiers were
+built with."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpool.checksum import copy_with_checksum
+from kvpool.keys import BlockOrigin
+from kvpool.stats import TIER_DISK, TIER_OBJECT, TierStats
+from kvpool.store.arena import Arena
+from kvpool.store.pool import BlockStore
+from kvpool.tiers.chain import LowerTiers, Tiers
+from kvpool.tiers.disk import DiskTier
+from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource, Tier
+from tests.helpers import key
+from tests.tiers.test_disk import blocks as disk_blocks
+
+BLOCK = 64 << 10
+SEGMENT = 4 << 20
+
+
+class Recorder:
+    """A KV-event sink that keeps what it is told (the node's is a ZMQ publisher)."""
+
+    def __init__(self) -> None:
+        self.stored: list[tuple[bytes, BlockOrigin | None, str]] = []
+        self.removed: list[tuple[bytes, str]] = []
+
+    def stored_key(self, key: bytes, origin: BlockOrigin | None, medium: str) -> None:
+        self.stored.append((key, origin, medium))
+
+    def removed_keys(self, keys: list[bytes], medium: str) -> None:
+        self.removed += [(k, medium) for k in keys]
+
+
+class MemoryTier:
+    """A :class:`Tier` in memory, standing for the object store below the disk."""
+
+    tier_id = TIER_OBJECT
+    medium = "OBJECT"
+    capacity = 1 << 30
+
+    def __init__(self, held: list[tuple[bytes, memoryview, int]]) -> None:
+        self.blocks = {k: (bytes(data), checksum) for k, data, checksum in held}
+        self.num_reads = 0
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self.blocks for k in keys]
+
+    def size_of(self, key: bytes) -> int | None:
+        return len(self.blocks[key][0]) if key in self.blocks else None
+
+    def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]:
+        out: list[int | None] = []
+        for k, dst in jobs:
+            data, checksum = self.blocks.get(k, (b"", None))
+            copied = copy_with_checksum(dst[: len(data)], memoryview(data))
+            out.append(checksum if data and copied == checksum else None)
+            self.num_reads += 1
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return sum(self.blocks.pop(k, None) is not None for k in keys)
+
+    def stats(self) -> TierStats:
+        return TierStats(name="memory", num_blocks=len(self.blocks))
+
+    def close(self) -> None:
+        pass
+
+
+def in_dram(tiers: Tiers, k: bytes) -> bytes | None:
+    block = tiers.store.get_block(k)
+    return None if block is None else bytes(tiers.arena.slice(block.offset, block.size))
+
+
+def chain(tmp_path: Path, disk: DiskTier | None, remote: RemoteSource | None = None) -> Tiers:
+    arena = Arena(tmp_path / "arena", 16 << 20)
+    lower = LowerTiers([disk], None, disk) if disk is not None else LowerTiers()
+    return Tiers(BlockStore(arena.num_bytes), arena, lower, remote=remote)
+
+
+def test_a_read_promotes_verified_blocks_and_a_lost_one_stays_a_miss(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
+    written = disk_blocks("a", 8, BLOCK)
+    disk.write(written)
+    tiers = chain(tmp_path, disk)
+    lost = written[3][0]
+    disk.delete([lost])
+
+    async def run() -> None:
+        num_prefix, _, where = tiers.lookup([k for k, _, _ in written])
+        assert num_prefix == 3 and where == bytes([TIER_DISK]) * 3  # lookups: memory only
+        await tiers.promote([k for k, _, _ in written], prefix=False)
+        await tiers.stop()
+
+    asyncio.run(run())
+    for k, data, _ in written:
+        assert in_dram(tiers, k) == (None if k == lost else bytes(data))
+    disk_stats = tiers.stats()[1]
+    assert disk_stats.name == "disk" and disk_stats.promotions == 7
+    assert not tiers.store.reserved_bytes  # every reservation of the promoter was settled
+
+
+def test_a_block_its_tier_found_corrupt_is_read_from_the_tiers_after_it(
+    tmp_path: Path,
+) -> None:
+    disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
+    written = disk_blocks("b", 6, BLOCK)
+    disk.write(written[:4])
+    below = MemoryTier(written[2:])  # holds the last four; the disk the first four
+    arena = Arena(tmp_path / "arena", 16 << 20)
+    chain: list[Tier] = [disk, below]
+    tiers = Tiers(BlockStore(arena.num_bytes), arena, LowerTiers(chain, None, disk))
+    keys = [k for k, _, _ in written]
+    assert tiers.lookup(keys)[2] == bytes([TIER_DISK] * 4 + [TIER_OBJECT] * 2)
+    garbled = disk.location(keys[3])
+    assert garbled is not None
+    with open(tmp_path / "disk" / f"seg-{garbled.segment_id:08d}.kvs", "r+b") as f:
+        f.seek(garbled.offset + 100)
+        f.write(b"garbage")
+
+    async def run() -> None:
+        await tiers.promote(keys, prefix=True)
+        await tiers.stop()
+
+    asyncio.run(run())
+    assert all(in_dram(tiers, k) == bytes(data) for k, data, _ in written)
+    assert tiers.promoted == {TIER_DISK: 3, TIER_OBJECT: 3} and below.num_reads == 3
+    assert disk.counters.corrupt == 1
+
+
+def test_a_prefetch_from_other_nodes_comes_up_through_the_same_path(tmp_path: Path) -> None:
+    held = {k: bytes(data) for k, data, _ in disk_blocks("r", 4, BLOCK)}
+    asked: list[list[bytes]] = []
+
+    async def fetch(keys: list[bytes]) -> list[bytes | None]:  # another node, in memory
+        asked.append(keys)
+        return [held.get(k) for k in keys]
+
+    tiers = chain(tmp_path, None, RemoteSource(fetch, max_keys=3))
+    keys = [*held, key("nowhere")]
+
+    async def run() -> None:
+        answer = tiers.prefetch(keys, hold_s=5.0)
+        assert answer.num_started == 3  # at most max_keys go to other nodes
+        while tiers.promoted_remote + len(asked) < 4:
+            await asyncio.sleep(0.01)
+        await tiers.stop()
+
+    asyncio.run(run())
+    assert asked == [keys[:3]]
+    assert [in_dram(tiers, k) for k in keys[:3]] == [held[k] for k in keys[:3]]
+    assert tiers.promoted_remote == 3 and len(tiers.holds) == 3
+    assert not tiers.store.reserved_bytes
+
+
+def test_the_disk_reports_to_the_sink_it_was_built_with(tmp_path: Path) -> None:
+    events = Recorder()
+    disk = DiskTier(tmp_path, 8 << 20, segment_bytes=SEGMENT, events=events)
+    written = disk_blocks("e", 160, BLOCK)  # 10 MiB through 8 MiB of 4 MiB segments
+    origin = BlockOrigin(token_ids=[1, 2, 3])
+    disk.write(written[:40], {written[0][0]: origin})
+    disk.write(written[40:])
+    stored = {k: (o, m) for k, o, m in events.stored}
+    assert stored[written[0][0]] == (origin, MEDIUM_STORAGE)
+    assert stored[written[1][0]] == (None, MEDIUM_STORAGE)
+    disk.delete([written[-1][0]])
+    assert (written[-1][0], MEDIUM_STORAGE) in events.removed
+    evicted = {k for k, _ in events.removed} - {written[-1][0]}
+    assert evicted and not any(disk.contains(list(evicted)))
+    disk.close()
