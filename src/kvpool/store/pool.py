@@ -122,8 +122,10 @@ class BlockStore:
         self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
         self.areas = WriteAreas(self.allocator, self.ledger)
         self.space = Space(self.allocator, self.eviction, self, high_watermark, low_watermark)
+        # Told of changes only after adopting: adopted blocks were announced when stored.
+        self.events: StoreEvents | None = None
         self._adopt()
-        self.events = events  # after adopting: those were announced when they were stored
+        self.events = events
 
     def set_quotas(self, limits: dict[bytes, int] | None) -> None:
         """Per-tenant limits, by tag (None: no tenants); counts what is held now."""
