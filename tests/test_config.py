@@ -4,6 +4,7 @@ from kvpool.config import (
     Address,
     ClientConfig,
     NodeConfig,
+    TLSConfig,
     client_config_from,
     node_config_from,
     parse_size,
@@ -44,7 +45,7 @@ def test_addresses():
 def test_node_config_refuses_public_listen_without_key():
     with pytest.raises(ConfigError, match="access key"):
         NodeConfig(host="0.0.0.0").validate()
-    NodeConfig(host="0.0.0.0", access_key="secret", insecure=True).validate()
+    NodeConfig(host="0.0.0.0", access_key="secret", tls=TLSConfig(insecure=True)).validate()
     with pytest.raises(ConfigError):
         NodeConfig(memory_bytes=10).validate()
     with pytest.raises(ConfigError):
@@ -61,12 +62,14 @@ def test_plaintext_only_on_loopback_unless_insecure():
         NodeConfig(host="10.1.2.3", access_key="secret").validate()
     with pytest.raises(ConfigError, match=r"admin HTTP on 0\.0\.0\.0 in plaintext"):
         NodeConfig(admin_host="0.0.0.0", access_key="secret").validate()
-    NodeConfig(host="10.1.2.3", access_key="secret", tls_cert="c.pem", tls_key="k.pem").validate()
-    NodeConfig(host="10.1.2.3", access_key="secret", insecure=True).validate()
+    NodeConfig(
+        host="10.1.2.3", access_key="secret", tls=TLSConfig(cert="c.pem", key="k.pem")
+    ).validate()
+    NodeConfig(host="10.1.2.3", access_key="secret", tls=TLSConfig(insecure=True)).validate()
     with pytest.raises(ConfigError, match="both --tls-cert and --tls-key"):
-        NodeConfig(tls_cert="c.pem").validate()
+        NodeConfig(tls=TLSConfig(cert="c.pem")).validate()
     with pytest.raises(ConfigError, match="mutual TLS"):
-        NodeConfig(tls_client_ca="ca.pem").validate()
+        NodeConfig(tls=TLSConfig(client_ca="ca.pem")).validate()
     with pytest.raises(ConfigError, match="tenants file"):
         NodeConfig(tenants_path="t.toml", access_key="secret").validate()
 

@@ -36,18 +36,17 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from kvpool.config import EventsConfig
 from kvpool.errors import ConfigError
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.store.block import Block
 
 log = logging.getLogger("kvpool.node")
 
-ENCODINGS = ("map", "array")
 MEDIUM_DRAM = "CPU"
 MEDIUM_STORAGE = "STORAGE"  # the disk tier
 MAX_QUEUED = 100_000
@@ -60,14 +59,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def external_hash(block_hash: bytes) -> int:
     """A block hash as vLLM publishes it: its last 8 bytes as a big-endian int."""
     return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
-
-
-@dataclass(frozen=True)
-class EventsConfig:
-    endpoint: str  # e.g. tcp://*:5557 (bound)
-    replay_endpoint: str = ""
-    topic: str = ""
-    encoding: str = "map"
 
 
 # vLLM's event classes, both encodings (kvpool does not import vLLM: these are the wire
@@ -128,8 +119,7 @@ class KVEventPublisher:
     publishes them in batches from its own thread."""
 
     def __init__(self, config: EventsConfig):
-        if config.encoding not in ENCODINGS:
-            raise ConfigError(f"KV events encoding must be one of {', '.join(ENCODINGS)}")
+        config.validate()
         import zmq  # only a node that publishes needs it
 
         self.config = config

@@ -28,7 +28,11 @@ class WriteBack:
     """Evicted blocks on their way to disk: staged copies bounded in bytes, one writer."""
 
     def __init__(
-        self, disk: DiskTier, arena: Arena, admission: AdmissionPolicy | None = None
+        self,
+        disk: DiskTier,
+        arena: Arena,
+        admission: AdmissionPolicy | None = None,
+        events: KVEventPublisher | None = None,
     ) -> None:
         self.disk = disk
         self.arena = arena
@@ -47,7 +51,7 @@ class WriteBack:
         self._thread: threading.Thread | None = None
         # What queued blocks were computed from, until they are written (KV events).
         self._origins: dict[bytes, BlockOrigin] = {}
-        self.events: KVEventPublisher | None = None
+        self.events = events  # told of blocks once they are on disk
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvpool-writeback", daemon=True)

@@ -105,7 +105,16 @@ class DiskCounters:
 class DiskTier:
     """Blocks on local disk, found by key; see the module docstring for the rules."""
 
-    def __init__(self, path: Path, capacity: int, *, segment_bytes: int = 0):
+    def __init__(
+        self,
+        path: Path,
+        capacity: int,
+        *,
+        segment_bytes: int = 0,
+        on_removed: Callable[[list[bytes]], None] | None = None,
+        on_segment_evicted: Callable[[Path, list[tuple[bytes, int, int, int]]], object]
+        | None = None,
+    ):
         self.path = Path(path)
         self.capacity = capacity
         self.segment_bytes = segment_bytes or max(
@@ -117,12 +126,10 @@ class DiskTier:
             )
         self.counters = DiskCounters()
         # Told of blocks that leave the tier (evicted with their segment, or deleted).
-        self.on_removed: Callable[[list[bytes]], None] | None = None
+        self.on_removed = on_removed
         # Given each evicted segment's file and its live (key, offset, size, checksum)
         # blocks, before the file is deleted (the object tier links it for upload).
-        self.on_segment_evicted: (
-            Callable[[Path, list[tuple[bytes, int, int, int]]], object] | None
-        ) = None
+        self.on_segment_evicted = on_segment_evicted
         self._lock = threading.Lock()
         self._index: dict[bytes, Location] = {}
         self._segments: dict[int, Segment] = {}

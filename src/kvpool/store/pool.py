@@ -85,6 +85,7 @@ class BlockStore:
         journal: Journal | NoJournal | None = None,
         spill: SpillTarget | None = None,
         directory: DirectoryWriter | NoDirectory | None = None,
+        events: StoreEvents | None = None,
         clock: Clock = time.monotonic,
     ):
         self.allocator = allocator or SegregatedFitAllocator(capacity)
@@ -118,6 +119,7 @@ class BlockStore:
             low_watermark,
         )
         self._adopt()
+        self.events = events  # after adopting: an earlier daemon announced those blocks
 
     def set_quotas(self, limits: dict[bytes, int] | None) -> None:
         """Per-tenant limits, by tag (None: no tenants); counts what is held now."""
