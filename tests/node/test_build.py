@@ -1,0 +1,73 @@
+"""The assembly root: every part built with its collaborators, and a start that fails half
+way releases what it took (the node directory's lock first)."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvpool.config import ClusterConfig, DiskConfig, EventsConfig, NodeConfig
+from kvpool.errors import ConfigError
+from kvpool.node.build import Node, build_node, read_credentials
+
+MiB = 1 << 20
+
+
+def node_config(run_dir: Path, **sections: object) -> NodeConfig:
+    return NodeConfig(name="built", run_dir=str(run_dir), memory_bytes=8 * MiB, **sections)  # type: ignore[arg-type]
+
+
+def close(node: Node) -> None:
+    node.lower.close()
+    if node.events is not None:
+        node.events.close()
+    node.directory.close(remove=True)
+    node.journal.close()
+    node.arena.close()
+    node.lock.release()
+
+
+def test_the_parts_are_handed_their_collaborators(run_dir: Path) -> None:
+    config = node_config(
+        run_dir,
+        disk=DiskConfig(str(run_dir / "disk"), 8 * MiB),
+        events=EventsConfig("tcp://127.0.0.1:*"),
+        cluster=ClusterConfig(peers=("127.0.0.1:1", "127.0.0.1:2")),
+    )
+
+    async def build() -> Node:
+        return await build_node(read_credentials(config.validate()))
+
+    node = asyncio.run(build())
+    try:
+        assert node.store.events is node.events and node.events is not None
+        assert node.store.spill is node.lower.writeback
+        assert node.lower.writeback is not None and node.lower.writeback.events is node.events
+        assert node.lower.disk is not None and node.lower.disk.on_removed is not None
+        assert node.lower.disk.on_segment_evicted is None  # no object store below it
+        tiers = node.server.tiers
+        assert tiers.disk is node.lower.disk and tiers.writeback is node.lower.writeback
+        assert node.cluster is not None and tiers.remote == node.cluster.fetch
+        assert node.server.cluster is node.cluster and node.server.store is node.store
+    finally:
+        close(node)
+
+
+def test_a_node_alone_in_memory_has_no_lower_tiers_events_or_cluster(run_dir: Path) -> None:
+    node = asyncio.run(build_node(read_credentials(node_config(run_dir).validate())))
+    try:
+        assert node.lower.disk is None and node.lower.writeback is None
+        assert node.events is None and node.store.events is None
+        assert node.cluster is None and node.server.tiers.remote is None
+    finally:
+        close(node)
+
+
+def test_a_build_that_fails_half_way_releases_the_node_directory(run_dir: Path) -> None:
+    # The events endpoint cannot be bound: the arena, journal and lock taken before it
+    # are let go, and the next build of the same node succeeds.
+    bad = node_config(run_dir, events=EventsConfig("nonsense://here"))
+    with pytest.raises(ConfigError, match="KV events"):
+        asyncio.run(build_node(read_credentials(bad.validate())))
+    node = asyncio.run(build_node(read_credentials(node_config(run_dir).validate())))
+    close(node)
