@@ -162,18 +162,27 @@ def test_router_options_are_parsed_by_their_settings():
     assert given(ROUTER_SETTINGS, values) == {"port": 8100, "prefetch_hold": 2.5, "insecure": True}
 
 
-def test_serve_help_lists_every_flag_with_its_help():
+def help_text(command: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "kvpool", "serve", "--help"],
+        [sys.executable, "-m", "kvpool", command, "--help"],
         capture_output=True,
         text=True,
         timeout=120,
-        env={"COLUMNS": "200", "TERM": "dumb", **_path_env()},
+        env={"COLUMNS": "400", "TERM": "dumb", **_path_env()},
     )
     assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_serve_and_router_help_list_every_flag_with_its_help():
+    text = help_text("serve")
     for _, _, setting in SETTINGS.values():
-        assert setting.flag in result.stdout
-        assert setting.help.split()[0] in result.stdout
+        assert setting.flag in text and setting.help in text
+    assert "Log level." in text  # the command's own options keep their help too
+    text = help_text("router")
+    for setting in ROUTER_SETTINGS:
+        assert setting.flag in text and setting.help in text
+    assert "A TOML or JSON file of router settings." in text
 
 
 def _path_env() -> dict[str, str]:

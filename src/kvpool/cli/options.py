@@ -26,15 +26,17 @@ _METAVARS: dict[object, str] = {parse_size: "SIZE", int: "INTEGER", float: "NUMB
 
 def with_settings(settings: Iterable[Setting]) -> Callable[[Command], Command]:
     """A decorator: ``command`` also takes one option per setting, as keyword arguments
-    named by :attr:`Setting.key` (its own parameters come first, ``**values`` last)."""
+    named by :attr:`Setting.key`, listed before its own (which it takes by keyword)."""
 
     def decorate(command: Command) -> Command:
-        signature = inspect.signature(command)
+        signature = inspect.signature(command, eval_str=True)
         own = [
-            p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in signature.parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
         ]
         added = [_parameter(setting) for setting in settings]
-        command.__signature__ = signature.replace(parameters=[*own, *added])  # type: ignore[attr-defined]
+        command.__signature__ = signature.replace(parameters=[*added, *own])  # type: ignore[attr-defined]
         return command
 
     return decorate
