@@ -8,7 +8,7 @@ import pytest
 
 from kvpool.config import ClusterConfig, DiskConfig, EventsConfig, NodeConfig
 from kvpool.errors import ConfigError
-from kvpool.node.build import Node, build_node, read_credentials
+from kvpool.node.build import Node, build_node
 
 MiB = 1 << 20
 
@@ -36,7 +36,7 @@ def test_the_parts_are_handed_their_collaborators(run_dir: Path) -> None:
     )
 
     async def build() -> Node:
-        return await build_node(read_credentials(config.validate()))
+        return await build_node(config.validate())
 
     node = asyncio.run(build())
     try:
@@ -54,7 +54,7 @@ def test_the_parts_are_handed_their_collaborators(run_dir: Path) -> None:
 
 
 def test_a_node_alone_in_memory_has_no_lower_tiers_events_or_cluster(run_dir: Path) -> None:
-    node = asyncio.run(build_node(read_credentials(node_config(run_dir).validate())))
+    node = asyncio.run(build_node(node_config(run_dir).validate()))
     try:
         assert node.lower.disk is None and node.lower.writeback is None
         assert node.events is None and node.store.events is None
@@ -68,6 +68,6 @@ def test_a_build_that_fails_half_way_releases_the_node_directory(run_dir: Path) 
     # are let go, and the next build of the same node succeeds.
     bad = node_config(run_dir, events=EventsConfig("nonsense://here"))
     with pytest.raises(ConfigError, match="KV events"):
-        asyncio.run(build_node(read_credentials(bad.validate())))
-    node = asyncio.run(build_node(read_credentials(node_config(run_dir).validate())))
+        asyncio.run(build_node(bad.validate()))
+    node = asyncio.run(build_node(node_config(run_dir).validate()))
     close(node)

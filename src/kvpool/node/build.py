@@ -5,6 +5,7 @@ is built; this module is the one place that knows how the parts fit together.
 
 Construction order (each step needs only what the steps before it built):
 
+0. the tenants file and the TLS files (:func:`read_credentials`: a bad one stops the start);
 1. the node directory's lock (a second daemon is refused here);
 2. the arena, then the directory (before anything writes the arena: readers of an earlier
    daemon's directory stop trusting it, kvpool.directory rule 3), then the journal, whose
@@ -106,7 +107,8 @@ class Node:
     """Every part of a node, built and not yet started (see :class:`~kvpool.node.daemon.
     Daemon` for starting and stopping them)."""
 
-    config: NodeConfig
+    config: NodeConfig  # with the cluster's identity, when a tenants file gives one
+    tls: CertFiles | None  # the data port's and the admin HTTP's (reloaded in place)
     lock: NodeDirLock
     arena: Arena
     directory: DirectoryWriter
@@ -118,11 +120,10 @@ class Node:
     server: NodeServer
 
 
-async def build_node(
-    credentials: Credentials, on_shutdown: Callable[[bool], None] | None = None
-) -> Node:
-    """Build every part of the node described by ``credentials.config``; ``on_shutdown``
-    is called when a client asks the node to stop (with ``drain``: to empty itself)."""
+async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | None = None) -> Node:
+    """Build every part of the node ``config`` describes (validated); ``on_shutdown`` is
+    called when a client asks the node to stop (with ``drain``: to empty itself)."""
+    credentials = read_credentials(config)
     config = credentials.config
     with contextlib.ExitStack() as undo:
         lock = NodeDirLock(config.node_dir)
@@ -184,7 +185,8 @@ async def build_node(
             tls=credentials.tls,
         )
         undo.pop_all()
-    return Node(config, lock, arena, directory, journal, events, lower, store, cluster, server)
+    parts = (lock, arena, directory, journal, events, lower, store, cluster, server)
+    return Node(config, credentials.tls, *parts)
 
 
 def open_events(config: NodeConfig) -> KVEventPublisher | None:

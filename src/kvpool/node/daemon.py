@@ -27,7 +27,7 @@ from typing import Any
 
 from kvpool.config import NodeConfig, format_size
 from kvpool.node.admin import start_admin
-from kvpool.node.build import Node, build_node, empty_disk_dir, read_credentials
+from kvpool.node.build import Node, build_node, empty_disk_dir
 
 log = logging.getLogger("kvpool.node")
 
@@ -39,9 +39,7 @@ class Daemon:
     it (idempotent; also after a failed start), :meth:`run` does both around serving."""
 
     def __init__(self, config: NodeConfig):
-        # Tenants and TLS files are read before anything starts: a bad one stops the start.
-        self.credentials = read_credentials(config.validate())
-        self.config = self.credentials.config
+        self.config = config.validate()
         self.node: Node | None = None
         self._admin: Any = None
         self._is_serving = False
@@ -52,16 +50,12 @@ class Daemon:
 
     async def start(self) -> None:
         started = time.perf_counter()
-        node = self.node = await build_node(self.credentials, on_shutdown=self.request_stop)
+        node = self.node = await build_node(self.config, on_shutdown=self.request_stop)
         try:
             self._is_serving = True
             await node.server.start()
             self._admin, self.admin_port = await start_admin(
-                node.server,
-                self.config.admin_host,
-                self.config.admin_port,
-                self.is_ready,
-                self.credentials.tls,
+                node.server, self.config.admin_host, self.config.admin_port, self.is_ready, node.tls
             )
             if node.cluster is not None:
                 await node.cluster.start(node.server.tcp_address, self.admin_port)
