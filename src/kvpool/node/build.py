@@ -185,8 +185,8 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             tls=credentials.tls,
         )
         undo.pop_all()
-    parts = (lock, arena, directory, journal, events, lower, store, cluster, server)
-    return Node(config, credentials.tls, *parts)
+    tls = credentials.tls
+    return Node(config, tls, lock, arena, directory, journal, events, lower, store, cluster, server)
 
 
 def open_events(config: NodeConfig) -> KVEventPublisher | None:
