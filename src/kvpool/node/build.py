@@ -68,6 +68,7 @@ class Credentials:
 
 
 def read_credentials(config: NodeConfig) -> Credentials:
+    """Read the tenants file and the TLS files ``config`` names (see :class:`Credentials`)."""
     tenants = Registry(Path(config.tenants_path)) if config.tenants_path else None
     if tenants is not None:
         cluster = tenants.current.cluster
