@@ -3,12 +3,18 @@ import pytest
 from kvpool.config import (
     Address,
     ClientConfig,
+    ClusterConfig,
+    DiskConfig,
+    EventsConfig,
     NodeConfig,
+    ObjectStoreConfig,
+    TLSConfig,
     client_config_from,
     node_config_from,
     parse_size,
 )
 from kvpool.errors import ConfigError
+from kvpool.timing import LeasePolicy
 
 
 @pytest.mark.parametrize(
@@ -44,7 +50,7 @@ def test_addresses():
 def test_node_config_refuses_public_listen_without_key():
     with pytest.raises(ConfigError, match="access key"):
         NodeConfig(host="0.0.0.0").validate()
-    NodeConfig(host="0.0.0.0", access_key="secret", insecure=True).validate()
+    NodeConfig(host="0.0.0.0", access_key="secret", tls=TLSConfig(insecure=True)).validate()
     with pytest.raises(ConfigError):
         NodeConfig(memory_bytes=10).validate()
     with pytest.raises(ConfigError):
@@ -61,12 +67,14 @@ def test_plaintext_only_on_loopback_unless_insecure():
         NodeConfig(host="10.1.2.3", access_key="secret").validate()
     with pytest.raises(ConfigError, match=r"admin HTTP on 0\.0\.0\.0 in plaintext"):
         NodeConfig(admin_host="0.0.0.0", access_key="secret").validate()
-    NodeConfig(host="10.1.2.3", access_key="secret", tls_cert="c.pem", tls_key="k.pem").validate()
-    NodeConfig(host="10.1.2.3", access_key="secret", insecure=True).validate()
+    NodeConfig(
+        host="10.1.2.3", access_key="secret", tls=TLSConfig(cert="c.pem", key="k.pem")
+    ).validate()
+    NodeConfig(host="10.1.2.3", access_key="secret", tls=TLSConfig(insecure=True)).validate()
     with pytest.raises(ConfigError, match="both --tls-cert and --tls-key"):
-        NodeConfig(tls_cert="c.pem").validate()
+        NodeConfig(tls=TLSConfig(cert="c.pem")).validate()
     with pytest.raises(ConfigError, match="mutual TLS"):
-        NodeConfig(tls_client_ca="ca.pem").validate()
+        NodeConfig(tls=TLSConfig(client_ca="ca.pem")).validate()
     with pytest.raises(ConfigError, match="tenants file"):
         NodeConfig(tenants_path="t.toml", access_key="secret").validate()
 
@@ -99,3 +107,65 @@ def test_copy_threads_come_from_the_environment_and_are_bounded():
     for bad in ("0", "65"):
         with pytest.raises(ConfigError, match="copy_threads"):
             client_config_from(None, {"KVPOOL_COPY_THREADS": bad})
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (DiskConfig(path="/mnt/nvme"), "needs both --disk PATH and --disk-size"),
+        (DiskConfig(path="/mnt/nvme", capacity=-1), "must be positive"),
+        (ObjectStoreConfig(url="gs://bucket"), "s3://"),
+        (ObjectStoreConfig(url="s3://b", capacity=0), "--object-store-size"),
+        (ObjectStoreConfig(refresh_s=0.01), "refresh"),
+        (ObjectStoreConfig(read_timeout_s=0), "--object-read-timeout"),
+        (EventsConfig(endpoint="tcp://*:1", encoding="json"), "map or array"),
+        (EventsConfig(replay_endpoint="tcp://*:2"), "needs --kv-events"),
+        (ClusterConfig(replicas=0), "--replicas"),
+        (ClusterConfig(etcd="http://e:2379", etcd_ttl_s=0), "--etcd-ttl"),
+        (TLSConfig(key="k.pem"), "both --tls-cert and --tls-key"),
+        (TLSConfig(client_ca="ca.pem"), "mutual TLS"),
+    ],
+)
+def test_each_section_refuses_what_concerns_it(section, message):
+    with pytest.raises(ConfigError, match=message):
+        section.validate()
+    # ... and the node's configuration refuses it through that section.
+    name = {
+        DiskConfig: "disk",
+        ObjectStoreConfig: "objects",
+        EventsConfig: "events",
+        ClusterConfig: "cluster",
+        TLSConfig: "tls",
+    }[type(section)]
+    with pytest.raises(ConfigError, match=message):
+        NodeConfig(**{name: section}).validate()
+
+
+def test_sections_default_to_off_and_valid():
+    config = NodeConfig().validate()
+    assert not config.disk.path and not config.objects.url and not config.events.endpoint
+    assert not config.cluster.is_clustered and not config.tls.cert
+    for section in (DiskConfig(), ObjectStoreConfig(), EventsConfig(), ClusterConfig()):
+        assert section.validate() is section
+
+
+def test_what_concerns_two_sections_is_checked_by_the_node():
+    objects = ObjectStoreConfig(url="s3://bucket/pool")
+    objects.validate()  # fine alone
+    with pytest.raises(ConfigError, match="needs --disk"):
+        NodeConfig(objects=objects).validate()
+    NodeConfig(objects=objects, disk=DiskConfig("/mnt/nvme", 64 << 20)).validate()
+    with pytest.raises(ConfigError, match="in plaintext"):
+        NodeConfig(host="10.1.2.3", access_key="secret", tls=TLSConfig(ca="ca.pem")).validate()
+    with pytest.raises(ConfigError, match="lease durations"):
+        NodeConfig(leases=LeasePolicy(pin_s=0.1)).validate()
+
+
+def test_node_overrides_by_their_old_names_land_in_their_sections():
+    config = node_config_from(
+        {"disk_path": "/mnt/nvme", "disk_bytes": "64MiB", "kv_events": "tcp://*:5557"}, {}
+    )
+    assert config.disk == DiskConfig("/mnt/nvme", 64 << 20)
+    assert config.events.endpoint == "tcp://*:5557"
+    with pytest.raises(ConfigError, match="unknown node option"):
+        node_config_from({"disk": "/mnt/nvme"}, {})

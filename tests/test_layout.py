@@ -60,4 +60,3 @@ def test_dependencies_point_one_way():
             if _layer(imported) > _layer(module):
                 wrong.append(f"kvpool.{module} imports kvpool.{imported}")
     assert not wrong, wrong
-

@@ -12,12 +12,13 @@ import ipaddress
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.timing import DEFAULT_PIN_LEASE_S, DEFAULT_RESERVE_LEASE_S, LeasePolicy
+from kvpool.timing import LeasePolicy
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -38,6 +39,7 @@ DEFAULT_ETCD_TTL_S = 5
 DEFAULT_REPLICAS = 1
 DEFAULT_OBJECT_STORE_BYTES = 64 * GiB
 DEFAULT_OBJECT_REFRESH_S = 2.0
+DEFAULT_OBJECT_READ_TIMEOUT_S = 2.0
 # Threads a same-host put or get copies with by default, the caller's included.
 DEFAULT_COPY_THREADS = min(4, os.cpu_count() or 1)
 MAX_COPY_THREADS = 64
@@ -135,57 +137,373 @@ def check_plaintext(host: str, tls: bool, insecure: bool, what: str) -> None:
         )
 
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_bool(value: str | bool, name: str = "value") -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected a boolean, got {value!r}")
+
+
+def _split_list(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+# -- the node's settings ------------------------------------------------------------------
+#
+# Each field of the node's configuration declares, once, how an operator gives it: its
+# command-line flag, its environment variable, its help and the parser of its text
+# (:class:`Setting`, in the field's metadata).  ``node_config_from`` reads the variables from
+# them and ``kvpool serve`` builds its options from them (``kvpool.cli.options``).
+
+SETTING = "kvpool.setting"  # the key of a field's Setting in its metadata
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How an operator gives one field of the node's configuration.
+
+    ``key`` names it in :func:`node_config_from`'s overrides (and is the name of the
+    command's parameter); ``flag`` is its command-line option and ``env`` its ``KVPOOL_*``
+    variable (by default ``KVPOOL_`` and the flag's words).  A switch (``is_switch``) is a
+    flag without a value that turns it on.
+    """
+
+    key: str
+    flag: str
+    help: str
+    parse: Callable[[str], object] = str
+    env: str = ""
+    is_switch: bool = False
+
+    @property
+    def env_var(self) -> str:
+        return self.env or "KVPOOL_" + self.flag.removeprefix("--").upper().replace("-", "_")
+
+    def parse_text(self, text: str, source: str) -> object:
+        """The value of ``text`` as given in ``source`` (a variable or a flag)."""
+        if self.is_switch:
+            return parse_bool(text, source)
+        try:
+            return self.parse(text)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}={text!r}: {exc}") from exc
+
+
+def setting(
+    default: Any,
+    flag: str,
+    help: str,
+    *,
+    key: str = "",
+    parse: Callable[[str], object] = str,
+    env: str = "",
+    is_switch: bool = False,
+    factory: Callable[[], object] | None = None,
+) -> Any:
+    """A dataclass field that an operator sets with ``flag`` or its variable (``key``
+    defaults to the flag's words joined by ``_``)."""
+    key = key or flag.removeprefix("--").replace("-", "_")
+    metadata = {SETTING: Setting(key, flag, help, parse, env, is_switch)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """TLS on the data port and the admin HTTP; client certificates verified against
+    ``client_ca`` (mutual TLS); other nodes' certificates against ``ca``."""
+
+    cert: str = setting(
+        "", "--tls-cert", "TLS certificate (PEM) for the data port and admin HTTP.", key="tls_cert"
+    )
+    key: str = setting("", "--tls-key", "Its private key (PEM).", key="tls_key")
+    client_ca: str = setting(
+        "",
+        "--tls-client-ca",
+        "Require client certificates signed by this CA (mTLS).",
+        key="tls_client_ca",
+    )
+    ca: str = setting(
+        "", "--tls-ca", "The CA of other nodes' certificates (node to node).", key="tls_ca"
+    )
+    insecure: bool = setting(False, "--insecure", "Accept plaintext off loopback.", is_switch=True)
+
+    def validate(self) -> TLSConfig:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.client_ca and not self.cert:
+            raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        return self
+
+    def check_plaintext(self, host: str, what: str) -> None:
+        """Plaintext only on loopback, unless the operator says ``--insecure``."""
+        check_plaintext(host, bool(self.cert), self.insecure, what)
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """The local disk tier below the arena (``kvpool.store.disk``); off without a path."""
+
+    path: str = setting(
+        "", "--disk", "A directory for the local disk tier (e.g. on NVMe).", key="disk_path"
+    )
+    capacity: int = setting(
+        0,
+        "--disk-size",
+        "How much of it the disk tier may use, e.g. 500GiB.",
+        key="disk_bytes",
+        parse=parse_size,
+    )
+
+    def validate(self) -> DiskConfig:
+        if bool(self.path) != bool(self.capacity):
+            raise ConfigError("the disk tier needs both --disk PATH and --disk-size")
+        if self.capacity < 0:
+            raise ConfigError("--disk-size must be positive")
+        return self
+
+
+@dataclass(frozen=True)
+class ObjectStoreConfig:
+    """The shared object-store tier below the disk (``kvpool.store.objects``); off without a
+    URL.  Credentials come from the standard AWS variables (``AWS_ACCESS_KEY_ID``, ...)."""
+
+    url: str = setting(
+        "",
+        "--object-store",
+        "The shared object-store tier below the disk, s3://BUCKET/PREFIX "
+        "(credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY).",
+        key="object_store",
+    )
+    capacity: int = setting(
+        DEFAULT_OBJECT_STORE_BYTES,
+        "--object-store-size",
+        "What the bucket may hold, e.g. 2TiB (oldest go first).",
+        key="object_store_bytes",
+        parse=parse_size,
+    )
+    endpoint: str = setting(  # "" : AWS's, or AWS_ENDPOINT_URL
+        "", "--object-store-endpoint", "The S3 endpoint, e.g. http://rgw.local:7480."
+    )
+    region: str = setting(  # "" : AWS_REGION / AWS_DEFAULT_REGION, else us-east-1
+        "", "--object-store-region", "The S3 region."
+    )
+    refresh_s: float = setting(
+        DEFAULT_OBJECT_REFRESH_S,
+        "--object-refresh",
+        "Seconds between reads of the bucket's index.",
+        key="object_refresh_s",
+        parse=float,
+    )
+    read_timeout_s: float = setting(
+        DEFAULT_OBJECT_READ_TIMEOUT_S,
+        "--object-read-timeout",
+        "Seconds a read from the bucket may take before it counts as a miss.",
+        key="object_read_timeout_s",
+        parse=float,
+    )
+
+    def validate(self) -> ObjectStoreConfig:
+        if self.url and not self.url.startswith("s3://"):
+            raise ConfigError(f"--object-store {self.url!r}: use s3://BUCKET[/PREFIX]")
+        if self.capacity <= 0 or not 0.1 <= self.refresh_s <= 3600:
+            raise ConfigError("--object-store-size must be positive, the refresh 0.1-3600 s")
+        if self.read_timeout_s <= 0:
+            raise ConfigError("--object-read-timeout must be positive")
+        return self
+
+
+KV_EVENT_ENCODINGS = ("map", "array")
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """KV events in vLLM's format (``kvpool.node.events``); off without an endpoint."""
+
+    endpoint: str = setting(  # e.g. tcp://*:5557 (bound)
+        "",
+        "--kv-events",
+        "Publish KV events (vLLM's format) on this ZMQ endpoint, e.g. tcp://*:5557.",
+        key="kv_events",
+    )
+    replay_endpoint: str = setting(
+        "",
+        "--kv-events-replay",
+        "A ZMQ ROUTER endpoint that replays KV events.",
+        key="kv_events_replay",
+    )
+    topic: str = setting(
+        "",
+        "--kv-events-topic",
+        "The KV events' topic, e.g. kv@<pod>@<model>.",
+        key="kv_events_topic",
+    )
+    encoding: str = setting(
+        "map",
+        "--kv-events-encoding",
+        "map (vLLM since mid-2026) or array (earlier vLLM releases).",
+        key="kv_events_encoding",
+    )
+
+    def validate(self) -> EventsConfig:
+        if self.encoding not in KV_EVENT_ENCODINGS:
+            raise ConfigError("--kv-events-encoding must be map or array")
+        if self.replay_endpoint and not self.endpoint:
+            raise ConfigError("--kv-events-replay needs --kv-events")
+        return self
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster the node joins (``kvpool.node.cluster_agent``): static peers or etcd;
+    alone without either."""
+
+    peers: tuple[str, ...] = setting(
+        (),
+        "--peers",
+        "Static cluster: comma-separated host:port of every node.",
+        parse=_split_list,
+    )
+    etcd: str = setting(
+        "", "--etcd", "etcd endpoint for cluster membership, e.g. http://127.0.0.1:2379."
+    )
+    etcd_prefix: str = setting(
+        DEFAULT_ETCD_PREFIX, "--etcd-prefix", "The etcd prefix the nodes register under."
+    )
+    etcd_ttl_s: int = setting(
+        DEFAULT_ETCD_TTL_S,
+        "--etcd-ttl",
+        "Seconds a node's etcd registration outlives its last renewal.",
+        key="etcd_ttl_s",
+        parse=int,
+    )
+    replicas: int = setting(
+        DEFAULT_REPLICAS, "--replicas", "Home copies kept of each block in a cluster.", parse=int
+    )
+
+    @property
+    def is_clustered(self) -> bool:
+        return bool(self.peers or self.etcd)
+
+    def validate(self) -> ClusterConfig:
+        if self.replicas < 1:
+            raise ConfigError("--replicas must be at least 1")
+        if self.etcd_ttl_s < 1:
+            raise ConfigError("--etcd-ttl must be at least 1 s")
+        return self
+
+
+# LeasePolicy (kvpool.timing) is the store's: its settings are declared here, by field.
+LEASE_SETTINGS: dict[str, Setting] = {
+    # The most a pin or a reservation lasts, whatever a client asks for: what a dead or
+    # stalled client can hold, and the longest a single GET or PUT payload may take to stream.
+    "pin_s": Setting(
+        "pin_lease_s", "--pin-lease", "Seconds a pin lasts at most (what a client may hold).", float
+    ),
+    "reserve_s": Setting(
+        "reserve_lease_s",
+        "--reserve-lease",
+        "Seconds a reservation lasts at most (an unfinished write is reclaimed after it).",
+        float,
+    ),
+}
+
+
 @dataclass(frozen=True)
 class NodeConfig:
-    """Configuration of one node daemon (``kvpool serve``)."""
+    """Configuration of one node daemon (``kvpool serve``): who it is, its arena and its
+    listeners, and one typed section for each part it runs (:class:`TLSConfig`,
+    :class:`DiskConfig`, :class:`ObjectStoreConfig`, :class:`EventsConfig`,
+    :class:`ClusterConfig`, and the store's :class:`~kvpool.timing.LeasePolicy`).
 
-    name: str = DEFAULT_NODE_NAME
-    run_dir: str = DEFAULT_RUN_DIR
-    memory_bytes: int = DEFAULT_MEMORY_BYTES
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_TCP_PORT
-    advertise_host: str = ""
-    admin_host: str = "127.0.0.1"
-    admin_port: int = DEFAULT_ADMIN_PORT
-    access_id: str = DEFAULT_ACCESS_ID
-    access_key: str = ""
-    host_id: str = field(default_factory=default_host_id)
-    high_watermark: float = DEFAULT_HIGH_WATERMARK
-    low_watermark: float = DEFAULT_LOW_WATERMARK
-    pin_lease_s: float = DEFAULT_PIN_LEASE_S
-    reserve_lease_s: float = DEFAULT_RESERVE_LEASE_S
-    hugepages: bool = False
-    fresh: bool = False  # start empty instead of adopting what the last daemon left
-    disk_path: str = ""  # the local disk tier's directory ("" : none)
-    disk_bytes: int = 0
+    ``validate()`` checks each section, then what concerns more than one."""
+
+    name: str = setting(
+        DEFAULT_NODE_NAME,
+        "--name",
+        "Node name (also its directory under --run-dir).",
+        env="KVPOOL_NODE_NAME",
+    )
+    run_dir: str = setting(
+        DEFAULT_RUN_DIR, "--run-dir", "Where the arena and the Unix socket live."
+    )
+    host_id: str = setting(
+        None, "--host-id", "Host identity (defaults to the hostname).", factory=default_host_id
+    )
+    fresh: bool = setting(  # start empty instead of adopting what the last daemon left
+        False,
+        "--fresh",
+        "Start empty: drop what an earlier daemon left (arena and disk).",
+        is_switch=True,
+    )
+    memory_bytes: int = setting(
+        DEFAULT_MEMORY_BYTES,
+        "--memory",
+        "Arena size, e.g. 4GiB.",
+        key="memory_bytes",
+        parse=parse_size,
+    )
+    hugepages: bool = setting(
+        False, "--hugepages", "Ask for transparent huge pages on the arena.", is_switch=True
+    )
+    high_watermark: float = setting(
+        DEFAULT_HIGH_WATERMARK,
+        "--high-watermark",
+        "The arena's share in use at which eviction starts (0-1).",
+        parse=float,
+    )
+    low_watermark: float = setting(
+        DEFAULT_LOW_WATERMARK,
+        "--low-watermark",
+        "The share eviction brings it back down to (0-1).",
+        parse=float,
+    )
     # How fast the node re-hashes the blocks it holds, in bytes a second (0: never): a
     # block damaged in place is dropped (see kvpool.node.sealing).
-    scrub_bytes_s: int = DEFAULT_SCRUB_BYTES_S
-    peers: tuple[str, ...] = ()
-    etcd: str = ""
-    etcd_prefix: str = DEFAULT_ETCD_PREFIX
-    etcd_ttl_s: int = DEFAULT_ETCD_TTL_S
-    replicas: int = DEFAULT_REPLICAS
-    kv_events: str = ""  # a ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 ("": off)
-    kv_events_replay: str = ""  # a ZMQ ROUTER endpoint that replays them
-    kv_events_topic: str = ""
-    kv_events_encoding: str = "map"  # "map" (vLLM since mid-2026) or "array" (before)
-    # The shared object-store tier below the disk: s3://BUCKET/PREFIX ("": none).
-    # Credentials come from the standard AWS variables (AWS_ACCESS_KEY_ID, ...).
-    object_store: str = ""
-    object_store_endpoint: str = ""  # e.g. http://s3.local:7480 ("": AWS, or AWS_ENDPOINT_URL)
-    object_store_region: str = ""
-    object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES
-    object_refresh_s: float = DEFAULT_OBJECT_REFRESH_S
+    scrub_bytes_s: int = setting(
+        DEFAULT_SCRUB_BYTES_S,
+        "--scrub-rate",
+        "Bytes a second the node re-verifies what it holds (0: off), e.g. 64MiB.",
+        key="scrub_bytes_s",
+        parse=parse_size,
+    )
+    host: str = setting("127.0.0.1", "--host", "TCP listen address.")
+    port: int = setting(DEFAULT_TCP_PORT, "--port", "TCP port (0: any free port).", parse=int)
+    advertise_host: str = setting(
+        "", "--advertise-host", "Address other nodes use to reach this one."
+    )
+    admin_host: str = setting("127.0.0.1", "--admin-host", "Admin HTTP listen address.")
+    admin_port: int = setting(
+        DEFAULT_ADMIN_PORT, "--admin-port", "Admin HTTP port (0: any free port).", parse=int
+    )
+    access_id: str = setting(
+        DEFAULT_ACCESS_ID, "--access-id", "Access id clients authenticate with."
+    )
+    access_key: str = setting(
+        "", "--access-key", "Access key (HMAC secret); prefer KVPOOL_ACCESS_KEY."
+    )
     # Tenants (kvpool.tenants): a TOML file of credentials, salts and quotas ("": none).
-    tenants_path: str = ""
-    # TLS on the data port and the admin HTTP; client certificates verified against
-    # tls_client_ca (mutual TLS); other nodes' certificates against tls_ca.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    tls_ca: str = ""
-    insecure: bool = False  # plaintext accepted off loopback
+    tenants_path: str = setting(
+        "",
+        "--tenants",
+        "A tenants file (TOML): credentials, salts and quotas; reloaded.",
+        key="tenants_path",
+    )
+    leases: LeasePolicy = field(default_factory=LeasePolicy)
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+    objects: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def node_dir(self) -> Path:
@@ -211,18 +529,39 @@ class NodeConfig:
     def tcp_address(self) -> str:
         return f"{self.advertise_host or self.host}:{self.port}"
 
-    @property
-    def leases(self) -> LeasePolicy:
-        return LeasePolicy(pin_s=self.pin_lease_s, reserve_s=self.reserve_lease_s)
-
     def validate(self) -> NodeConfig:
+        self._validate_node()
+        self._validate_access()
+        self.leases.validate()
+        self.tls.validate()
+        self.tls.check_plaintext(self.host, "the data port")
+        self.tls.check_plaintext(self.admin_host, "the admin HTTP")
+        self.disk.validate()
+        self.objects.validate()
+        if self.objects.url and not self.disk.path:
+            raise ConfigError(
+                "--object-store needs --disk: the object tier takes the segments the disk evicts"
+            )
+        self.events.validate()
+        self.cluster.validate()
+        return self
+
+    def _validate_node(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
             raise ConfigError(f"node name {self.name!r}: use 1-64 letters, digits, '_', '.', '-'")
         if self.memory_bytes < MIN_ARENA_BYTES:
             raise ConfigError(f"--memory must be at least {format_size(MIN_ARENA_BYTES)}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("watermarks must satisfy 0 < low <= high <= 1")
-        self.leases.validate()
+        if self.scrub_bytes_s < 0:
+            raise ConfigError("--scrub-rate must be 0 (off) or a size a second")
+        if len(self.socket_path.as_posix()) > 100:
+            raise ConfigError(f"unix socket path too long: {self.socket_path}")
+        for port in (self.port, self.admin_port):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"invalid port {port}")
+
+    def _validate_access(self) -> None:
         keyed = bool(self.access_key or self.tenants_path)
         if not keyed and not is_loopback(self.host):
             raise ConfigError(
@@ -239,38 +578,6 @@ class NodeConfig:
                 "--tenants and --access-key together: the cluster's own identity is the "
                 "[cluster] section of the tenants file"
             )
-        check_plaintext(self.host, bool(self.tls_cert), self.insecure, "the data port")
-        check_plaintext(self.admin_host, bool(self.tls_cert), self.insecure, "the admin HTTP")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("TLS needs both --tls-cert and --tls-key")
-        if self.tls_client_ca and not self.tls_cert:
-            raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-        if len(self.socket_path.as_posix()) > 100:
-            raise ConfigError(f"unix socket path too long: {self.socket_path}")
-        if self.replicas < 1:
-            raise ConfigError("--replicas must be at least 1")
-        if bool(self.disk_path) != bool(self.disk_bytes):
-            raise ConfigError("the disk tier needs both --disk PATH and --disk-size")
-        if self.disk_bytes < 0:
-            raise ConfigError("--disk-size must be positive")
-        if self.scrub_bytes_s < 0:
-            raise ConfigError("--scrub-rate must be 0 (off) or a size a second")
-        if self.kv_events_encoding not in ("map", "array"):
-            raise ConfigError("--kv-events-encoding must be map or array")
-        if self.object_store and not self.disk_path:
-            raise ConfigError(
-                "--object-store needs --disk: the object tier takes the segments the disk evicts"
-            )
-        if self.object_store and not self.object_store.startswith("s3://"):
-            raise ConfigError(f"--object-store {self.object_store!r}: use s3://BUCKET[/PREFIX]")
-        if self.object_store_bytes <= 0 or not 0.1 <= self.object_refresh_s <= 3600:
-            raise ConfigError("--object-store-size must be positive, the refresh 0.1-3600 s")
-        if self.kv_events_replay and not self.kv_events:
-            raise ConfigError("--kv-events-replay needs --kv-events")
-        for port in (self.port, self.admin_port):
-            if not 0 <= port < 65536:
-                raise ConfigError(f"invalid port {port}")
-        return self
 
 
 @dataclass(frozen=True)
@@ -329,21 +636,6 @@ class ClientConfig:
         return dataclasses.replace(self, **changes).validate()  # type: ignore[arg-type]
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-def parse_bool(value: str | bool, name: str = "value") -> bool:
-    if isinstance(value, bool):
-        return value
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ConfigError(f"{name}: expected a boolean, got {value!r}")
-
-
 def options_from_env(
     mapping: Mapping[str, tuple[str, object]], environ: Mapping[str, str] | None = None
 ) -> dict[str, object]:
@@ -357,10 +649,6 @@ def options_from_env(
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
     return values
-
-
-def _split_list(value: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 # The environment variables a client honours, and how each is parsed.
@@ -412,63 +700,64 @@ def client_config_from(
     return ClientConfig(**values).validate()  # type: ignore[arg-type]
 
 
+def node_sections() -> dict[str, Any]:
+    """:class:`NodeConfig`'s sections, by field name: the class each is made of."""
+    return {
+        f.name: f.default_factory
+        for f in dataclasses.fields(NodeConfig)
+        if SETTING not in f.metadata
+    }
+
+
+def node_settings() -> list[tuple[str, str, Setting]]:
+    """Every setting of the node: ``(section, field, setting)``, the section ``""`` for
+    :class:`NodeConfig`'s own fields, in the order ``kvpool serve --help`` lists them."""
+    found = [
+        ("", f.name, f.metadata[SETTING])
+        for f in dataclasses.fields(NodeConfig)
+        if SETTING in f.metadata
+    ]
+    for section, section_type in node_sections().items():
+        if section_type is LeasePolicy:
+            found.extend((section, name, s) for name, s in LEASE_SETTINGS.items())
+        else:
+            found.extend(
+                (section, f.name, f.metadata[SETTING]) for f in dataclasses.fields(section_type)
+            )
+    return found
+
+
 # The environment variables a node daemon honours (command-line flags win over them).
-NODE_ENV: dict[str, tuple[str, object]] = {
-    "KVPOOL_NODE_NAME": ("name", str),
-    "KVPOOL_RUN_DIR": ("run_dir", str),
-    "KVPOOL_MEMORY": ("memory_bytes", parse_size),
-    "KVPOOL_HOST": ("host", str),
-    "KVPOOL_PORT": ("port", int),
-    "KVPOOL_ADVERTISE_HOST": ("advertise_host", str),
-    "KVPOOL_ADMIN_HOST": ("admin_host", str),
-    "KVPOOL_ADMIN_PORT": ("admin_port", int),
-    "KVPOOL_ACCESS_ID": ("access_id", str),
-    "KVPOOL_ACCESS_KEY": ("access_key", str),
-    "KVPOOL_HOST_ID": ("host_id", str),
-    "KVPOOL_PEERS": ("peers", _split_list),
-    "KVPOOL_ETCD": ("etcd", str),
-    "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
-    "KVPOOL_REPLICAS": ("replicas", int),
-    "KVPOOL_FRESH": ("fresh", parse_bool),
-    "KVPOOL_DISK": ("disk_path", str),
-    "KVPOOL_DISK_SIZE": ("disk_bytes", parse_size),
-    "KVPOOL_SCRUB_RATE": ("scrub_bytes_s", parse_size),
-    "KVPOOL_KV_EVENTS": ("kv_events", str),
-    "KVPOOL_KV_EVENTS_REPLAY": ("kv_events_replay", str),
-    "KVPOOL_KV_EVENTS_TOPIC": ("kv_events_topic", str),
-    "KVPOOL_KV_EVENTS_ENCODING": ("kv_events_encoding", str),
-    "KVPOOL_OBJECT_STORE": ("object_store", str),
-    "KVPOOL_OBJECT_STORE_ENDPOINT": ("object_store_endpoint", str),
-    "KVPOOL_OBJECT_STORE_REGION": ("object_store_region", str),
-    "KVPOOL_OBJECT_STORE_SIZE": ("object_store_bytes", parse_size),
-    "KVPOOL_TENANTS": ("tenants_path", str),
-    "KVPOOL_TLS_CERT": ("tls_cert", str),
-    "KVPOOL_TLS_KEY": ("tls_key", str),
-    "KVPOOL_TLS_CLIENT_CA": ("tls_client_ca", str),
-    "KVPOOL_TLS_CA": ("tls_ca", str),
-    "KVPOOL_INSECURE": ("insecure", parse_bool),
-    # The most a pin or a reservation lasts (kvpool.timing.LeasePolicy), whatever a client
-    # asks for: what a dead or stalled client can hold, and the longest a single GET or PUT
-    # payload may take to stream.
-    "KVPOOL_PIN_LEASE": ("pin_lease_s", float),
-    "KVPOOL_RESERVE_LEASE": ("reserve_lease_s", float),
-}
+NODE_ENV: dict[str, Setting] = {s.env_var: s for _, _, s in node_settings()}
 
 
 def node_config_from(
     overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
 ) -> NodeConfig:
-    """A node configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides``
-    (entries whose value is ``None`` are ignored)."""
-    values = options_from_env(NODE_ENV, environ)
-    known = {f.name for f in dataclasses.fields(NodeConfig)}
-    for name, value in (overrides or {}).items():
+    """A node configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides`` by
+    :attr:`Setting.key` (entries whose value is ``None`` are ignored; text is parsed as the
+    variable's would be)."""
+    environ = os.environ if environ is None else environ
+    by_key = {s.key: (section, name, s) for section, name, s in node_settings()}
+    values: dict[str, object] = {}
+    for var, given in NODE_ENV.items():
+        if var in environ:
+            values[given.key] = given.parse_text(environ[var], var)
+    for key, value in (overrides or {}).items():
         if value is None:
             continue
-        if name not in known:
-            raise ConfigError(f"unknown node option {name!r}")
-        values[name] = value
-    return NodeConfig(**values).validate()  # type: ignore[arg-type]
+        if key not in by_key:
+            raise ConfigError(f"unknown node option {key!r}")
+        given = by_key[key][2]
+        values[key] = given.parse_text(value, given.flag) if isinstance(value, str) else value
+    sections: dict[str, dict[str, object]] = {}
+    for key, value in values.items():
+        section, name, _ = by_key[key]
+        sections.setdefault(section, {})[name] = value
+    top = sections.pop("", {})
+    types = node_sections()
+    parts = {section: types[section](**fields) for section, fields in sections.items()}
+    return NodeConfig(**top, **parts).validate()  # type: ignore[arg-type]
 
 
 # The environment variables the engine connectors honour beyond the client's (their

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from kvpool.config import NodeConfig
+from kvpool.config import DiskConfig, NodeConfig
 from kvpool.store.arena import Arena
 from kvpool.tiers.build import open_lower_tiers
 from kvpool.tiers.chain import LowerTiers
@@ -16,7 +16,7 @@ from tests.tiers.test_disk import blocks
 
 def test_the_chain_is_built_from_the_node_configuration(tmp_path: Path) -> None:
     arena = Arena(tmp_path / "arena", 16 << 20)
-    config = NodeConfig(name="c", disk_path=str(tmp_path / "disk"), disk_bytes=16 << 20)
+    config = NodeConfig(name="c", disk=DiskConfig(str(tmp_path / "disk"), 16 << 20))
 
     async def build(config: NodeConfig) -> LowerTiers:
         return await open_lower_tiers(config, arena)

@@ -43,9 +43,9 @@ class NodeAgent:
         self.store = store
         self.arena = arena
         self.membership: Membership = (
-            EtcdMembership(config.etcd, config.etcd_prefix)
-            if config.etcd
-            else StaticMembership(config.peers)
+            EtcdMembership(config.cluster.etcd, config.cluster.etcd_prefix)
+            if config.cluster.etcd
+            else StaticMembership(config.cluster.peers)
         )
         self.member = Member(node_id="", tcp_address="")
         self.client_config = ClientConfig(
@@ -58,10 +58,10 @@ class NodeAgent:
             write_rcache=False,  # a home does not write through again
             max_connections=2,
             # Other nodes' TLS: verified against --tls-ca; this node's certificate presented.
-            tls=bool(config.tls_cert or config.tls_ca),
-            tls_ca=config.tls_ca,
-            tls_cert=config.tls_cert,
-            tls_key=config.tls_key,
+            tls=bool(config.tls.cert or config.tls.ca),
+            tls_ca=config.tls.ca,
+            tls_cert=config.tls.cert,
+            tls_key=config.tls.key,
         )
         self._peers: dict[str, AsyncClient] = {}
         self._queue: deque[bytes] = deque(maxlen=MAX_QUEUED_KEYS)
@@ -75,7 +75,7 @@ class NodeAgent:
 
     def _member(self, tcp: str, admin_port: int) -> Member:
         config = self.config
-        if config.etcd:
+        if config.cluster.etcd:
             return Member(
                 # Nodes left with the default name would overwrite each other in etcd.
                 node_id=config.name if config.name != DEFAULT_NODE_NAME else tcp,
@@ -97,7 +97,7 @@ class NodeAgent:
         if isinstance(self.membership, EtcdMembership):
             membership = self.membership
             await loop.run_in_executor(
-                None, membership.register, self.member, self.config.etcd_ttl_s
+                None, membership.register, self.member, self.config.cluster.etcd_ttl_s
             )
             await loop.run_in_executor(None, membership.start)
         elif self.member.node_id not in {m.node_id for m in self.membership.members()}:
@@ -148,7 +148,7 @@ class NodeAgent:
     async def _replicate(self, keys: list[bytes]) -> None:
         members = {m.node_id: m for m in self.membership.members()}
         groups = group_by_home(
-            keys, list(members.values()), self.config.replicas, skip=self.member.node_id
+            keys, list(members.values()), self.config.cluster.replicas, skip=self.member.node_id
         )
         now = time.monotonic()
         sends = []
@@ -187,7 +187,7 @@ class NodeAgent:
         client as they arrive); ``None`` where no home answered with it in time."""
         members = {m.node_id: m for m in self.membership.members()}
         groups = group_by_home(
-            keys, list(members.values()), self.config.replicas, skip=self.member.node_id
+            keys, list(members.values()), self.config.cluster.replicas, skip=self.member.node_id
         )
         found: list[bytes | None] = [None] * len(keys)
         now = time.monotonic()

@@ -36,11 +36,11 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from kvpool.config import EventsConfig
 from kvpool.errors import ConfigError
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.store.block import Block
@@ -48,7 +48,6 @@ from kvpool.tiers.tier import MEDIUM_DRAM
 
 log = logging.getLogger("kvpool.node")
 
-ENCODINGS = ("map", "array")
 MAX_QUEUED = 100_000
 MAX_BATCH_EVENTS = 1024
 FLUSH_S = 0.02  # events wait at most this long for others to share their batch
@@ -59,14 +58,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def external_hash(block_hash: bytes) -> int:
     """A block hash as vLLM publishes it: its last 8 bytes as a big-endian int."""
     return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
-
-
-@dataclass(frozen=True)
-class EventsConfig:
-    endpoint: str  # e.g. tcp://*:5557 (bound)
-    replay_endpoint: str = ""
-    topic: str = ""
-    encoding: str = "map"
 
 
 # vLLM's event classes, both encodings (kvpool does not import vLLM: these are the wire
@@ -129,8 +120,7 @@ class KVEventPublisher:
     blocks into vLLM's events and publishes them in batches from its own thread."""
 
     def __init__(self, config: EventsConfig):
-        if config.encoding not in ENCODINGS:
-            raise ConfigError(f"KV events encoding must be one of {', '.join(ENCODINGS)}")
+        config.validate()
         import zmq  # only a node that publishes needs it
 
         self.config = config

@@ -71,30 +71,26 @@ class NodeServer:
         config: NodeConfig,
         store: BlockStore,
         arena: Arena,
-        tiers: Tiers | None = None,
+        tiers: Tiers,
+        changes: StoreChanges,
         cluster: ClusterHooks | None = None,
         on_shutdown: Callable[[bool], None] | None = None,
         tenants: Registry | None = None,
         tls: CertFiles | None = None,
-        changes: StoreChanges | None = None,
     ):
         """``changes``: what the store calls on every change (built with it, as
-        ``BlockStore(on_change=changes.notify)``); without it the server makes one and
-        sets the store's ``on_change`` itself."""
+        ``BlockStore(on_change=changes.notify)``), which waiting lookups sleep on."""
         self.config = config
         self.tenants = tenants
         self.tls = tls  # the TCP listener's TLS (the Unix socket stays local, in the clear)
         self.store = store
         self.arena = arena
-        self.tiers = tiers or Tiers(store, arena)
+        self.tiers = tiers
         self.cluster = cluster
         self._on_shutdown = on_shutdown
         self.identity = NodeIdentity.of(config)
         self.registry = SessionRegistry()
         self.traffic = Traffic(cluster.enqueue if cluster is not None else None)
-        if changes is None:
-            changes = StoreChanges()
-            store.on_change = changes.notify
         self.changes = changes
         self.credentials = Credentials(config, tenants)
         self._owner_ids = itertools.count(1)  # connection numbers: lease owners >= 1
@@ -207,13 +203,8 @@ class NodeServer:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
-            if self.store.expire():
+            if self.store.expire():  # every lease of the node's one ledger
                 self.changes.notify()
-            holds_ledger = self.tiers.holds.ledger
-            if holds_ledger is not self.store.ledger:
-                # Until the assembly root builds the holds on the store's ledger
-                # (Holds(..., ledger=store.ledger)), their own ledger expires here too.
-                holds_ledger.expire()
 
     # -- tenants -------------------------------------------------------------------------
 

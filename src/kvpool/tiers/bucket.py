@@ -12,7 +12,6 @@ obstore raises its own exception classes and Python's (``FileNotFoundError``,
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Annotated, Any
 from urllib.parse import urlparse
@@ -22,6 +21,7 @@ from obstore.exceptions import BaseError as ObjectStoreError
 from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
+from kvpool.config import ObjectStoreConfig
 from kvpool.errors import ConfigError
 
 STORE_ERRORS = (ObjectStoreError, OSError)
@@ -34,8 +34,6 @@ INDEXES = "index/"
 MAX_INDEX_BYTES = 16 << 20
 MAX_PACK_BLOCKS = 1 << 20
 MAX_OBJECT_KEY_BYTES = 80
-DEFAULT_REFRESH_S = 2.0
-DEFAULT_READ_TIMEOUT_S = 2.0
 
 
 class PackIndex(msgspec.Struct, forbid_unknown_fields=False):
@@ -71,16 +69,6 @@ _encode = msgspec.msgpack.Encoder().encode
 
 decode_index = msgspec.msgpack.Decoder(PackIndex).decode
 encode_index = msgspec.msgpack.Encoder().encode
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectStoreConfig:
-    url: str  # s3://bucket/prefix
-    capacity: int
-    endpoint: str = ""  # "" : AWS's, or AWS_ENDPOINT_URL
-    region: str = ""  # "" : AWS_REGION / AWS_DEFAULT_REGION, else us-east-1
-    refresh_s: float = DEFAULT_REFRESH_S
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
 
 
 def open_store(config: ObjectStoreConfig, *, timeout_s: float, retries: int) -> S3Store:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from kvpool.config import NodeConfig
 from kvpool.store.arena import Arena
-from kvpool.tiers.bucket import ObjectStoreConfig
 from kvpool.tiers.chain import LowerTiers
 from kvpool.tiers.disk import ID_FILE, SEGMENT_RE, DiskTier
 from kvpool.tiers.objects import OUTGOING_DIR, ObjectTier
@@ -30,31 +29,25 @@ async def open_lower_tiers(
     """The tiers below DRAM that ``config`` asks for, open and running (the object tier's
     threads started; the write-back's starts with ``Tiers.start``).  With ``fresh``, the
     disk tier's files are removed first.  Blocking work runs on a thread."""
-    if not config.disk_path:
+    if not config.disk.path:
         return LowerTiers()
     loop = asyncio.get_running_loop()
     if config.fresh:
-        empty_disk_dir(config.disk_path)
+        empty_disk_dir(config.disk.path)
+    path = Path(config.disk.path)
     objects = None
-    if config.object_store:
-        objects = ObjectTier(
-            ObjectStoreConfig(
-                config.object_store,
-                config.object_store_bytes,
-                endpoint=config.object_store_endpoint,
-                region=config.object_store_region,
-                refresh_s=config.object_refresh_s,
-            ),
-            Path(config.disk_path) / OUTGOING_DIR,
-            writer=config.name,
-        )
+    if config.objects.url:
+        objects = ObjectTier(config.objects, path / OUTGOING_DIR, writer=config.name)
     disk = await loop.run_in_executor(
-        None,
-        lambda: DiskTier(Path(config.disk_path), config.disk_bytes, below=objects, events=events),
+        None, lambda: DiskTier(path, config.disk.capacity, below=objects, events=events)
     )
     chain: list[Tier] = [disk]
     if objects is not None:
-        await loop.run_in_executor(None, objects.start)
+        try:
+            await loop.run_in_executor(None, objects.start)
+        except BaseException:
+            disk.close()
+            raise
         chain.append(objects)
     return LowerTiers(chain, WriteBack(disk, arena), disk)
 

@@ -72,6 +72,11 @@ class LowerTiers:
     writeback: WriteBack | None = None
     disk: DiskTier | None = None
 
+    def close(self) -> None:
+        """Close every tier (a start that failed after they were opened)."""
+        for tier in self.chain:
+            tier.close()
+
 
 class Tiers:
     """Lookups, promotions, prefetches and statistics across the node's tiers.  Lifecycle:
@@ -91,7 +96,7 @@ class Tiers:
         self.lower = lower if lower is not None else LowerTiers()
         self.chain = self.lower.chain
         self.remote = remote  # other nodes of the cluster (prefetch only)
-        self.holds = holds if holds is not None else Holds(arena.num_bytes // 2)
+        self.holds = holds if holds is not None else Holds(arena.num_bytes // 2, store.ledger)
         self.hits = {TIER_DRAM: 0} | {tier.tier_id: 0 for tier in self.chain}
         self.promoted = {tier.tier_id: 0 for tier in self.chain}
         self.promoted_remote = 0  # blocks a prefetch copied from other nodes

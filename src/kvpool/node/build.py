@@ -1,0 +1,187 @@
+"""The node's assembly root: :func:`build_node` constructs every part of a node daemon
+top-down from its :class:`~kvpool.config.NodeConfig`, and hands each part its
+collaborators through its constructor.  No part is given a hook or a collaborator after it
+is built; this module is the one place that knows how the parts fit together.
+
+Construction order (each step needs only what the steps before it built):
+
+0. the tenants file and the TLS files (:func:`read_credentials`: a bad one stops the start);
+1. the node directory's lock (a second daemon is refused here);
+2. the arena, then the directory (before anything writes the arena: readers of an earlier
+   daemon's directory stop trusting it, kvpool.directory rule 3), then the journal, whose
+   replayed entries are sealed against the arena;
+3. the KV event publisher (when ``--kv-events``), which the tiers below tell of blocks;
+4. the lower tiers, in one step (:func:`kvpool.tiers.build.open_lower_tiers`: disk, object
+   store, write-back);
+5. the lease ledger, the prefetch holds kept in it, and the block store, adopting what the
+   journal describes;
+6. the cluster agent (when ``--peers`` or ``--etcd``), the tier view (which prefetches from
+   the other nodes through the agent), and the protocol server.
+
+Nothing listens yet: :class:`~kvpool.node.daemon.Daemon` starts the server, the admin HTTP
+and the cluster agent, in that order.  If a step fails, what the earlier steps opened is
+closed again (the arena and the journal are kept, as after a crash).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvpool.config import NodeConfig
+from kvpool.directory import DirectoryWriter
+from kvpool.errors import ConfigError
+from kvpool.node.sealing import seal_replayed
+from kvpool.node.server import NodeServer
+from kvpool.node.services import StoreChanges
+from kvpool.store.arena import Arena, NodeDirLock
+from kvpool.store.eviction import LRUPolicy
+from kvpool.store.holds import Holds, QueueAwareEviction
+from kvpool.store.journal import Journal
+from kvpool.store.leases import LeaseLedger
+from kvpool.store.pool import BlockStore
+from kvpool.tenants import Registry
+from kvpool.tiers.build import open_lower_tiers
+from kvpool.tiers.chain import LowerTiers, Tiers
+from kvpool.tiers.tier import RemoteSource
+from kvpool.tls import CertFiles
+
+if TYPE_CHECKING:
+    from kvpool.node.cluster_agent import NodeAgent
+    from kvpool.node.events import KVEventPublisher
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the node authenticates and encrypts with, read before anything starts (a bad
+    tenants or certificate file stops the start): the tenants registry, the TLS files, and
+    the configuration with the cluster's own identity (a tenants file's ``[cluster]``
+    section) as the access id and key its own clients present."""
+
+    config: NodeConfig
+    tenants: Registry | None
+    tls: CertFiles | None
+
+
+def read_credentials(config: NodeConfig) -> Credentials:
+    """Read the tenants file and the TLS files ``config`` names (see :class:`Credentials`)."""
+    tenants = Registry(Path(config.tenants_path)) if config.tenants_path else None
+    if tenants is not None:
+        cluster = tenants.current.cluster
+        if cluster is None and config.cluster.is_clustered:
+            raise ConfigError(
+                f"{config.tenants_path}: a cluster needs a [cluster] section (the identity "
+                "nodes use between themselves)"
+            )
+        if cluster is not None:  # what this node's own clients (write-through) present
+            config = dataclasses.replace(
+                config, access_id=cluster.access_id, access_key=cluster.key
+            )
+    tls = config.tls
+    files = CertFiles(tls.cert, tls.key, tls.client_ca) if tls.cert else None
+    return Credentials(config, tenants, files)
+
+
+@dataclass(frozen=True)
+class Node:
+    """Every part of a node, built and not yet started (see :class:`~kvpool.node.daemon.
+    Daemon` for starting and stopping them)."""
+
+    config: NodeConfig  # with the cluster's identity, when a tenants file gives one
+    tls: CertFiles | None  # the data port's and the admin HTTP's (reloaded in place)
+    lock: NodeDirLock
+    arena: Arena
+    directory: DirectoryWriter
+    journal: Journal
+    events: KVEventPublisher | None
+    lower: LowerTiers
+    store: BlockStore
+    cluster: NodeAgent | None
+    server: NodeServer
+
+
+async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | None = None) -> Node:
+    """Build every part of the node ``config`` describes (validated); ``on_shutdown`` is
+    called when a client asks the node to stop (with ``drain``: to empty itself)."""
+    credentials = read_credentials(config)
+    config = credentials.config
+    with contextlib.ExitStack() as undo:
+        lock = NodeDirLock(config.node_dir)
+        undo.callback(lock.release)
+        arena = Arena(
+            config.arena_path, config.memory_bytes, hugepages=config.hugepages, fresh=config.fresh
+        )
+        undo.callback(arena.close)
+        directory = DirectoryWriter(config.directory_path, arena.num_bytes, arena.arena_id)
+        undo.callback(directory.close, remove=True)
+        journal = Journal(
+            config.journal_path,
+            arena.dev,
+            arena.ino,
+            arena.num_bytes,
+            fresh=config.fresh or not arena.is_kept,
+        )
+        undo.callback(journal.close)
+        seal_replayed(journal.replayed, arena)
+        events = open_events(config)
+        if events is not None:
+            undo.callback(events.close)
+        lower = await open_lower_tiers(config, arena, events)
+        undo.callback(lower.close)
+        # One lease ledger for every hold: the store's reservations, pins and write areas,
+        # and the prefetch holds.
+        ledger = LeaseLedger(config.leases)
+        holds = Holds(arena.num_bytes // 2, ledger)
+        changes = StoreChanges()
+        store = BlockStore(
+            arena.num_bytes,
+            eviction=QueueAwareEviction(LRUPolicy(), holds),
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            ledger=ledger,
+            journal=journal,
+            spill=lower.writeback,
+            directory=directory,
+            events=events,
+            on_change=changes.notify,
+        )
+        if events is not None and not store.counters.adopted:
+            events.cleared()  # whatever an earlier daemon announced is gone
+        cluster = _cluster_agent(config, store, arena)
+        remote = RemoteSource(cluster.fetch) if cluster is not None else None  # prefetch too
+        tiers = Tiers(store, arena, lower, holds, remote)
+        server = NodeServer(
+            config,
+            store,
+            arena,
+            tiers,
+            changes,
+            cluster,
+            on_shutdown=on_shutdown,
+            tenants=credentials.tenants,
+            tls=credentials.tls,
+        )
+        undo.pop_all()
+    tls = credentials.tls
+    return Node(config, tls, lock, arena, directory, journal, events, lower, store, cluster, server)
+
+
+def open_events(config: NodeConfig) -> KVEventPublisher | None:
+    """The KV event publisher, bound to its endpoints (None without ``--kv-events``)."""
+    if not config.events.endpoint:
+        return None
+    from kvpool.node.events import KVEventPublisher  # imports zmq: only when publishing
+
+    return KVEventPublisher(config.events)
+
+
+def _cluster_agent(config: NodeConfig, store: BlockStore, arena: Arena) -> NodeAgent | None:
+    if not config.cluster.is_clustered:
+        return None
+    from kvpool.node.cluster_agent import NodeAgent  # the client's code: only in a cluster
+
+    return NodeAgent(config, store, arena)
