@@ -102,7 +102,7 @@ def test_a_copy_that_races_a_removal_is_never_delivered(start_node):
             assert again is not None and again[2] == where[2]  # the very same memory
 
         out = np.zeros(SIZE, dtype=np.uint8)
-        op = shm.get_shm([victim], [memoryview(out)], conn.arena, conn.directory, prefix=False)
+        op = shm.get_blocks([victim], [memoryview(out)], conn.arena, conn.directory, prefix=False)
         try:
             result = conn.run(intercepted(op, remove_and_reuse), time.monotonic() + 10)
         finally:
@@ -241,7 +241,7 @@ def test_a_puts_commit_carries_the_checksums_of_the_bytes_that_landed(node):
 
     with Client(node.unix_address, timeout=10) as c:
         local = c._require_local()
-        put = recording(lambda arena, conn: shm.put_shm(keys, values, arena, True, None, conn.area))
+        put = recording(lambda arena, conn: shm.put_blocks(keys, values, arena, conn.area, True))
         result = local.call(lambda conn: put(conn.arena, conn), 10)
         assert result.statuses == [Status.OK] * 3
         assert [m.checksums for m in commits] == [[ck.checksum(v) for v in values]]

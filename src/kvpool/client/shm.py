@@ -31,13 +31,17 @@ arena, with one path per direction, built from :class:`Slots`.
   hashed after all.  Unsealed blocks (adopted at a warm restart), and every block when the
   client asks for it (``verify_reads``), are hashed as they are copied.
 
-``put_shm`` / ``get_shm`` run them in one call; the leases (:mod:`kvpool.client.leases`) run
-them across calls.  Slots are checked against the arena, and statuses merged, only here.
+Which path a batch takes is decided in one place per direction: :func:`stage_write` (write
+area, reservation, private buffer or stream) and :func:`open_read` (directory, pin, or
+received over the socket).  ``put_blocks`` / ``get_blocks`` run a whole transfer in one
+call; the transactions (:mod:`kvpool.client.transactions`) run the same steps across calls.
+Slots are checked against the arena, and statuses merged, only here.
 Like :mod:`kvpool.client.ops`, this is free of I/O: operations yield effects.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,6 +76,8 @@ from .ops import (
     check_len,
     destinations,
     get_result,
+    get_stream,
+    put_stream,
     report_corrupt,
     statuses_of,
     touch,
@@ -166,6 +172,7 @@ class Slots:
     held_until: float = 0.0  # pins only: the lease's end, at the latest (time.monotonic)
     directory: DirectoryReader | None = None  # listed slots only: where they were found
     locations: list[Location] = field(default_factory=list)
+    received: GetResult | None = None  # received over the socket (no arena): the outcome
 
     def must_verify(self, verify_all: bool) -> list[bool]:
         """Per key: whether its bytes must be hashed as they are read."""
@@ -304,46 +311,173 @@ def verify_slots(keys: Sequence[bytes], slots: Slots, checksums: Sequence[int | 
         yield from report_corrupt(corrupt)
 
 
-def put_shm(
+class Backing(enum.Enum):
+    """What holds a write transaction's blocks until its commit."""
+
+    AREA = "area"  # the front of the connection's write area: one round trip, at commit
+    RESERVATION = "reservation"  # slots reserved first: for zero-copy fills, or no area
+    BUFFER = "buffer"  # private buffers off the node's host, sent (routed) at commit
+    STREAM = "stream"  # the caller's own buffers, streamed over the socket at commit
+
+
+@dataclass(slots=True)
+class StagedWrite:
+    """A batch being written: where its blocks go, per key a status and a view to fill
+    (``None`` where the key gets no block), and the checksums of what was copied in."""
+
+    backing: Backing
+    keys: list[bytes]
+    sizes: list[int]
+    statuses: list[Status]
+    views: list[memoryview | None]
+    offsets: list[int]
+    slots: Slots | None = None  # a reservation's
+    checksums: list[int | None] | None = None  # set by :func:`fill_staged`
+    buffer: memoryview | None = None  # private buffers: the one area holding them all
+
+    @property
+    def nothing_staged(self) -> bool:
+        """Whether no key got a slot (all stored already, or being written)."""
+        return self.slots is not None and not self.slots.slot_id
+
+    @classmethod
+    def off_host(cls, keys: Sequence[bytes], sizes: Sequence[int], backing: Backing) -> StagedWrite:
+        """Blocks kept in memory of this process: private buffers, side by side (one
+        allocation), or (a stream) the caller's own, handed over by :func:`fill_staged`."""
+        n = len(keys)
+        staged = cls(backing, list(keys), list(sizes), [Status.OK] * n, [None] * n, [-1] * n)
+        if backing is Backing.BUFFER:
+            staged.buffer = memoryview(bytearray(sum(sizes)))
+            cursor = 0
+            for i, size in enumerate(sizes):
+                staged.views[i] = staged.buffer[cursor : cursor + size]
+                staged.offsets[i] = cursor
+                cursor += size
+        return staged
+
+
+def stage_write(
     keys: Sequence[bytes],
-    views: Sequence[memoryview],
-    arena: memoryview,
+    sizes: Sequence[int],
+    arena: memoryview | None,
+    area: WriteArea | None,
+    *,
+    copied: bool,
+    area_fits: bool | None = None,
+    area_batches: int = 2,
+) -> Op_[StagedWrite]:
+    """Where a batch is written: the one place that decides it.
+
+    - Off the node's host (no ``arena``): a copied batch (``copied``: the caller's buffers
+      are copied in at once) is streamed from the caller's buffers, a batch filled in
+      place gets private buffers.
+    - On it, a copied batch goes at the front of the connection's write ``area`` where the
+      area fits it (renewed if not, unless ``area_fits`` was decided already by a caller
+      with replies still due on the connection); a batch filled in place, whose views may
+      be held for long, gets reserved slots (the area is written only while half its
+      lease is left), and so does a batch no area fits.
+    """
+    if arena is None:
+        return StagedWrite.off_host(keys, sizes, Backing.STREAM if copied else Backing.BUFFER)
+    if copied and area is not None:
+        if area_fits is None:
+            num_bytes = sum(page_bytes(size) for size in sizes)
+            if not area.fits(num_bytes):
+                yield from renew_area(area, num_bytes, len(arena), area_batches)
+            area_fits = area.fits(num_bytes)
+        if area_fits:
+            places = area.places(sizes)
+            views: list[memoryview | None] = [
+                arena[p : p + n] for p, n in zip(places, sizes, strict=True)
+            ]
+            statuses = [Status.OK] * len(keys)
+            return StagedWrite(Backing.AREA, list(keys), list(sizes), statuses, views, places)
+    slots = yield from reserve_slots(keys, sizes, arena)
+    return StagedWrite(
+        Backing.RESERVATION,
+        list(keys),
+        list(sizes),
+        slots.statuses,
+        slots.views,
+        slots.offsets,
+        slots,
+    )
+
+
+def fill_staged(staged: StagedWrite, values: Sequence[memoryview], copier: Copier) -> Op_[None]:
+    """Copy the caller's blocks into the staged views, hashing them as they land (a stream
+    takes the caller's buffers as they are).  A failed copy gives reserved slots back."""
+    if staged.backing is Backing.STREAM:
+        staged.views = list(values)
+        return
+    checksums = yield Compute(lambda: _copy_in(copier, staged.views, values), sum(staged.sizes))
+    if isinstance(checksums, BaseException):  # an area's front is still free: nothing to undo
+        yield from abort_staged(staged)
+        raise checksums
+    staged.checksums = checksums
+
+
+def commit_staged(
+    staged: StagedWrite,
+    area: WriteArea | None,
+    arena_bytes: int,
     replicate: bool,
     origins: Sequence[BlockOrigin | None] | None = None,
-    area: WriteArea | None = None,
-    copier: Copier | None = None,
 ) -> Op_[PutResult]:
-    """Copy the blocks straight into the arena, hashing them as they land, then commit them:
-    at the front of the connection's write ``area`` where it fits them, else into slots
-    reserved first."""
-    copier = copier or Copier(1)
-    sizes = [len(v) for v in views]
-    num_bytes = sum(page_bytes(size) for size in sizes)
-    if area is not None and not area.fits(num_bytes):
-        yield from renew_area(area, num_bytes, len(arena))
-    if area is not None and area.fits(num_bytes):
-        return (yield from _put_in_area(keys, views, arena, area, replicate, origins, copier))
-    slots = yield from reserve_slots(keys, sizes, arena)
-    if not slots.slot_id:
-        return PutResult(slots.statuses)
-    checksums = yield Compute(lambda: _copy_in(copier, slots.views, views), sum(sizes))
-    if isinstance(checksums, BaseException):
-        yield from abort(slots.slot_id)
-        raise checksums
-    return (yield from commit_slots(slots, replicate, origins, checksums))
+    """Publish a staged batch with its ``checksums`` (None: the node hashes the blocks);
+    a status per key.  Private buffers are not this op's: their transaction sends them."""
+    if staged.backing is Backing.STREAM:
+        views = [v for v in staged.views if v is not None]
+        return (yield from put_stream(staged.keys, views, replicate, origins))
+    if staged.backing is Backing.RESERVATION and staged.slots is not None:
+        if not staged.slots.slot_id:
+            return PutResult(staged.statuses)
+        return (yield from commit_slots(staged.slots, replicate, origins, staged.checksums))
+    if staged.backing is not Backing.AREA or area is None:
+        raise ValueError(f"a {staged.backing.value} batch is not committed by an op")
+    sent = yield from send_in_area(staged, area, replicate, origins)
+    return (yield from commit_reply(sent, area, arena_bytes))
 
 
-def _put_in_area(
+def abort_staged(staged: StagedWrite) -> Op_[None]:
+    """Give a staged batch's space back, publishing nothing."""
+    if staged.slots is not None and staged.slots.slot_id:  # a reservation's
+        yield from abort(staged.slots.slot_id)
+
+
+def stage_filled(
     keys: Sequence[bytes],
     views: Sequence[memoryview],
-    arena: memoryview,
-    area: WriteArea,
-    replicate: bool,
-    origins: Sequence[BlockOrigin | None] | None,
+    arena: memoryview | None,
+    area: WriteArea | None,
     copier: Copier,
+    area_fits: bool | None = None,
+    area_batches: int = 2,
+) -> Op_[StagedWrite]:
+    """Stage a batch of the caller's blocks (see :func:`stage_write`) and copy them in."""
+    sizes = [len(v) for v in views]
+    staged = yield from stage_write(
+        keys, sizes, arena, area, copied=True, area_fits=area_fits, area_batches=area_batches
+    )
+    if not staged.nothing_staged:
+        yield from fill_staged(staged, views, copier)
+    return staged
+
+
+def put_blocks(
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+    arena: memoryview | None,
+    area: WriteArea | None,
+    replicate: bool,
+    origins: Sequence[BlockOrigin | None] | None = None,
+    copier: Copier | None = None,
 ) -> Op_[PutResult]:
-    sent = yield from send_in_area(keys, views, arena, area, replicate, origins, copier)
-    return (yield from commit_reply(sent, area, len(arena)))
+    """A put as one op: stage the batch, copy it in (hashing), commit it."""
+    staged = yield from stage_filled(keys, views, arena, area, copier or Copier(1))
+    if staged.nothing_staged:
+        return PutResult(staged.statuses)
+    return (yield from commit_staged(staged, area, len(arena or b""), replicate, origins))
 
 
 @dataclass(slots=True)
@@ -358,31 +492,24 @@ class SentCommit:
 
 
 def send_in_area(
-    keys: Sequence[bytes],
-    views: Sequence[memoryview],
-    arena: memoryview,
+    staged: StagedWrite,
     area: WriteArea,
     replicate: bool,
     origins: Sequence[BlockOrigin | None] | None,
-    copier: Copier,
     keep: bool = False,
 ) -> Op_[SentCommit]:
-    """Copy the blocks in at the front of the write area, hashing them, and send their
-    COMMIT.  With ``keep``, while the rest of the area holds another batch this large, the
-    node is told to keep that rest, and ``area`` moves on to it at once."""
-    sizes = [len(v) for v in views]
-    places = area.places(sizes)
-    targets = [arena[p : p + n] for p, n in zip(places, sizes, strict=True)]
-    checksums = yield Compute(lambda: _copy_in(copier, targets, views), sum(sizes))
-    if isinstance(checksums, BaseException):  # nothing is committed: the front is still free
-        raise checksums
+    """Send the COMMIT of blocks copied in at the front of the write area.  With ``keep``,
+    while the rest of the area holds another batch this large, the node is told to keep
+    that rest, and ``area`` moves on to it at once."""
+    sizes = staged.sizes
     taken = sum(page_bytes(size) for size in sizes)
     keep = keep and area.num_bytes - taken >= taken
+    checksums = staged.checksums
     request = CommitRequest(
         area_id=area.area_id,
-        keys=list(keys),
+        keys=staged.keys,
         sizes=sizes,
-        checksums=[c or 0 for c in checksums],
+        checksums=[c or 0 for c in checksums] if checksums is not None else None,
         replicate=replicate,
         origins=list(origins) if origins is not None else None,
         keep_area=keep,
@@ -391,10 +518,10 @@ def send_in_area(
     yield Request(Op.COMMIT, request)
     if not keep:
         area.area_id = 0  # until the reply says which area this connection holds now
-        return SentCommit(list(keys), sent, None)
+        return SentCommit(staged.keys, sent, None)
     # The lease is not extended here: only a reply says the node renewed it.
     area.offset, area.num_bytes = area.offset + taken, area.num_bytes - taken
-    return SentCommit(list(keys), sent, (area.area_id, area.offset, area.num_bytes))
+    return SentCommit(staged.keys, sent, (area.area_id, area.offset, area.num_bytes))
 
 
 def commit_reply(sent: SentCommit, area: WriteArea, arena_bytes: int) -> Op_[PutResult]:
@@ -444,39 +571,128 @@ def _copy_out(
         return exc
 
 
-def get_shm(
+def open_read(
     keys: Sequence[bytes],
     dsts: Sequence[memoryview] | None,
-    arena: memoryview,
+    arena: memoryview | None,
+    directory: DirectoryReader | None,
+    prefix: bool,
+    wait_ms: int,
+) -> Op_[Slots]:
+    """How a batch is read: the one place that decides it.  Off the node's host, the blocks
+    are received over the socket (into ``dsts``, else private buffers) and verified as they
+    arrive; on it, every key the shared ``directory`` lists is read with no round trip;
+    else the stored blocks are pinned (only the leading run with ``prefix``)."""
+    if arena is None:
+        result = yield from get_stream(keys, dsts, prefix, wait_ms)
+        return _received_slots(keys, dsts, result)
+    listed = listed_slots(keys, arena, directory) if directory is not None else None
+    if listed is not None:
+        return listed
+    return (yield from pin_slots(keys, arena, prefix, wait_ms=wait_ms))
+
+
+def _received_slots(
+    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, result: GetResult
+) -> Slots:
+    views: list[memoryview | None] = []
+    for i, (status, size) in enumerate(zip(result.statuses, result.sizes, strict=True)):
+        if status is not Status.OK:
+            views.append(None)
+        elif dsts is not None:
+            views.append(dsts[i][:size])
+        else:
+            views.append(memoryview(result.values[i] or b""))
+    n = len(keys)
+    return Slots(list(keys), 0, result.statuses, [-1] * n, views, [], 0, received=result)
+
+
+def end_read(slots: Slots) -> Op_[None]:
+    """Let go of what a read held: tell the node of blocks read through its directory, or
+    drop the pin."""
+    if slots.directory is not None:
+        yield from touch(slots.keys)
+    elif slots.slot_id:
+        yield from unpin(slots.slot_id)
+
+
+def read_in_place(
+    keys: Sequence[bytes],
+    arena: memoryview | None,
+    directory: DirectoryReader | None,
+    prefix: bool,
+    wait_ms: int,
+    verify_all: bool,
+) -> Op_[Slots]:
+    """Open a read whose views are read where they are (a read transaction): pinned blocks
+    that need it are hashed in place and verified before any view is handed out; listed
+    ones are reported read at once (their views stay good while ``still_held``)."""
+    slots = yield from open_read(keys, None, arena, directory, prefix, wait_ms)
+    if slots.received is not None:
+        return slots
+    if slots.directory is not None:
+        yield from end_read(slots)
+    else:
+        verify = slots.must_verify(verify_all)
+        checksums = yield Compute(lambda: _hash_in_place(slots.views, verify))
+        yield from verify_slots(keys, slots, checksums)
+    slots.views = [v.toreadonly() if v is not None else None for v in slots.views]
+    return slots
+
+
+def _hash_in_place(views: Sequence[memoryview | None], verify: Sequence[bool]) -> list[int | None]:
+    return [
+        ck.checksum(v) if v is not None and hashed else None
+        for v, hashed in zip(views, verify, strict=True)
+    ]
+
+
+def get_blocks(
+    keys: Sequence[bytes],
+    dsts: Sequence[memoryview] | None,
+    arena: memoryview | None,
     directory: DirectoryReader | None,
     prefix: bool,
     wait_ms: int = 0,
     verify_all: bool = False,
     copier: Copier | None = None,
 ) -> Op_[GetResult]:
-    """Copy the blocks straight out of the arena: where the directory lists them all, with
-    no round trip; else pin them, copy (hashing those that need it), unpin, verify."""
+    """A get as one op: open the read, copy the blocks out (hashing those that need it),
+    let go, verify.  A copy from the directory that raced a removal is done again through
+    a pin."""
     copier = copier or Copier(1)
-    listed = listed_slots(keys, arena, directory) if directory is not None else None
-    if listed is not None:
-        sizes = [len(v) if v is not None else 0 for v in listed.views]
-        targets = destinations(dsts, sizes, listed.statuses)
+    slots = yield from open_read(keys, dsts, arena, directory, prefix, wait_ms)
+    if slots.received is not None:
+        return slots.received
+    if slots.directory is not None:
+        sizes = [len(v) if v is not None else 0 for v in slots.views]
+        targets = destinations(dsts, sizes, slots.statuses)
         copied = yield Compute(
-            lambda: _copy_out(copier, listed, targets, [False] * len(keys)), sum(sizes)
+            lambda: _copy_out(copier, slots, targets, [False] * len(keys)), sum(sizes)
         )
         if isinstance(copied, BaseException):
             raise copied
-        if listed.still_held:
-            yield from touch(keys)
-            return get_result(listed.statuses, sizes, targets, dsts is None)
-    slots = yield from pin_slots(keys, arena, prefix, wait_ms=wait_ms)
+        if slots.still_held:
+            yield from end_read(slots)
+            return get_result(slots.statuses, sizes, targets, dsts is None)
+        slots = yield from open_read(keys, dsts, arena, None, prefix, wait_ms)
+    return (yield from _get_pinned(keys, dsts, slots, verify_all, copier))
+
+
+def _get_pinned(
+    keys: Sequence[bytes],
+    dsts: Sequence[memoryview] | None,
+    slots: Slots,
+    verify_all: bool,
+    copier: Copier,
+) -> Op_[GetResult]:
     sizes = [len(v) if v is not None else 0 for v in slots.views]
     targets = destinations(dsts, sizes, slots.statuses)
     verify = slots.must_verify(verify_all)
     checksums: list[int | None] | BaseException = [None] * len(keys)
     if slots.slot_id:
         checksums = yield Compute(lambda: _copy_out(copier, slots, targets, verify), sum(sizes))
-        yield from unpin(slots.slot_id)
+        yield from end_read(slots)
     if isinstance(checksums, BaseException):
         raise checksums
     yield from verify_slots(keys, slots, checksums)
