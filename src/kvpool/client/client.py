@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, TransportError, UsageError
@@ -37,6 +37,21 @@ from .writer import Writer
 T = TypeVar("T")
 
 _BACKGROUND_THREADS = 4
+
+
+class LookupOptions(TypedDict, total=False):
+    """:meth:`Client.lookup`'s options: :meth:`Client.lookup_state`'s, but ``prefetch``."""
+
+    wait: float
+    wait_absent: bool
+    timeout: float | None
+
+
+class GetOptions(TypedDict, total=False):
+    """:meth:`Client.get_async`'s options: :meth:`Client.get`'s."""
+
+    prefix: bool
+    timeout: float | None
 
 
 def make_config(
@@ -110,21 +125,13 @@ class Client:
 
     # -- blocks ---------------------------------------------------------------------------
 
-    def lookup(
-        self,
-        keys: Sequence[bytes],
-        *,
-        wait: float = 0.0,
-        wait_absent: bool = False,
-        timeout: float | None = None,
-    ) -> int:
+    def lookup(self, keys: Sequence[bytes], **options: Unpack[LookupOptions]) -> int:
         """The length of the longest stored prefix of ``keys`` (anywhere in the cluster).
 
         With ``wait`` > 0, keys that are being written are awaited up to ``wait`` seconds
         (and, with ``wait_absent``, keys nobody has started writing yet).
         """
-        state = self.lookup_state(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
-        return state.num_prefix
+        return self.lookup_state(keys, **options).num_prefix
 
     def lookup_state(
         self,
@@ -299,17 +306,11 @@ class Client:
         self,
         keys: Sequence[bytes],
         buffers: Sequence[Any] | None = None,
-        *,
-        prefix: bool = False,
-        timeout: float | None = None,
+        **options: Unpack[GetOptions],
     ) -> PoolFuture[GetResult]:
-        """Start a get into ``buffers``."""
+        """Start a get into ``buffers`` (options: :meth:`get`'s)."""
         return self._submit(
-            self.get,
-            list(keys),
-            None if buffers is None else list(buffers),
-            prefix=prefix,
-            timeout=timeout,
+            self.get, list(keys), None if buffers is None else list(buffers), **options
         )
 
     # -- nodes ----------------------------------------------------------------------------

@@ -407,6 +407,8 @@ def stage_write(
 def fill_staged(staged: StagedWrite, values: Sequence[memoryview], copier: Copier) -> Op_[None]:
     """Copy the caller's blocks into the staged views, hashing them as they land (a stream
     takes the caller's buffers as they are).  A failed copy gives reserved slots back."""
+    if staged.nothing_staged:
+        return
     if staged.backing is Backing.STREAM:
         staged.views = list(values)
         return
@@ -445,25 +447,6 @@ def abort_staged(staged: StagedWrite) -> Op_[None]:
         yield from abort(staged.slots.slot_id)
 
 
-def stage_filled(
-    keys: Sequence[bytes],
-    views: Sequence[memoryview],
-    arena: memoryview | None,
-    area: WriteArea | None,
-    copier: Copier,
-    area_fits: bool | None = None,
-    area_batches: int = 2,
-) -> Op_[StagedWrite]:
-    """Stage a batch of the caller's blocks (see :func:`stage_write`) and copy them in."""
-    sizes = [len(v) for v in views]
-    staged = yield from stage_write(
-        keys, sizes, arena, area, copied=True, area_fits=area_fits, area_batches=area_batches
-    )
-    if not staged.nothing_staged:
-        yield from fill_staged(staged, views, copier)
-    return staged
-
-
 def put_blocks(
     keys: Sequence[bytes],
     views: Sequence[memoryview],
@@ -474,7 +457,8 @@ def put_blocks(
     copier: Copier | None = None,
 ) -> Op_[PutResult]:
     """A put as one op: stage the batch, copy it in (hashing), commit it."""
-    staged = yield from stage_filled(keys, views, arena, area, copier or Copier(1))
+    staged = yield from stage_write(keys, [len(v) for v in views], arena, area, copied=True)
+    yield from fill_staged(staged, views, copier or Copier(1))
     if staged.nothing_staged:
         return PutResult(staged.statuses)
     return (yield from commit_staged(staged, area, len(arena or b""), replicate, origins))

@@ -176,9 +176,11 @@ class Writer:
         """The put's operation: a COMMIT sent into the area (``fits``: it has room, decided
         once, before: only then may replies still be due), or a whole put."""
         arena, area = conn.arena, conn.area
-        staged = yield from shm.stage_filled(
-            keys, views, arena, area, self._local.copier, fits or None, AREA_BATCHES
+        sizes = [len(v) for v in views]
+        staged = yield from shm.stage_write(
+            keys, sizes, arena, area, copied=True, area_fits=fits or None, area_batches=AREA_BATCHES
         )
+        yield from shm.fill_staged(staged, views, self._local.copier)
         if staged.backing is shm.Backing.AREA:
             return (yield from shm.send_in_area(staged, area, self._replicate, origins, keep=True))
         if staged.nothing_staged:
