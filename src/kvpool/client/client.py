@@ -78,7 +78,9 @@ class Client:
     nodes in parallel, then the other nodes; lookups ask every node in parallel (unless
     ``read_local_only``).  A node that is down or frozen turns its keys into misses; it
     never makes a call outlast its deadline.  Without a local node (``address=""``), writes
-    go straight to the home nodes.
+    go straight to the home nodes.  Every kind of write and read takes these routes: puts
+    and gets, the writer's puts, and write and read transactions (``begin_write`` /
+    ``begin_read``, also named ``reserve`` / ``acquire``).
     """
 
     def __init__(

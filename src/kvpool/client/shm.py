@@ -1,5 +1,6 @@
-"""The same-host path: blocks copied straight between the caller's buffers and the node's
-arena, with one path per direction, built from :class:`Slots`.
+"""How a batch of blocks is written and read: the one decision of each direction's path,
+and the same-host path, blocks copied straight between the caller's buffers and the node's
+arena, built from :class:`Slots`.
 
 - Writes: the writer hashes each block as it copies it in, over a few threads
   (:class:`~kvpool.client.copier.Copier`), and its COMMIT carries the checksums, so the node
@@ -15,16 +16,20 @@ arena, with one path per direction, built from :class:`Slots`.
     anyone else.  ``send_in_area`` and ``commit_reply`` are the two halves, which a
     :class:`~kvpool.client.writer.Writer` runs a put apart.
   - ``reserve_slots`` → fill → ``commit_slots`` (or ``ops.abort``): where the node had no
-    area free, for a batch too large for one, and for zero-copy write leases.  The bytes
-    of a zero-copy lease are written by the caller (or a DMA engine), not copied here, so
-    its COMMIT carries no checksums, and the node hashes (seals) those blocks itself
-    (:mod:`kvpool.node.sealing`).
+    area free, for a batch too large for one, and for write transactions filled in place.
+    The bytes of those are written by the caller (or a DMA engine), not copied here, so
+    their COMMIT carries no checksums unless the caller gives them, and the node hashes
+    (seals) those blocks itself (:mod:`kvpool.node.sealing`).
+- Off the node's host a put streams the caller's buffers over the socket (hashing each
+  block as it goes), and a transaction filled in place gets private buffers that are sent
+  the same way at its commit.
 - Reads without a round trip: ``listed_slots`` finds every key in the node's shared
   directory (:mod:`kvpool.directory`) → read → ``still_held`` (no entry's
   generation moved, so no block's memory was handed out meanwhile) → ``ops.touch``, which
   needs no reply.  A key the directory does not list, or a copy that raced a removal, sends
   the whole batch down the pinned path.
-- Reads: ``pin_slots`` → read → ``verify_slots`` → ``ops.unpin``.  A sealed block is copied
+- Reads: ``pin_slots`` → read → ``verify_slots`` → ``ops.unpin``; off the node's host, a
+  GET received over the socket, each block verified as it arrives.  A sealed block is copied
   without hashing it again: the node hashed those very bytes, nothing writes a committed
   block, and the pin keeps its memory.  What a reader still checks is that the pin held:
   a copy that ended past the pin's lease (which began no earlier than the PIN was sent) is
@@ -32,9 +37,11 @@ arena, with one path per direction, built from :class:`Slots`.
   client asks for it (``verify_reads``), are hashed as they are copied.
 
 Which path a batch takes is decided in one place per direction: :func:`stage_write` (write
-area, reservation, private buffer or stream) and :func:`open_read` (directory, pin, or
-received over the socket).  ``put_blocks`` / ``get_blocks`` run a whole transfer in one
-call; the transactions (:mod:`kvpool.client.transactions`) run the same steps across calls.
+area, reservation, private buffer or stream: :class:`Backing`) and :func:`open_read`
+(directory, pin, or received over the socket).  ``put_blocks`` / ``get_blocks`` run a
+whole transfer in one op (``Client.put`` / ``get``; the writer runs ``stage_write`` →
+``fill_staged`` → ``send_in_area`` with its COMMIT's reply read a put later); the
+transactions (:mod:`kvpool.client.transactions`) run the same steps across calls.
 Slots are checked against the arena, and statuses merged, only here.
 Like :mod:`kvpool.client.ops`, this is free of I/O: operations yield effects.
 """
