@@ -8,7 +8,7 @@ import pytest
 
 from kvpool import Client, Status, UsageError
 from kvpool import checksum as ck
-from kvpool.client import shm
+from kvpool.client import writes
 from tests.helpers import content, key
 
 
@@ -168,10 +168,10 @@ def _value(op):
 
 def test_off_the_nodes_host_a_copied_write_streams_and_a_filled_one_buffers():
     keys = [key("st-0"), key("st-1")]
-    streamed = _value(shm.stage_write(keys, [10, 20], None, None, copied=True))
-    assert streamed.backing is shm.Backing.STREAM and streamed.views == [None, None]
-    buffered = _value(shm.stage_write(keys, [10, 20], None, None, copied=False))
-    assert buffered.backing is shm.Backing.BUFFER
+    streamed = _value(writes.stage_write(keys, [10, 20], None, None, copied=True))
+    assert streamed.backing is writes.Backing.STREAM and streamed.views == [None, None]
+    buffered = _value(writes.stage_write(keys, [10, 20], None, None, copied=False))
+    assert buffered.backing is writes.Backing.BUFFER
     assert [len(v) for v in buffered.views] == [10, 20] and buffered.offsets == [0, 10]
     assert buffered.buffer is not None and len(buffered.buffer) == 30  # side by side
 
@@ -180,7 +180,7 @@ def test_a_write_filled_in_place_gets_reserved_slots_and_the_given_checksums(cli
     keys = [key(f"bw-{i}") for i in range(3)]
     values = [content(k, 8192) for k in keys]
     with client.begin_write(keys, [8192] * 3) as write:
-        assert write.backing is shm.Backing.RESERVATION and write.is_shm
+        assert write.backing is writes.Backing.RESERVATION and write.is_shm
         for view, value in zip(write.views, values, strict=True):
             view[:] = value
         result = write.commit(checksums=[ck.checksum(v) for v in values])
@@ -195,7 +195,7 @@ def test_a_write_filled_in_place_gets_reserved_slots_and_the_given_checksums(cli
 def test_a_write_off_the_nodes_host_fills_private_buffers(tcp_client):
     keys = [key(f"pw-{i}") for i in range(3)]
     with tcp_client.begin_write(keys, [4096] * 3) as write:
-        assert write.backing is shm.Backing.BUFFER and not write.is_shm
+        assert write.backing is writes.Backing.BUFFER and not write.is_shm
         extent = write.extent()
         assert extent is not None and len(extent) == 3 * 4096  # one copy fills them all
         extent[:] = b"".join(content(k, 4096).tobytes() for k in keys)

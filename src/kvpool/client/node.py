@@ -19,7 +19,7 @@ from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
 from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
 
-from . import ops, shm
+from . import ops, reads, writes
 from .connection import Connection, map_arena
 from .copier import Copier
 
@@ -239,7 +239,7 @@ class NodeClient:
         if origins is not None and len(origins) != len(keys):
             raise UsageError(f"{len(keys)} keys but {len(origins)} origins")
         return self.call(
-            lambda conn: shm.put_blocks(
+            lambda conn: writes.put_blocks(
                 keys, views, conn.arena, conn.area, replicate, origins, self._copier
             ),
             timeout,
@@ -257,7 +257,7 @@ class NodeClient:
             return ops.GetResult([], [], [])
         wait_ms = ops.lower_tier_wait_ms(timeout if timeout is not None else self.config.timeout_s)
         return self.call(
-            lambda conn: shm.get_blocks(
+            lambda conn: reads.get_blocks(
                 keys,
                 dsts,
                 conn.arena,

@@ -15,7 +15,7 @@ Each operation is a generator that yields *effects* and receives their results:
 A driver (:meth:`kvpool.client.connection.Connection.run`) performs the effects.  Every
 outcome that is not an error comes back as a value: statuses per key, never exceptions.
 
-The same-host path through the node's arena is in :mod:`kvpool.client.shm`.
+The same-host path through the node's arena is in :mod:`kvpool.client.reads`.
 """
 
 from __future__ import annotations

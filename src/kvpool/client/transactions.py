@@ -3,9 +3,9 @@
 Every write of the client is a :class:`WriteTransaction` and every read a
 :class:`ReadTransaction`, run either across calls (here: ``Client.begin_write`` /
 ``Client.begin_read``, also named ``reserve`` / ``acquire``) or within one call
-(``Client.put`` / ``get`` and the writer run the same ops of :mod:`kvpool.client.shm` in one
+(``Client.put`` / ``get`` and the writer run the same ops of :mod:`kvpool.client.reads` in one
 go, with the copier).  What backs a transaction is decided once per direction:
-:func:`~kvpool.client.shm.stage_write` and :func:`~kvpool.client.shm.open_read`.
+:func:`~kvpool.client.writes.stage_write` and :func:`~kvpool.client.reads.open_read`.
 
 Write lifecycle: ``begin_write(keys, sizes)`` → fill ``views`` (``None`` where a key gets
 no block: already stored, or being written) → ``commit(checksums=None, origins=None)`` or
@@ -36,7 +36,7 @@ from typing import Any
 from kvpool.errors import Status, UsageError
 from kvpool.keys import BlockOrigin
 
-from . import ops, shm
+from . import ops, reads, writes
 from .connection import Connection
 from .node import NodeClient
 
@@ -88,7 +88,7 @@ class WriteTransaction:
 
     def __init__(
         self,
-        staged: shm.StagedWrite,
+        staged: writes.StagedWrite,
         base: Any,
         *,
         send: SendBlocks,
@@ -124,7 +124,7 @@ class WriteTransaction:
         conn = node.hold(timeout)
         try:
             staged = conn.run(
-                shm.stage_write(keys, sizes, conn.arena, None, copied=False), deadline
+                writes.stage_write(keys, sizes, conn.arena, None, copied=False), deadline
             )
         except BaseException:
             node.release(conn)
@@ -142,17 +142,17 @@ class WriteTransaction:
         """Private buffers that ``send`` publishes (no local node to stage them on)."""
         if len(keys) != len(sizes):
             raise UsageError(f"{len(keys)} keys but {len(sizes)} sizes")
-        return cls(shm.StagedWrite.off_host(keys, sizes, shm.Backing.BUFFER), None, send=send)
+        return cls(writes.StagedWrite.off_host(keys, sizes, writes.Backing.BUFFER), None, send=send)
 
     @property
-    def backing(self) -> shm.Backing:
+    def backing(self) -> writes.Backing:
         """What holds the blocks until the commit."""
         return self._staged.backing
 
     @property
     def is_shm(self) -> bool:
         """Whether the views are the node's arena memory (else private buffers)."""
-        return self._staged.backing is not shm.Backing.BUFFER
+        return self._staged.backing is not writes.Backing.BUFFER
 
     def extent(self) -> memoryview | None:
         """All the views as one adjacent region, if they are (so one copy fills them)."""
@@ -175,12 +175,12 @@ class WriteTransaction:
                 raise UsageError(f"{len(self.keys)} keys but {len(values)} {what}")
         self._done = True
         kept = list(origins) if origins is not None else None
-        if self._staged.backing is shm.Backing.BUFFER:
+        if self._staged.backing is writes.Backing.BUFFER:
             return self._send_buffers(timeout, kept)
         if self._held is None:  # nothing was reserved
             return ops.PutResult(self.statuses)
         self._staged.checksums = list(checksums) if checksums is not None else None
-        op = shm.commit_staged(self._staged, None, 0, self._replicate, kept)
+        op = writes.commit_staged(self._staged, None, 0, self._replicate, kept)
         result = self._held.finish(op, timeout)
         return result if result is not None else ops.PutResult(self.statuses)
 
@@ -197,7 +197,7 @@ class WriteTransaction:
         if not self._done:
             self._done = True
             if self._held is not None:
-                self._held.finish(shm.abort_staged(self._staged), None)
+                self._held.finish(writes.abort_staged(self._staged), None)
 
     def __enter__(self) -> WriteTransaction:
         return self
@@ -209,7 +209,7 @@ class WriteTransaction:
 class ReadTransaction:
     """Verified blocks to read where they lie, then end (see the module)."""
 
-    def __init__(self, slots: shm.Slots, base: Any, held: _HeldConnection | None = None) -> None:
+    def __init__(self, slots: reads.Slots, base: Any, held: _HeldConnection | None = None) -> None:
         self.keys = slots.keys
         self.statuses = slots.statuses
         self.views = slots.views
@@ -229,7 +229,7 @@ class ReadTransaction:
         wait_ms = ops.lower_tier_wait_ms(deadline - time.monotonic())
         verify_all = node.config.verify_reads
         try:
-            op = shm.read_in_place(keys, conn.arena, conn.directory, prefix, wait_ms, verify_all)
+            op = reads.read_in_place(keys, conn.arena, conn.directory, prefix, wait_ms, verify_all)
             slots = conn.run(op, deadline)
         except BaseException:
             node.release(conn)  # a broken connection takes its pin with it
@@ -244,7 +244,7 @@ class ReadTransaction:
     def empty(cls, keys: Sequence[bytes]) -> ReadTransaction:
         """A transaction holding nothing yet (no local node, or it is down)."""
         n = len(keys)
-        slots = shm.Slots(list(keys), 0, [Status.NOT_FOUND] * n, [-1] * n, [None] * n, [], 0)
+        slots = reads.Slots(list(keys), 0, [Status.NOT_FOUND] * n, [-1] * n, [None] * n, [], 0)
         return cls(slots, None)
 
     @property
@@ -278,7 +278,7 @@ class ReadTransaction:
     def end(self) -> None:
         """Let go of the blocks (drop the pin); the views must not be used afterwards."""
         if self._held is not None:
-            self._held.finish(shm.end_read(self._slots), None)
+            self._held.finish(reads.end_read(self._slots), None)
 
     release = end  # the name of a read lease's end
 

@@ -12,7 +12,7 @@ time it is there: a stream of puts moves at the speed of its copies.
   does so only while the rest holds another batch as large.  Else the next put waits for
   the reply, which says where the node put a fresh area.  The area's lease is renewed
   only by replies read, so a copy still ends long before the node could hand that memory
-  to anyone else (see :mod:`kvpool.client.shm`).
+  to anyone else (see :mod:`kvpool.client.reads`).
 - At most one COMMIT is in flight when a put returns: the reply of the one before is read
   by then.  ``flush()`` reads every reply due; the future of a put holds its statuses once
   its reply is read (``result()`` reads it if needed).
@@ -43,7 +43,7 @@ from kvpool.config import page_bytes
 from kvpool.errors import StoreError, TransportError, UsageError
 from kvpool.keys import BlockOrigin
 
-from . import ops, shm
+from . import ops, writes
 from .connection import Connection
 from .futures import PoolFuture
 from .node import NodeClient
@@ -97,7 +97,7 @@ class Writer:
         self._route = route
         self._conn: Connection | None = None
         self._due: collections.deque[
-            tuple[shm.SentCommit, concurrent.futures.Future[ops.PutResult]]
+            tuple[writes.SentCommit, concurrent.futures.Future[ops.PutResult]]
         ] = collections.deque()
         self._lock = threading.Lock()
         self._closed = False
@@ -172,21 +172,25 @@ class Writer:
         views: list[memoryview],
         origins: Sequence[BlockOrigin | None] | None,
         fits: bool,
-    ) -> ops.Op_[ops.PutResult | shm.SentCommit]:
+    ) -> ops.Op_[ops.PutResult | writes.SentCommit]:
         """The put's operation: a COMMIT sent into the area (``fits``: it has room, decided
         once, before: only then may replies still be due), or a whole put."""
         arena, area = conn.arena, conn.area
         sizes = [len(v) for v in views]
-        staged = yield from shm.stage_write(
+        staged = yield from writes.stage_write(
             keys, sizes, arena, area, copied=True, area_fits=fits or None, area_batches=AREA_BATCHES
         )
-        yield from shm.fill_staged(staged, views, self._local.copier)
-        if staged.backing is shm.Backing.AREA:
-            return (yield from shm.send_in_area(staged, area, self._replicate, origins, keep=True))
+        yield from writes.fill_staged(staged, views, self._local.copier)
+        if staged.backing is writes.Backing.AREA:
+            return (
+                yield from writes.send_in_area(staged, area, self._replicate, origins, keep=True)
+            )
         if staged.nothing_staged:
             return ops.PutResult(staged.statuses)
         arena_bytes = len(arena or b"")
-        return (yield from shm.commit_staged(staged, area, arena_bytes, self._replicate, origins))
+        return (
+            yield from writes.commit_staged(staged, area, arena_bytes, self._replicate, origins)
+        )
 
     def flush(self, timeout: float | None = None) -> None:
         """Read every reply due: each put's future is ready after this."""
@@ -223,7 +227,7 @@ class Writer:
             sent, future = self._due[0]
             try:
                 result = conn.run(
-                    shm.commit_reply(sent, conn.area, len(conn.arena or b"")), deadline
+                    writes.commit_reply(sent, conn.area, len(conn.arena or b"")), deadline
                 )
             except StoreError as exc:  # the node refused that COMMIT; the connection is fine
                 self._due.popleft()
