@@ -207,6 +207,13 @@ def test_an_off_host_write_transaction_is_routed_through_the_cluster(fabric):
             assert result.statuses[i] is Status.OK
         got = survivor.get([keys[i] for i in homed_away])
         assert [bytes(v) for v in got.values] == [values[i].tobytes() for i in homed_away]
+        # With the local node gone at the start, the transaction is private buffers too.
+        later = key("off-later")
+        with off_host.begin_write([later], [5000]) as write:
+            assert not write.is_shm
+            write.views[0][:] = content(later, 5000)
+            stored = write.commit().statuses == [Status.OK]
+        assert stored == (homes(later, members)[0].tcp_address != peers[0])
     finally:
         off_host.close()
         survivor.close()
