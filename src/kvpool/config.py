@@ -602,7 +602,7 @@ class ClientConfig:
     # kvpool.client.copier): one core moves memory slower than the memory can.
     copy_threads: int = DEFAULT_COPY_THREADS
     # Hash every block read from the node's arena, even those the node sealed (see
-    # kvpool.client.shm): for hosts where processes that map the arena are not trusted.
+    # kvpool.client.reads): for hosts where processes that map the arena are not trusted.
     verify_reads: bool = False
     # TLS to nodes' TCP ports: the server verified against tls_ca (else the system's CAs);
     # tls_cert/tls_key presented for mutual TLS.  A Unix socket is never wrapped.

@@ -11,7 +11,7 @@ import pytest
 
 from kvpool import Client, ConnectError, NodeUnavailable, Status
 from kvpool.client import connection, ops
-from tests.client.test_shm import op_count
+from tests.client.test_reads import op_count
 from tests.helpers import content, key
 
 SIZE = 256 << 10  # four blocks a batch: 1 MiB, so a writer's area (4 MiB) holds four

@@ -175,6 +175,65 @@ def test_a_client_without_a_local_node_writes_to_homes(fabric):
         assert sum(per_node) == 20 and all(n > 0 for n in per_node)  # each key on its home only
 
 
+def static_cluster(fabric, names):
+    """A node on each named host, every one a peer of the others: the hosts and peers."""
+    hosts = [fabric.add_host(n) for n in names]
+    peers = tuple(h.tcp_address for h in hosts)
+    for host in hosts:
+        host.start_node(peers=list(peers))
+    return hosts, peers
+
+
+def test_an_off_host_write_transaction_is_routed_through_the_cluster(fabric):
+    """A transaction off its local node's host fills private buffers, and its commit goes
+    where a put goes: the local node first, and when that fails, the keys' homes."""
+    hosts, peers = static_cluster(fabric, ("a", "b", "c"))
+    options = hosts[0].client_options(peers=peers, address=hosts[0].tcp_address)
+    off_host = Client(**{**options, "host_id": "host-elsewhere"}, timeout=5)
+    survivor = Client(**hosts[1].client_options(peers=peers), timeout=5)
+    try:
+        keys = [key(f"off{i}") for i in range(30)]
+        values = [content(k, 5000) for k in keys]
+        with off_host.begin_write(keys, [5000] * len(keys)) as write:
+            assert not write.is_shm  # private buffers: the client is not on a's host
+            for view, value in zip(write.views, values, strict=True):
+                view[:] = value
+            hosts[0].nodes[-1].kill()  # the local node goes before the commit
+            result = write.commit()
+        members = off_host.cluster.members()
+        homed_away = [i for i, k in enumerate(keys) if homes(k, members)[0].tcp_address != peers[0]]
+        assert homed_away  # rendezvous spreads 30 keys over three nodes
+        for i in homed_away:  # not lost with the local node: written to their homes
+            assert result.statuses[i] is Status.OK
+        got = survivor.get([keys[i] for i in homed_away])
+        assert [bytes(v) for v in got.values] == [values[i].tobytes() for i in homed_away]
+        # With the local node gone at the start, the transaction is private buffers too.
+        later = key("off-later")
+        with off_host.begin_write([later], [5000]) as write:
+            assert not write.is_shm
+            write.views[0][:] = content(later, 5000)
+            stored = write.commit().statuses == [Status.OK]
+        assert stored == (homes(later, members)[0].tcp_address != peers[0])
+    finally:
+        off_host.close()
+        survivor.close()
+
+
+def test_a_writer_in_a_cluster_goes_on_through_the_homes(fabric):
+    """A writer whose local node fails puts through the cluster's routing, as put does."""
+    hosts, peers = static_cluster(fabric, ("a", "b"))
+    with Client(**hosts[0].client_options(peers=peers), timeout=5) as client:
+        keys = [key(f"w{i}") for i in range(20)]
+        with client.writer() as writer:
+            assert writer.put(keys[:10], [content(k, 4096) for k in keys[:10]]).result().all_stored
+            hosts[0].nodes[-1].kill()
+            later = writer.put(keys[10:], [content(k, 4096) for k in keys[10:]]).result()
+        members = client.cluster.members()
+        for k, status in zip(keys[10:], later.statuses, strict=True):
+            on_b = homes(k, members)[0].tcp_address == peers[1]
+            assert status is (Status.OK if on_b else Status.UNAVAILABLE)
+
+
 # -- etcd membership --------------------------------------------------------------------
 
 

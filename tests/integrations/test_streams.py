@@ -86,17 +86,17 @@ def log(monkeypatch):
             return _real(layout, *args)
 
         monkeypatch.setattr(PagedLayout, name, spy)
-    real_release, real_commit = ReadLease.release, WriteLease.commit
+    real_end, real_commit = ReadLease.end, WriteLease.commit
 
-    def release(lease):
+    def end(lease):
         entries.append(("unpin",))
-        real_release(lease)
+        real_end(lease)
 
     def commit(lease, *args, **kwargs):
         entries.append(("commit",))
         return real_commit(lease, *args, **kwargs)
 
-    monkeypatch.setattr(ReadLease, "release", release)
+    monkeypatch.setattr(ReadLease, "end", end)
     monkeypatch.setattr(WriteLease, "commit", commit)
     return entries
 

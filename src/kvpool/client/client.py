@@ -19,24 +19,39 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 from kvpool.config import ClientConfig, client_config_from
-from kvpool.errors import Status, UsageError
+from kvpool.errors import Status, TransportError, UsageError
 from kvpool.keys import BlockOrigin, Namespace
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
 
 from . import ops
 from .futures import PoolFuture
-from .leases import ReadLease, WriteLease
 from .node import NodeClient
 from .ops import GetResult, LookupState, PutResult
 from .routing import ClusterClient
+from .transactions import ReadTransaction, WriteTransaction
 from .writer import Writer
 
 T = TypeVar("T")
 
 _BACKGROUND_THREADS = 4
+
+
+class LookupOptions(TypedDict, total=False):
+    """:meth:`Client.lookup`'s options: :meth:`Client.lookup_state`'s, but ``prefetch``."""
+
+    wait: float
+    wait_absent: bool
+    timeout: float | None
+
+
+class GetOptions(TypedDict, total=False):
+    """:meth:`Client.get_async`'s options: :meth:`Client.get`'s."""
+
+    prefix: bool
+    timeout: float | None
 
 
 def make_config(
@@ -63,7 +78,9 @@ class Client:
     nodes in parallel, then the other nodes; lookups ask every node in parallel (unless
     ``read_local_only``).  A node that is down or frozen turns its keys into misses; it
     never makes a call outlast its deadline.  Without a local node (``address=""``), writes
-    go straight to the home nodes.
+    go straight to the home nodes.  Every kind of write and read takes these routes: puts
+    and gets, the writer's puts, and write and read transactions (``begin_write`` /
+    ``begin_read``, also named ``reserve`` / ``acquire``).
     """
 
     def __init__(
@@ -110,21 +127,13 @@ class Client:
 
     # -- blocks ---------------------------------------------------------------------------
 
-    def lookup(
-        self,
-        keys: Sequence[bytes],
-        *,
-        wait: float = 0.0,
-        wait_absent: bool = False,
-        timeout: float | None = None,
-    ) -> int:
+    def lookup(self, keys: Sequence[bytes], **options: Unpack[LookupOptions]) -> int:
         """The length of the longest stored prefix of ``keys`` (anywhere in the cluster).
 
         With ``wait`` > 0, keys that are being written are awaited up to ``wait`` seconds
         (and, with ``wait_absent``, keys nobody has started writing yet).
         """
-        state = self.lookup_state(keys, wait=wait, wait_absent=wait_absent, timeout=timeout)
-        return state.num_prefix
+        return self.lookup_state(keys, **options).num_prefix
 
     def lookup_state(
         self,
@@ -179,11 +188,32 @@ class Client:
         ``origins``, per key: what the block was computed from (token ids and the parent's
         hash), which the node's KV events tell routers; the local node keeps them."""
         views = ops.check_buffers(keys, values, writable=False) or []
+        return self._put_views(keys, views, self._deadline(timeout), origins)
+
+    def _put_views(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        deadline: float,
+        origins: Sequence[BlockOrigin | None] | None,
+    ) -> PutResult:
+        """Where every write of this client's is published: the cluster's routing, or the
+        local node (the one routed path for puts, private buffers and the writer)."""
         if self.cluster is not None:
-            return self.cluster.put(keys, views, self._deadline(timeout), origins)
+            return self.cluster.put(keys, views, deadline, origins)
+        timeout = max(deadline - time.monotonic(), 0.0)
         return self._require_local().put(
             keys, views, replicate=self.config.write_rcache, timeout=timeout, origins=origins
         )
+
+    def _send_buffers(
+        self,
+        keys: list[bytes],
+        views: list[memoryview],
+        timeout: float | None,
+        origins: list[BlockOrigin | None] | None,
+    ) -> PutResult:
+        return self._put_views(keys, views, self._deadline(timeout), origins)
 
     def get(
         self,
@@ -206,34 +236,58 @@ class Client:
             return self.cluster.delete(keys, self._deadline(timeout))
         return self._require_local().delete(keys, timeout=timeout)
 
-    # -- zero-copy leases -------------------------------------------------------------------
+    # -- transactions: fill or read blocks where they lie ---------------------------------
+
+    def begin_write(
+        self, keys: Sequence[bytes], sizes: Sequence[int], *, timeout: float | None = None
+    ) -> WriteTransaction:
+        """Stage blocks and hand out writable views to fill in place (arena memory on the
+        node's host, private buffers elsewhere); ``commit()`` publishes them, ``abort()``
+        gives the space back (see :mod:`kvpool.client.transactions`).  Keys already stored
+        or being written get no view.  Private buffers are published as a put is: through
+        the cluster's routing, when there is a cluster."""
+        if self.local is not None:
+            try:
+                return WriteTransaction.begin(
+                    self.local, keys, sizes, self.config.write_rcache, timeout, self._send_buffers
+                )
+            except TransportError:
+                if self.cluster is None:
+                    raise  # in a cluster a failing local node is a miss: the homes take it
+        return WriteTransaction.buffered(keys, sizes, self._send_buffers)
+
+    def begin_read(
+        self, keys: Sequence[bytes], *, prefix: bool = True, timeout: float | None = None
+    ) -> ReadTransaction:
+        """Hand out read-only, checksum-verified views of stored blocks until ``end()``;
+        with ``prefix``, only the leading run of present keys (see
+        :mod:`kvpool.client.transactions`).  In a cluster, blocks the local node lacks are
+        fetched from their homes into private buffers."""
+        if self.cluster is not None:
+            return self.cluster.begin_read(keys, prefix, self._deadline(timeout))
+        return ReadTransaction.begin(self._require_local(), keys, prefix, timeout)
 
     def reserve(
         self, keys: Sequence[bytes], sizes: Sequence[int], *, timeout: float | None = None
-    ) -> WriteLease:
-        """Reserve space for blocks and hand out writable views to fill in place (arena
-        memory on the node's host, private buffers elsewhere); ``commit()`` publishes them.
-        Keys already stored or being written get no view."""
-        if self.local is None:
-            return WriteLease.buffered(
-                keys, sizes, lambda ks, vs, t, o: self.put(ks, vs, timeout=t, origins=o)
-            )
-        return WriteLease.open(self.local, keys, sizes, self.config.write_rcache, timeout)
+    ) -> WriteTransaction:
+        """:meth:`begin_write`, by its older name."""
+        return self.begin_write(keys, sizes, timeout=timeout)
 
     def acquire(
         self, keys: Sequence[bytes], *, prefix: bool = True, timeout: float | None = None
-    ) -> ReadLease:
-        """Pin stored blocks and hand out read-only, checksum-verified views of them until
-        ``release()``; with ``prefix``, only the leading run of present keys.  In a cluster,
-        blocks the local node lacks are fetched from their homes into private buffers."""
-        if self.cluster is not None:
-            return self.cluster.acquire(keys, prefix, self._deadline(timeout))
-        return ReadLease.open(self._require_local(), keys, prefix, timeout)
+    ) -> ReadTransaction:
+        """:meth:`begin_read`, by its older name (its ``release()`` is ``end()``)."""
+        return self.begin_read(keys, prefix=prefix, timeout=timeout)
 
     def writer(self, *, timeout: float | None = None) -> Writer:
         """A stream of puts to the local node whose commits overlap the next put's copy
-        (see :mod:`kvpool.client.writer`); close it, or use it as a context manager."""
-        return Writer(self._require_local(), self.config.write_rcache, timeout)
+        (see :mod:`kvpool.client.writer`); close it, or use it as a context manager.  In a
+        cluster, a put the local node cannot take goes through the cluster's routing."""
+        route = None if self.cluster is None else self._put_views
+        if route is None:
+            self._require_local()
+        timeout_s = timeout if timeout is not None else self.config.timeout_s
+        return Writer(self.local, self.config.write_rcache, timeout_s, route)
 
     # -- asynchronous save and load --------------------------------------------------------
 
@@ -254,17 +308,11 @@ class Client:
         self,
         keys: Sequence[bytes],
         buffers: Sequence[Any] | None = None,
-        *,
-        prefix: bool = False,
-        timeout: float | None = None,
+        **options: Unpack[GetOptions],
     ) -> PoolFuture[GetResult]:
-        """Start a get into ``buffers``."""
+        """Start a get into ``buffers`` (options: :meth:`get`'s)."""
         return self._submit(
-            self.get,
-            list(keys),
-            None if buffers is None else list(buffers),
-            prefix=prefix,
-            timeout=timeout,
+            self.get, list(keys), None if buffers is None else list(buffers), **options
         )
 
     # -- nodes ----------------------------------------------------------------------------

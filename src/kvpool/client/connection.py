@@ -50,7 +50,7 @@ from kvpool.protocol.messages import KeysRequest, Op, Welcome
 from kvpool.tls import client_context
 
 from . import ops
-from .shm import WriteArea
+from .writes import WriteArea
 
 T = TypeVar("T")
 

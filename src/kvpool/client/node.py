@@ -19,7 +19,7 @@ from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
 from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
 
-from . import ops, shm
+from . import ops, reads, writes
 from .connection import Connection, map_arena
 from .copier import Copier
 
@@ -66,14 +66,6 @@ class _ArenaCache:
             self._hooks.append(hook)
             if self._arena is not None:
                 hook(self._arena, None)
-
-
-def _shm_or_stream(
-    shm: Callable[[memoryview, Connection], Generator[Any, Any, T]],
-    stream: Callable[[], Generator[Any, Any, T]],
-) -> OpFactory[T]:
-    """An operation through the arena when the client maps it, else over the socket."""
-    return lambda conn: shm(conn.arena, conn) if conn.arena is not None else stream()
 
 
 class NodeClient:
@@ -247,11 +239,8 @@ class NodeClient:
         if origins is not None and len(origins) != len(keys):
             raise UsageError(f"{len(keys)} keys but {len(origins)} origins")
         return self.call(
-            _shm_or_stream(
-                lambda arena, conn: shm.put_shm(
-                    keys, views, arena, replicate, origins, conn.area, self._copier
-                ),
-                lambda: ops.put_stream(keys, views, replicate, origins),
+            lambda conn: writes.put_blocks(
+                keys, views, conn.arena, conn.area, replicate, origins, self._copier
             ),
             timeout,
         )
@@ -268,18 +257,15 @@ class NodeClient:
             return ops.GetResult([], [], [])
         wait_ms = ops.lower_tier_wait_ms(timeout if timeout is not None else self.config.timeout_s)
         return self.call(
-            _shm_or_stream(
-                lambda arena, conn: shm.get_shm(
-                    keys,
-                    dsts,
-                    arena,
-                    conn.directory,
-                    prefix,
-                    wait_ms,
-                    self.config.verify_reads,
-                    self._copier,
-                ),
-                lambda: ops.get_stream(keys, dsts, prefix, wait_ms),
+            lambda conn: reads.get_blocks(
+                keys,
+                dsts,
+                conn.arena,
+                conn.directory,
+                prefix,
+                wait_ms,
+                self.config.verify_reads,
+                self._copier,
             ),
             timeout,
         )

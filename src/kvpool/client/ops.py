@@ -15,7 +15,7 @@ Each operation is a generator that yields *effects* and receives their results:
 A driver (:meth:`kvpool.client.connection.Connection.run`) performs the effects.  Every
 outcome that is not an error comes back as a value: statuses per key, never exceptions.
 
-The same-host path through the node's arena is in :mod:`kvpool.client.shm`.
+The same-host path through the node's arena is in :mod:`kvpool.client.reads`.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ from kvpool.protocol.messages import (
 )
 
 T = TypeVar("T")
+
+# The longest wait and hold a request can carry: the protocol's bounds on a message, not
+# grants (the node clamps what it is asked for to its own lease limits).
+MAX_WAIT_S = MAX_WAIT_MS / 1000
+MAX_HOLD_S = MAX_LEASE_MS / 1000
 
 
 @dataclass(slots=True)
@@ -222,7 +227,7 @@ def lookup(
 ) -> Op_[LookupState]:
     request = LookupRequest(
         keys=list(keys),
-        wait_ms=int(min(wait_s, 60.0) * 1000),
+        wait_ms=int(min(wait_s, MAX_WAIT_S) * 1000),
         wait_absent=wait_absent,
         prefetch_ms=int(min(prefetch_s, MAX_HOLD_S) * 1000),
     )
@@ -306,9 +311,6 @@ def destinations(
         else:
             out.append(dsts[i][:size])
     return out
-
-
-MAX_HOLD_S = MAX_LEASE_MS / 1000
 
 
 def lower_tier_wait_ms(timeout_s: float) -> int:

@@ -33,9 +33,9 @@ from kvpool.stats import TIER_REMOTE
 from kvpool.timing import MIN_SECOND_ROUND_S
 
 from .cluster import ClusterView
-from .leases import ReadLease
 from .node import NodeClient
 from .ops import GetResult, LookupState, PutResult
+from .transactions import ReadTransaction
 
 T = TypeVar("T")
 
@@ -215,25 +215,26 @@ class ClusterClient:
                         result.values[i] = None
         return result
 
-    def acquire(self, keys: Sequence[bytes], prefix: bool, deadline: float) -> ReadLease:
-        """A read lease of the local node's blocks, its gaps filled from the other nodes
-        into private buffers."""
-        lease = ReadLease.empty(keys)
+    def begin_read(self, keys: Sequence[bytes], prefix: bool, deadline: float) -> ReadTransaction:
+        """A read transaction of the local node's blocks, its gaps filled from the other
+        nodes into private buffers."""
+        read = ReadTransaction.empty(keys)
         if self.local is not None and deadline > time.monotonic():
             with contextlib.suppress(TransportError):
                 local_prefix = prefix and not self._reads_remote
-                lease = ReadLease.open(self.local, keys, local_prefix, deadline - time.monotonic())
-        if not self._reads_remote or lease.num_prefix == len(keys):
-            return lease
-        missing = [i for i, view in enumerate(lease.views) if view is None]
+                timeout = deadline - time.monotonic()
+                read = ReadTransaction.begin(self.local, keys, local_prefix, timeout)
+        if not self._reads_remote or read.num_prefix == len(keys):
+            return read
+        missing = [i for i, view in enumerate(read.views) if view is None]
         n = len(keys)
         fetched = GetResult([Status.NOT_FOUND] * n, [-1] * n, [None] * n)
         self._get_remote(keys, None, fetched, missing, deadline)
         for i in missing:
             value = fetched.values[i]
             if fetched.statuses[i] is Status.OK and value is not None:
-                lease.adopt(i, memoryview(value))
-        return lease
+                read.adopt(i, memoryview(value))
+        return read
 
     def _get_remote(
         self,

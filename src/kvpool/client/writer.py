@@ -12,7 +12,7 @@ time it is there: a stream of puts moves at the speed of its copies.
   does so only while the rest holds another batch as large.  Else the next put waits for
   the reply, which says where the node put a fresh area.  The area's lease is renewed
   only by replies read, so a copy still ends long before the node could hand that memory
-  to anyone else (see :mod:`kvpool.client.shm`).
+  to anyone else (see :mod:`kvpool.client.reads`).
 - At most one COMMIT is in flight when a put returns: the reply of the one before is read
   by then.  ``flush()`` reads every reply due; the future of a put holds its statuses once
   its reply is read (``result()`` reads it if needed).
@@ -22,6 +22,8 @@ time it is there: a stream of puts moves at the speed of its copies.
   due and the writer opens a new one for the next put.
 - Off the node's host, or where the node has no area free, a put is a plain put: its
   future is ready when it returns.
+- In a cluster (``route`` given), a put the local node cannot take (there is none, or it
+  fails to answer) goes where ``Client.put`` sends it: through the cluster's routing.
 
 A writer holds one connection of the client until it is closed; use it from one thread at
 a time (calls are serialised).
@@ -34,19 +36,24 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.config import page_bytes
-from kvpool.errors import StoreError, UsageError
+from kvpool.errors import StoreError, TransportError, UsageError
 from kvpool.keys import BlockOrigin
 
-from . import ops, shm
+from . import ops, writes
 from .connection import Connection
 from .futures import PoolFuture
 from .node import NodeClient
 
 AREA_BATCHES = 4  # a writer's area holds this many batches: one put in four waits for a reply
+
+RoutedPut = Callable[
+    [Sequence[bytes], Sequence[memoryview], float, Sequence[BlockOrigin | None] | None],
+    ops.PutResult,
+]
 
 
 class _WriterFuture(PoolFuture[ops.PutResult]):
@@ -75,13 +82,22 @@ class _WriterFuture(PoolFuture[ops.PutResult]):
 class Writer:
     """Puts to one node whose commits overlap the next put's copy (see the module)."""
 
-    def __init__(self, node: NodeClient, replicate: bool, timeout: float | None = None):
+    def __init__(
+        self,
+        node: NodeClient | None,
+        replicate: bool,
+        timeout: float,
+        route: RoutedPut | None = None,
+    ):
+        """``route(keys, views, deadline, origins)``: the client's routed put, for puts the
+        local ``node`` cannot take (a cluster's writer; None: the node's errors raise)."""
         self._node = node
         self._replicate = replicate
-        self._timeout = timeout if timeout is not None else node.config.timeout_s
+        self._timeout = timeout
+        self._route = route
         self._conn: Connection | None = None
         self._due: collections.deque[
-            tuple[shm.SentCommit, concurrent.futures.Future[ops.PutResult]]
+            tuple[writes.SentCommit, concurrent.futures.Future[ops.PutResult]]
         ] = collections.deque()
         self._lock = threading.Lock()
         self._closed = False
@@ -108,54 +124,72 @@ class Writer:
         with self._lock:
             if self._closed:
                 raise UsageError("the writer is closed")
+            deadline = time.monotonic() + self._timeout
             if not keys:
                 future.set_result(ops.PutResult([]))
-                return _WriterFuture(future, self)
-            deadline = time.monotonic() + self._timeout
-            conn = self._connection(deadline)
-            num_bytes = sum(page_bytes(len(v)) for v in views)
-            fits = conn.arena is not None and conn.area.fits(num_bytes)
-            if not fits:  # what comes next waits for its own reply: read those due first,
-                self._drain(conn, 0, deadline)  # which may say where a fresh area is
-                fits = conn.arena is not None and conn.area.fits(num_bytes)
-            try:
-                put = self._put(conn, keys, views, origins, num_bytes, fits)
-                outcome = conn.run(put, deadline)
-            except BaseException as exc:
-                if conn.broken:
-                    self._fail_due(conn, exc)
-                raise
-            if isinstance(outcome, ops.PutResult):
-                future.set_result(outcome)
+            elif self._node is None and self._route is not None:
+                future.set_result(self._route(keys, views, deadline, origins))
             else:
-                self._due.append((outcome, future))
-                self._drain(conn, 1, deadline)
+                try:
+                    self._put(keys, views, origins, future, deadline)
+                except TransportError:
+                    if self._route is None:
+                        raise
+                    future.set_result(self._route(keys, views, deadline, origins))
         return _WriterFuture(future, self)
 
     def _put(
+        self,
+        keys: Sequence[bytes],
+        views: list[memoryview],
+        origins: Sequence[BlockOrigin | None] | None,
+        future: concurrent.futures.Future[ops.PutResult],
+        deadline: float,
+    ) -> None:
+        """Put through the local node: its COMMIT sent, or the whole put done."""
+        conn = self._connection(deadline)
+        num_bytes = sum(page_bytes(len(v)) for v in views)
+        fits = conn.arena is not None and conn.area.fits(num_bytes)
+        if not fits:  # what comes next waits for its own reply: read those due first,
+            self._drain(conn, 0, deadline)  # which may say where a fresh area is
+            fits = conn.arena is not None and conn.area.fits(num_bytes)
+        try:
+            outcome = conn.run(self._put_op(conn, keys, views, origins, fits), deadline)
+        except BaseException as exc:
+            if conn.broken:
+                self._fail_due(conn, exc)
+            raise
+        if isinstance(outcome, ops.PutResult):
+            future.set_result(outcome)
+        else:
+            self._due.append((outcome, future))
+            self._drain(conn, 1, deadline)
+
+    def _put_op(
         self,
         conn: Connection,
         keys: Sequence[bytes],
         views: list[memoryview],
         origins: Sequence[BlockOrigin | None] | None,
-        num_bytes: int,
         fits: bool,
-    ) -> ops.Op_[ops.PutResult | shm.SentCommit]:
-        """The put's operation: a COMMIT sent into the area (``fits``: it has room for
-        ``num_bytes``, decided once, before: only then may replies still be due), or a whole
-        put."""
-        arena, area, copier = conn.arena, conn.area, self._node.copier
-        if arena is None:
-            return (yield from ops.put_stream(keys, views, self._replicate, origins))
-        if not fits:
-            yield from shm.renew_area(area, num_bytes, len(arena), AREA_BATCHES)
-            if not area.fits(num_bytes):
-                put = shm.put_shm(keys, views, arena, self._replicate, origins, None, copier)
-                return (yield from put)
-        return (
-            yield from shm.send_in_area(
-                keys, views, arena, area, self._replicate, origins, copier, keep=True
+    ) -> ops.Op_[ops.PutResult | writes.SentCommit]:
+        """The put's operation: a COMMIT sent into the area (``fits``: it has room, decided
+        once, before: only then may replies still be due), or a whole put."""
+        arena, area = conn.arena, conn.area
+        sizes = [len(v) for v in views]
+        staged = yield from writes.stage_write(
+            keys, sizes, arena, area, copied=True, area_fits=fits or None, area_batches=AREA_BATCHES
+        )
+        yield from writes.fill_staged(staged, views, self._local.copier)
+        if staged.backing is writes.Backing.AREA:
+            return (
+                yield from writes.send_in_area(staged, area, self._replicate, origins, keep=True)
             )
+        if staged.nothing_staged:
+            return ops.PutResult(staged.statuses)
+        arena_bytes = len(arena or b"")
+        return (
+            yield from writes.commit_staged(staged, area, arena_bytes, self._replicate, origins)
         )
 
     def flush(self, timeout: float | None = None) -> None:
@@ -173,12 +207,18 @@ class Writer:
             with self._lock:
                 self._closed = True
                 if self._conn is not None:  # nothing due on it: a failed read dropped it
-                    self._node.release(self._conn)
+                    self._local.release(self._conn)
                     self._conn = None
+
+    @property
+    def _local(self) -> NodeClient:
+        if self._node is None:
+            raise UsageError("this writer has no local node")
+        return self._node
 
     def _connection(self, deadline: float) -> Connection:
         if self._conn is None:
-            self._conn = self._node.hold(max(deadline - time.monotonic(), 0.001))
+            self._conn = self._local.hold(max(deadline - time.monotonic(), 0.001))
         return self._conn
 
     def _drain(self, conn: Connection, leave: int, deadline: float) -> None:
@@ -187,7 +227,7 @@ class Writer:
             sent, future = self._due[0]
             try:
                 result = conn.run(
-                    shm.commit_reply(sent, conn.area, len(conn.arena or b"")), deadline
+                    writes.commit_reply(sent, conn.area, len(conn.arena or b"")), deadline
                 )
             except StoreError as exc:  # the node refused that COMMIT; the connection is fine
                 self._due.popleft()
@@ -208,4 +248,4 @@ class Writer:
             _, future = self._due.popleft()
             future.set_exception(error)
         self._conn = None
-        self._node.release(conn)
+        self._local.release(conn)

@@ -4,7 +4,7 @@ and the scrub of what the node holds.
 - **Sealing.** A same-host writer that copies its blocks in hashes each one as it copies
   it, over the bytes that landed in the arena, and its COMMIT carries those checksums: the
   node publishes the blocks with them at once, with no second pass over their bytes (see
-  :mod:`kvpool.client.shm`).  A zero-copy write lease's bytes are written by its caller (a
+  :mod:`kvpool.client.writes`).  A zero-copy write lease's bytes are written by its caller (a
   DMA engine, an engine's own copy), so its COMMIT carries none: the node takes the
   reservation (its lease ends, the blocks stay pending), replies at once, and hashes the
   blocks off its event loop while the writer goes on; then it publishes them with that

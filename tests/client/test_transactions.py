@@ -1,4 +1,5 @@
-"""Zero-copy leases: fill in place and commit; pin, read in place and release."""
+"""Write and read transactions (reserve / acquire by their older names): fill in place and
+commit; pin, read in place and end."""
 
 import time
 
@@ -6,6 +7,8 @@ import numpy as np
 import pytest
 
 from kvpool import Client, Status, UsageError
+from kvpool import checksum as ck
+from kvpool.client import writes
 from tests.helpers import content, key
 
 
@@ -151,3 +154,86 @@ def test_a_write_is_seen_at_once_by_another_client_and_survives_a_crash(start_no
         assert client.lookup(keys + more) == 32
         got = client.get(more)
         assert [bytes(v) for v in got.values] == [v.tobytes() for v in values]
+
+
+# -- what backs a transaction: decided in one place per direction ----------------------
+
+
+def _value(op):
+    """The value of an op that finishes without an effect (no I/O)."""
+    with pytest.raises(StopIteration) as stop:
+        next(op)
+    return stop.value.value
+
+
+def test_off_the_nodes_host_a_copied_write_streams_and_a_filled_one_buffers():
+    keys = [key("st-0"), key("st-1")]
+    streamed = _value(writes.stage_write(keys, [10, 20], None, None, copied=True))
+    assert streamed.backing is writes.Backing.STREAM and streamed.views == [None, None]
+    buffered = _value(writes.stage_write(keys, [10, 20], None, None, copied=False))
+    assert buffered.backing is writes.Backing.BUFFER
+    assert [len(v) for v in buffered.views] == [10, 20] and buffered.offsets == [0, 10]
+    assert buffered.buffer is not None and len(buffered.buffer) == 30  # side by side
+
+
+def test_a_write_filled_in_place_gets_reserved_slots_and_the_given_checksums(client):
+    keys = [key(f"bw-{i}") for i in range(3)]
+    values = [content(k, 8192) for k in keys]
+    with client.begin_write(keys, [8192] * 3) as write:
+        assert write.backing is writes.Backing.RESERVATION and write.is_shm
+        for view, value in zip(write.views, values, strict=True):
+            view[:] = value
+        result = write.commit(checksums=[ck.checksum(v) for v in values])
+    assert result.all_stored
+    assert [bytes(v) for v in client.get(keys).values] == [v.tobytes() for v in values]
+    # Nothing left to reserve: every key is stored, and a commit says so without a slot.
+    with client.begin_write(keys, [8192] * 3) as again:
+        assert again.views == [None] * 3
+        assert again.commit().statuses == [Status.EXISTS] * 3
+
+
+def test_a_write_off_the_nodes_host_fills_private_buffers(tcp_client):
+    keys = [key(f"pw-{i}") for i in range(3)]
+    with tcp_client.begin_write(keys, [4096] * 3) as write:
+        assert write.backing is writes.Backing.BUFFER and not write.is_shm
+        extent = write.extent()
+        assert extent is not None and len(extent) == 3 * 4096  # one copy fills them all
+        extent[:] = b"".join(content(k, 4096).tobytes() for k in keys)
+        assert write.commit(origins=[None] * 3).all_stored
+    assert tcp_client.lookup(keys) == 3
+    with pytest.raises(UsageError):
+        tcp_client.begin_write(keys, [4096])
+
+
+def test_a_read_listed_by_the_directory_holds_nothing(client):
+    keys = [key(f"dr-{i}") for i in range(3)]
+    values = [content(k, 8192) for k in keys]
+    assert client.put(keys, values).all_stored
+    read = client.begin_read(keys)
+    assert read.still_held and read.num_prefix == 3
+    assert [bytes(v) for v in read.views] == [v.tobytes() for v in values]
+    assert client.stats().num_pinned == 0  # listed: read with no pin
+    read.end()
+    read.end()  # a second end does nothing
+
+
+def test_a_pinned_read_holds_its_blocks_until_it_ends(node):
+    keys = [key(f"pr-{i}") for i in range(3)]
+    values = [content(k, 8192) for k in keys]
+    with Client(node.unix_address, verify_reads=True) as verifying:  # no directory: pins
+        assert verifying.put(keys, values).all_stored
+        with verifying.begin_read(keys) as read:
+            assert read.still_held and read.num_prefix == 3
+            assert verifying.stats().num_pinned == 3
+            assert [bytes(v) for v in read.views] == [v.tobytes() for v in values]
+        assert verifying.stats().num_pinned == 0
+
+
+def test_a_read_off_the_nodes_host_receives_the_blocks(tcp_client):
+    keys = [key(f"rr-{i}") for i in range(3)]
+    values = [content(k, 4096) for k in keys]
+    assert tcp_client.put(keys[:2], values[:2]).all_stored
+    with tcp_client.begin_read(keys, prefix=False) as read:
+        assert read.statuses == [Status.OK, Status.OK, Status.NOT_FOUND]
+        assert [bytes(v) for v in read.views[:2]] == [v.tobytes() for v in values[:2]]
+        assert read.views[2] is None and read.extent() is None and read.still_held
