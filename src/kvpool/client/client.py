@@ -25,6 +25,7 @@ from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, TransportError, UsageError
 from kvpool.keys import BlockOrigin, Namespace
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
+from kvpool.timing import LeaseLimits
 
 from . import ops
 from .futures import PoolFuture
@@ -160,13 +161,14 @@ class Client:
         self,
         keys: Sequence[bytes],
         *,
-        hold: float = 30.0,
+        hold: float = 0.0,
         cancel: bool = False,
         timeout: float | None = None,
     ) -> PrefetchResponse:
         """Ask the local node to bring ``keys`` into its DRAM now (from its disk, the
         object store or other nodes), for a request that will read them soon, and keep
-        them there until read or for ``hold`` seconds.  Returns at once with what the
+        them there until read or for ``hold`` seconds (0: the node's default hold; the node
+        grants at most its longest, see :meth:`limits`).  Returns at once with what the
         node did; ``cancel`` releases an earlier prefetch."""
         return self._require_local().prefetch(keys, hold, cancel, timeout)
 
@@ -324,6 +326,12 @@ class Client:
             self.cluster.describe(namespace, self._deadline(timeout))
             return
         self._require_local().describe(namespace.id, namespace.describe(), timeout=timeout)
+
+    def limits(self, *, timeout: float | None = None) -> LeaseLimits:
+        """The local node's lease limits: the longest pin, reservation, prefetch hold and
+        wait it grants, whatever a call asks for (the node decides; see
+        :class:`~kvpool.timing.LeaseLimits`)."""
+        return self._require_local().limits(timeout)
 
     def stats(self, *, timeout: float | None = None) -> NodeStats:
         """The local node's statistics."""

@@ -18,6 +18,7 @@ from kvpool.directory import DirectoryReader
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
 from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
+from kvpool.timing import LeaseLimits
 
 from . import ops, reads, writes
 from .connection import Connection, map_arena
@@ -191,6 +192,17 @@ class NodeClient:
         if not keys:
             return PrefetchResponse()
         return self.call(lambda _: ops.prefetch(keys, hold, cancel), timeout)
+
+    def limits(self, timeout: float | None = None) -> LeaseLimits:
+        """The lease limits the node grants at most, as its Welcome announces them (a
+        handshake first if this client has none yet); a node too old to announce them
+        grants :class:`~kvpool.timing.LeaseLimits`' defaults."""
+        if self.last_welcome is None:
+            self.release(self.hold(timeout))
+        welcome = self.last_welcome
+        if welcome is None or welcome.limits is None:
+            return LeaseLimits()
+        return welcome.limits.lease_limits()
 
     def hold(self, timeout: float | None = None) -> Connection:
         """Take a connection out of the pool for a lease (reserve then commit, pin then
