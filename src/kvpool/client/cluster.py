@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Literal, TypeVar
 
+from kvpool.cluster.cooldown import Cooldowns
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, membership_for
 from kvpool.cluster.placement import Placement
 from kvpool.config import Address, ClientConfig
@@ -44,7 +45,7 @@ class ClusterView:
         self.local = local
         self._local_address: str | None = None
         self._clients: dict[str, NodeClient] = {}
-        self._down_until: dict[str, float] = {}
+        self._down = Cooldowns(CLIENT_NODE_DOWN_S)
         self._placement = Placement([], config.replicas)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(FAN_OUT_THREADS, thread_name_prefix="kvpool-fanout")
@@ -91,10 +92,10 @@ class ClusterView:
             return client
 
     def is_down(self, member: Member) -> bool:
-        return time.monotonic() < self._down_until.get(member.tcp_address, 0.0)
+        return self._down.is_down(member.tcp_address)
 
     def mark_down(self, member: Member) -> None:
-        self._down_until[member.tcp_address] = time.monotonic() + CLIENT_NODE_DOWN_S
+        self._down.failed(member.tcp_address)
 
     # -- fan-out --------------------------------------------------------------------------
 

@@ -18,11 +18,13 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvpool.client.aio import AsyncClient
-from kvpool.cluster.membership import EtcdMembership, Member, Membership, StaticMembership
+from kvpool.cluster.cooldown import Cooldowns
+from kvpool.cluster.membership import EtcdMembership, Member, Membership, membership_for
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import DEFAULT_NODE_NAME, Address, ClientConfig, NodeConfig
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.store.arena import Arena
+from kvpool.store.leases import Owner
 from kvpool.store.pool import BlockStore
 from kvpool.timing import WRITE_THROUGH_DOWN_S, WRITE_THROUGH_TIMEOUT_S
 
@@ -30,7 +32,6 @@ log = logging.getLogger("kvpool.cluster")
 
 MAX_QUEUED_KEYS = 65536
 BATCH_KEYS = 256
-OWNER_ID = -1  # pins of the replicator, apart from every connection's
 FETCH_TIMEOUT_S = 5.0  # a prefetch's read from another node
 
 
@@ -42,11 +43,11 @@ class NodeAgent:
         self.config = config
         self.store = store
         self.arena = arena
-        self.membership: Membership = (
-            EtcdMembership(config.cluster.etcd, config.cluster.etcd_prefix)
-            if config.cluster.etcd
-            else StaticMembership(config.cluster.peers)
-        )
+        cluster = config.cluster
+        membership = membership_for(cluster.peers, cluster.etcd, cluster.etcd_prefix)
+        if membership is None:
+            raise ConfigError("a node joins a cluster only with --peers or --etcd")
+        self.membership: Membership = membership
         self.member = Member(node_id="", tcp_address="")
         self.client_config = ClientConfig(
             address="",
@@ -70,7 +71,7 @@ class NodeAgent:
         self.num_replicated = 0
         self.num_failed = 0
         self.num_dropped = 0  # queued past MAX_QUEUED_KEYS: never written through
-        self._down_until: dict[str, float] = {}
+        self._down = Cooldowns(WRITE_THROUGH_DOWN_S)  # homes that failed a write-through
         self.is_joined = False
 
     def _member(self, tcp: str, admin_port: int) -> Member:
@@ -153,7 +154,7 @@ class NodeAgent:
         now = time.monotonic()
         sends = []
         for node_id, indices in groups.items():
-            if self._down_until.get(node_id, 0.0) > now:
+            if self._down.is_down(node_id, now):
                 self.num_failed += len(indices)  # a home that just failed is not waited on
             elif node_id in members:
                 sends.append(self._send(members[node_id], [keys[i] for i in indices]))
@@ -162,7 +163,7 @@ class NodeAgent:
     async def _send(self, target: Member, keys: list[bytes]) -> None:
         # Pinned for as long as the send may take: the store's pin lease bounds it, and the
         # client's own deadline (the write-through timeout) is shorter.
-        pinned = self.store.pin(keys, OWNER_ID)
+        pinned = self.store.pin(keys, Owner.REPLICATOR)
         try:
             present = [(k, b) for k, b in zip(keys, pinned.blocks, strict=True) if b is not None]
             if not present:
@@ -174,7 +175,7 @@ class NodeAgent:
             self.num_replicated += result.num_stored
         except KVPoolError as exc:
             self.num_failed += len(keys)
-            self._down_until[target.node_id] = time.monotonic() + WRITE_THROUGH_DOWN_S
+            self._down.failed(target.node_id)
             log.debug("write-through of %d blocks to %s failed: %s", len(keys), target.node_id, exc)
         finally:
             if pinned.pin_id:
@@ -193,7 +194,7 @@ class NodeAgent:
         now = time.monotonic()
 
         async def ask(node_id: str, indices: list[int]) -> None:
-            if self._down_until.get(node_id, 0.0) > now or node_id not in members:
+            if self._down.is_down(node_id, now) or node_id not in members:
                 return
             wanted = [i for i in indices if found[i] is None]
             if not wanted:

@@ -9,7 +9,7 @@ source that only prefetches ask.
 - **Write-back**: DRAM evictions go to disk (:mod:`kvpool.tiers.writeback`), and the disk's
   evicted segments go to the object store (:mod:`kvpool.tiers.objects`).
 - **One promotion path** (:meth:`Tiers._promote`): reserve slots under the node's own
-  owner (``PROMOTER_OWNER``, no lease), fill them on an I/O thread (a lower tier reads and
+  owner (``Owner.PROMOTER``, no lease), fill them on an I/O thread (a lower tier reads and
   verifies; a block its tier lost meanwhile is tried in the tiers after it; other nodes'
   bytes are copied with their checksum), then commit what arrived (or abort on a bug).
   Promotion on read, prefetch from lower tiers and prefetch from other nodes all go
@@ -44,6 +44,7 @@ from kvpool.stats import TIER_DRAM, PrefetchStats, TierStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block
 from kvpool.store.holds import Holds
+from kvpool.store.leases import Owner
 from kvpool.store.pool import BlockStore
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import RemoteSource, Tier
@@ -51,11 +52,8 @@ from kvpool.tiers.writeback import WriteBack
 
 log = logging.getLogger("kvpool.node")
 
-PROMOTER_OWNER = -2  # the node's own reservations, apart from every connection's
 READ_THREADS = 4
 DEFAULT_WAIT_S = 2.0  # a read that names no deadline waits this long for lower tiers
-DEFAULT_HOLD_S = 30.0
-MAX_HOLD_S = 120.0
 PREFETCH_MAX_BYTES = 512 << 20
 
 # Fills reserved slots, given as ``(index, destination)``: per slot, its checksum or None.
@@ -279,7 +277,7 @@ class Tiers:
         what arrived.  Per key, its checksum, or None where it did not come up (already
         stored or pending, no room, or not read)."""
         store = self.store
-        result = store.reserve(keys, sizes, PROMOTER_OWNER, held=True)
+        result = store.reserve(keys, sizes, Owner.PROMOTER, held=True)
         checksums: list[int | None] = [None] * len(keys)
         slots = [
             (i, self.arena.slice(block.offset, block.size))
@@ -294,10 +292,10 @@ class Tiers:
                 for (i, _), checksum in zip(slots, filled, strict=True):
                     checksums[i] = checksum
             if result.reservation_id:
-                store.commit(result.reservation_id, checksums, PROMOTER_OWNER)
+                store.commit(result.reservation_id, checksums, Owner.PROMOTER)
         except Exception:  # a bug must not leave a reservation held for good
             log.exception("promotion of %d blocks failed", len(keys))
-            store.abort(result.reservation_id, PROMOTER_OWNER)
+            store.abort(result.reservation_id, Owner.PROMOTER)
             return [None] * len(keys)
         return checksums
 
@@ -334,7 +332,6 @@ class Tiers:
         if cancel:
             self.holds.release(keys)
             return answer
-        hold_s = min(hold_s or DEFAULT_HOLD_S, MAX_HOLD_S)
         wanted: list[tuple[bytes, int, int]] = []
         elsewhere: list[bytes] = []
         in_dram = self.store.lookup_mask(keys, count=False)
