@@ -16,6 +16,7 @@ LAYERS = [
     {"cluster"},
     {"client"},
     {"node"},
+    {"kvcache"},
     {"integrations", "ems"},
     {"router"},
     {"demo"},
