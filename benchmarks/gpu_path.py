@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "save_GBps": saved_bytes / save_s / 1e9,
                 "load_GBps": loaded_bytes / load / 1e9,
                 "load_errors": len(errors),
-                "layout": saver.layout.describe() if saver.layout else "",
+                "layout": saver.pool.layout.describe() if saver.pool else "",
             }
             out["ttft"] = {
                 "prefix_tokens": prefix_tokens,

@@ -17,6 +17,7 @@ LAYERS = [
     {"cluster"},
     {"client"},
     {"node"},
+    {"kvcache"},
     {"integrations", "ems"},
     {"router"},
     {"demo"},

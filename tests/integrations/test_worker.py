@@ -73,13 +73,13 @@ def test_blocks_saved_in_a_step_load_into_another_engine(node, transfer):
         seen[name] = torch.equal(dst[name][[0, 1, 2]], src[name][[3, 7, 9]])
 
     if transfer == "layerwise":
-        slow = type(loader.layout).scatter_planes
+        slow = type(loader.pool.layout).scatter_planes
 
         def slow_scatter(layout, planes, ids, rows):
             time.sleep(0.05)  # a slow pool: the attention must wait for each layer
             slow(layout, planes, ids, rows)
 
-        loader.layout.scatter_planes = slow_scatter.__get__(loader.layout)
+        loader.pool.layout.scatter_planes = slow_scatter.__get__(loader.pool.layout)
         step(loader, KVPoolMetadata(loads=[job]), on_layer=check)
         assert all(seen.values()) and len(seen) == L
         assert loader.get_finished(set()) == (None, None)  # loaded within the step
@@ -121,13 +121,13 @@ def test_layer_copies_of_a_save_run_behind_the_forward(node):
     src = caches(1)
     saver = worker(node, src)
     copied = threading.Event()
-    real_copy = type(saver.layout).gather_planes
+    real_copy = type(saver.pool.layout).gather_planes
 
     def spy(layout, planes, ids, out):
         real_copy(layout, planes, ids, out)
         copied.set()
 
-    saver.layout.gather_planes = spy.__get__(saver.layout)
+    saver.pool.layout.gather_planes = spy.__get__(saver.pool.layout)
     meta = KVPoolMetadata(saves=[TransferJob("r1", [5], hashes(1, b"s"))])
     saver.begin_step(meta)
     saver.wait_for_layer_load(LAYERS[0])
@@ -139,7 +139,7 @@ def test_layer_copies_of_a_save_run_behind_the_forward(node):
     saver.wait_for_save(meta)
     src[LAYERS[0]][5].zero_()  # the step is over: the block may be reused at once
     drain(saver)
-    got = saver.client.get(NS.keys(hashes(1, b"s")))
+    got = saver.pool.client.get(NS.keys(hashes(1, b"s")))
     assert got.values[0] is not None
     assert torch.equal(torch.frombuffer(got.values[0], dtype=torch.float32), expected)
     saver.shutdown()

@@ -72,7 +72,7 @@ class Client:
 
     ``Client()`` connects to the default local node; ``Client("host:9400")`` to another;
     keyword options override ``KVPOOL_*`` environment variables (see
-    :class:`~kvpool.config.ClientConfig`).
+    :class:`~kvpool.config.ClientConfig`).  ``on_arena_mapped``: see :meth:`on_arena_mapped`.
 
     With ``peers=`` or ``etcd=`` it sees a whole cluster: writes go to the local node (which
     writes them through to their home nodes); reads try the local node, then the keys' home
@@ -85,12 +85,19 @@ class Client:
     """
 
     def __init__(
-        self, address: str | None = None, *, config: ClientConfig | None = None, **options: Any
+        self,
+        address: str | None = None,
+        *,
+        config: ClientConfig | None = None,
+        on_arena_mapped: Callable[[memoryview, memoryview | None], None] | None = None,
+        **options: Any,
     ):
         self.config = make_config(address, config, options)
         self.local: NodeClient | None = (
             NodeClient(self.config.address, self.config) if self.config.address else None
         )
+        if on_arena_mapped is not None:
+            self.on_arena_mapped(on_arena_mapped)
         self.cluster: ClusterClient | None = None
         if self.config.peers or self.config.etcd:
             self.cluster = ClusterClient(self.config, self.local)

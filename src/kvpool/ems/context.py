@@ -1,7 +1,8 @@
 """Context caching (``Ems.get_cc()``): the engine's paged KV cache, saved to and loaded from
 the pool by block hash.
 
-The calls and what the guide's connector relies on:
+Loads and saves go through :mod:`kvpool.kvcache`, as the vLLM connector's do.  The calls
+and what the guide's connector relies on:
 
 - ``register_kvcache(layers)``: the paged KV cache (see :mod:`.register`).  The tensors'
   dtype and shapes, with the engine identity of :class:`CcConfig_v1`, make the key
@@ -35,8 +36,13 @@ import numpy as np
 import torch
 
 from kvpool.client.client import Client
-from kvpool.errors import KVPoolError, Status
+from kvpool.errors import KVPoolError
 from kvpool.keys import Namespace
+from kvpool.kvcache.cache import PagedCache
+from kvpool.kvcache.copies import copies_for
+from kvpool.kvcache.guard import PoolGuard
+from kvpool.kvcache.loads import load_into
+from kvpool.kvcache.saves import CopiedBlocks, put_batch, save_from
 
 from .cc_v1.cc_config import CcConfig_v1, KVCacheType
 from .config import CcKvOption
@@ -48,6 +54,8 @@ log = logging.getLogger("kvpool.ems")
 IO_THREADS = 2
 MAX_BLOCKS_PER_CALL = 16384
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+
+Ints = Sequence[int]
 
 
 @dataclass
@@ -89,6 +97,7 @@ class ContextCaching:
             (client.config.write_rcache, client.config.read_local_only): client
         }
         self.registered: Registered | None = None
+        self.cache: PagedCache | None = None
         self.namespace: Namespace | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             IO_THREADS, thread_name_prefix="kvpool-ems"
@@ -118,6 +127,8 @@ class ContextCaching:
             extra=f"pages={[b - a for a, b in layout.plane_bounds]} {registered.describe}",
         )
         self.registered = registered
+        # No health monitor here: the guide's connector keeps its own (check_health).
+        self.cache = PagedCache(copies_for(layout), PoolGuard(None, log))
         log.info("kvpool EMS: registered %s (%s)", registered.describe, layout.describe())
         with contextlib.suppress(KVPoolError):  # a label for status pages: never a failure
             self.client.describe(self.namespace, timeout=1.0)
@@ -137,11 +148,7 @@ class ContextCaching:
             return CcResult(0, total)
 
     def async_load(
-        self,
-        slot_mapping: Sequence[int],
-        hashes: Sequence[int],
-        offsets: Sequence[int],
-        option: CcKvOption | None = None,
+        self, slot_mapping: Ints, hashes: Ints, offsets: Ints, option: CcKvOption | None = None
     ) -> CcFuture:
         block_ids, keys = self._plan(slot_mapping, hashes, offsets)
         timeout = _timeout_s(option)
@@ -149,19 +156,13 @@ class ContextCaching:
         return CcFuture(job, len(keys), timeout + 1.0)
 
     def async_save(
-        self,
-        slot_mapping: Sequence[int],
-        hashes: Sequence[int],
-        offsets: Sequence[int],
-        option: CcKvOption | None = None,
+        self, slot_mapping: Ints, hashes: Ints, offsets: Ints, option: CcKvOption | None = None
     ) -> CcFuture:
         block_ids, keys = self._plan(slot_mapping, hashes, offsets)
-        assert self.registered is not None
-        layout = self.registered.layout
-        batch = layout.batch(len(block_ids))
-        layout.gather(torch.tensor(block_ids, dtype=torch.long), batch)  # copied out now
+        assert self.cache is not None
+        blocks = save_from(self.cache, block_ids)  # copied out now
         timeout = _timeout_s(option)
-        job = self._executor.submit(self._save, self._client(option), keys, batch, timeout)
+        job = self._executor.submit(self._save, self._client(option), keys, blocks, timeout)
         return CcFuture(job, len(keys), timeout + 1.0)
 
     def is_ready(self, future: Any) -> bool:
@@ -231,35 +232,19 @@ class ContextCaching:
     def _load(
         self, client: Client, block_ids: list[int], keys: list[bytes], timeout: float
     ) -> CcResult:
-        assert self.registered is not None
-        layout = self.registered.layout
-        try:
-            with client.acquire(keys, prefix=True, timeout=timeout) as lease:
-                num = lease.num_prefix
-                if num:
-                    ids = torch.tensor(block_ids[:num], dtype=torch.long)
-                    extent = lease.extent(num)
-                    if extent is not None:
-                        layout.scatter(ids, layout.pool_view(extent, num))
-                    else:
-                        layout.scatter(ids, layout.stage(lease.views[:num]))
-                if not lease.still_held:  # its memory may have been reused
-                    num = 0
-            return CcResult(num, len(keys))
-        except KVPoolError as exc:
-            log.info("kvpool EMS load of %d blocks: %s", len(keys), exc)
-            return CcResult(0, len(keys))
+        assert self.cache is not None
+        load = load_into(self.cache, client, keys, block_ids, timeout)
+        if load.num_blocks < len(keys):
+            log.info("kvpool EMS load of %d blocks: %s", len(keys), load.reason)
+        return CcResult(load.num_blocks, len(keys))
 
     def _save(
-        self, client: Client, keys: list[bytes], batch: torch.Tensor, timeout: float
+        self, client: Client, keys: list[bytes], blocks: CopiedBlocks, timeout: float
     ) -> CcResult:
-        rows = batch.view(torch.uint8).numpy()
-        try:
-            result = client.put(keys, list(rows), timeout=timeout)
-        except KVPoolError as exc:
-            log.info("kvpool EMS save of %d blocks: %s", len(keys), exc)
-            return CcResult(0, len(keys))
-        stored = sum(s in (Status.OK, Status.EXISTS) for s in result.statuses)
+        assert self.cache is not None
+        stored, reason = put_batch(self.cache, client, keys, blocks, timeout)
+        if reason:
+            log.info("kvpool EMS save of %d blocks: %s", len(keys), reason)
         return CcResult(stored, len(keys))
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.integrations.vllm.layouts import PagedLayout, Plane, dense_plane
+from kvpool.kvcache.layouts import PagedLayout, Plane, dense_plane
 
 from .errors import invalid
 

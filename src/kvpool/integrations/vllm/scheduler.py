@@ -33,8 +33,8 @@ from typing import Any
 
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
-from kvpool.errors import KVPoolError
 from kvpool.keys import BlockOrigin, Namespace
+from kvpool.kvcache.guard import PoolGuard
 from kvpool.stats import TIER_DRAM, TIER_NAMES
 
 from .config import ConnectorConfig
@@ -81,6 +81,7 @@ class KVPoolScheduler:
         self.can_save = can_save
         self._client: Client | None = None
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
+        self.guard = PoolGuard(self.health, log)
         self._requests: dict[str, _RequestState] = {}
         self._matches: dict[str, _Match] = {}
         self._loads: list[TransferJob] = []
@@ -95,11 +96,9 @@ class KVPoolScheduler:
         if self._client is None:
             self._client = Client(config=self.config.client)
             self.health.start()
-            try:
+            with self.guard.call("describe"):  # labels are cosmetic: never fail for them
                 for ns in self.namespaces:
                     self._client.describe(ns, timeout=self.config.lookup_timeout_s)
-            except Exception as exc:  # labels are cosmetic: never fail the engine for them
-                self.health.report_failure(exc)
         return self._client
 
     def _probe(self) -> None:
@@ -147,14 +146,10 @@ class KVPoolScheduler:
             return 0, False
         state = self._requests.get(request.request_id)
         started = time.perf_counter()
-        try:
+        with self.guard.call("lookup") as outcome:  # whatever the pool does: a miss
             num_pool, pending, tiers = self._lookup(list(request.block_hashes[:num_blocks]))
-        except Exception as exc:  # whatever the pool does, the engine recomputes
-            if not isinstance(exc, KVPoolError):
-                log.exception("kvpool lookup failed")
-            self.health.report_failure(exc)
+        if outcome.failed:
             return 0, False
-        self.health.report_call()
         self._matches[request.request_id] = _Match(
             num_local_blocks, num_pool, num_blocks, time.perf_counter() - started, tiers
         )

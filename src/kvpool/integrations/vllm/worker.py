@@ -23,34 +23,39 @@ Each step, vLLM binds the step's metadata before the forward, runs the layers, t
   step for it (vLLM's ``WAITING_FOR_REMOTE_KVS``) and is reported through ``get_finished``.
 - Every pool call has a deadline; a failure marks the pool unhealthy, and while it is,
   loads fail at once (the engine recomputes) and saves are skipped.
-- **Where the copies run** is :mod:`.streams`' business: on the pool threads for a cache in
-  host memory, as said above; for a cache on a GPU, all planes at once on the worker's own
-  CUDA streams, which the engine's stream waits for on the GPU (a load before its first
-  layer, a save's gather before the step ends), never on its host thread.
+- **Where the copies run** is :mod:`kvpool.kvcache.copies`' business: on the pool threads
+  for a cache in host memory, as said above; for a cache on a GPU, all planes at once on
+  the worker's own CUDA streams, which the engine's stream waits for on the GPU (a load
+  before its first layer, a save's gather before the step ends), never on its host thread.
+- The loads and saves themselves, and the rule that a pool failure is a miss, are
+  :mod:`kvpool.kvcache`'s: this module only times them to vLLM's hooks.  What the worker
+  needs for them (the copies for the cache, a client that registers each arena it maps
+  with them, its health monitor) is built once, when vLLM registers the cache
+  (:class:`WorkerPool`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
-
-import torch
 
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
-from kvpool.client.leases import WriteLease
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.keys import Namespace
+from kvpool.kvcache.cache import PagedCache
+from kvpool.kvcache.copies import Mark, copies_for
+from kvpool.kvcache.guard import PoolGuard
+from kvpool.kvcache.layouts import PagedLayout
+from kvpool.kvcache.loads import Load, load_into
+from kvpool.kvcache.saves import Save
 
 from .config import ConnectorConfig
-from .layouts import PagedLayout
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob
-from .streams import Copies, HostCopies, Mark, copies_for
-from .transfers import LayerwiseLoad, StepSave, leave_engine_cpus, pool_rows
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
@@ -60,18 +65,57 @@ IO_THREADS = 2
 MAX_SAVES_IN_FLIGHT = 4
 
 
+def leave_engine_cpus() -> None:
+    """Move the calling thread off the CPUs the engine's forward runs on.
+
+    vLLM's CPU worker binds its forward thread to its cores, and threads inherit the binding
+    of the thread that starts them: left alone, every pool thread (loads, saves, commits,
+    health probes) would take turns with the forward on its own cores, and lengthen every
+    step.  Called first thing in each pool thread; where the forward is not bound (GPU
+    engines) or no other CPU is allowed, nothing changes.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        inherited = os.sched_getaffinity(0)
+        spare = set(range(os.cpu_count() or 1)) - inherited
+        if spare:
+            os.sched_setaffinity(0, spare)
+    except OSError:  # a cpuset that allows none of them: stay where we are
+        pass
+
+
+class WorkerPool:
+    """What the worker reaches the pool with, built once vLLM has registered its cache:
+    the copies for the cache, a client that registers each arena it maps with them, the
+    client's health monitor (probing from the start) and the cache's guard."""
+
+    def __init__(self, config: ConnectorConfig, layout: PagedLayout):
+        self.timeout_s = config.lookup_timeout_s
+        self.layout = layout
+        self.copies = copies_for(layout)
+        self.client = Client(config=config.client, on_arena_mapped=self.copies.arena_mapped)
+        self.health = HealthMonitor(
+            self._probe, config.health, name="kvpool (worker)", on_thread_start=leave_engine_cpus
+        )
+        self.cache = PagedCache(self.copies, PoolGuard(self.health, log))
+        self.health.start()
+
+    def _probe(self) -> None:
+        self.client.health(timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self.health.stop()
+        self.client.close()
+
+
 class KVPoolWorker:
     def __init__(self, config: ConnectorConfig, namespace: Namespace, expected_page_bytes: int):
         self.config = config
         self.namespace = namespace
         self.expected_page_bytes = expected_page_bytes
         self.layerwise = config.transfer == "layerwise"
-        self.layout: PagedLayout | None = None
-        self.copies: Copies = HostCopies()
-        self._client: Client | None = None
-        self.health = HealthMonitor(
-            self._probe, config.health, name="kvpool (worker)", on_thread_start=leave_engine_cpus
-        )
+        self.pool: WorkerPool | None = None  # once the cache is registered
         self._executor = ThreadPoolExecutor(
             IO_THREADS, thread_name_prefix="kvpool-load", initializer=leave_engine_cpus
         )
@@ -87,20 +131,9 @@ class KVPoolWorker:
         self._done_loading: set[str] = set()
         self._load_errors: set[int] = set()
         self._saving: set[Future[None]] = set()
-        self._step_loads: list[LayerwiseLoad] = []
-        self._step_save: tuple[StepSave, Future[None]] | None = None
+        self._step_loads: list[tuple[TransferJob, Load]] = []
+        self._step_save: tuple[Save, Future[None]] | None = None
         self.stats = KVPoolStats()
-
-    @property
-    def client(self) -> Client:
-        if self._client is None:
-            self._client = Client(config=self.config.client)
-            self._client.on_arena_mapped(self.copies.arena_mapped)
-            self.health.start()
-        return self._client
-
-    def _probe(self) -> None:
-        self.client.health(timeout=self.config.lookup_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layout = PagedLayout.detect(kv_caches)
@@ -113,22 +146,21 @@ class KVPoolWorker:
                 f"{self.expected_page_bytes} bytes per block and layer; refusing to share blocks "
                 "that might not mean the same thing"
             )
-        self.layout = layout
-        self.copies = copies_for(layout.device)
+        self.pool = pool = WorkerPool(self.config, layout)
         log.info(
             "kvpool: KV cache layout %s; pool blocks of %d bytes; %s transfers%s",
             layout.describe(),
             layout.block_bytes,
             self.config.transfer,
-            "" if self.copies.per_plane else ", all planes at once on the worker's own streams",
+            "" if pool.copies.per_plane else ", all planes at once on the worker's own streams",
         )
-        if not self.copies.per_plane:
-            self._map_arena_now()
+        if not pool.copies.per_plane:
+            self._map_arena_now(pool)
 
-    def _map_arena_now(self) -> None:
+    def _map_arena_now(self, pool: WorkerPool) -> None:
         """Map (and so register) the local node's arena at start, not on the first load."""
         try:
-            self.client.health(timeout=self.config.lookup_timeout_s)
+            pool.client.health(timeout=self.config.lookup_timeout_s)
         except KVPoolError as exc:
             log.warning("kvpool: the pool is not reachable yet (%s); its arena maps later", exc)
 
@@ -136,52 +168,54 @@ class KVPoolWorker:
 
     def begin_step(self, meta: KVPoolMetadata) -> None:
         """Before the forward: reserve the step's saves, start its layer-by-layer loads."""
-        if self.layout is None:
+        pool = self.pool
+        if pool is None:
             return
         if meta.saves:
-            self._begin_save(meta.saves)
+            self._begin_save(pool, meta.saves)
         if self.layerwise:
             deadline = time.monotonic() + self.config.transfer_timeout_s
-            after = self.copies.mark() if meta.loads else None
+            after = pool.copies.mark() if meta.loads else None
             for job in meta.loads:
                 if job.is_async:
                     continue  # started by start_load_kv
-                if not self.health.is_healthy:
+                if not pool.health.is_healthy:
                     self._finish_load(job, 0, "pool unhealthy", is_async=False)
                     continue
-                load = LayerwiseLoad(job, deadline, after)
-                self._step_loads.append(load)
-                self._executor.submit(load.run, self)
+                keys = self.namespace.keys(job.block_hashes)
+                load = Load(pool.cache, keys, job.block_ids, deadline, after=after, by_layer=True)
+                self._step_loads.append((job, load))
+                self._executor.submit(load.run, pool.client)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._step_loads and self.layout is not None:
-            planes = self.layout.layers.get(layer_name, ())
-            for load in self._step_loads:
+        if self._step_loads and self.pool is not None:
+            planes = self.pool.layout.layers.get(layer_name, ())
+            for _, load in self._step_loads:
                 self._engine_waits(load, load.wait_for(planes))
 
     def save_kv_layer(self, layer_name: str) -> None:
-        if self.layerwise and self._step_save is not None and self.layout is not None:
+        pool = self.pool
+        if self.layerwise and self._step_save is not None and pool is not None:
             save = self._step_save[0]
-            if self.copies.per_plane:
-                planes = self.layout.layers.get(layer_name, ())
-                self._saver.submit(save.copy, self.copies, self.layout, planes)
+            if pool.copies.per_plane:
+                self._saver.submit(save.copy, pool.layout.layers.get(layer_name, ()))
 
     def wait_for_save(self, meta: KVPoolMetadata) -> None:
         """After the forward: stop the step's loads, fill its saves; the step may end then."""
-        if self.layout is None:
+        if self.pool is None:
             return
         loads, self._step_loads = self._step_loads, []
-        for load in loads:
-            num = load.stop(self.layout.num_planes)
+        for job, load in loads:
+            num = load.stop()
             self._engine_waits(load, load.done)  # a late copy lands before any recompute
-            self._finish_load(load.job, num, load.reason, time.perf_counter() - load.started, False)
+            self._finish_load(job, num, load.reason, time.perf_counter() - load.started, False)
         step_save, self._step_save = self._step_save, None
         if step_save is not None:
             self._finish_save(*step_save)
 
-    def _engine_waits(self, load: LayerwiseLoad, mark: Mark) -> None:
-        if mark is not None and load.waited is not mark:
-            self.copies.engine_waits(mark)
+    def _engine_waits(self, load: Load, mark: Mark) -> None:
+        if mark is not None and load.waited is not mark and self.pool is not None:
+            self.pool.copies.engine_waits(mark)
             load.waited = mark
 
     # -- loads ----------------------------------------------------------------------------
@@ -191,41 +225,20 @@ class KVPoolWorker:
         for job in meta.loads:
             if self.layerwise and not job.is_async:
                 continue  # started with the step (begin_step)
-            if not self.health.is_healthy or self.layout is None:
+            pool = self.pool
+            if pool is None or not pool.health.is_healthy:
                 self._finish_load(job, 0, "pool unhealthy")
                 continue
             if after is None:
-                after = self.copies.mark()
-            self._executor.submit(self._load, job, after)
+                after = pool.copies.mark()
+            self._executor.submit(self._load, pool, job, after)
 
-    def _load(self, job: TransferJob, after: Mark = None) -> None:
-        """A whole load (``transfer: whole``): every layer with one indexed copy."""
-        assert self.layout is not None
-        started = time.perf_counter()
-        num_loaded = 0
-        reason = ""
-        try:
-            keys = self.namespace.keys(job.block_hashes)
-            with self.client.acquire(
-                keys, prefix=True, timeout=self.config.transfer_timeout_s
-            ) as lease:
-                num_loaded = lease.num_prefix
-                if num_loaded:
-                    ids = torch.tensor(job.block_ids[:num_loaded], dtype=torch.long)
-                    rows = pool_rows(self.layout, lease, num_loaded)
-                    self.copies.settle(self.copies.load(self.layout, ids, rows, None, after))
-                if not lease.still_held:  # its memory may have been reused
-                    num_loaded, reason = 0, "the pool's pin ran out mid-load"
-            self.health.report_call()
-            if num_loaded < len(job.block_ids) and not reason:
-                reason = f"{len(job.block_ids) - num_loaded} block(s) missing or corrupt"
-        except KVPoolError as exc:
-            self.health.report_failure(exc)
-            num_loaded, reason = 0, f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # never let a pool problem fail the engine: recompute
-            log.exception("kvpool: load failed")
-            num_loaded, reason = 0, f"{type(exc).__name__}: {exc}"
-        self._finish_load(job, num_loaded, reason, time.perf_counter() - started)
+    def _load(self, pool: WorkerPool, job: TransferJob, after: Mark) -> None:
+        """A whole load (``transfer: whole``, or blocks from a lower tier), off the step."""
+        keys = self.namespace.keys(job.block_hashes)
+        timeout = self.config.transfer_timeout_s
+        load = load_into(pool.cache, pool.client, keys, job.block_ids, timeout, after)
+        self._finish_load(job, load.num_blocks, load.reason, time.perf_counter() - load.started)
 
     def _finish_load(
         self,
@@ -257,9 +270,9 @@ class KVPoolWorker:
 
     # -- saves ----------------------------------------------------------------------------
 
-    def _begin_save(self, jobs: list[TransferJob]) -> None:
+    def _begin_save(self, pool: WorkerPool, jobs: list[TransferJob]) -> None:
         block_ids = [b for job in jobs for b in job.block_ids]
-        if not self.health.is_healthy:
+        if not pool.health.is_healthy:
             with self._lock:
                 self.stats.add("skipped_unhealthy", len(block_ids))
             return
@@ -275,27 +288,24 @@ class KVPoolWorker:
             if all(job.origins is not None for job in jobs)
             else None
         )
-        save = StepSave(keys, block_ids, time.perf_counter(), origins)
-        self._step_save = (save, self._saver.submit(save.reserve, self))
+        save = Save(pool.cache, keys, block_ids, time.perf_counter(), origins)
+        reserved = self._saver.submit(save.reserve, pool.client, self.config.lookup_timeout_s)
+        self._step_save = (save, reserved)
 
-    def _finish_save(self, save: StepSave, reserved: Future[None]) -> None:
-        assert self.layout is not None
+    def _finish_save(self, save: Save, reserved: Future[None]) -> None:
         # The reservation was asked for before the forward (with a lookup's deadline); past
         # the forward, the step waits for it no longer than a lookup.
-        try:
-            reserved.result(timeout=self.config.lookup_timeout_s)
-            lease = save.close(self.copies, self.layout)
-        except FutureTimeout:
+        done, _ = wait([reserved], timeout=self.config.lookup_timeout_s)
+        if not done:
             save.abandon()
             with self._lock:
                 self.stats.add("skipped_busy", len(save.keys))
             return
-        except Exception as exc:  # never let a pool problem fail the engine
+        with save.cache.guard.call("save") as outcome:
+            reserved.result()  # the reservation's own failure, if it failed
+            lease = save.close()
+        if outcome.failed:
             save.abandon()
-            if isinstance(exc, KVPoolError):
-                self.health.report_failure(exc)
-            else:
-                log.exception("kvpool: save failed")
             with self._lock:
                 self.stats.add("save_errors", len(save.keys))
             return
@@ -303,28 +313,18 @@ class KVPoolWorker:
             return
         # The pages are out of the cache: the rest (into pool memory, commit) need not hold
         # up the step.
-        future = self._committer.submit(self._commit, save, lease)
+        future = self._committer.submit(self._commit, save)
         with self._lock:
             self._saving.add(future)
         future.add_done_callback(self._saving_done)
 
-    def _commit(self, save: StepSave, lease: WriteLease) -> None:
-        try:
-            save.deliver(self.copies)
-            result = lease.commit(timeout=self.config.transfer_timeout_s, origins=save.origins)
-        except KVPoolError as exc:
-            self.health.report_failure(exc)
-            with self._lock:
-                self.stats.add("save_errors", len(save.wanted))
-            return
-        except Exception:  # never let a pool problem fail the engine
-            log.exception("kvpool: save failed")
-            lease.abort()
-            with self._lock:
-                self.stats.add("save_errors", len(save.wanted))
-            return
-        self.health.report_call()
+    def _commit(self, save: Save) -> None:
+        with save.cache.guard.call("save") as outcome:
+            result = save.commit(self.config.transfer_timeout_s)
         with self._lock:
+            if outcome.failed:
+                self.stats.add("save_errors", len(save.wanted))
+                return
             self.stats.add("saves")
             self.stats.add("saved_blocks", sum(1 for s in result.statuses if s == 0))
             self.stats.observe("save", time.perf_counter() - save.started)
@@ -356,9 +356,8 @@ class KVPoolWorker:
         self._executor.shutdown(wait=True, cancel_futures=False)
         self._saver.shutdown(wait=True, cancel_futures=False)
         self._committer.shutdown(wait=True, cancel_futures=False)
-        self.health.stop()
-        if self._client is not None:
-            self._client.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _distinct(kv_caches: dict[str, Any]) -> set[int]:

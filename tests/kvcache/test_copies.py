@@ -1,4 +1,5 @@
-"""The GPU path's copies (:class:`StreamCopies`) against a real node, on CPU tensors.
+"""The GPU path's copies (:class:`StreamCopies`) against a real node, on CPU tensors, driven
+through the vLLM connector's worker half.
 
 CUDA cannot run on this machine, so its runtime is replaced by a stand-in that runs each
 copy at once and logs every stream call (the one test double here).  What that leaves to
@@ -17,10 +18,10 @@ import pytest
 import torch
 
 from kvpool.client.leases import ReadLease, WriteLease
-from kvpool.integrations.vllm import streams
 from kvpool.integrations.vllm import worker as worker_module
-from kvpool.integrations.vllm.layouts import PagedLayout
 from kvpool.integrations.vllm.metadata import KVPoolMetadata, TransferJob
+from kvpool.kvcache import copies as streams
+from kvpool.kvcache.layouts import PagedLayout
 from tests.integrations.test_worker import LAYERS, NS, caches, drain, hashes, step, worker
 
 
@@ -76,7 +77,7 @@ def log(monkeypatch):
     entries = []
     runtime = RecordingRuntime(entries)
     monkeypatch.setattr(
-        worker_module, "copies_for", lambda device: streams.StreamCopies(device, runtime)
+        worker_module, "copies_for", lambda layout: streams.StreamCopies(layout, runtime)
     )
     for name in ("gather_rows", "scatter_rows"):
         real = getattr(PagedLayout, name)
@@ -119,7 +120,7 @@ def test_the_arena_is_registered_once_at_start(node, log):
 def test_a_save_on_its_stream_then_a_load_on_another(node, log, monkeypatch, transfer):
     src, dst = caches(1), caches(2)
     saver = worker(node, src, transfer=transfer)
-    block_bytes = saver.layout.block_bytes
+    block_bytes = saver.pool.layout.block_bytes
     monkeypatch.setattr(streams, "STAGING_BYTES", 2 * block_bytes)  # 5 blocks: 3 chunks
     ids = [3, 7, 9, 11, 14]
     step(saver, KVPoolMetadata(saves=[TransferJob("r1", ids, hashes(5))]))
@@ -190,7 +191,7 @@ def test_blocks_held_apart_in_the_arena_are_filled_after_the_copy(node, log):
     step(saver, KVPoolMetadata(saves=[TransferJob("r1", [2, 5, 6], hashes(3))]))
     drain(saver)
     assert [e[1:] for e in log if e[0] == "gather_rows"] == [("save", 2)]
-    got = saver.client.get(NS.keys(hashes(3)))
+    got = saver.pool.client.get(NS.keys(hashes(3)))
     for value, block in zip(got.values, [2, 5, 6], strict=True):
         expected = torch.cat([src[name][block].flatten() for name in LAYERS])
         assert torch.equal(torch.frombuffer(value, dtype=torch.float32), expected)
@@ -231,7 +232,7 @@ def test_a_restarted_nodes_new_arena_replaces_the_registration(start_node, log):
     # Not while a copy of ours might still touch it: both streams were drained first.
     syncs = [e[1][0] for e in log[:unregister] if e[0] == "sync"]
     assert syncs[-2:] == ["load", "save"]
-    got = w.client.get(NS.keys(hashes(1)))
+    got = w.pool.client.get(NS.keys(hashes(1)))
     assert got.values[0] is not None
     w.shutdown()
 
@@ -239,7 +240,7 @@ def test_a_restarted_nodes_new_arena_replaces_the_registration(start_node, log):
 def test_a_load_that_fails_half_way_drains_its_stream_before_the_pin_ends(node, log, monkeypatch):
     src, dst = caches(1), caches(2)
     saver = worker(node, src)
-    monkeypatch.setattr(streams, "STAGING_BYTES", saver.layout.block_bytes)  # a chunk a block
+    monkeypatch.setattr(streams, "STAGING_BYTES", saver.pool.layout.block_bytes)  # a chunk a block
     step(saver, KVPoolMetadata(saves=[TransferJob("r1", [3, 7], hashes(2))]))
     drain(saver)
     loader = worker(node, dst)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.integrations.vllm.layouts import PagedLayout
+from kvpool.kvcache.layouts import PagedLayout
 
 NB, H, BS, D, L = 12, 2, 32, 64, 3
 

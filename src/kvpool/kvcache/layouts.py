@@ -1,4 +1,5 @@
-"""Paged KV cache layouts, as page planes.
+"""Paged KV cache layouts, as page planes: engine-neutral (vLLM's backends, the EMS SDK's
+tensors and any engine whose cache is blocks of pages).
 
 A *plane* is a ``[num_blocks, page]`` view of one part of a layer's cache in which each
 block's page is one dense run of memory: the whole layer for the CPU backend
@@ -23,7 +24,7 @@ a batch: one indexed copy per plane.
 
 ``gather`` / ``scatter`` (and the plane variants) move a batch held on the host and are done
 when they return.  ``gather_rows`` / ``scatter_rows`` are the same indexed copies with the
-batch on the cache's own device: the GPU path (:mod:`.streams`) stages batches there, on
+batch on the cache's own device: the GPU path (:mod:`.copies`) stages batches there, on
 its own streams.
 """
 
@@ -246,25 +247,33 @@ class PagedLayout:
         self.scatter_rows(block_ids.to(self.device), rows.to(self.device))
         _settle(self.device)
 
+    def _plane_columns(
+        self, planes: Sequence[int], block_ids: torch.Tensor, batch: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The ids on the cache's device, and per plane of ``planes``: (its view, its
+        columns in ``batch``)."""
+        rows = batch.view(len(block_ids), self.block_elems)
+        columns = []
+        for index in planes:
+            start, end = self.plane_bounds[index]
+            columns.append((self.planes[index].view, rows[:, start:end]))
+        return block_ids.to(self.device), columns
+
     def gather_planes(
         self, planes: Sequence[int], block_ids: torch.Tensor, out: torch.Tensor
     ) -> None:
         """Copy planes ``planes`` of blocks ``block_ids`` into their columns of ``out``."""
-        rows = out.view(len(block_ids), self.block_elems)
-        ids = block_ids.to(self.device)
-        for index in planes:
-            start, end = self.plane_bounds[index]
-            rows[:, start:end].copy_(self.planes[index].view.index_select(0, ids))
+        ids, columns = self._plane_columns(planes, block_ids, out)
+        for view, column in columns:
+            column.copy_(view.index_select(0, ids))
 
     def scatter_planes(
         self, planes: Sequence[int], block_ids: torch.Tensor, src: torch.Tensor
     ) -> None:
         """Copy the columns of planes ``planes`` of ``src`` into blocks ``block_ids``."""
-        rows = src.view(len(block_ids), self.block_elems)
-        ids = block_ids.to(self.device)
-        for index in planes:
-            start, end = self.plane_bounds[index]
-            self.planes[index].view.index_copy_(0, ids, rows[:, start:end].to(self.device))
+        ids, columns = self._plane_columns(planes, block_ids, src)
+        for view, column in columns:
+            view.index_copy_(0, ids, column.to(self.device))
         _settle(self.device)
 
     def describe(self) -> str:

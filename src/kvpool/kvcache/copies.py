@@ -1,17 +1,19 @@
-"""Where the worker's copies between pool memory and the paged cache run, and how they are
-ordered against the engine's own work.  :func:`copies_for` picks one of two by the cache's
-device:
+"""Copies between pool memory and a paged cache: where they run, and how they are ordered
+against the engine's own work.  Each :class:`Copies` serves one cache (its layout); a batch
+of pool blocks is a ``[n, block_elems]`` tensor ``rows``.  :func:`copies_for` picks one of
+two by the cache's device:
 
 - :class:`HostCopies`, for a cache in host memory (vLLM's CPU backend).  Copies run on the
   calling pool thread and are done when they return.  They may move a few planes at a time
   (``per_plane``), so layer-by-layer loads and saves overlap the forward.
 - :class:`StreamCopies`, for a cache on a GPU.
   - **The arena is registered once.**  When the client maps the node's arena, it is
-    registered with CUDA (``cudaHostRegister``), so copies between it and the GPU run at
+    registered with CUDA (``cudaHostRegister``: the client calls :meth:`Copies.arena_mapped`,
+    given to it at construction), so copies between it and the GPU run at
     pinned-memory speed, with no bounce buffer.  A restarted node's new arena replaces the
     old registration.
-  - **Own streams; the engine's stream is never synchronised.**  Loads and saves run on the
-    worker's two streams.  Events order them:
+  - **Own streams; the engine's stream is never synchronised.**  Loads and saves run on
+    two streams of their own.  Events order them:
     - a copy starts after a *mark* of the engine's stream, taken on the engine's thread: at
       the step's start for a load (the blocks it fills are free by then), after the
       forward for a save;
@@ -48,7 +50,7 @@ import torch
 
 from .layouts import PagedLayout
 
-log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
+log = logging.getLogger("kvpool.kvcache")
 
 # Device memory a batch moves through at a time (one save or load may be larger).
 STAGING_BYTES = 512 << 20
@@ -56,32 +58,26 @@ STAGING_BYTES = 512 << 20
 Mark = Any  # a point in a stream's work (a CUDA event); None: nothing to wait for
 
 
-class Copies(Protocol):
-    """The worker's copies: the caller guarantees that ``rows`` (pool memory or a host
-    batch) stays alive and held until ``settle`` of the returned mark has returned."""
+Planes = tuple[int, ...] | None  # some planes of each block; None: all of them
 
+
+class Copies(Protocol):
+    """The copies of one paged cache (``layout``).  The caller guarantees that ``rows``
+    (pool memory or a host batch) stays alive and held until ``settle`` of the returned
+    mark has returned.  ``per_plane``: copies are done when they return and may move a few
+    planes at a time (else they move whole batches, and finish on their own stream)."""
+
+    layout: PagedLayout
     per_plane: bool
 
     def mark(self) -> Mark:
         """A point in the engine's stream, taken on the engine's thread."""
 
-    def load(
-        self,
-        layout: PagedLayout,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        planes: tuple[int, ...] | None,
-        after: Mark,
-    ) -> Mark:
+    def load(self, ids: torch.Tensor, rows: torch.Tensor, planes: Planes, after: Mark) -> Mark:
         """Copy ``rows`` into blocks ``ids`` of the cache (only ``planes``, if given)."""
 
     def save(
-        self,
-        layout: PagedLayout,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        planes: tuple[int, ...] | None,
-        after: Mark,
+        self, ids: torch.Tensor, rows: torch.Tensor, planes: Planes, after: Mark
     ) -> tuple[Mark, Mark]:
         """Copy blocks ``ids`` of the cache into ``rows``; (gathered, copied): the cache
         may be overwritten after the first, ``rows`` read after the second."""
@@ -101,35 +97,26 @@ class HostCopies:
 
     per_plane = True
 
+    def __init__(self, layout: PagedLayout):
+        self.layout = layout
+
     def mark(self) -> Mark:
         return None
 
-    def load(
-        self,
-        layout: PagedLayout,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        planes: tuple[int, ...] | None,
-        after: Mark,
-    ) -> Mark:
-        if planes is None or len(planes) == layout.num_planes:
-            layout.scatter(ids, rows)
+    def load(self, ids: torch.Tensor, rows: torch.Tensor, planes: Planes, after: Mark) -> Mark:
+        if planes is None or len(planes) == self.layout.num_planes:
+            self.layout.scatter(ids, rows)
         else:
-            layout.scatter_planes(planes, ids, rows)
+            self.layout.scatter_planes(planes, ids, rows)
         return None
 
     def save(
-        self,
-        layout: PagedLayout,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        planes: tuple[int, ...] | None,
-        after: Mark,
+        self, ids: torch.Tensor, rows: torch.Tensor, planes: Planes, after: Mark
     ) -> tuple[Mark, Mark]:
-        if planes is None or len(planes) == layout.num_planes:
-            layout.gather(ids, rows)  # the whole batch: one indexed copy
+        if planes is None or len(planes) == self.layout.num_planes:
+            self.layout.gather(ids, rows)  # the whole batch: one indexed copy
         elif planes:
-            layout.gather_planes(planes, ids, rows)
+            self.layout.gather_planes(planes, ids, rows)
         return None, None
 
     def engine_waits(self, mark: Mark) -> None:
@@ -192,58 +179,47 @@ def _address(view: memoryview) -> int:
 
 
 class StreamCopies:
-    """Copies on the worker's own streams, for a cache on a GPU (see the module's notes)."""
+    """Copies on streams of their own, for a cache on a GPU (see the module's notes)."""
 
     per_plane = False
 
-    def __init__(self, device: torch.device, runtime: Runtime):
-        self.device = device
+    def __init__(self, layout: PagedLayout, runtime: Runtime):
+        self.layout = layout
+        self.device = layout.device
         self.runtime = runtime
         self.load_stream = runtime.stream()
         self.save_stream = runtime.stream()
         self._lock = threading.Lock()
         self.registered: dict[int, int] = {}  # address -> bytes, of arenas registered
 
-    def _chunks(self, layout: PagedLayout, num: int) -> list[slice]:
-        step = max(1, STAGING_BYTES // layout.block_bytes)
+    def _chunks(self, num: int) -> list[slice]:
+        step = max(1, STAGING_BYTES // self.layout.block_bytes)
         return [slice(start, min(start + step, num)) for start in range(0, num, step)]
 
     def mark(self) -> Mark:
         return self.runtime.record(None)
 
-    def load(
-        self,
-        layout: PagedLayout,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        planes: tuple[int, ...] | None,
-        after: Mark,
-    ) -> Mark:
+    def load(self, ids: torch.Tensor, rows: torch.Tensor, planes: Planes, after: Mark) -> Mark:
         with self.runtime.on(self.load_stream), self._drained_on_failure(self.load_stream):
             if after is not None:
                 self.runtime.wait(self.load_stream, after)
             device_ids = ids.to(self.device, non_blocking=True)
-            for part in self._chunks(layout, len(ids)):
+            for part in self._chunks(len(ids)):
                 staged = rows[part].to(self.device, non_blocking=True)
-                layout.scatter_rows(device_ids[part], staged)
+                self.layout.scatter_rows(device_ids[part], staged)
             return self.runtime.record(self.load_stream)
 
     def save(
-        self,
-        layout: PagedLayout,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        planes: tuple[int, ...] | None,
-        after: Mark,
+        self, ids: torch.Tensor, rows: torch.Tensor, planes: Planes, after: Mark
     ) -> tuple[Mark, Mark]:
         gathered: Mark = None
         with self.runtime.on(self.save_stream), self._drained_on_failure(self.save_stream):
             if after is not None:
                 self.runtime.wait(self.save_stream, after)
             device_ids = ids.to(self.device, non_blocking=True)
-            parts = self._chunks(layout, len(ids))
+            parts = self._chunks(len(ids))
             for i, part in enumerate(parts):
-                staged = layout.gather_rows(device_ids[part])
+                staged = self.layout.gather_rows(device_ids[part])
                 if i == len(parts) - 1:
                     gathered = self.runtime.record(self.save_stream)
                 rows[part].copy_(staged, non_blocking=True)
@@ -288,8 +264,8 @@ class StreamCopies:
                     self.runtime.unregister(old_address)
 
 
-def copies_for(device: torch.device) -> Copies:
-    """The copies for a cache on ``device``."""
-    if device.type == "cuda":
-        return StreamCopies(device, CudaRuntime(device))
-    return HostCopies()
+def copies_for(layout: PagedLayout) -> Copies:
+    """The copies for a cache with ``layout``, by the cache's device."""
+    if layout.device.type == "cuda":
+        return StreamCopies(layout, CudaRuntime(layout.device))
+    return HostCopies(layout)

@@ -1,0 +1,37 @@
+"""``PagedCache``: an engine's paged KV cache as the pool sees it, and how pool memory is
+viewed as a batch of its blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.client.leases import ReadLease, WriteLease
+
+from .copies import Copies
+from .guard import PoolGuard
+from .layouts import PagedLayout
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """A registered paged cache: its copies (which know its layout) and the guard its pool
+    calls run under.  Built once the engine has registered its cache; the client is passed
+    to each load or save (an engine may use several)."""
+
+    copies: Copies
+    guard: PoolGuard
+
+    @property
+    def layout(self) -> PagedLayout:
+        return self.copies.layout
+
+
+def pool_rows(layout: PagedLayout, lease: ReadLease | WriteLease, num: int) -> torch.Tensor:
+    """The first ``num`` blocks of a lease as a ``[num, block_elems]`` tensor: over the
+    pool's memory when they are adjacent there, else a staged copy (reads only)."""
+    extent = lease.extent(num) if isinstance(lease, ReadLease) else lease.extent()
+    if extent is not None:
+        return layout.pool_view(extent, num)
+    return layout.stage(lease.views[:num])
