@@ -11,4 +11,3 @@ def test_the_client_reads_the_limits_the_node_was_started_with(start_node):
         limits = client.limits()
     assert (limits.pin_s, limits.reserve_s) == (5.0, 7.0)
     assert 0 < limits.default_hold_s <= limits.hold_s
-

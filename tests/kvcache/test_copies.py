@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kvpool.client.leases import ReadLease, WriteLease
+from kvpool.client.transactions import ReadTransaction, WriteTransaction
 from kvpool.integrations.vllm import worker as worker_module
 from kvpool.integrations.vllm.metadata import KVPoolMetadata, TransferJob
 from kvpool.kvcache import copies as streams
@@ -87,7 +87,7 @@ def log(monkeypatch):
             return _real(layout, *args)
 
         monkeypatch.setattr(PagedLayout, name, spy)
-    real_end, real_commit = ReadLease.end, WriteLease.commit
+    real_end, real_commit = ReadTransaction.end, WriteTransaction.commit
 
     def end(lease):
         entries.append(("unpin",))
@@ -97,8 +97,8 @@ def log(monkeypatch):
         entries.append(("commit",))
         return real_commit(lease, *args, **kwargs)
 
-    monkeypatch.setattr(ReadLease, "end", end)
-    monkeypatch.setattr(WriteLease, "commit", commit)
+    monkeypatch.setattr(ReadTransaction, "end", end)
+    monkeypatch.setattr(WriteTransaction, "commit", commit)
     return entries
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.client.leases import ReadLease, WriteLease
+from kvpool.client.transactions import ReadTransaction, WriteTransaction
 
 from .copies import Copies
 from .guard import PoolGuard
@@ -28,10 +28,12 @@ class PagedCache:
         return self.copies.layout
 
 
-def pool_rows(layout: PagedLayout, lease: ReadLease | WriteLease, num: int) -> torch.Tensor:
+def pool_rows(
+    layout: PagedLayout, lease: ReadTransaction | WriteTransaction, num: int
+) -> torch.Tensor:
     """The first ``num`` blocks of a lease as a ``[num, block_elems]`` tensor: over the
     pool's memory when they are adjacent there, else a staged copy (reads only)."""
-    extent = lease.extent(num) if isinstance(lease, ReadLease) else lease.extent()
+    extent = lease.extent(num) if isinstance(lease, ReadTransaction) else lease.extent()
     if extent is not None:
         return layout.pool_view(extent, num)
     return layout.stage(lease.views[:num])

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from kvpool.client.client import Client
-from kvpool.client.leases import ReadLease
+from kvpool.client.transactions import ReadTransaction
 
 from .cache import PagedCache, pool_rows
 from .copies import Mark
@@ -78,7 +78,7 @@ class Load:
         try:
             with self.cache.guard.call("load") as outcome:
                 timeout = max(self.deadline - time.monotonic(), 0.001)
-                with client.acquire(self.keys, prefix=True, timeout=timeout) as lease:
+                with client.begin_read(self.keys, prefix=True, timeout=timeout) as lease:
                     self._copy(lease)
         finally:
             with self.cond:
@@ -96,7 +96,7 @@ class Load:
             return [(plane,) for plane in range(num_planes)]
         return [tuple(range(num_planes))]
 
-    def _copy(self, lease: ReadLease) -> None:
+    def _copy(self, lease: ReadTransaction) -> None:
         copies = self.cache.copies
         num = lease.num_prefix
         with self.cond:

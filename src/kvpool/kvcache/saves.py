@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.client.client import Client
-from kvpool.client.leases import WriteLease
 from kvpool.client.ops import PutResult
+from kvpool.client.transactions import WriteTransaction
 from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
 
@@ -57,7 +57,7 @@ class Save:
         self.block_ids = block_ids
         self.started = started
         self.lock = threading.Lock()
-        self.lease: WriteLease | None = None
+        self.lease: WriteTransaction | None = None
         self.wanted: list[int] = []  # indices of the blocks the pool wants (has space for)
         self.rows: torch.Tensor | None = None
         self.ids: torch.Tensor | None = None
@@ -69,7 +69,9 @@ class Save:
     def reserve(self, client: Client, timeout: float) -> None:
         """Reserve the pool space (on a pool thread); a save already closed gives it back."""
         layout = self.cache.layout
-        lease = client.reserve(self.keys, [layout.block_bytes] * len(self.keys), timeout=timeout)
+        lease = client.begin_write(
+            self.keys, [layout.block_bytes] * len(self.keys), timeout=timeout
+        )
         with self.lock:
             if self.closed:  # too late: the step is over
                 lease.abort()
@@ -102,7 +104,7 @@ class Save:
                 copies.engine_waits(gathered)
             self.copied.update(todo)
 
-    def close(self) -> WriteLease | None:
+    def close(self) -> WriteTransaction | None:
         """Finish the copies out of the cache and stop; the lease to commit (None: nothing
         to commit).  Called on the engine's thread, after the forward."""
         copies = self.cache.copies
@@ -123,7 +125,7 @@ class Save:
             lease.abort()
             raise
 
-    def _deliver(self, lease: WriteLease) -> None:
+    def _deliver(self, lease: WriteTransaction) -> None:
         """The copies have run, and blocks held apart in the arena are filled from the host
         batch, one copy each."""
         self.cache.copies.settle(self.copied_out)
