@@ -24,11 +24,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvpool import buffers
 from kvpool import checksum as ck
 from kvpool.client.client import Client
 from kvpool.client.copier import Copier
 from kvpool.config import MiB
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from kvpool.keys import Namespace
 
 BLOCK = 2 * MiB
@@ -85,7 +86,7 @@ def main() -> None:
             ),
             "fused_copy_hash_ms": _median_ms(
                 lambda i: [
-                    ck.copy_with_checksum(memoryview(piece(i, j)), memoryview(src[j]))
+                    buffers.copy_with_checksum(memoryview(piece(i, j)), memoryview(src[j]))
                     for j in range(BLOCKS)
                 ]
             ),

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from kvpool.tiers.disk import DiskTier
 
 TOTAL_BYTES = 1 << 30
@@ -169,8 +169,8 @@ def _reused_share(turns: list[dict[str, Any]], block: int) -> float:
 
 
 def vllm(arena: str = "14MiB", disk: str = "256MiB") -> dict[str, Any]:
-    from kvpool.demo.tiny_model import build_tiny_model
-    from kvpool.demo.workload import BLOCK_SIZE, Workload, kvpool_connector, run_workload
+    from kvpool.harness.tiny_model import build_tiny_model
+    from kvpool.harness.workload import BLOCK_SIZE, Workload, kvpool_connector, run_workload
 
     model = str(build_tiny_model(None))
     workload = Workload(num_conversations=12, num_turns=4)

@@ -27,10 +27,10 @@ from typing import Any
 
 from tests.thirdparty import third_party_dir
 
-from kvpool.demo.process import NodeProcess
-from kvpool.demo.tiny_model import build_tiny_model
-from kvpool.demo.workload import Workload, kvpool_connector, run_workload
 from kvpool.ems.install import install
+from kvpool.harness.process import NodeProcess
+from kvpool.harness.tiny_model import build_tiny_model
+from kvpool.harness.workload import Workload, kvpool_connector, run_workload
 
 ENGINE = {"enable_prefix_caching": False}
 EMS_HEALTHY_AFTER_S = 22

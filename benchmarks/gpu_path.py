@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from kvpool.integrations.vllm.config import connector_config
 from kvpool.integrations.vllm.metadata import KVPoolMetadata, TransferJob
 from kvpool.integrations.vllm.worker import KVPoolWorker

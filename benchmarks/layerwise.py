@@ -29,8 +29,8 @@ from typing import Any
 import aiohttp
 
 from benchmarks.overhead import _prompts, _quartiles, _ttft
-from kvpool.demo.process import NodeProcess
-from kvpool.demo.tiny_model import build_tiny_model
+from kvpool.harness.process import NodeProcess
+from kvpool.harness.tiny_model import build_tiny_model
 
 BLOCK_SIZE = 64
 ENGINES = ("layerwise", "whole", "recompute")

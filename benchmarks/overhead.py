@@ -30,8 +30,8 @@ from typing import Any
 
 import aiohttp
 
-from kvpool.demo.process import NodeProcess
-from kvpool.demo.tiny_model import build_tiny_model
+from kvpool.harness.process import NodeProcess
+from kvpool.harness.tiny_model import build_tiny_model
 
 BLOCK_SIZE = 64
 PROMPT_WORDS = 320  # about 1,500 tokens with the tiny model's tokenizer

@@ -37,8 +37,8 @@ from tests.router.servers import RouterProc
 from tests.s3server import S3Server
 
 from kvpool import Client
-from kvpool.demo.process import NodeProcess
-from kvpool.demo.tiny_model import build_tiny_model
+from kvpool.harness.process import NodeProcess
+from kvpool.harness.tiny_model import build_tiny_model
 
 NUM_REQUESTS = 8
 PREFIX_WORDS = 190  # about 1,500 tokens with the tiny model's tokenizer

@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
-from kvpool.demo.tiny_model import build_tiny_model
-from kvpool.demo.workload import Workload
+from kvpool.harness.tiny_model import build_tiny_model
+from kvpool.harness.workload import Workload
 
 BLOCK = 32
 

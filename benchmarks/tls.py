@@ -29,7 +29,7 @@ from tests.security.pki import Authority
 
 from kvpool import Client
 from kvpool.cli.bench_peers import _stream_sink
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 
 MiB = 1 << 20
 BLOCK = 2 * MiB

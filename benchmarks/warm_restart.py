@@ -22,7 +22,7 @@ import numpy as np
 
 from kvpool import Client, Namespace, Status
 from kvpool.config import parse_size
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 
 BLOCK = 2 << 20
 BATCH = 16

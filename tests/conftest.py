@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from tests.s3server import S3Server
 
 SHM = Path("/dev/shm")

@@ -14,7 +14,7 @@ from kvpool.config import (
     parse_size,
 )
 from kvpool.errors import ConfigError
-from kvpool.timing import LeasePolicy
+from kvpool.limits import LeasePolicy
 
 
 @pytest.mark.parametrize(

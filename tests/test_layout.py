@@ -10,7 +10,8 @@ import kvpool
 ROOT = Path(kvpool.__file__).parent
 # Each layer may import itself and the layers before it, never one after it.
 LAYERS = [
-    {"errors", "timing", "checksum", "keys", "stats", "config", "tenants", "tls", "directory"},
+    {"errors", "limits", "checksum", "buffers", "keys", "stats", "config", "tenants", "tls"},
+    {"directory"},
     {"protocol"},
     {"store"},
     {"tiers"},
@@ -20,6 +21,7 @@ LAYERS = [
     {"kvcache"},
     {"integrations", "ems"},
     {"router"},
+    {"harness"},
     {"demo"},
     {"cli", "__main__", "__init__"},
 ]
@@ -34,30 +36,103 @@ def _layer(module: str) -> int:
 
 
 def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name below ``kvpool`` (a package by its own
+    name, not ``….__init__``)."""
     out = {}
     for path in ROOT.rglob("*.py"):
-        relative = path.relative_to(ROOT).with_suffix("")
-        out[".".join(relative.parts)] = path
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
     return out
 
 
-def _imports(path: Path) -> set[str]:
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) - {m} for m, p in modules.items()}
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The kvpool modules ``module`` imports, anywhere in it (lazy imports included),
+    relative imports resolved: ``from kvpool.a import b`` names ``a.b`` if that is a
+    module, else ``a``."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("kvpool."):
-                found.add(node.module[len("kvpool.") :])
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                parts = [*base, *(node.module or "").split(".")]
+                source = ".".join(p for p in parts if p)
+            elif node.module and node.module.startswith("kvpool."):
+                source = node.module[len("kvpool.") :]
+            else:
+                continue
+            for alias in node.names:
+                name = f"{source}.{alias.name}" if source else alias.name
+                found.add(name if name in modules else source)
         elif isinstance(node, ast.Import):
             found.update(
                 a.name[len("kvpool.") :] for a in node.names if a.name.startswith("kvpool.")
             )
-    return found
+    return {m for m in found if m}
 
 
 def test_dependencies_point_one_way():
     wrong = []
-    for module, path in _modules().items():
-        for imported in _imports(path):
+    for module, imported_ids in _graph().items():
+        for imported in imported_ids:
             if _layer(imported) > _layer(module):
                 wrong.append(f"kvpool.{module} imports kvpool.{imported}")
     assert not wrong, wrong
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others (imports inside
+    functions and under TYPE_CHECKING count too: a circle is one concept split in two)."""
+    graph = _graph()
+    circles = [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
+    assert circles == []
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root, root_edges in graph.items():
+        if root in index:
+            continue
+        work = [(root, iter(sorted(root_edges)))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in graph:
+                    continue
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    found.append(component)
+    return found

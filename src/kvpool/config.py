@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.timing import LeasePolicy
+from kvpool.limits import LeasePolicy
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -364,7 +364,7 @@ class EventsConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """The cluster the node joins (``kvpool.node.cluster_agent``): static peers or etcd;
+    """The cluster the node joins (``kvpool.node.peers``): static peers or etcd;
     alone without either."""
 
     peers: tuple[str, ...] = setting(
@@ -402,7 +402,7 @@ class ClusterConfig:
         return self
 
 
-# LeasePolicy (kvpool.timing) is the store's: its settings are declared here, by field.
+# LeasePolicy (kvpool.limits) is the store's: its settings are declared here, by field.
 LEASE_SETTINGS: dict[str, Setting] = {
     # The most a pin or a reservation lasts, whatever a client asks for: what a dead or
     # stalled client can hold, and the longest a single GET or PUT payload may take to stream.
@@ -423,7 +423,7 @@ class NodeConfig:
     """Configuration of one node daemon (``kvpool serve``): who it is, its arena and its
     listeners, and one typed section for each part it runs (:class:`TLSConfig`,
     :class:`DiskConfig`, :class:`ObjectStoreConfig`, :class:`EventsConfig`,
-    :class:`ClusterConfig`, and the store's :class:`~kvpool.timing.LeasePolicy`).
+    :class:`ClusterConfig`, and the store's :class:`~kvpool.limits.LeasePolicy`).
 
     ``validate()`` checks each section, then what concerns more than one."""
 

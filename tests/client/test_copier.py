@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from kvpool import buffers
 from kvpool import checksum as ck
 from kvpool.client import copier as copier_module
 from kvpool.client.copier import Copier
@@ -37,8 +38,8 @@ def threads_copying(monkeypatch, piece_s: float = 0.0) -> set[str]:
 
         return run
 
-    monkeypatch.setattr(ck, "copy", recorded(ck.copy))
-    monkeypatch.setattr(ck, "copy_with_checksum", recorded(ck.copy_with_checksum))
+    monkeypatch.setattr(ck, "copy", recorded(buffers.copy))
+    monkeypatch.setattr(ck, "copy_with_checksum", recorded(buffers.copy_with_checksum))
     return threads
 
 
@@ -78,7 +79,7 @@ def test_a_failed_piece_is_raised_once_nothing_is_copying_any_more(monkeypatch):
     helper_copying = threading.Event()
     finished: list[int] = []
     failed: list[int] = []
-    real_copy = ck.copy
+    real_copy = buffers.copy
 
     def copy(dst, src):
         if threading.current_thread() is caller and not failed:
@@ -107,7 +108,7 @@ def test_a_failed_piece_is_raised_once_nothing_is_copying_any_more(monkeypatch):
 def test_a_batch_of_many_small_blocks_stays_on_the_caller(monkeypatch):
     """Blocks under GIL_FREE_BYTES are copied holding the GIL: threads would only take
     turns."""
-    srcs, dsts = batch([ck.GIL_FREE_BYTES // 2] * 128)  # 4 MiB in all
+    srcs, dsts = batch([buffers.GIL_FREE_BYTES // 2] * 128)  # 4 MiB in all
     threads = threads_copying(monkeypatch)
     copier = Copier(4)
     try:
@@ -142,14 +143,14 @@ def test_a_forked_child_copies_over_threads_of_its_own():
             code = 1
             try:
                 threads: set[str] = set()
-                real_copy = ck.copy
+                real_copy = buffers.copy
 
                 def record(dst, src):
                     threads.add(threading.current_thread().name)
                     time.sleep(0.01)
                     real_copy(dst, src)
 
-                ck.copy = record
+                buffers.copy = record
                 fresh = [memoryview(np.zeros(len(s), np.uint8)) for s in srcs]
                 copier.copy(fresh, srcs)
                 whole = [bytes(d) for d in fresh] == [bytes(s) for s in srcs]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 
 ACCESS_KEY = "cluster-test-key"
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from kvpool.demo.tiny_model import build_tiny_model
+from kvpool.harness.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.demo.runner import PAUSE_PREFIX, RESULT_PREFIX
+from kvpool.harness.runner import PAUSE_PREFIX, RESULT_PREFIX
 
 BLOCK_SIZE = 32
 ENGINE = {"block_size": BLOCK_SIZE, "max_model_len": 4096, "kv_cache_memory_bytes": 64 << 20}
@@ -59,7 +59,7 @@ def run_engine(
                 *(command_prefix or []),
                 sys.executable,
                 "-m",
-                "kvpool.demo.runner",
+                "kvpool.harness.runner",
                 str(plan_file),
             ],
             stdin=subprocess.PIPE,

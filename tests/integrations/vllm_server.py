@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 
-from kvpool.demo.runner import ENGINE_ENV
+from kvpool.harness.runner import ENGINE_ENV
 from tests.cluster.fabric import free_port
 
 ENGINE_ARGS = [

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from tests.helpers import content, key
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvpool import Client
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from kvpool.stats import TIER_DRAM, TIER_OBJECT
 from tests.conftest import NodeFactory
 from tests.helpers import content, key

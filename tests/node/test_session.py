@@ -9,10 +9,10 @@ import msgspec
 import pytest
 
 from kvpool import Status
+from kvpool.limits import MAX_HOLD_S, MAX_WAIT_S
 from kvpool.node.session import HANDLERS
 from kvpool.protocol import frames
 from kvpool.protocol.messages import PROTOCOL_VERSION, Hello, Op, Welcome
-from kvpool.timing import MAX_HOLD_S, MAX_WAIT_S
 from tests.helpers import key
 from tests.node.test_malformed import _read_frame, connect, header
 

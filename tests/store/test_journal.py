@@ -3,8 +3,8 @@
 from kvpool.config import PAGE_BYTES
 from kvpool.errors import Status
 from kvpool.store.allocator import SegregatedFitAllocator
+from kvpool.store.block_store import BlockStore
 from kvpool.store.journal import COMPACT_MIN_RECORDS, Entry, Journal
-from kvpool.store.pool import BlockStore
 from tests.helpers import key
 
 ARENA = 64 * PAGE_BYTES

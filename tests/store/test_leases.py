@@ -7,12 +7,12 @@ import pytest
 
 from kvpool.config import PAGE_BYTES
 from kvpool.errors import ConfigError, LeaseExpired
+from kvpool.limits import LeaseLimits
 from kvpool.protocol.messages import Limits
+from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.leases import LeaseKind, LeaseLedger, Owner
-from kvpool.store.pool import BlockStore
-from kvpool.timing import LeaseLimits
 from tests.helpers import key
 
 LIMITS = LeaseLimits(pin_s=2.0, reserve_s=3.0, hold_s=5.0, default_hold_s=4.0, wait_s=1.0)

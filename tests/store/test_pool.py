@@ -1,15 +1,15 @@
-"""One test per rule in kvpool.store.pool's docstring."""
+"""One test per rule in kvpool.store.block_store's docstring."""
 
 import pytest
 
 from kvpool import directory as d
 from kvpool.config import PAGE_BYTES
 from kvpool.errors import BadRequest, LeaseExpired, Status
+from kvpool.limits import LeasePolicy
 from kvpool.store.block import BlockState
+from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy, NoEviction
 from kvpool.store.journal import Journal
-from kvpool.store.pool import BlockStore
-from kvpool.timing import LeasePolicy
 from tests.helpers import key
 
 

@@ -8,11 +8,11 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpool.checksum import copy_with_checksum
+from kvpool.buffers import copy_with_checksum
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TIER_OBJECT, TierStats
 from kvpool.store.arena import Arena
-from kvpool.store.pool import BlockStore
+from kvpool.store.block_store import BlockStore
 from kvpool.tiers.chain import LowerTiers, Tiers
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource, Tier

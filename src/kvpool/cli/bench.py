@@ -33,14 +33,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpool.checksum import byte_view
+from kvpool.buffers import byte_view
 from kvpool.client.client import Client
 from kvpool.client.copier import Copier
 from kvpool.client.futures import PoolFuture
 from kvpool.client.ops import PutResult
 from kvpool.client.writer import Writer
 from kvpool.config import MiB, format_size
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from kvpool.keys import Namespace
 
 from .bench_peers import RedisPeer, StreamCeiling, shm_buffer

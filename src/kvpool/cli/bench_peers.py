@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.config import MiB
-from kvpool.demo.process import wait_until
+from kvpool.harness.process import wait_until
 
 
 @contextlib.contextmanager

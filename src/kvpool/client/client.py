@@ -24,8 +24,8 @@ from typing import Any, TypedDict, TypeVar, Unpack
 from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, TransportError, UsageError
 from kvpool.keys import BlockOrigin, Namespace
+from kvpool.limits import LeaseLimits
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
-from kvpool.timing import LeaseLimits
 
 from . import ops
 from .futures import PoolFuture
@@ -337,7 +337,7 @@ class Client:
     def limits(self, *, timeout: float | None = None) -> LeaseLimits:
         """The local node's lease limits: the longest pin, reservation, prefetch hold and
         wait it grants, whatever a call asks for (the node decides; see
-        :class:`~kvpool.timing.LeaseLimits`)."""
+        :class:`~kvpool.limits.LeaseLimits`)."""
         return self._require_local().limits(timeout)
 
     def stats(self, *, timeout: float | None = None) -> NodeStats:

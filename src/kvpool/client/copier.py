@@ -12,7 +12,7 @@ threads run them side by side.
   ``PIECE_BYTES``; a hashed copy is one piece per block, since a block's checksum is one
   sequential hash.
 - **Hashed as they land.**  A hashed copy hashes each piece of a block right after copying
-  it, while it is still in the core's cache (:func:`kvpool.checksum.copy_with_checksum`):
+  it, while it is still in the core's cache (:func:`kvpool.buffers.copy_with_checksum`):
   the checksum is of the bytes in the destination, and costs no second pass over memory.
 - **Nothing outlives the call.**  It returns once every piece is copied or given up, so no
   thread writes a block after its commit or after its pin is dropped.  The first error
@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvpool import checksum as ck
+from kvpool import buffers
 from kvpool.config import DEFAULT_COPY_THREADS
 
 PIECE_BYTES = 1 << 20
@@ -79,7 +79,7 @@ class Copier:
 
     def _run(self, pieces: list[Callable[[], None]], num_bytes: int) -> None:
         helpers = min(self.num_threads - 1, len(pieces) - 1)
-        small = num_bytes < PARALLEL_MIN_BYTES or num_bytes < len(pieces) * ck.GIL_FREE_BYTES
+        small = num_bytes < PARALLEL_MIN_BYTES or num_bytes < len(pieces) * buffers.GIL_FREE_BYTES
         if helpers <= 0 or small:
             for piece in pieces:
                 piece()
@@ -121,14 +121,14 @@ class Copier:
 
 
 def _plain_copy(dst: memoryview, src: memoryview) -> Callable[[], None]:
-    return lambda: ck.copy(dst, src)
+    return lambda: buffers.copy(dst, src)
 
 
 def _hashed_copy(
     checksums: list[int | None], i: int, dst: memoryview, src: memoryview
 ) -> Callable[[], None]:
     def piece() -> None:
-        checksums[i] = ck.copy_with_checksum(dst, src)
+        checksums[i] = buffers.copy_with_checksum(dst, src)
 
     return piece
 

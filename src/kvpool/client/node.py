@@ -17,8 +17,8 @@ from kvpool.config import Address, ClientConfig
 from kvpool.directory import DirectoryReader
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
 from kvpool.keys import BlockOrigin
+from kvpool.limits import LeaseLimits
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
-from kvpool.timing import LeaseLimits
 
 from . import ops, reads, writes
 from .connection import Connection, map_arena
@@ -196,7 +196,7 @@ class NodeClient:
     def limits(self, timeout: float | None = None) -> LeaseLimits:
         """The lease limits the node grants at most, as its Welcome announces them (a
         handshake first if this client has none yet); a node too old to announce them
-        grants :class:`~kvpool.timing.LeaseLimits`' defaults."""
+        grants :class:`~kvpool.limits.LeaseLimits`' defaults."""
         if self.last_welcome is None:
             self.release(self.hold(timeout))
         welcome = self.last_welcome

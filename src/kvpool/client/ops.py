@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvpool import checksum as ck
+from kvpool.buffers import byte_view
 from kvpool.errors import (
     AuthenticationError,
     ProtocolError,
@@ -419,6 +420,6 @@ def check_buffers(
     if len(buffers) != len(keys):
         raise UsageError(f"{len(keys)} keys but {len(buffers)} buffers")
     try:
-        return [ck.byte_view(b, writable=writable) for b in buffers]
+        return [byte_view(b, writable=writable) for b in buffers]
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from exc

@@ -3,7 +3,7 @@
 - Writes go to the local node (which writes them through to the keys' home nodes).
   Without a local node, or when it fails, they go straight to the homes.
 - Reads try the local node, then the keys' home nodes in parallel, then the other nodes,
-  time allowing.  Blocks read elsewhere are promoted into the local node in the
+  time allowing.  Blocks read elsewhere are copied into the local node in the
   background (bounded), so the next read is local.
 - Lookups ask the local node for its prefix, then every other node which of the rest it
   has (a block can sit on its writer's node before it reaches its home).
@@ -28,11 +28,11 @@ from kvpool.cluster.placement import group_by_home
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, NodeUnavailable, PoolTimeout, Status, TransportError
 from kvpool.keys import BlockOrigin, Namespace
+from kvpool.limits import MIN_SECOND_ROUND_S
 from kvpool.protocol.messages import Health, NodeStats
 from kvpool.stats import TIER_REMOTE
-from kvpool.timing import MIN_SECOND_ROUND_S
 
-from .cluster import ClusterView
+from .fanout import ClusterView
 from .node import NodeClient
 from .ops import GetResult, LookupState, PutResult
 from .transactions import ReadTransaction
@@ -40,8 +40,8 @@ from .transactions import ReadTransaction
 T = TypeVar("T")
 
 # Blocks read from other nodes that are being copied into the local node, at most.
-MAX_PROMOTING_BYTES = 256 << 20
-PROMOTE_THREADS = 2
+MAX_LOCAL_COPY_BYTES = 256 << 20
+LOCAL_COPY_THREADS = 2
 
 
 class ClusterClient:
@@ -51,17 +51,17 @@ class ClusterClient:
         self.config = config
         self.local = local
         self.view = ClusterView(config, local)
-        self._promote_lock = threading.Lock()
-        self._promoting_bytes = 0
-        self._promoter: ThreadPoolExecutor | None = None
+        self._local_copy_lock = threading.Lock()
+        self._local_copy_bytes = 0
+        self._local_copier: ThreadPoolExecutor | None = None
 
     def members(self) -> list[Member]:
         """The cluster's members, as the client sees them now."""
         return self.view.members()
 
     def close(self) -> None:
-        if self._promoter is not None:
-            self._promoter.shutdown(wait=True)
+        if self._local_copier is not None:
+            self._local_copier.shutdown(wait=True)
         self.view.close()
 
     def _local(
@@ -278,37 +278,37 @@ class ClusterClient:
                     if result.values:
                         result.values[i] = value
                     fetched_keys.append(keys[i])
-                    # The caller may change what it was handed before the promotion runs.
+                    # The caller may change what it was handed before the copy runs.
                     fetched_values.append(value if dsts is not None else bytes(value))
         if fetched_keys:
-            self._promote(fetched_keys, fetched_values)
+            self._copy_to_local(fetched_keys, fetched_values)
 
-    def _promote(self, keys: list[bytes], values: list[bytes]) -> None:
+    def _copy_to_local(self, keys: list[bytes], values: list[bytes]) -> None:
         """Copy blocks read from other nodes into the local node, in the background, so the
         next read is local (best effort)."""
         local = self.local
         if local is None:
             return
         num_bytes = sum(len(v) for v in values)
-        with self._promote_lock:
-            # Bounded: when the local node is slow, promotions are dropped, not queued.
-            if self._promoting_bytes + num_bytes > MAX_PROMOTING_BYTES:
+        with self._local_copy_lock:
+            # Bounded: when the local node is slow, copies are dropped, not queued.
+            if self._local_copy_bytes + num_bytes > MAX_LOCAL_COPY_BYTES:
                 return
-            self._promoting_bytes += num_bytes
-            if self._promoter is None:
-                self._promoter = ThreadPoolExecutor(
-                    PROMOTE_THREADS, thread_name_prefix="kvpool-promote"
+            self._local_copy_bytes += num_bytes
+            if self._local_copier is None:
+                self._local_copier = ThreadPoolExecutor(
+                    LOCAL_COPY_THREADS, thread_name_prefix="kvpool-local-copy"
                 )
 
-        def promote() -> None:
+        def copy_to_local() -> None:
             try:
                 with contextlib.suppress(KVPoolError):
                     local.put(keys, [memoryview(v) for v in values], replicate=False)
             finally:
-                with self._promote_lock:
-                    self._promoting_bytes -= num_bytes
+                with self._local_copy_lock:
+                    self._local_copy_bytes -= num_bytes
 
-        self._promoter.submit(promote)
+        self._local_copier.submit(copy_to_local)
 
     # -- the rest -------------------------------------------------------------------------
 

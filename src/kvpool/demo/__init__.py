@@ -1,5 +1,4 @@
-"""What ``kvpool demo``, ``kvpool bench``, the benchmarks and the tests run, kept out of the
-product packages: a node daemon as a child process (:mod:`.process`), a tiny model built
-locally (:mod:`.tiny_model`), a vLLM engine driven through a plan of steps (:mod:`.runner`),
-the multi-turn chat workload (:mod:`.workload`), and the two demos (:mod:`.chat`,
-:mod:`.pool`)."""
+"""The two demos of ``kvpool demo``: a node and a real vLLM engine on the tiny model, a
+multi-turn chat with and without the pool (:mod:`.chat`), and the pool alone, no engine
+(:mod:`.pool`).  What they run (a node child process, the tiny model, the engine runner,
+the chat workload) is the harness the benchmarks and the tests share: :mod:`kvpool.harness`."""

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 
 if TYPE_CHECKING:
-    from kvpool.demo.workload import Comparison
+    from kvpool.harness.workload import Comparison
 
 LABELS = {"nopool": "no connector", "pool": "kvpool", "example": "ExampleConnector"}
 
@@ -33,8 +33,8 @@ def run_demo(
     json_output: bool,
     model_dir: str | None,
 ) -> dict[str, Any]:
-    from kvpool.demo.tiny_model import build_tiny_model
-    from kvpool.demo.workload import (
+    from kvpool.harness.tiny_model import build_tiny_model
+    from kvpool.harness.workload import (
         Workload,
         compare,
         example_connector,

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvpool.client.client import Client
 from kvpool.config import format_size
-from kvpool.demo.process import NodeProcess
+from kvpool.harness.process import NodeProcess
 from kvpool.keys import Namespace, chained_hashes
 
 BLOCK_TOKENS = 32

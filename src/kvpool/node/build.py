@@ -39,11 +39,11 @@ from kvpool.node.sealing import seal_replayed
 from kvpool.node.server import NodeServer
 from kvpool.node.services import StoreChanges
 from kvpool.store.arena import Arena, NodeDirLock
+from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
 from kvpool.store.leases import LeaseLedger
-from kvpool.store.pool import BlockStore
 from kvpool.tenants import Registry
 from kvpool.tiers.build import open_lower_tiers
 from kvpool.tiers.chain import LowerTiers, Tiers
@@ -51,8 +51,8 @@ from kvpool.tiers.tier import RemoteSource
 from kvpool.tls import CertFiles
 
 if TYPE_CHECKING:
-    from kvpool.node.cluster_agent import NodeAgent
     from kvpool.node.events import KVEventPublisher
+    from kvpool.node.peers import NodeAgent
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,6 @@ def open_events(config: NodeConfig) -> KVEventPublisher | None:
 def _cluster_agent(config: NodeConfig, store: BlockStore, arena: Arena) -> NodeAgent | None:
     if not config.cluster.is_clustered:
         return None
-    from kvpool.node.cluster_agent import NodeAgent  # the client's code: only in a cluster
+    from kvpool.node.peers import NodeAgent  # the client's code: only in a cluster
 
     return NodeAgent(config, store, arena)

@@ -32,8 +32,8 @@ from kvpool import checksum as ck
 from kvpool.keys import BlockOrigin
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block, BlockState, CommitResult
+from kvpool.store.block_store import BlockStore
 from kvpool.store.journal import Entry, Replay
-from kvpool.store.pool import BlockStore
 
 log = logging.getLogger("kvpool.node")
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvpool.config import NodeConfig
+from kvpool.limits import EXPIRE_INTERVAL_S
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
 from kvpool.node.services import (
@@ -38,10 +39,9 @@ from kvpool.node.services import (
 from kvpool.node.session import Session
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
-from kvpool.store.pool import BlockStore
+from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant
 from kvpool.tiers.chain import Tiers
-from kvpool.timing import EXPIRE_INTERVAL_S
 from kvpool.tls import CertFiles
 
 log = logging.getLogger("kvpool.node")

@@ -26,15 +26,15 @@ from typing import Protocol
 
 from kvpool.config import NodeConfig
 from kvpool.errors import NodeUnavailable
+from kvpool.limits import LeaseLimits
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import CommitResult
-from kvpool.store.pool import BlockStore
+from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Credential, Registry, Tenant
 from kvpool.tiers.chain import Tiers
-from kvpool.timing import LeaseLimits
 
 
 class Connection(Protocol):

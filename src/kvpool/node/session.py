@@ -10,7 +10,7 @@
   client, which verifies and copies, then sends UNPIN; a GET sends the pinned blocks with
   scatter-gather ``sendmsg`` and unpins.
 - Leases are the store's ledger's: a client's requested lease is clamped to the node's
-  :class:`~kvpool.timing.LeaseLimits` (announced in the Welcome), and a transfer the
+  :class:`~kvpool.limits.LeaseLimits` (announced in the Welcome), and a transfer the
   session streams itself ends before its lease.
 - The session uses the node through one narrow object, :class:`SessionServices`
   (:mod:`kvpool.node.services`), and serves each op with the method :data:`HANDLERS` names.
@@ -45,6 +45,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     status_for_error,
 )
+from kvpool.limits import LeaseLimits
 from kvpool.node.services import SessionServices
 from kvpool.protocol import auth
 from kvpool.protocol import messages as msg
@@ -53,9 +54,8 @@ from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, e
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
 from kvpool.store.block import Area, Block
-from kvpool.store.pool import PinResult
+from kvpool.store.block_store import PinResult
 from kvpool.tenants import Credential, Tenant
-from kvpool.timing import LeaseLimits
 
 log = logging.getLogger("kvpool.node")
 

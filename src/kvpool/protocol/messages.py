@@ -40,8 +40,8 @@ from typing import Annotated
 import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
+from kvpool.limits import MAX_WAIT_S, LeaseLimits
 from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
-from kvpool.timing import MAX_WAIT_S, LeaseLimits
 
 PROTOCOL_VERSION = 2  # 2: sealed commits
 SUPPORTED_VERSIONS = (2,)
@@ -121,7 +121,7 @@ class Hello(Message):
 
 
 class Limits(Message):
-    """The node's lease limits (:class:`kvpool.timing.LeaseLimits`), as its Welcome
+    """The node's lease limits (:class:`kvpool.limits.LeaseLimits`), as its Welcome
     announces them: the most it grants, whatever a client asks for."""
 
     pin_ms: int

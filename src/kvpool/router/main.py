@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from kvpool.config import client_config_from
-from kvpool.timing import ROUTER_LOOKUP_BUDGET_S
+from kvpool.limits import ROUTER_LOOKUP_BUDGET_S
 from kvpool.tls import CertFiles
 
 from .app import Router, serve

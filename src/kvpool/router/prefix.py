@@ -22,8 +22,8 @@ from kvpool.cluster.cooldown import Cooldowns
 from kvpool.config import ClientConfig
 from kvpool.errors import PoolTimeout
 from kvpool.keys import NAMESPACE_ID_BYTES, block_key
+from kvpool.limits import ROUTER_MAX_SLOW_ANSWERS, ROUTER_NODE_DOWN_S
 from kvpool.tenants import Tenant
-from kvpool.timing import ROUTER_MAX_SLOW_ANSWERS, ROUTER_NODE_DOWN_S
 
 log = logging.getLogger("kvpool.router")
 

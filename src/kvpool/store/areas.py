@@ -1,5 +1,5 @@
 """Write areas: free arena memory that same-host writers hold, one area per writer, so that
-a put needs no round trip before its copy (rule 14 of :mod:`kvpool.store.pool`).
+a put needs no round trip before its copy (rule 14 of :mod:`kvpool.store.block_store`).
 
 A writer places the blocks of each put one after another at the front of its area, copies
 them in, and names their keys in one COMMIT; the node carves that front off the area with

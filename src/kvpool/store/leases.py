@@ -22,7 +22,7 @@ Owners (who holds a lease):
 
 Rules:
 
-1. Every lease is granted by the ledger's :class:`~kvpool.timing.LeaseLimits`: whatever a
+1. Every lease is granted by the ledger's :class:`~kvpool.limits.LeaseLimits`: whatever a
    caller asks for, it lasts at most the bound of its kind (:meth:`LeaseLedger.grant`).
 2. :meth:`LeaseLedger.expire` ends every lease of every kind whose deadline passed, each
    the way its book says (an abort, an unpin, a free, a release), and counts them.
@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from kvpool.timing import LeaseLimits
+from kvpool.limits import LeaseLimits
 
 # An owner id: a client connection's number (>= 1), or one of the node's own Owners.
 OwnerId = int

@@ -1,6 +1,6 @@
 """Room in the arena for new blocks: allocation that evicts the least recently used blocks
 on demand, and down to the low watermark once usage passes the high one, within tenants'
-quotas (rules 6 and 11 of :mod:`kvpool.store.pool`, which owns the blocks it evicts).
+quotas (rules 6 and 11 of :mod:`kvpool.store.block_store`, which owns the blocks it evicts).
 
 It asks the store, through :class:`Evictee`, which block a key names and whether it may be
 evicted now, and has the store evict it; it never sees the store's index.

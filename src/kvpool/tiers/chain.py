@@ -38,14 +38,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvpool.checksum import copy_with_checksum
+from kvpool.buffers import copy_with_checksum
 from kvpool.protocol.messages import PrefetchResponse
 from kvpool.stats import TIER_DRAM, PrefetchStats, TierStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block
+from kvpool.store.block_store import BlockStore
 from kvpool.store.holds import Holds
 from kvpool.store.leases import Owner
-from kvpool.store.pool import BlockStore
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import RemoteSource, Tier
 from kvpool.tiers.writeback import WriteBack

@@ -350,7 +350,7 @@ class DiskTier(KeyIndex[Location]):
     def _roll(self) -> None:
         """Seal the open segment and open a new one, making room for it first."""
         if self._open is not None:
-            self._seal(self._open)
+            self._finish_segment(self._open)
         with self._lock:
             self._make_room(self.segment_bytes)
             segment_id = max(self._segments, default=0) + 1
@@ -360,7 +360,7 @@ class DiskTier(KeyIndex[Location]):
             self._segments[segment_id] = segment
             self._open = segment
 
-    def _seal(self, segment: Segment) -> None:
+    def _finish_segment(self, segment: Segment) -> None:
         with self._lock:
             footer = b"".join(segment.headers)
             fd = self._fd(segment.segment_id)
@@ -480,7 +480,7 @@ class DiskTier(KeyIndex[Location]):
     def close(self) -> None:
         """Seal the open segment (a clean start reads its footer) and close the files."""
         if self._open is not None:
-            self._seal(self._open)
+            self._finish_segment(self._open)
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)

@@ -59,7 +59,7 @@ from typing import Any
 import msgspec
 import obstore
 
-from kvpool.checksum import copy_with_checksum
+from kvpool.buffers import copy_with_checksum
 from kvpool.errors import ConfigError
 from kvpool.stats import TIER_OBJECT, TierStats
 from kvpool.tiers.bucket import (

@@ -21,7 +21,7 @@ from kvpool.cluster.membership import EtcdMembership, Member, Membership, member
 from kvpool.cluster.placement import Placement
 from kvpool.config import Address, ClientConfig
 from kvpool.errors import ConfigError, KVPoolError, PoolTimeout, TransportError
-from kvpool.timing import CLIENT_NODE_DOWN_S, MIN_FAIR_BUDGET_S
+from kvpool.limits import CLIENT_NODE_DOWN_S, MIN_FAIR_BUDGET_S
 
 from .node import NodeClient
 

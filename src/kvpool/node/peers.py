@@ -23,10 +23,10 @@ from kvpool.cluster.membership import EtcdMembership, Member, Membership, member
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import DEFAULT_NODE_NAME, Address, ClientConfig, NodeConfig
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.limits import WRITE_THROUGH_DOWN_S, WRITE_THROUGH_TIMEOUT_S
 from kvpool.store.arena import Arena
+from kvpool.store.block_store import BlockStore
 from kvpool.store.leases import Owner
-from kvpool.store.pool import BlockStore
-from kvpool.timing import WRITE_THROUGH_DOWN_S, WRITE_THROUGH_TIMEOUT_S
 
 log = logging.getLogger("kvpool.cluster")
 

@@ -1,7 +1,7 @@
 """Run a vLLM engine (offline ``LLM``) through a plan of steps and report each as one JSON
 line: the engine side of ``kvpool demo``, the benchmarks and the tests.
 
-    python -m kvpool.demo.runner plan.json
+    python -m kvpool.harness.runner plan.json
 
 The plan::
 

@@ -14,7 +14,7 @@ Rules (each has a test in tests/store/test_pool.py):
    a pinned block that is deleted disappears from the index at once, and its memory is
    returned when the last pin drops.
 5. Every lease is granted by the store's lease ledger (:mod:`kvpool.store.leases`) under its
-   :class:`~kvpool.timing.LeaseLimits`: whatever a caller asks for, a pin, a reservation
+   :class:`~kvpool.limits.LeaseLimits`: whatever a caller asks for, a pin, a reservation
    or a write area lasts at most the bound of its kind.
 6. Eviction removes least recently used committed, unpinned blocks: on demand when an
    allocation fails, and down to the low watermark once usage passes the high watermark.
@@ -46,6 +46,7 @@ from kvpool.config import page_bytes
 from kvpool.directory import DirectoryWriter, NoDirectory
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import BlockOrigin
+from kvpool.limits import LeaseLimits
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator
 from kvpool.store.areas import WriteAreas
 from kvpool.store.block import (
@@ -67,7 +68,6 @@ from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
 from kvpool.store.namespaces import NamespaceTable
 from kvpool.store.quotas import Quotas
 from kvpool.store.space import Space
-from kvpool.timing import LeaseLimits
 
 Clock = Callable[[], float]
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from

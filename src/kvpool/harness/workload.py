@@ -205,7 +205,7 @@ def run_workload(
         plan_file.write_text(json.dumps(plan))
         env = {**os.environ, "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm-cache"), **(env or {})}
         proc = subprocess.run(
-            [sys.executable, "-m", "kvpool.demo.runner", str(plan_file)],
+            [sys.executable, "-m", "kvpool.harness.runner", str(plan_file)],
             capture_output=True,
             check=False,
             text=True,
