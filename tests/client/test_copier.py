@@ -38,8 +38,8 @@ def threads_copying(monkeypatch, piece_s: float = 0.0) -> set[str]:
 
         return run
 
-    monkeypatch.setattr(ck, "copy", recorded(buffers.copy))
-    monkeypatch.setattr(ck, "copy_with_checksum", recorded(buffers.copy_with_checksum))
+    monkeypatch.setattr(buffers, "copy", recorded(buffers.copy))
+    monkeypatch.setattr(buffers, "copy_with_checksum", recorded(buffers.copy_with_checksum))
     return threads
 
 
@@ -92,7 +92,7 @@ def test_a_failed_piece_is_raised_once_nothing_is_copying_any_more(monkeypatch):
         real_copy(dst, src)
         finished.append(1)
 
-    monkeypatch.setattr(ck, "copy", copy)
+    monkeypatch.setattr(buffers, "copy", copy)
     copier = Copier(2)
     try:
         with pytest.raises(RuntimeError, match="a piece failed"):
