@@ -61,28 +61,8 @@ def external_hash(block_hash: bytes) -> int:
 
 
 # vLLM's event classes, both encodings (kvpool does not import vLLM: these are the wire
-# schema; the tests decode them with vLLM's own classes).  The map form: each event a map
-# with a "type" field, ``lora_name`` required.
-class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class _Cleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True):
-    pass
-
-
-# The array form, as vLLM encoded events before: ``[type, field, ...]``, fields in order.
+# schema; the tests decode them with vLLM's own classes).  The array form, as vLLM encoded
+# events before: ``[type, field, ...]``, fields in order.
 class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True):
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -98,6 +78,20 @@ class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, omit_de
 
 
 class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True, omit_defaults=True):
+    pass
+
+
+# The map form: each event a map with a "type" field, the same fields, and ``lora_name``
+# (required) after them.
+class _Stored(_StoredArray, array_like=False):
+    lora_name: str | None
+
+
+class _Removed(_RemovedArray, array_like=False):
+    pass
+
+
+class _Cleared(_ClearedArray, array_like=False):
     pass
 
 

@@ -272,11 +272,10 @@ class DiskTier(KeyIndex[Location]):
 
     def stats(self) -> TierStats:
         counters = self.counters
-        return TierStats(
-            name="disk",
-            capacity_bytes=self.capacity,
-            used_bytes=self.used_bytes,
-            num_blocks=len(self),
+        return self._stats(
+            "disk",
+            self.capacity,
+            self.used_bytes,
             reads=counters.hits,
             writes=counters.writes,
             evictions=counters.evicted_blocks,

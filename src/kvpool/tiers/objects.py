@@ -200,11 +200,10 @@ class ObjectTier(KeyIndex[ObjectLocation]):
 
     def stats(self) -> TierStats:
         counters = self.counters
-        return TierStats(
-            name="object",
-            capacity_bytes=self.capacity,
-            used_bytes=self.used_bytes,
-            num_blocks=len(self),
+        return self._stats(
+            "object",
+            self.capacity,
+            self.used_bytes,
             reads=counters.reads,
             writes=counters.uploaded_blocks,
             dropped=counters.dropped_segments,

@@ -138,3 +138,10 @@ class KeyIndex(Generic[L]):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def _stats(self, name: str, capacity: int, used_bytes: int, **moved: int) -> TierStats:
+        """The tier's :class:`~kvpool.stats.TierStats`: what it holds (from the index), and
+        ``moved``, its counters of what went through it."""
+        return TierStats(
+            name=name, capacity_bytes=capacity, used_bytes=used_bytes, num_blocks=len(self), **moved
+        )
