@@ -251,7 +251,7 @@ class TLSConfig:
 
 @dataclass(frozen=True)
 class DiskConfig:
-    """The local disk tier below the arena (``kvpool.store.disk``); off without a path."""
+    """The local disk tier below the arena (``kvpool.tiers.disk``); off without a path."""
 
     path: str = setting(
         "", "--disk", "A directory for the local disk tier (e.g. on NVMe).", key="disk_path"
@@ -274,7 +274,7 @@ class DiskConfig:
 
 @dataclass(frozen=True)
 class ObjectStoreConfig:
-    """The shared object-store tier below the disk (``kvpool.store.objects``); off without a
+    """The shared object-store tier below the disk (``kvpool.tiers.objects``); off without a
     URL.  Credentials come from the standard AWS variables (``AWS_ACCESS_KEY_ID``, ...)."""
 
     url: str = setting(
