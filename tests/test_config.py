@@ -14,7 +14,7 @@ from kvpool.config import (
     parse_size,
 )
 from kvpool.errors import ConfigError
-from kvpool.limits import LeasePolicy
+from kvpool.limits import LeaseLimits
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_what_concerns_two_sections_is_checked_by_the_node():
     with pytest.raises(ConfigError, match="in plaintext"):
         NodeConfig(host="10.1.2.3", access_key="secret", tls=TLSConfig(ca="ca.pem")).validate()
     with pytest.raises(ConfigError, match="lease durations"):
-        NodeConfig(leases=LeasePolicy(pin_s=0.1)).validate()
+        NodeConfig(leases=LeaseLimits(pin_s=0.1)).validate()
 
 
 def test_node_overrides_by_their_old_names_land_in_their_sections():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.limits import LeasePolicy
+from kvpool.limits import LeaseLimits
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -402,7 +402,7 @@ class ClusterConfig:
         return self
 
 
-# LeasePolicy (kvpool.limits) is the store's: its settings are declared here, by field.
+# LeaseLimits (kvpool.limits) is the store's: its settings are declared here, by field.
 LEASE_SETTINGS: dict[str, Setting] = {
     # The most a pin or a reservation lasts, whatever a client asks for: what a dead or
     # stalled client can hold, and the longest a single GET or PUT payload may take to stream.
@@ -423,7 +423,7 @@ class NodeConfig:
     """Configuration of one node daemon (``kvpool serve``): who it is, its arena and its
     listeners, and one typed section for each part it runs (:class:`TLSConfig`,
     :class:`DiskConfig`, :class:`ObjectStoreConfig`, :class:`EventsConfig`,
-    :class:`ClusterConfig`, and the store's :class:`~kvpool.limits.LeasePolicy`).
+    :class:`ClusterConfig`, and the store's :class:`~kvpool.limits.LeaseLimits`).
 
     ``validate()`` checks each section, then what concerns more than one."""
 
@@ -498,7 +498,7 @@ class NodeConfig:
         "A tenants file (TOML): credentials, salts and quotas; reloaded.",
         key="tenants_path",
     )
-    leases: LeasePolicy = field(default_factory=LeasePolicy)
+    leases: LeaseLimits = field(default_factory=LeaseLimits)
     tls: TLSConfig = field(default_factory=TLSConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     objects: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
@@ -718,7 +718,7 @@ def node_settings() -> list[tuple[str, str, Setting]]:
         if SETTING in f.metadata
     ]
     for section, section_type in node_sections().items():
-        if section_type is LeasePolicy:
+        if section_type is LeaseLimits:
             found.extend((section, name, s) for name, s in LEASE_SETTINGS.items())
         else:
             found.extend(

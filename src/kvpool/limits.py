@@ -86,10 +86,6 @@ class LeaseLimits:
         return max(lease_s - EXPIRE_INTERVAL_S, EXPIRE_INTERVAL_S / 2)
 
 
-# The name the node's configuration and older callers use.
-LeasePolicy = LeaseLimits
-
-
 def _clamp(requested_s: float, default_s: float, bound_s: float) -> float:
     return default_s if requested_s <= 0 else min(requested_s, bound_s)
 

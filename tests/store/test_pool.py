@@ -5,7 +5,7 @@ import pytest
 from kvpool import directory as d
 from kvpool.config import PAGE_BYTES
 from kvpool.errors import BadRequest, LeaseExpired, Status
-from kvpool.limits import LeasePolicy
+from kvpool.limits import LeaseLimits
 from kvpool.store.block import BlockState
 from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy, NoEviction
@@ -76,7 +76,7 @@ def test_rule4_pins_block_eviction_until_unpinned_or_expired(clock):
 
 
 def test_rule5_leases_are_clamped_to_the_policy(clock):
-    store = BlockStore(32 * PAGE_BYTES, clock=clock, leases=LeasePolicy(pin_s=2.0, reserve_s=3.0))
+    store = BlockStore(32 * PAGE_BYTES, clock=clock, leases=LeaseLimits(pin_s=2.0, reserve_s=3.0))
     asked = store.reserve([key(1)], [100], owner=1, lease_s=600)
     assert asked.lease_s == 3.0
     assert store.reserve([key(2)], [100], owner=1).lease_s == 3.0  # 0: the bound
