@@ -1,10 +1,24 @@
-"""A tiny random-weight Llama model that vLLM can serve fully offline.
+"""Tiny random-weight models of each family kvpool serves, that vLLM can run fully offline.
 
-kvpool's vLLM integration tests need a real model, but no model hub is reachable and
-a real checkpoint is far too slow on a CPU. :func:`build_tiny_model` writes a ~8 MB
-Llama (4 layers, hidden 256, GQA with 2 KV heads, head_dim 64, bf16) whose weights are
-seeded, plus a ~2k-token byte-level BPE tokenizer trained on CPython's own stdlib
-sources and a minimal chat template. The outputs are meaningless but, with greedy
+kvpool's vLLM integration tests need real models, but no model hub is reachable and
+a real checkpoint is far too slow on a CPU. :func:`build_tiny_model` writes one of
+:data:`FAMILIES` (a few MB each, seeded weights, bf16), plus a ~2k-token byte-level BPE
+tokenizer trained on CPython's own stdlib sources and a minimal chat template:
+
+``llama``
+    dense attention: 4 layers, hidden 256, GQA with 2 KV heads, head_dim 64.
+``deepseek-v3``
+    DeepSeek-V3's shape (Kimi-K2.5's family): multi-head latent attention at DeepSeek's
+    real head sizes (``kv_lora_rank`` 512, rope 64: one 576-wide latent per token, the only
+    size vLLM's CPU MLA kernel runs), dense MLPs.
+``deepseek-v3-moe``
+    the same with mixture-of-experts layers after the first (8 routed experts, 2 per
+    token, one shared expert, DeepSeek's grouped top-k router).
+``gemma3``
+    Gemma-3's shape: sliding-window layers (window 128) interleaved with full attention.
+``qwen3-next``
+    Qwen3-Next's shape: gated-delta-net linear attention, one full-attention layer in
+    four, mixture-of-experts MLPs. The outputs are meaningless but, with greedy
 sampling, deterministic -- so a KV connector that restores the right KV reproduces them
 exactly, while wrong KV visibly changes them.
 
@@ -17,6 +31,7 @@ Note: vLLM's CPU attention backend only accepts a ``block_size`` that is a multi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pathlib
@@ -24,17 +39,18 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["DEFAULT_MODEL_DIR", "build_tiny_model"]
+__all__ = ["FAMILIES", "build_tiny_model", "model_dir_for"]
 
 logger = logging.getLogger(__name__)
 
 #: Bump whenever the recipe changes, so stale cached builds are rebuilt.
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"
 MARKER_NAME = ".kvpool-tiny-model-complete"
 
 SEED = 0
@@ -52,16 +68,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def _default_model_dir() -> str:
+def model_dir_for(family: str = "llama") -> str:
+    """Where :func:`build_tiny_model` builds ``family`` by default
+    (``$KVPOOL_CACHE_DIR/tiny-<family>``, else ``~/.cache/kvpool/tiny-<family>``)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}: one of {', '.join(FAMILIES)}")
     cache = os.environ.get("KVPOOL_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "kvpool"
     )
-    return os.path.join(cache, "tiny-llama")
-
-
-#: Where :func:`build_tiny_model` builds by default (``$KVPOOL_CACHE_DIR/tiny-llama``,
-#: else ``~/.cache/kvpool/tiny-llama``), as seen at import time.
-DEFAULT_MODEL_DIR: str = _default_model_dir()
+    return os.path.join(cache, f"tiny-{family}")
 
 
 def _is_complete(path: pathlib.Path) -> bool:
@@ -126,46 +141,135 @@ def _build_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def _build_model(out: pathlib.Path, vocab_size: int, bos: int, eos: int, pad: int) -> None:
-    import torch
+def _llama(ids: dict[str, int]) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size,
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=4096,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        tie_word_embeddings=False,
-        # Larger than Llama's 0.02 so that greedy continuations are varied and react to
-        # any change in the context (e.g. wrong KV) instead of collapsing into repeats.
-        initializer_range=0.1,
+        **_COMMON,
+        **ids,
     )
+    return LlamaForCausalLM(config)
+
+
+def _deepseek_v3(ids: dict[str, int], *, moe: bool = False) -> Any:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=512,  # DeepSeek's own latent size: vLLM's CPU MLA runs only 512 + 64
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        # Dense MLPs in every layer, or experts after the first (DeepSeek's own pattern).
+        first_k_dense_replace=1 if moe else 4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=128,
+        n_group=2,
+        topk_group=1,
+        **_COMMON,
+        **ids,
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+def _gemma3(ids: dict[str, int]) -> Any:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        **_COMMON,
+        **ids,
+    )
+    return Gemma3ForCausalLM(config)
+
+
+def _qwen3_next(ids: dict[str, int]) -> Any:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        **_COMMON,
+        **ids,
+    )
+    return Qwen3NextForCausalLM(config)
+
+
+_COMMON: dict[str, Any] = {
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    # Larger than the usual 0.02 so that greedy continuations are varied and react to any
+    # change in the context (e.g. wrong KV) instead of collapsing into repeats.
+    "initializer_range": 0.1,
+}
+
+#: The model families :func:`build_tiny_model` builds, by name.
+FAMILIES: dict[str, Callable[[dict[str, int]], Any]] = {
+    "llama": _llama,
+    "deepseek-v3": _deepseek_v3,
+    "deepseek-v3-moe": functools.partial(_deepseek_v3, moe=True),
+    "gemma3": _gemma3,
+    "qwen3-next": _qwen3_next,
+}
+
+
+def _build_model(out: pathlib.Path, family: str, ids: dict[str, int]) -> None:
+    import torch
+
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config)
+        model = FAMILIES[family](ids)
     model = model.bfloat16()
     model.config.dtype = torch.bfloat16
     model.save_pretrained(out)
 
 
 def build_tiny_model(
-    model_dir: str | os.PathLike[str] | None = None, *, force: bool = False
+    model_dir: str | os.PathLike[str] | None = None, *, family: str = "llama", force: bool = False
 ) -> pathlib.Path:
-    """Build the tiny model into ``model_dir`` unless a complete build is already there.
+    """Build the tiny model of ``family`` into ``model_dir`` unless a complete build is
+    already there.
 
-    ``model_dir`` defaults to ``$KVPOOL_CACHE_DIR/tiny-llama`` (else
-    ``~/.cache/kvpool/tiny-llama``). With ``force`` the model is rebuilt even if present.
+    ``model_dir`` defaults to :func:`model_dir_for` the family. With ``force`` the model is
+    rebuilt even if present.
     Safe to call concurrently: each caller builds privately and renames into place.
     Returns the model directory, ready for ``vllm.LLM(model=str(path))``.
     """
-    target = pathlib.Path(model_dir if model_dir is not None else _default_model_dir())
+    target = pathlib.Path(model_dir if model_dir is not None else model_dir_for(family))
     target = target.expanduser().absolute()
     if not force and _is_complete(target):
         return target
@@ -174,7 +278,13 @@ def build_tiny_model(
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     try:
         tok = _build_tokenizer(tmp)
-        _build_model(tmp, len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        ids = {
+            "vocab_size": len(tok),
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+        }
+        _build_model(tmp, family, ids)
         for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
             f.chmod(0o644)
         tmp.chmod(0o755)
@@ -182,7 +292,7 @@ def build_tiny_model(
         _install(tmp, target, force=force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("tiny model ready at %s (%.1fs)", target, time.perf_counter() - start)
+    logger.info("tiny %s model ready at %s (%.1fs)", family, target, time.perf_counter() - start)
     return target
 
 
