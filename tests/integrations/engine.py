@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.harness.runner import PAUSE_PREFIX, RESULT_PREFIX
+from kvpool.keys import NAMESPACE_ID_BYTES
+from kvpool.store.journal import read_journal
 
 BLOCK_SIZE = 32
 ENGINE = {"block_size": BLOCK_SIZE, "max_model_len": 4096, "kv_cache_memory_bytes": 64 << 20}
@@ -115,3 +117,21 @@ def hit_fraction(
     hits = after["external_hits"] - before["external_hits"]
     full = sum(((n - 1) // BLOCK_SIZE) * BLOCK_SIZE for n in prompt_token_counts)
     return hits / full if full else 0.0
+
+
+def flip_one_byte(node: Any, namespace_label: str = "") -> bytes:
+    """Damage one stored block in place: one byte in the middle of the oldest block whose
+    namespace's label contains ``namespace_label``, written into the node's arena file (as a
+    stray write or a bad DIMM would).  Returns the block's key."""
+    arena = Path(node.info["arena"])
+    replay = read_journal(arena.parent / "index")
+    for entry in replay.entries:
+        label = replay.labels.get(entry.key[:NAMESPACE_ID_BYTES], "")
+        if namespace_label in label and entry.size > 0:
+            with open(arena, "r+b") as f:
+                f.seek(entry.offset + entry.size // 2)
+                (byte,) = f.read(1)
+                f.seek(entry.offset + entry.size // 2)
+                f.write(bytes([byte ^ 0x5A]))
+            return entry.key
+    raise AssertionError(f"no stored block in a namespace labelled *{namespace_label}*")

@@ -86,6 +86,8 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
         "prompt_tokens": [len(o.prompt_token_ids or ()) for o in outputs],
         "ttft_ms": [_ttft_ms(o) for o in outputs],
         "seconds": round(time.perf_counter() - started, 3),
+        # The engine's own: vLLM may override the one asked for (16 for CPU MLA kernels).
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
     }
 
 

@@ -114,6 +114,32 @@ def _parse(data: bytes) -> Iterator[tuple[int, int, bytes, int, int, int, bytes]
         yield position, kind, key, offset, size, checksum, label
 
 
+def _replay(data: bytes) -> tuple[Replay, int]:
+    """What the records of a journal's bytes describe, and where its intact records end."""
+    live: dict[bytes, Entry] = {}
+    labels: dict[bytes, str] = {}
+    num_records = 0
+    valid_bytes = FILE_HEADER_BYTES
+    for end, kind, key, offset, size, checksum, label in _parse(data):
+        num_records += 1
+        valid_bytes = end
+        if kind in (COMMIT, FILLED):
+            live.pop(key, None)  # re-inserted: its commit order is the newest
+            live[key] = Entry(key, offset, size, checksum if kind == COMMIT else None)
+        elif kind == REMOVE:
+            live.pop(key, None)
+        else:
+            labels[key] = label.decode("utf-8", "replace")
+    torn = len(data) - valid_bytes
+    return Replay(list(live.values()), labels, num_records, torn), valid_bytes
+
+
+def read_journal(path: Path) -> Replay:
+    """What the journal at ``path`` describes, read without opening it for writing (for
+    tools and tests: a running daemon keeps appending)."""
+    return _replay(path.read_bytes())[0]
+
+
 class Journal:
     """The journal of one arena: replayed at open, appended to while the daemon runs."""
 
@@ -147,22 +173,8 @@ class Journal:
             return Replay([], {})
         if data[:FILE_HEADER_BYTES] != _header(*self._identity):
             return Replay([], {})  # another arena's, or a garbled header: start empty
-        live: dict[bytes, Entry] = {}
-        labels: dict[bytes, str] = {}
-        num_records = 0
-        self._valid_bytes = FILE_HEADER_BYTES
-        for end, kind, key, offset, size, checksum, label in _parse(data):
-            num_records += 1
-            self._valid_bytes = end
-            if kind in (COMMIT, FILLED):
-                live.pop(key, None)  # re-inserted: its commit order is the newest
-                live[key] = Entry(key, offset, size, checksum if kind == COMMIT else None)
-            elif kind == REMOVE:
-                live.pop(key, None)
-            else:
-                labels[key] = label.decode("utf-8", "replace")
-        torn = len(data) - self._valid_bytes
-        return Replay(list(live.values()), labels, num_records, torn)
+        replayed, self._valid_bytes = _replay(data)
+        return replayed
 
     # -- appending ------------------------------------------------------------------------
 
