@@ -104,7 +104,10 @@ def run_family(family: str, num_requests: int) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt_tokens_median": sorted(tokens)[len(tokens) // 2]}
     for name, values in (("recompute", recompute), ("pool", pool["ttfts"])):
         q1, median, q3 = _quartiles(values)
-        out[name] = {"ttft_ms_median": round(median, 1), "ttft_ms_iqr": [round(q1, 1), round(q3, 1)]}
+        out[name] = {
+            "ttft_ms_median": round(median, 1),
+            "ttft_ms_iqr": [round(q1, 1), round(q3, 1)],
+        }
     out["speedup"] = round(out["recompute"]["ttft_ms_median"] / out["pool"]["ttft_ms_median"], 2)
     out["bytes_per_token"] = round(pool["saved_bytes"] / saved_tokens) if saved_tokens else None
     return out
@@ -120,7 +123,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(results))
         return
-    print(f"{'family':16} {'tokens':>6} {'recompute ms':>13} {'pool ms':>9} {'x':>6} {'B/token':>8}")
+    header = ("family", "tokens", "recompute ms", "pool ms", "x", "B/token")
+    print("{:16} {:>6} {:>13} {:>9} {:>6} {:>8}".format(*header))
     for family, r in results.items():
         print(
             f"{family:16} {r['prompt_tokens_median']:6d} {r['recompute']['ttft_ms_median']:13.1f} "
