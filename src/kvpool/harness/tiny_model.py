@@ -141,7 +141,7 @@ def _build_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def _llama(ids: dict[str, int]) -> Any:
+def _llama(ids: dict[str, Any]) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -157,7 +157,7 @@ def _llama(ids: dict[str, int]) -> Any:
     return LlamaForCausalLM(config)
 
 
-def _deepseek_v3(ids: dict[str, int], *, moe: bool = False) -> Any:
+def _deepseek_v3(ids: dict[str, Any], *, moe: bool = False) -> Any:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -185,7 +185,7 @@ def _deepseek_v3(ids: dict[str, int], *, moe: bool = False) -> Any:
     return DeepseekV3ForCausalLM(config)
 
 
-def _gemma3(ids: dict[str, int]) -> Any:
+def _gemma3(ids: dict[str, Any]) -> Any:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
@@ -204,7 +204,7 @@ def _gemma3(ids: dict[str, int]) -> Any:
     return Gemma3ForCausalLM(config)
 
 
-def _qwen3_next(ids: dict[str, int]) -> Any:
+def _qwen3_next(ids: dict[str, Any]) -> Any:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
@@ -238,7 +238,7 @@ _COMMON: dict[str, Any] = {
 }
 
 #: The model families :func:`build_tiny_model` builds, by name.
-FAMILIES: dict[str, Callable[[dict[str, int]], Any]] = {
+FAMILIES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "llama": _llama,
     "deepseek-v3": _deepseek_v3,
     "deepseek-v3-moe": functools.partial(_deepseek_v3, moe=True),
@@ -247,7 +247,7 @@ FAMILIES: dict[str, Callable[[dict[str, int]], Any]] = {
 }
 
 
-def _build_model(out: pathlib.Path, family: str, ids: dict[str, int]) -> None:
+def _build_model(out: pathlib.Path, family: str, ids: dict[str, Any]) -> None:
     import torch
 
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
