@@ -4,10 +4,16 @@ node is killed and restarted (it adopts its arena) and the consumer loads again;
 byte of one stored block is flipped and the consumer must refuse that block.  Greedy outputs
 are identical to an engine without a connector throughout.
 
-One prompt per generate step: vLLM's MLA kernels on CPU are not batch-invariant (the same
-prompt gives different greedy tokens alone and in a batch of three, with no cache at all), so
-the reference and the engines under test schedule each request alone, as a request of a
-real deployment is independent of its neighbours only where the kernels are.
+What "identical" means.  The engine without a connector answers each prompt twice: fresh,
+and again from its own prefix cache.  A prefill (the saver) must answer as fresh; an engine
+that loaded the prefix from the pool must answer exactly as the engine's own prefix cache
+does.  The two differ for some prompts on vLLM's AMX MLA kernels (a cached prefix is attended
+in a different split from a fresh prefill; measured on this kind of host for one prompt in
+three), never by more than the engine itself does: the KV the pool hands back is the
+engine's own, byte for byte.  Where the engine keeps no prefix cache (its reference MLA
+kernels) both are the fresh answer.  One prompt per generate step: those kernels are not
+batch-invariant either (the same prompt, with no cache at all, answers differently alone
+and in a batch of three).
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
     family = case.split("/")[0]
     model = family_model(family)
     engine = FAMILIES[case]
-    reference = _outputs(run_engine(model, _steps("ref"), engine=engine), "ref")
+    plain = run_engine(model, [*_steps("fresh"), *_steps("again")], engine=engine)
+    fresh, again = _outputs(plain, "fresh"), _outputs(plain, "again")
 
     name = "fam-" + case.replace("/", "-")
     state = {"node": start_node(name=name, memory="256MiB", extra=NO_SCRUB)}
@@ -68,7 +75,7 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
     saved = run_engine(
         model, _steps("save"), engine=engine, connector_config=connector(address, "kv_producer")
     )
-    assert _outputs(saved, "save") == reference
+    assert _outputs(saved, "save") == fresh
 
     damaged: list[bytes] = []
 
@@ -102,8 +109,12 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
     results = run_engine(model, steps, engine=engine, connector_config=consumer, on_pause=on_pause)
     log = results[0]["log"]
 
-    for tag in ("load", "adopted", "damaged"):
-        assert _outputs(results, tag) == reference, tag
+    for tag in ("load", "adopted"):
+        assert _outputs(results, tag) == again, tag
+    # The damaged block's request recomputes from that block on: its answer is the engine's
+    # own, as computed fresh or from its prefix cache; never a third one.
+    for i, answer in enumerate(_outputs(results, "damaged")):
+        assert answer in (fresh[i], again[i]), i
     # The consumer loaded at least 90% of every prompt's full blocks, before and after the
     # node's restart ...
     for tag in ("load", "adopted"):
