@@ -5,13 +5,33 @@ import pytest
 from kvpool.harness.tiny_model import build_tiny_model
 
 
-@pytest.fixture(scope="session")
-def model(tmp_path_factory) -> str:
-    """The tiny model, built once per session (or found in KVPOOL_CACHE_DIR)."""
+def tiny_model(tmp_path_factory, family: str) -> str:
+    """The tiny model of ``family``, built once per session (or found in KVPOOL_CACHE_DIR)."""
     cache = os.environ.get("KVPOOL_CACHE_DIR")
     target = (
-        os.path.join(cache, "tiny-llama")
+        os.path.join(cache, f"tiny-{family}")
         if cache
-        else str(tmp_path_factory.mktemp("model") / "tiny-llama")
+        else str(tmp_path_factory.mktemp("model") / f"tiny-{family}")
     )
-    return str(build_tiny_model(target))
+    return str(build_tiny_model(target, family=family))
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> str:
+    """The tiny Llama."""
+    return tiny_model(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def mla_model(tmp_path_factory) -> str:
+    """The tiny DeepSeek-V3 shape: multi-head latent attention (MLA), dense MLPs."""
+    return tiny_model(tmp_path_factory, "deepseek-v3")
+
+
+@pytest.fixture(scope="session")
+def mla_reference(mla_model) -> dict:
+    """The MLA model's answers without a connector, fresh and from its own prefix cache
+    (see tests/integrations/mla.py)."""
+    from tests.integrations.mla import reference_answers
+
+    return reference_answers(mla_model)
