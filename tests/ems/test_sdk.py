@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvpool.client.client import Client
 from kvpool.ems import (
     CcConfig_v1,
     CcKvOption,
@@ -21,7 +22,6 @@ from kvpool.ems import (
     EmsException,
     KVCacheType,
 )
-from kvpool.client.client import Client
 from kvpool.ems.context import ContextCaching
 from kvpool.ems.install import install
 

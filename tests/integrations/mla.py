@@ -2,12 +2,12 @@
 reference answers, shared by the MLA tests (prefill/decode through the router, the guide's
 EMS connector).
 
-The reference of a loaded prefix.  On this CPU backend (AMX_MLA) vLLM's own continuation of
-a cached MLA prefix runs another kernel path than a fresh prefill, and its greedy tokens may
-differ from the fresh ones: the engine's numerics, not the pool's.  A request that loads its
-prefix from the pool is such a continuation, so it is compared with what one engine without
-a connector answers the second time it sees a prompt, with its own prefix cache on.  Each
-prompt is asked alone (as a server gets it), fresh and then again.
+vLLM's CPU MLA kernels are not batch-invariant: the same prompt can give other greedy tokens
+alone than in a batch (near-ties flip with the batch's composition).  So every MLA test asks
+one prompt at a time (one per generate step, or one request at a time over HTTP), and the
+reference does the same: then an engine without a connector answers a prompt identically
+fresh and from its own prefix cache, and an engine that loads the prefix from the pool must
+answer exactly so.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ PROMPTS = prompts(9, 2, words=250)
 MAX_TOKENS = 12
 # As the servers and the connector's engines run it: bf16 (the model's), eager.
 ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory_bytes": 64 << 20}
-# The guide's flags for its engines, as a server's command line.
+# The guide's flags for its engines: as engine arguments, and as a server's command line.
+GUIDE_ENGINE = {**ENGINE, "enable_prefix_caching": False, "disable_hybrid_kv_cache_manager": True}
 SERVER_ARGS = [
     "--block-size",
     str(BLOCK_SIZE),
@@ -42,25 +43,24 @@ def generate(name: str, batch: list[str]) -> dict[str, Any]:
     return {"op": "generate", "name": name, "prompts": batch, "max_tokens": MAX_TOKENS}
 
 
+def one_at_a_time(batch: list[str]) -> list[dict[str, Any]]:
+    """Generate steps that ask the prompts of ``batch`` one by one (``p0``, ``p1``, ...)."""
+    return [generate(f"p{i}", [prompt]) for i, prompt in enumerate(batch)]
+
+
+def answers(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The token ids, texts and prompt lengths of :func:`one_at_a_time`'s steps, in order."""
+    steps = [r for r in results if r["op"] == "generate"]
+    return {
+        "token_ids": [r["token_ids"][0] for r in steps],
+        "texts": [r["texts"][0] for r in steps],
+        "prompt_tokens": [r["prompt_tokens"][0] for r in steps],
+    }
+
+
 def reference_answers(model: str) -> dict[str, Any]:
-    """Per prompt: ``fresh`` and ``again`` (token ids and texts), and ``cached``, the
-    tokens the second request took from the engine's own prefix cache."""
-    steps = []
-    for i, prompt in enumerate(PROMPTS):
-        steps += [generate(f"fresh{i}", [prompt]), generate(f"again{i}", [prompt])]
-    results = {r["name"]: r for r in run_engine(model, steps, engine=ENGINE)}
-    out: dict[str, Any] = {"fresh": [], "again": [], "fresh_texts": [], "again_texts": []}
-    out["cached"] = []
-    out["prompt_tokens"] = []
-    for i in range(len(PROMPTS)):
-        fresh, again = results[f"fresh{i}"], results[f"again{i}"]
-        out["fresh"].append(fresh["token_ids"][0])
-        out["again"].append(again["token_ids"][0])
-        out["fresh_texts"].append(fresh["texts"][0])
-        out["again_texts"].append(again["texts"][0])
-        out["cached"].append(again["num_cached_tokens"][0])
-        out["prompt_tokens"].append(again["prompt_tokens"][0])
-    return out
+    """What one engine without a connector answers to :data:`PROMPTS`, one at a time."""
+    return answers(run_engine(model, one_at_a_time(PROMPTS), engine=ENGINE))
 
 
 def full_blocks(prompt_tokens: list[int]) -> int:
