@@ -30,8 +30,8 @@ def mla_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def mla_reference(mla_model) -> dict:
-    """The MLA model's answers without a connector, one prompt at a time
-    (see tests/integrations/mla.py)."""
+    """The MLA model's answers without a connector, one prompt at a time, fresh and from
+    its own prefix cache (see tests/integrations/mla.py)."""
     from tests.integrations.mla import reference_answers
 
     return reference_answers(mla_model)
