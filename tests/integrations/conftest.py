@@ -1,3 +1,4 @@
+import functools
 import os
 
 import pytest
@@ -5,6 +6,7 @@ import pytest
 from kvpool.harness.tiny_model import build_tiny_model
 
 
+@functools.cache  # once per session, also for the directories that import these fixtures
 def tiny_model(tmp_path_factory, family: str) -> str:
     """The tiny model of ``family``, built once per session (or found in KVPOOL_CACHE_DIR)."""
     cache = os.environ.get("KVPOOL_CACHE_DIR")

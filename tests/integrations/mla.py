@@ -19,6 +19,7 @@ a prompt (``again``, its own prefix cache on); ``fresh`` is its first answer.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from tests.integrations.engine import BLOCK_SIZE, prompts, run_engine
@@ -60,6 +61,7 @@ def token_ids(results: list[dict[str, Any]]) -> list[list[int]]:
     return [r["token_ids"][0] for r in results if r["op"] == "generate"]
 
 
+@functools.cache  # once per session, for every directory's fixture
 def reference_answers(model: str) -> dict[str, Any]:
     """Per prompt of :data:`PROMPTS`, asked one at a time by one engine without a connector:
     ``fresh`` and ``again`` (token ids), ``again_texts``, and ``prompt_tokens``."""
