@@ -1,21 +1,25 @@
-import functools
 import os
 
 import pytest
 
 from kvpool.harness.tiny_model import build_tiny_model
 
+# Family -> directory: built once per session, also for the directories that import these
+# fixtures (each import is a fixture of its own).
+_BUILT: dict[str, str] = {}
 
-@functools.cache  # once per session, also for the directories that import these fixtures
+
 def tiny_model(tmp_path_factory, family: str) -> str:
     """The tiny model of ``family``, built once per session (or found in KVPOOL_CACHE_DIR)."""
-    cache = os.environ.get("KVPOOL_CACHE_DIR")
-    target = (
-        os.path.join(cache, f"tiny-{family}")
-        if cache
-        else str(tmp_path_factory.mktemp("model") / f"tiny-{family}")
-    )
-    return str(build_tiny_model(target, family=family))
+    if family not in _BUILT:
+        cache = os.environ.get("KVPOOL_CACHE_DIR")
+        target = (
+            os.path.join(cache, f"tiny-{family}")
+            if cache
+            else str(tmp_path_factory.mktemp("model") / f"tiny-{family}")
+        )
+        _BUILT[family] = str(build_tiny_model(target, family=family))
+    return _BUILT[family]
 
 
 @pytest.fixture(scope="session")
