@@ -17,6 +17,7 @@ import pytest
 
 from kvpool.ems.install import install
 from tests.integrations.engine import prompts, run_engine
+from tests.integrations.mla import GUIDE_ENGINE, PROMPTS, one_at_a_time, token_ids
 from tests.thirdparty import third_party
 
 pytestmark = pytest.mark.vllm
@@ -158,3 +159,29 @@ def test_a_second_engine_with_another_hash_seed_gets_the_hits(
     (got,) = (r for r in second if r["op"] == "generate")
     assert saved["token_ids"] == got["token_ids"] == reference["P1"]
     assert got["counters"]["external_hits"] >= 0.9 * full_blocks(got)
+
+
+def test_the_guides_connector_on_the_mla_model(mla_model, mla_reference, ems_site, start_node):
+    """The files set ``KVCacheType.MLA`` for DeepSeek-V3's shape and hand over one latent
+    tensor per layer: a fresh engine loads what another saved.  One prompt at a time, the
+    saver answers as an engine without a connector does fresh, the loader as that engine
+    does from its own prefix cache (see tests/integrations/mla.py)."""
+    node = start_node(name="ems-mla", memory="256MiB")
+    steps = [{"op": "sleep", "seconds": HEALTHY_AFTER_S}, *one_at_a_time(PROMPTS)]
+    saver, loader = (
+        run_engine(
+            mla_model,
+            steps,
+            connector_config=EMS_CONNECTOR,
+            engine=GUIDE_ENGINE,
+            env=ems_env(ems_site, node.unix_address),
+        )
+        for _ in range(2)
+    )
+    # The files saw an MLA model and one latent page per block per layer.
+    assert "is_mla=True, kvcache_dim=1" in saver[0]["log"]
+    assert token_ids(saver) == mla_reference["fresh"]
+    assert token_ids(loader) == mla_reference["again"]
+    assert saver[-1]["counters"]["external_hits"] == 0
+    loaded = loader[-1]["counters"]["external_hits"]
+    assert loaded >= 0.9 * full_blocks(mla_reference)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvpool.client.client import Client
 from kvpool.ems import (
     CcConfig_v1,
     CcKvOption,
@@ -21,6 +22,7 @@ from kvpool.ems import (
     EmsException,
     KVCacheType,
 )
+from kvpool.ems.context import ContextCaching
 from kvpool.ems.install import install
 
 NB, BS = 16, 32
@@ -72,6 +74,12 @@ def mla_form(layers=2):
     return [t for pair in caches for t in pair], [list(pair) for pair in caches]
 
 
+def cpu_mla_form(layers=2):
+    """vLLM's CPU MLA layer tensors (one 576-wide latent per token), handed over per block."""
+    caches = [torch.randn(NB, BS, 576).bfloat16() for _ in range(layers)]
+    return caches, [[layer[i] for i in range(len(layer))] for layer in caches]
+
+
 def wait(cc, future, timeout=10):
     deadline = time.monotonic() + timeout
     while not cc.is_ready(future) and time.monotonic() < deadline:
@@ -79,7 +87,7 @@ def wait(cc, future, timeout=10):
     return cc.get_result(future)
 
 
-@pytest.mark.parametrize("form", [cpu_form, kv_form, mla_form])
+@pytest.mark.parametrize("form", [cpu_form, kv_form, mla_form, cpu_mla_form])
 def test_every_layout_round_trips(ems, form):
     tensors, handed = form()
     ems.register_kvcache(handed)
@@ -202,6 +210,42 @@ def test_engines_share_blocks_exactly_when_their_kv_is_compatible(node, monkeypa
     assert engine(model_id="other").exists(hashes=hashes, option=OPTION).success == 0
     mla = engine(kvcache_type=KVCacheType.MLA)
     assert mla.exists(hashes=hashes, option=OPTION).success == 0
+
+
+def test_mla_ranks_share_one_copy_that_rank_0_saves(node):
+    """One latent page per block per layer, alike on every tensor-parallel rank: rank 0
+    saves it, rank 1 stores nothing and loads rank 0's; sharded (MHA) ranks, and MLA
+    engines of another tensor-parallel size, never see it."""
+    hashes = [hash((6, i)) for i in range(3)]
+
+    def rank(tp_rank, tp_size=2, kind=KVCacheType.MLA):
+        cc = ContextCaching(
+            Client(node.unix_address, timeout=10),
+            identity(rank_in_tp_group=tp_rank, tp_world_size=tp_size, kvcache_type=kind),
+        )
+        caches, handed = cpu_mla_form()
+        cc.register_kvcache(handed)
+        return cc, caches
+
+    (zero, zero_caches), (one, one_caches) = rank(0), rank(1)
+    try:
+        assert zero.registered.layout.num_planes == 2  # one latent plane per layer
+        assert zero.registered.layout.page_bytes == BS * 576 * 2
+        save = {"slot_mapping": slots([1, 2, 3]), "hashes": hashes, "offsets": [BS] * 3}
+        assert (wait(one, one.async_save(**save, option=OPTION)).success, one.writes) == (0, False)
+        assert zero.exists(hashes=hashes, option=OPTION).success == 0  # rank 1 wrote nothing
+        assert wait(zero, zero.async_save(**save, option=OPTION)).success == 3
+        assert one.exists(hashes=hashes, option=OPTION).success == 3
+        load = {"slot_mapping": slots([7, 8, 9]), "hashes": hashes, "offsets": [BS] * 3}
+        assert wait(one, one.async_load(**load, option=OPTION)).success == 3
+        for mine, saved in zip(one_caches, zero_caches, strict=True):
+            assert torch.equal(mine[[7, 8, 9]], saved[[1, 2, 3]])
+        for other in (rank(1, kind=KVCacheType.MHA)[0], rank(0, tp_size=1)[0]):
+            assert other.exists(hashes=hashes, option=OPTION).success == 0
+            other.close()
+    finally:
+        zero.close()
+        one.close()
 
 
 def test_a_dead_pool_answers_misses_in_time_and_init_says_recover(start_node, monkeypatch):

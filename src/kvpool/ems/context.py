@@ -6,7 +6,11 @@ and what the guide's connector relies on:
 
 - ``register_kvcache(layers)``: the paged KV cache (see :mod:`.register`).  The tensors'
   dtype and shapes, with the engine identity of :class:`CcConfig_v1`, make the key
-  namespace: two engines share blocks exactly when their KV is compatible.
+  namespace: two engines share blocks exactly when their KV is compatible.  Each
+  tensor-parallel rank has its own blocks, except with ``KVCacheType.MLA``: one latent page
+  per block per layer, alike on every rank, kept once for all of them
+  (:mod:`kvpool.kvcache.ranks`): rank 0 saves it, every rank loads it, and a save on another
+  rank stores nothing (done at once, ``.success`` 0).
 - ``exists(hashes=, option=)``: ``.success`` is the length of the longest stored prefix.
   It never raises and answers within ``option.timeout`` (a pool that cannot answer has
   nothing: 0).
@@ -42,6 +46,7 @@ from kvpool.kvcache.cache import PagedCache
 from kvpool.kvcache.copies import copies_for
 from kvpool.kvcache.guard import PoolGuard
 from kvpool.kvcache.loads import load_into
+from kvpool.kvcache.ranks import rank_namespace, writes_blocks
 from kvpool.kvcache.saves import CopiedBlocks, put_batch, save_from
 
 from .cc_v1.cc_config import CcConfig_v1, KVCacheType
@@ -99,6 +104,7 @@ class ContextCaching:
         self.registered: Registered | None = None
         self.cache: PagedCache | None = None
         self.namespace: Namespace | None = None
+        self.writes = True  # whether this rank's saves reach the pool (see the module doc)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             IO_THREADS, thread_name_prefix="kvpool-ems"
         )
@@ -114,22 +120,28 @@ class ContextCaching:
                 given[:] = true
         layout = registered.layout
         identity = self.identity
-        self.namespace = Namespace(
+        engine = Namespace(
             model=identity.model_id,
             dtype=str(layout.dtype).removeprefix("torch."),
             layout=f"ems/{identity.llm_engine}/{layout.device.type}",
             num_layers=len(registered.layers),
             is_mla=identity.kvcache_type is KVCacheType.MLA,
             tp_size=identity.tp_world_size,
-            tp_rank=identity.rank_in_tp_group,
             pp_size=identity.pp_world_size,
-            pp_rank=identity.rank_in_pp_group,
             extra=f"pages={[b - a for a, b in layout.plane_bounds]} {registered.describe}",
         )
+        rank = identity.rank_in_tp_group
+        self.namespace = rank_namespace(engine, rank, identity.rank_in_pp_group)
+        self.writes = writes_blocks(engine, rank)
         self.registered = registered
         # No health monitor here: the guide's connector keeps its own (check_health).
         self.cache = PagedCache(copies_for(layout), PoolGuard(None, log))
-        log.info("kvpool EMS: registered %s (%s)", registered.describe, layout.describe())
+        log.info(
+            "kvpool EMS: registered %s (%s)%s",
+            registered.describe,
+            layout.describe(),
+            "" if self.writes else f"; MLA: tensor-parallel rank 0 saves for rank {rank}",
+        )
         with contextlib.suppress(KVPoolError):  # a label for status pages: never a failure
             self.client.describe(self.namespace, timeout=1.0)
 
@@ -159,6 +171,8 @@ class ContextCaching:
         self, slot_mapping: Ints, hashes: Ints, offsets: Ints, option: CcKvOption | None = None
     ) -> CcFuture:
         block_ids, keys = self._plan(slot_mapping, hashes, offsets)
+        if not self.writes:  # rank 0 saves the copy every rank shares
+            return _done(CcResult(0, len(keys)))
         assert self.cache is not None
         blocks = save_from(self.cache, block_ids)  # copied out now
         timeout = _timeout_s(option)
@@ -246,6 +260,13 @@ class ContextCaching:
         if reason:
             log.info("kvpool EMS save of %d blocks: %s", len(keys), reason)
         return CcResult(stored, len(keys))
+
+
+def _done(result: CcResult) -> CcFuture:
+    """A future that has its result already."""
+    future: concurrent.futures.Future[CcResult] = concurrent.futures.Future()
+    future.set_result(result)
+    return CcFuture(future, result.total, 0.0)
 
 
 def _timeout_s(option: CcKvOption | None) -> float:

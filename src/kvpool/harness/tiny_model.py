@@ -50,7 +50,7 @@ __all__ = ["FAMILIES", "build_tiny_model", "model_dir_for"]
 logger = logging.getLogger(__name__)
 
 #: Bump whenever the recipe changes, so stale cached builds are rebuilt.
-BUILD_VERSION = "2"
+BUILD_VERSION = "3"
 MARKER_NAME = ".kvpool-tiny-model-complete"
 
 SEED = 0
@@ -157,6 +157,13 @@ def _llama(ids: dict[str, Any]) -> Any:
     return LlamaForCausalLM(config)
 
 
+# DeepSeek-V3's own router, as its config.json names it.  transformers' config has no such
+# fields (its router is always this one), but vLLM reads them: without them it builds a
+# softmax router with no score-correction bias, and the checkpoint's
+# ``mlp.gate.e_score_correction_bias`` fails to load (KeyError: the worker dies at start).
+_DEEPSEEK_V3_ROUTER: dict[str, Any] = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
 def _deepseek_v3(ids: dict[str, Any], *, moe: bool = False) -> Any:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -179,6 +186,7 @@ def _deepseek_v3(ids: dict[str, Any], *, moe: bool = False) -> Any:
         moe_intermediate_size=128,
         n_group=2,
         topk_group=1,
+        **_DEEPSEEK_V3_ROUTER,
         **_COMMON,
         **ids,
     )
