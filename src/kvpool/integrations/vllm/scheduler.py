@@ -3,15 +3,15 @@ its only I/O is the pool lookup, under a short deadline.
 
 Per request:
 1. ``get_num_new_matched_tokens`` looks the request's full prompt blocks up in the pool
-   (every rank's namespace; MLA's ranks share one) and offers the blocks past the engine's
-   own prefix-cache hit: loaded layer by layer in the step that uses them, or (``transfer:
-   whole``, and blocks that are only in the node's disk or the object store) as an
-   asynchronous load the request waits for off the step. The same lookup tells the node to
-   start bringing lower-tier blocks into DRAM (``prefetch_hold``), so the load finds them
-   there. It keeps at least one prompt token to compute. A consumer whose next block is
-   still being written by a producer defers the request (vLLM asks again next step) until
-   ``consumer_wait`` after the request arrived. It is side-effect free, as vLLM requires:
-   all it leaves behind is a memo of its latest answer.
+   (every rank's namespace) and offers the blocks past the engine's own prefix-cache hit:
+   loaded layer by layer in the step that uses them, or (``transfer: whole``, and blocks
+   that are only in the node's disk or the object store) as an asynchronous load the
+   request waits for off the step. The same lookup tells the node to start bringing
+   lower-tier blocks into DRAM (``prefetch_hold``), so the load finds them there. It keeps at
+   least one prompt token to compute. A consumer whose next block is still being written by
+   a producer defers the request (vLLM asks again next step) until ``consumer_wait`` after
+   the request arrived. It is side-effect free, as vLLM requires: all it leaves behind is a
+   memo of its latest answer.
 2. ``update_state_after_alloc`` acts on that memo once the request is scheduled: it counts
    the lookup, turns the offer into a load job for the allocated blocks, and sets where the
    request's saves start.
