@@ -90,10 +90,9 @@ def test_tensor_parallel_2_shards_and_a_tp1_engine_never_reads_them(model, start
     (saved,) = run_engine(model, [gen("P", P)], engine=TP2, env=env, connector_config=config)
     num_blocks = loadable_tokens(saved["prompt_tokens"]) // BLOCK_SIZE
     assert saved["token_ids"] == reference["token_ids"]
-    assert saved["counters"]["kvpool_blocks_saved"] == 2 * num_blocks  # one shard per rank
     with Client(node.unix_address) as client:
         stats = client.stats()
-    assert stats.num_blocks == 2 * num_blocks
+    assert stats.num_blocks == 2 * num_blocks  # one shard per rank
     labels = sorted(ns.label for ns in stats.namespaces)
     assert len(labels) == 2 and "tp0/2" in labels[0] and "tp1/2" in labels[1], labels
 
@@ -182,24 +181,25 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
     fresh TP=2 engine loads it into both ranks.
 
     The reference is the same TP=2 engine without a connector, one prompt per generate
-    step, each prompt run twice: fresh, then from the engine's own prefix cache.  The lead
-    settled what MLA's reference is on this host (vLLM's own prefix cache changes MLA's
-    outputs only through the batch's composition); the pool-loaded run must equal the
-    prefix-cached run, and, batched one by one, the fresh run equals it too."""
+    step, run twice: fresh, then with each prompt's prefix from the engine's own prefix
+    cache.  The lead settles what MLA's reference output is on this host: vLLM's own prefix
+    cache changes MLA's outputs here (at TP=2, one prompt in three diverges from its 8th
+    token), so the pool-loaded run is compared with the prefix-cached run, and the saving
+    run (which computes every prefix) with the fresh one."""
     env = cpu_binding(2)
     reference = run_engine(
         mla_model, [*one_by_one("fresh", P), *one_by_one("cached", P)], engine=TP2, env=env
     )
-    assert outputs(reference, "cached") == outputs(reference, "fresh")
+    assert all(r["num_cached_tokens"][0] > 0 for r in reference if r["name"].startswith("cached"))
     node = start_node(name="mla", memory="256MiB")
     config = connector(node.unix_address)
 
     saved = run_engine(mla_model, one_by_one("P", P), engine=TP2, env=env, connector_config=config)
     num_blocks = loadable_tokens([r["prompt_tokens"][0] for r in saved]) // BLOCK_SIZE
     assert outputs(saved, "P") == outputs(reference, "fresh")
-    assert saved[-1]["counters"]["kvpool_blocks_saved"] == num_blocks  # one copy, not two
     with Client(node.unix_address) as client:
         stats = client.stats()
+    # One copy of each block, not one per rank, under one namespace.
     assert stats.num_blocks == num_blocks and len(stats.namespaces) == 1, stats
     assert " tp0/" not in stats.namespaces[0].label, stats.namespaces[0].label  # no TP rank
 
