@@ -38,6 +38,9 @@ pytestmark = pytest.mark.vllm
 P = prompts(11, 3)  # ~2,000-token prompts
 Q = prompts(12, 2)
 MAX_TOKENS = 12
+# Saves are what these tests count: give them room on a busy 2-core host (by default an
+# engine drops a save rather than wait 0.2 s past its step for the pool's reservation).
+SAVE_ROOM = {"lookup_timeout": 2.0}
 
 
 TP2 = {"tensor_parallel_size": 2}
@@ -77,7 +80,7 @@ def test_tensor_parallel_2_shards_and_a_tp1_engine_never_reads_them(model, start
     misses the TP=1 engine's."""
     (reference,) = run_engine(model, [gen("P", P)], engine=TP2)
     node = start_node(name="tp", memory="256MiB")
-    config = connector(node.unix_address)
+    config = connector(node.unix_address, **SAVE_ROOM)
 
     (saved,) = run_engine(model, [gen("P", P)], engine=TP2, connector_config=config)
     num_blocks = loadable_tokens(saved["prompt_tokens"]) // BLOCK_SIZE
@@ -135,7 +138,7 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(model, start_node)
     node = start_node(name="dp", memory="256MiB")
     server = VllmServer(
         model,
-        kv_transfer_config=connector_config(node.unix_address, "kv_both"),
+        kv_transfer_config=connector_config(node.unix_address, "kv_both", **SAVE_ROOM),
         engine_args=[*ENGINE_ARGS, "--data-parallel-size", "2"],
         env=omp_binding(2),
     )
@@ -184,7 +187,7 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
     )
     assert all(r["num_cached_tokens"][0] > 0 for r in reference if r["name"].startswith("cached"))
     node = start_node(name="mla", memory="256MiB")
-    config = connector(node.unix_address)
+    config = connector(node.unix_address, **SAVE_ROOM)
 
     saved = run_engine(mla_model, one_by_one("P", P), engine=TP2, connector_config=config)
     num_blocks = loadable_tokens([r["prompt_tokens"][0] for r in saved]) // BLOCK_SIZE
