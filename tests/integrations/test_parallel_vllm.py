@@ -131,28 +131,43 @@ def per_engine(server: VllmServer, name: str) -> dict[str, float]:
     return values
 
 
-def test_data_parallel_2_each_rank_loads_what_the_other_saved(model, start_node):
-    """DP=2 Llama behind one API server: each engine core's scheduler looks up its own
-    requests.  P is computed (and saved) on rank 0, then sent to rank 1, which loads it from
-    the pool; Q the other way round.  Outputs are identical to the rank that computed them."""
+@pytest.mark.parametrize(
+    ("family", "dtype", "reference"),
+    [("llama", "float32", "computed"), ("deepseek-v3", "bfloat16", "cached")],
+)
+def test_data_parallel_2_each_rank_loads_what_the_other_saved(
+    family, dtype, reference, request, start_node
+):
+    """DP=2 behind one API server: each engine core's scheduler looks up its own requests.
+    P is computed (and saved) on rank 0, then sent to rank 1, which loads it from the pool;
+    Q the other way round.  Requests go one at a time.
+
+    The reference is the rank that computed the prompt, asked twice: the Llama's loaded
+    outputs must equal its computed ones; MLA's (whose outputs vLLM's own prefix cache may
+    change on this host, see the TP=2 MLA test) the rank's second, prefix-cached run."""
+    model = request.getfixturevalue("model" if family == "llama" else "mla_model")
     node = start_node(name="dp", memory="256MiB")
+    engine_args = list(ENGINE_ARGS)
+    engine_args[engine_args.index("--dtype") + 1] = dtype  # MLA's CPU kernels want bf16
     server = VllmServer(
         model,
         kv_transfer_config=connector_config(node.unix_address, "kv_both", **SAVE_ROOM),
-        engine_args=[*ENGINE_ARGS, "--data-parallel-size", "2"],
+        engine_args=[*engine_args, "--data-parallel-size", "2"],
         env=omp_binding(2),
     )
+    runs: dict[str, dict[str, list[str]]] = {"computed": {}, "cached": {}}
     try:
-        computed_p = [complete(server.url, p, 0) for p in P]
-        computed_q = [complete(server.url, q, 1) for q in Q]
+        for name, batch, rank in (("P", P, 0), ("Q", Q, 1)):
+            for run in ("computed", "cached"):
+                runs[run][name] = [complete(server.url, prompt, rank) for prompt in batch]
         hits_before = per_engine(server, "vllm:external_prefix_cache_hits_total")
         loaded_p = [complete(server.url, p, 1) for p in P]
         loaded_q = [complete(server.url, q, 0) for q in Q]
         hits_after = per_engine(server, "vllm:external_prefix_cache_hits_total")
     finally:
         server.stop()
-    assert loaded_p == computed_p
-    assert loaded_q == computed_q
+    assert loaded_p == runs[reference]["P"]
+    assert loaded_q == runs[reference]["Q"]
     assert sorted(hits_after) == ["0", "1"], hits_after
     assert hits_before.get("0", 0) == 0 and hits_before.get("1", 0) == 0, hits_before
     # Each rank loaded nearly every full block of the prompts it was sent (~63 per prompt).
