@@ -186,7 +186,9 @@ def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int
 
     The scheduler looks up each distinct one (a prefix counts only if every rank has it);
     each worker loads under its own, and saves under it unless another rank saves the same
-    copy (:func:`.worker.is_saving_rank`).
+    copy (:func:`.worker.is_saving_rank`).  Data-parallel ranks are whole replicas of the
+    engine, each with its own scheduler: no data-parallel rank is in the namespace, so each
+    engine core loads what any other saved.
     """
     from vllm.platforms import current_platform
 
