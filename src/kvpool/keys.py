@@ -73,7 +73,10 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
         vector per token.  Its namespace therefore drops ``tp_size`` and ``tp_rank``: one
         copy per block serves every rank of an engine (one rank saves it, all load it), and
         engines of any tensor-parallel size share it — what lets a prefill at TP=8 hand its
-        KV to a decode at TP=1.  Pipeline-parallel ranks hold different layers, so
+        KV to a decode at TP=1.  Such an engine continues from the other engine's KV, as a
+        disaggregated decode does: engines of different tensor-parallel sizes reduce in a
+        different order, so where greedy decoding meets near-ties its outputs need not equal
+        either engine's alone.  Pipeline-parallel ranks hold different layers, so
         ``pp_rank`` stays.
         """
         if self.is_mla:
