@@ -41,8 +41,6 @@ MAX_TOKENS = 12
 # Saves are what these tests count: give them room on a busy 2-core host (by default an
 # engine drops a save rather than wait 0.2 s past its step for the pool's reservation).
 SAVE_ROOM = {"lookup_timeout": 2.0}
-
-
 TP2 = {"tensor_parallel_size": 2}
 
 
