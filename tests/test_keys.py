@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from kvpool.errors import ConfigError
@@ -82,3 +83,21 @@ def test_hash_stability_refuses_random_seeds():
         check_hash_stability("xxhash_cbor", {"PYTHONHASHSEED": "random"})
     with pytest.raises(ConfigError):
         check_hash_stability("md5", {})
+
+
+def test_each_tensor_parallel_rank_has_its_own_namespace_except_under_mla():
+    dense = Namespace(model="m", num_kv_heads=1, head_dim=64, tp_size=2)
+    ranks = {dense.for_rank(tp, pp) for tp in range(2) for pp in range(2)}
+    assert len(ranks) == 4
+    assert dense.for_rank(1, 0).tp_rank == 1
+    # A TP=1 engine of the same model never reads a TP=2 engine's blocks.
+    single = Namespace(model="m", num_kv_heads=1, head_dim=64)
+    assert single.for_rank(0, 0).id not in {ns.id for ns in ranks}
+
+    mla = Namespace(model="m", num_kv_heads=1, head_dim=576, is_mla=True, tp_size=8)
+    # One namespace for every tensor-parallel rank, and for any tensor-parallel size...
+    assert {mla.for_rank(tp, 0) for tp in range(8)} == {mla.for_rank(0, 0)}
+    at_tp1 = msgspec.structs.replace(mla, tp_size=1)
+    assert at_tp1.for_rank(0, 0).id == mla.for_rank(5, 0).id
+    # ...but pipeline-parallel ranks hold different layers.
+    assert mla.for_rank(0, 1).id != mla.for_rank(0, 0).id

@@ -62,6 +62,27 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
         encoded = msgspec.msgpack.encode(msgspec.structs.asdict(self))
         return hashlib.blake2b(encoded, digest_size=NAMESPACE_ID_BYTES).digest()
 
+    def for_rank(self, tp_rank: int, pp_rank: int) -> Namespace:
+        """The namespace of one (tensor-parallel, pipeline-parallel) rank of an engine.
+
+        Each tensor-parallel rank of a dense or GQA model holds its own shard of the heads,
+        so its blocks are its own: ``tp_size`` and ``tp_rank`` are part of the namespace,
+        and engines of different tensor-parallel sizes never share blocks.
+
+        MLA's latent KV is not sharded: every tensor-parallel rank holds the same latent
+        vector per token.  Its namespace therefore drops ``tp_size`` and ``tp_rank``: one
+        copy per block serves every rank of an engine (one rank saves it, all load it), and
+        engines of any tensor-parallel size share it — what lets a prefill at TP=8 hand its
+        KV to a decode at TP=1.  Such an engine continues from the other engine's KV, as a
+        disaggregated decode does: engines of different tensor-parallel sizes reduce in a
+        different order, so where greedy decoding meets near-ties its outputs need not equal
+        either engine's alone.  Pipeline-parallel ranks hold different layers, so
+        ``pp_rank`` stays.
+        """
+        if self.is_mla:
+            return msgspec.structs.replace(self, tp_size=1, tp_rank=0, pp_rank=pp_rank)
+        return msgspec.structs.replace(self, tp_rank=tp_rank, pp_rank=pp_rank)
+
     def describe(self) -> str:
         """A short human-readable label, shown by ``kvpool status``."""
         parts = [self.model]

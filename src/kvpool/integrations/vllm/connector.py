@@ -70,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from .config import connector_config, expected_page_bytes, namespaces
 from .metadata import KVPoolMetadata, KVPoolPromMetrics, KVPoolStats
 from .scheduler import KVPoolScheduler
-from .worker import KVPoolWorker
+from .worker import KVPoolWorker, is_saving_rank
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
@@ -107,7 +107,12 @@ class KVPoolConnector(KVConnectorBase_V1):
 
             rank = (get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
             self._scheduler = None
-            self._worker = KVPoolWorker(self.config, spaces[rank], expected_page_bytes(vllm_config))
+            self._worker = KVPoolWorker(
+                self.config,
+                spaces[rank],
+                expected_page_bytes(vllm_config),
+                can_save=is_saving_rank(spaces[rank], rank[0]),
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:

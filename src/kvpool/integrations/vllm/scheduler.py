@@ -75,7 +75,8 @@ class KVPoolScheduler:
     ):
         self.config = config
         self.wait_for_pending = wait_for_pending
-        self.namespaces = list(namespaces.values())
+        # One lookup per distinct namespace: MLA's ranks share one (Namespace.for_rank).
+        self.namespaces = list(dict.fromkeys(namespaces.values()))
         self.block_size = block_size
         self.can_load = can_load
         self.can_save = can_save

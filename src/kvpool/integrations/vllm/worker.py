@@ -85,6 +85,16 @@ def leave_engine_cpus() -> None:
         pass
 
 
+def is_saving_rank(namespace: Namespace, tp_rank: int) -> bool:
+    """Whether the worker of this tensor-parallel rank saves.
+
+    Every rank saves its own shard, except under MLA: its latent KV is the same on every
+    rank and all ranks share one namespace (:meth:`Namespace.for_rank`), so rank 0 saves
+    the one copy of each block for all of them, and every rank loads it.
+    """
+    return not namespace.is_mla or tp_rank == 0
+
+
 class WorkerPool:
     """What the worker reaches the pool with, built once vLLM has registered its cache:
     the copies for the cache, a client that registers each arena it maps with them, the
@@ -110,9 +120,17 @@ class WorkerPool:
 
 
 class KVPoolWorker:
-    def __init__(self, config: ConnectorConfig, namespace: Namespace, expected_page_bytes: int):
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        namespace: Namespace,
+        expected_page_bytes: int,
+        *,
+        can_save: bool = True,
+    ):
         self.config = config
         self.namespace = namespace
+        self.can_save = can_save  # False: another rank saves this rank's blocks
         self.expected_page_bytes = expected_page_bytes
         self.layerwise = config.transfer == "layerwise"
         self.pool: WorkerPool | None = None  # once the cache is registered
@@ -171,7 +189,7 @@ class KVPoolWorker:
         pool = self.pool
         if pool is None:
             return
-        if meta.saves:
+        if meta.saves and self.can_save:
             self._begin_save(pool, meta.saves)
         if self.layerwise:
             deadline = time.monotonic() + self.config.transfer_timeout_s
