@@ -95,9 +95,14 @@ def test_each_tensor_parallel_rank_has_its_own_namespace_except_under_mla():
     assert single.for_rank(0, 0).id not in {ns.id for ns in ranks}
 
     mla = Namespace(model="m", num_kv_heads=1, head_dim=576, is_mla=True, tp_size=8)
-    # One namespace for every tensor-parallel rank, and for any tensor-parallel size...
+    # One namespace for every tensor-parallel rank of an engine ...
     assert {mla.for_rank(tp, 0) for tp in range(8)} == {mla.for_rank(0, 0)}
+    # ... not shared with an engine of another tensor-parallel size (a miss) ...
     at_tp1 = msgspec.structs.replace(mla, tp_size=1)
-    assert at_tp1.for_rank(0, 0).id == mla.for_rank(5, 0).id
-    # ...but pipeline-parallel ranks hold different layers.
+    assert at_tp1.for_rank(0, 0).id != mla.for_rank(5, 0).id
+    # ... unless both engines ask for it (a TP=8 prefill handing over to a TP=1 decode) ...
+    assert at_tp1.for_rank(0, 0, mla_any_tp=True).id == mla.for_rank(5, 0, mla_any_tp=True).id
+    # ... which never changes a sharded model's namespace ...
+    assert dense.for_rank(1, 0, mla_any_tp=True) == dense.for_rank(1, 0)
+    # ... and pipeline-parallel ranks hold different layers.
     assert mla.for_rank(0, 1).id != mla.for_rank(0, 0).id

@@ -62,25 +62,27 @@ class Namespace(msgspec.Struct, frozen=True, kw_only=True):
         encoded = msgspec.msgpack.encode(msgspec.structs.asdict(self))
         return hashlib.blake2b(encoded, digest_size=NAMESPACE_ID_BYTES).digest()
 
-    def for_rank(self, tp_rank: int, pp_rank: int) -> Namespace:
-        """The namespace of one (tensor-parallel, pipeline-parallel) rank of an engine.
+    def for_rank(self, tp_rank: int, pp_rank: int, *, mla_any_tp: bool = False) -> Namespace:
+        """The namespace one (tensor-parallel, pipeline-parallel) rank of an engine saves
+        and loads under: the one place this is decided.
 
         Each tensor-parallel rank of a dense or GQA model holds its own shard of the heads,
-        so its blocks are its own: ``tp_size`` and ``tp_rank`` are part of the namespace,
-        and engines of different tensor-parallel sizes never share blocks.
+        so its blocks are its own: ``tp_size`` and ``tp_rank`` are part of the namespace.
 
         MLA's latent KV is not sharded: every tensor-parallel rank holds the same latent
-        vector per token.  Its namespace therefore drops ``tp_size`` and ``tp_rank``: one
-        copy per block serves every rank of an engine (one rank saves it, all load it), and
-        engines of any tensor-parallel size share it — what lets a prefill at TP=8 hand its
-        KV to a decode at TP=1.  Such an engine continues from the other engine's KV, as a
-        disaggregated decode does: engines of different tensor-parallel sizes reduce in a
-        different order, so where greedy decoding meets near-ties its outputs need not equal
-        either engine's alone.  Pipeline-parallel ranks hold different layers, so
-        ``pp_rank`` stays.
+        vector per token, so the ranks of an engine share one copy (``tp_rank`` 0; rank 0
+        saves it, every rank loads it: :func:`kvpool.kvcache.ranks.writes_blocks`).
+        ``tp_size`` stays: an engine of another tensor-parallel size computed its latents
+        with other reductions, and a TP=1 engine that loads a TP=2 engine's prefix answers
+        neither as itself nor as the TP=2 engine (measured), so by default that is a miss.
+        ``mla_any_tp`` drops it too, for a prefill and a decode of different sizes that are
+        meant to share (the deployment guide's TP=8 prefill and TP=1 decode): the decode
+        then continues from the prefill's latents, as any disaggregated serving does.
+        Pipeline-parallel ranks hold different layers: ``pp_rank`` always stays.
         """
         if self.is_mla:
-            return msgspec.structs.replace(self, tp_size=1, tp_rank=0, pp_rank=pp_rank)
+            tp_size = 1 if mla_any_tp else self.tp_size
+            return msgspec.structs.replace(self, tp_size=tp_size, tp_rank=0, pp_rank=pp_rank)
         return msgspec.structs.replace(self, tp_rank=tp_rank, pp_rank=pp_rank)
 
     def describe(self) -> str:

@@ -186,15 +186,15 @@ def outputs(results: list[dict], name: str) -> list[list[int]]:
 
 def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, start_node):
     """TP=2 MLA (DeepSeek-V3 shape): the latent KV is the same on every rank, so rank 0
-    saves one copy of each block under one namespace (no TP rank or size in it), and a
-    fresh TP=2 engine loads it into both ranks.
+    saves one copy of each block under one namespace (rank 0's: engines of another TP size
+    miss it, :meth:`Namespace.for_rank`), and a fresh TP=2 engine loads it into both ranks.
 
     The reference is the same TP=2 engine without a connector, one prompt per generate
     step, run twice: fresh, then with each prompt's prefix from the engine's own prefix
-    cache.  The lead settles what MLA's reference output is on this host: vLLM's own prefix
-    cache changes MLA's outputs here (at TP=2, one prompt in three diverges from its 8th
-    token), so the pool-loaded run is compared with the prefix-cached run, and the saving
-    run (which computes every prefix) with the fresh one."""
+    cache.  vLLM's own prefix cache changes MLA's outputs on a host with AMX (at TP=2, one
+    prompt in three diverges from its 8th token), so the pool-loaded run is compared with
+    the prefix-cached run, and the saving run (which computes every prefix) with the fresh
+    one."""
     reference = run_engine(
         mla_model, [*one_by_one("fresh", P), *one_by_one("cached", P)], engine=TP2
     )
@@ -209,7 +209,7 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
         stats = client.stats()
     # One copy of each block, not one per rank, under one namespace.
     assert stats.num_blocks == num_blocks and len(stats.namespaces) == 1, stats
-    assert " tp0/" not in stats.namespaces[0].label, stats.namespaces[0].label  # no TP rank
+    assert "tp0/2" in stats.namespaces[0].label, stats.namespaces[0].label  # rank 0's copy
 
     loaded = run_engine(mla_model, one_by_one("P", P), engine=TP2, connector_config=config)
     assert outputs(loaded, "P") == outputs(reference, "cached")

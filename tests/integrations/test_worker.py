@@ -10,8 +10,9 @@ import torch
 
 from kvpool.integrations.vllm.config import connector_config
 from kvpool.integrations.vllm.metadata import KVPoolMetadata, TransferJob
-from kvpool.integrations.vllm.worker import KVPoolWorker, is_saving_rank
+from kvpool.integrations.vllm.worker import KVPoolWorker
 from kvpool.keys import Namespace
+from kvpool.kvcache.ranks import writes_blocks
 
 NB, H, BS, D, L = 16, 2, 16, 32, 4
 NS = Namespace(model="worker-test", block_size=BS)
@@ -105,11 +106,11 @@ def test_mla_ranks_share_one_copy_that_rank_0_saves(node, client):
     0 saves the one copy, and rank 1 (of this or another engine) loads it."""
     mla = Namespace(model="worker-test", block_size=BS, is_mla=True, tp_size=2)
     rank0, rank1 = mla.for_rank(0, 0), mla.for_rank(1, 0)
-    assert rank0 == rank1 and is_saving_rank(rank0, 0) and not is_saving_rank(rank1, 1)
-    assert is_saving_rank(NS.for_rank(1, 0), 1)  # a dense model's ranks each save their own
+    assert rank0 == rank1 and writes_blocks(rank0, 0) and not writes_blocks(rank1, 1)
+    assert writes_blocks(NS.for_rank(1, 0), 1)  # a dense model's ranks each save their own
     src = caches(1)
     savers = [
-        worker(node, src, namespace=ns, can_save=is_saving_rank(ns, tp))
+        worker(node, src, namespace=ns, can_save=writes_blocks(ns, tp))
         for tp, ns in enumerate((rank0, rank1))
     ]
     save = KVPoolMetadata(saves=[TransferJob("r1", [3, 7], hashes(2))])

@@ -46,7 +46,7 @@ from kvpool.kvcache.cache import PagedCache
 from kvpool.kvcache.copies import copies_for
 from kvpool.kvcache.guard import PoolGuard
 from kvpool.kvcache.loads import load_into
-from kvpool.kvcache.ranks import rank_namespace, writes_blocks
+from kvpool.kvcache.ranks import writes_blocks
 from kvpool.kvcache.saves import CopiedBlocks, put_batch, save_from
 
 from .cc_v1.cc_config import CcConfig_v1, KVCacheType
@@ -131,7 +131,7 @@ class ContextCaching:
             extra=f"pages={[b - a for a, b in layout.plane_bounds]} {registered.describe}",
         )
         rank = identity.rank_in_tp_group
-        self.namespace = rank_namespace(engine, rank, identity.rank_in_pp_group)
+        self.namespace = engine.for_rank(rank, identity.rank_in_pp_group)
         self.writes = writes_blocks(engine, rank)
         self.registered = registered
         # No health monitor here: the guide's connector keeps its own (check_health).

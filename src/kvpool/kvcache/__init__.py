@@ -8,8 +8,8 @@ and keys, never an engine.
   CPU backend, CUDA flash-attention, K and V apart), detected from the engine's tensors.
 - :mod:`.copies`: where the copies run: :class:`HostCopies` for a cache in host memory,
   :class:`StreamCopies` on a GPU's streams (behind a ``Runtime`` that tests replace).
-- :mod:`.ranks`: which copy a parallel rank saves and loads (:func:`rank_namespace`; MLA's
-  ranks share one, written by rank 0 alone: :func:`writes_blocks`).
+- :mod:`.ranks`: which rank writes a block (:func:`writes_blocks`: every rank of a sharded
+  cache, rank 0 alone of MLA's shared copy; the copy's namespace: ``Namespace.for_rank``).
 - :mod:`.guard`: :class:`PoolGuard`, the one place a pool failure becomes a miss and is
   reported to the client's health monitor.
 - :mod:`.loads`: :class:`Load` and :func:`load_into`: one load path, layer by layer or the
@@ -38,7 +38,7 @@ from kvpool.kvcache.copies import Copies, HostCopies, StreamCopies, copies_for
 from kvpool.kvcache.guard import Outcome, PoolGuard
 from kvpool.kvcache.layouts import PagedLayout, Plane, dense_plane
 from kvpool.kvcache.loads import Load, load_into
-from kvpool.kvcache.ranks import rank_namespace, writes_blocks
+from kvpool.kvcache.ranks import writes_blocks
 from kvpool.kvcache.saves import CopiedBlocks, Save, put_batch, save_from
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
     "load_into",
     "pool_rows",
     "put_batch",
-    "rank_namespace",
     "save_from",
     "writes_blocks",
 ]

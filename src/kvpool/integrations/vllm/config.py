@@ -22,6 +22,9 @@ write_rcache        write through to the home node in a cluster             true
 read_local_only     in a cluster, look only at the local node               false
 peers / etcd        cluster membership (see ``kvpool serve``)               none
 tenant              isolates the blocks of one tenant                       ""
+mla_any_tp          MLA: share blocks with engines of any tensor-parallel   false
+                    size (a TP=8 prefill and a TP=1 decode); off, only the
+                    ranks of engines of one size share (Namespace.for_rank)
 stats_interval      seconds between stats log lines                         10.0
 prefetch_hold       a request whose prefix is only in lower tiers: the      60.0
                     node brings it into DRAM and holds it this long for
@@ -71,6 +74,7 @@ _CONNECTOR_FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("tenant", "tenant", str),
     ("stats_interval", "stats_interval_s", float),
     ("prefetch_hold", "prefetch_hold_s", float),
+    ("mla_any_tp", "mla_any_tp", parse_bool),
 )
 
 
@@ -86,6 +90,7 @@ class ConnectorConfig:
     tenant: str = ""
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     prefetch_hold_s: float = DEFAULT_PREFETCH_HOLD_S
+    mla_any_tp: bool = False
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
     def validate(self) -> ConnectorConfig:
@@ -186,9 +191,9 @@ def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int
 
     The scheduler looks up each distinct one (a prefix counts only if every rank has it);
     each worker loads under its own, and saves under it unless another rank saves the same
-    copy (:func:`.worker.is_saving_rank`).  Data-parallel ranks are whole replicas of the
-    engine, each with its own scheduler: no data-parallel rank is in the namespace, so each
-    engine core loads what any other saved.
+    copy (:func:`kvpool.kvcache.ranks.writes_blocks`).  Data-parallel ranks are whole
+    replicas of the engine, each with its own scheduler: no data-parallel rank is in the
+    namespace, so each engine core loads what any other saved.
     """
     from vllm.platforms import current_platform
 
@@ -214,7 +219,9 @@ def namespaces(vllm_config: Any, config: ConnectorConfig) -> dict[tuple[int, int
         extra=f"page={expected_page_bytes(vllm_config)}",
     )
     return {
-        (tp, pp): base.for_rank(tp, pp) for tp in range(base.tp_size) for pp in range(base.pp_size)
+        (tp, pp): base.for_rank(tp, pp, mla_any_tp=config.mla_any_tp)
+        for tp in range(base.tp_size)
+        for pp in range(base.pp_size)
     }
 
 

@@ -67,10 +67,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvpool.kvcache.ranks import writes_blocks
+
 from .config import connector_config, expected_page_bytes, namespaces
 from .metadata import KVPoolMetadata, KVPoolPromMetrics, KVPoolStats
 from .scheduler import KVPoolScheduler
-from .worker import KVPoolWorker, is_saving_rank
+from .worker import KVPoolWorker
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
@@ -111,7 +113,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 self.config,
                 spaces[rank],
                 expected_page_bytes(vllm_config),
-                can_save=is_saving_rank(spaces[rank], rank[0]),
+                can_save=writes_blocks(spaces[rank], rank[0]),
             )
 
     @property

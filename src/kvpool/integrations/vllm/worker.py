@@ -85,16 +85,6 @@ def leave_engine_cpus() -> None:
         pass
 
 
-def is_saving_rank(namespace: Namespace, tp_rank: int) -> bool:
-    """Whether the worker of this tensor-parallel rank saves.
-
-    Every rank saves its own shard, except under MLA: its latent KV is the same on every
-    rank and all ranks share one namespace (:meth:`Namespace.for_rank`), so rank 0 saves
-    the one copy of each block for all of them, and every rank loads it.
-    """
-    return not namespace.is_mla or tp_rank == 0
-
-
 class WorkerPool:
     """What the worker reaches the pool with, built once vLLM has registered its cache:
     the copies for the cache, a client that registers each arena it maps with them, the
