@@ -181,6 +181,25 @@ def test_unknown_extra_config_is_refused():
     )
 
 
+def test_every_documented_extra_config_key_is_accepted():
+    """The keys the connector's docstring documents are those it takes (``prefetch_hold``
+    was documented and refused)."""
+    from kvpool.config import CONNECTOR_ENV
+    from kvpool.integrations.vllm import config as module
+
+    table = module.__doc__.split("==================  ", 2)[2]
+    documented = {
+        line.split()[0] for line in table.splitlines() if line and not line.startswith((" ", "="))
+    }
+    known = {name for name, _ in CONNECTOR_ENV.values()} | module._CLIENT_KEYS
+    assert documented - known == {"key", "health_*"}  # table headers, and a family of keys
+    assert {"prefetch_hold", "mla_any_tp", "transfer", "tenant"} <= documented
+    config = connector_config({"prefetch_hold": 5, "mla_any_tp": "true"}, environ={})
+    assert config.prefetch_hold_s == 5 and config.mla_any_tp
+    assert connector_config({}, environ={"KVPOOL_MLA_ANY_TP": "1"}).mla_any_tp
+    assert not connector_config({}, environ={}).mla_any_tp
+
+
 def test_hits_are_counted_by_the_tier_that_holds_them(start_node, tmp_path):
     node = start_node(
         name="tiers", memory="4MiB", extra=["--disk", str(tmp_path / "d"), "--disk-size", "32MiB"]
