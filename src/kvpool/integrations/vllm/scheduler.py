@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,14 @@ from kvpool.kvcache.guard import PoolGuard
 from kvpool.stats import TIER_DRAM, TIER_NAMES
 
 from .config import ConnectorConfig
+from .groups import (
+    FULL,
+    NULL_BLOCK_ID,
+    SLIDING,
+    CacheGroup,
+    group_namespaces,
+    unsupported_reason,
+)
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
@@ -72,13 +81,34 @@ class KVPoolScheduler:
         can_load: bool,
         can_save: bool,
         wait_for_pending: bool,
+        groups: list[CacheGroup] | None = None,
     ):
         self.config = config
         self.wait_for_pending = wait_for_pending
-        self.namespaces = list(namespaces.values())
+        self.groups = groups or [CacheGroup(0, FULL)]
+        self.is_hybrid = len(self.groups) > 1
+        by_rank = group_namespaces(namespaces, self.groups)
+        # Per group, the namespace of every rank.
+        self.group_spaces = [[spaces[g.index] for spaces in by_rank.values()] for g in self.groups]
+        self.namespaces = [ns for spaces in self.group_spaces for ns in spaces]
+        self.full_spaces = [
+            ns for g in self.groups if g.kind == FULL for ns in self.group_spaces[g.index]
+        ]
+        self.sliding_groups = [g for g in self.groups if g.kind == SLIDING]
         self.block_size = block_size
-        self.can_load = can_load
-        self.can_save = can_save
+        if self.is_hybrid:
+            log.info(
+                "kvpool: KV cache groups (hybrid allocator): %s",
+                " ".join(
+                    f"{g.tag()} namespace={self.group_spaces[g.index][0].id.hex()}"
+                    for g in self.groups
+                ),
+            )
+        self.unsupported = unsupported_reason(self.groups)
+        if self.unsupported:
+            log.warning("kvpool: this engine is offered no pool blocks: %s", self.unsupported)
+        self.can_load = can_load and not self.unsupported
+        self.can_save = can_save and not self.unsupported
         self._client: Client | None = None
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
         self.guard = PoolGuard(self.health, log)
@@ -104,12 +134,37 @@ class KVPoolScheduler:
     def _probe(self) -> None:
         self.client.health(timeout=self.config.lookup_timeout_s)
 
-    def _lookup(self, hashes: list[bytes]) -> tuple[int, bool, bytes]:
-        """Leading blocks every rank has, whether a rank is still writing the next, and the
-        tier of each leading block (in the rank that holds the fewest)."""
+    def _lookup_groups(self, hashes: list[bytes], num_local: int) -> tuple[int, bool, bytes]:
+        """Leading blocks every group has what the engine reads of (see :mod:`.groups`),
+        whether a rank is still writing the next, and the tier of each leading block."""
+        num_prefix, pending, tiers = self._lookup(hashes, self.full_spaces)
+        for group in self.sliding_groups:
+            num_prefix = self._window_prefix(group, hashes[:num_prefix], num_local)
+        return num_prefix, pending, tiers[:num_prefix]
+
+    def _window_prefix(self, group: CacheGroup, hashes: list[bytes], num_local: int) -> int:
+        """The longest of ``hashes``' prefixes whose window blocks (past the engine's own
+        ``num_local``) ``group`` holds in the pool."""
+        num = len(hashes)
+        if num <= num_local:
+            return num
+        spaces = self.group_spaces[group.index]
+        first = max(num_local, group.first_needed_block(num, self.block_size))
+        num_window, _, _ = self._lookup(hashes[first:], spaces)
+        if num_window == num - first:
+            return num
+        # The window of the whole prefix is not all there: a shorter prefix whose window is.
+        num_held, _, _ = self._lookup(hashes[num_local:], spaces)
+        return num_local + num_held
+
+    def _lookup(self, hashes: list[bytes], spaces: list[Namespace]) -> tuple[int, bool, bytes]:
+        """Leading blocks every namespace of ``spaces`` has, whether one is still writing
+        the next, and the tier of each leading block (in the one that holds the fewest)."""
         num_prefix, pending, tiers = len(hashes), False, b""
+        if not hashes:
+            return 0, False, b""
         prefetch = self.config.prefetch_hold_s if self.can_load else 0.0
-        for ns in self.namespaces:
+        for ns in spaces:
             state = self.client.lookup_state(
                 ns.keys(hashes), prefetch=prefetch, timeout=self.config.lookup_timeout_s
             )
@@ -137,7 +192,7 @@ class KVPoolScheduler:
         self._matches[request.request_id] = _Match(num_local_blocks, num_local_blocks)
         # Keep at least one prompt token to compute: vLLM must run a forward to sample.
         num_blocks = min((request.num_prompt_tokens - 1) // bs, len(request.block_hashes))
-        if num_blocks <= 0 or not self.health.is_healthy:
+        if num_blocks <= 0 or self.unsupported or not self.health.is_healthy:
             return 0, False
         if num_local_blocks >= num_blocks:
             # The engine's own cache holds every block the pool could offer: a lookup
@@ -147,7 +202,8 @@ class KVPoolScheduler:
         state = self._requests.get(request.request_id)
         started = time.perf_counter()
         with self.guard.call("lookup") as outcome:  # whatever the pool does: a miss
-            num_pool, pending, tiers = self._lookup(list(request.block_hashes[:num_blocks]))
+            hashes = list(request.block_hashes[:num_blocks])
+            num_pool, pending, tiers = self._lookup_groups(hashes, num_local_blocks)
         if outcome.failed:
             return 0, False
         self._matches[request.request_id] = _Match(
@@ -169,7 +225,11 @@ class KVPoolScheduler:
         return num_new * bs, self._is_async(tiers[num_local_blocks:num_pool])
 
     def _is_async(self, tiers: bytes) -> bool:
-        return self.config.transfer == "whole" or any(t != TIER_DRAM for t in tiers)
+        # Several groups: vLLM takes load failures per request only, which a load off the
+        # step reports (a whole-request recompute); never per block.
+        return (
+            self.is_hybrid or self.config.transfer == "whole" or any(t != TIER_DRAM for t in tiers)
+        )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The request is scheduled: count its lookup, plan its load, and start its saves
@@ -190,6 +250,8 @@ class KVPoolScheduler:
                 if loadable:
                     self._record(f"hit_blocks_{name}", loadable)
             self._observe("lookup", match.lookup_s)
+        elif self.unsupported:
+            self._record("skipped_unsupported")
         elif not self.health.is_healthy:
             self._record("skipped_unhealthy")
         bs = self.block_size
@@ -200,10 +262,34 @@ class KVPoolScheduler:
         state.first_load_block = first
         if num_external_tokens <= 0:
             return
-        block_ids = list(blocks.get_block_ids()[0][first:last])
-        hashes = [bytes(h) for h in request.block_hashes[first:last]]
+        block_ids, hashes, groups = self._blocks(
+            blocks.get_block_ids(), request.block_hashes, first, last
+        )
         is_async = self._is_async(match.tiers[first:last])
-        self._loads.append(TransferJob(request.request_id, block_ids, hashes, is_async=is_async))
+        self._loads.append(
+            TransferJob(request.request_id, block_ids, hashes, is_async=is_async, groups=groups)
+        )
+
+    def _blocks(
+        self, group_block_ids: Sequence[Sequence[int]], block_hashes: Any, first: int, last: int
+    ) -> tuple[list[int], list[bytes], list[int] | None]:
+        """Blocks ``first`` to ``last`` of a request: their ids and hashes, and with several
+        groups, each block's group.  A group's null blocks (a sliding window's blocks that
+        the engine no longer reads) are neither saved nor loaded."""
+        if not self.is_hybrid:
+            hashes = [bytes(h) for h in block_hashes[first:last]]
+            return list(group_block_ids[0][first:last]), hashes, None
+        block_ids: list[int] = []
+        hashes = []
+        groups: list[int] = []
+        for group in self.groups:
+            ids = group_block_ids[group.index]
+            for i in range(first, min(last, len(ids))):
+                if ids[i] != NULL_BLOCK_ID:
+                    block_ids.append(ids[i])
+                    hashes.append(bytes(block_hashes[i]))
+                    groups.append(group.index)
+        return block_ids, hashes, groups
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._loads)
@@ -237,14 +323,14 @@ class KVPoolScheduler:
         first = state.next_save_block
         if last <= first:
             return None
-        block_ids = self._block_ids(scheduler_output, req_id)
-        if block_ids is None or len(block_ids) < last:
+        group_block_ids = self._block_ids(scheduler_output, req_id)
+        if group_block_ids is None or len(group_block_ids[0]) < last:
             return None
         state.next_save_block = last
-        hashes = [bytes(h) for h in request.block_hashes[first:last]]
-        return TransferJob(
-            req_id, list(block_ids[first:last]), hashes, self._origins(request, first, last)
-        )
+        block_ids, hashes, groups = self._blocks(group_block_ids, request.block_hashes, first, last)
+        # KV events name a prefix's blocks once: a one-group engine's.
+        origins = None if self.is_hybrid else self._origins(request, first, last)
+        return TransferJob(req_id, block_ids, hashes, origins, groups=groups)
 
     def _origins(self, request: Any, first: int, last: int) -> list[BlockOrigin] | None:
         """Each block's tokens and its parent's hash, for the node's KV events."""
@@ -260,17 +346,16 @@ class KVPoolScheduler:
             for i in range(first, last)
         ]
 
-    def _block_ids(self, scheduler_output: Any, req_id: str) -> list[int] | None:
+    def _block_ids(self, scheduler_output: Any, req_id: str) -> Sequence[Sequence[int]] | None:
+        """The request's block ids, one list per group."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is not None:
             ids = block_state.get_block_ids(req_id)
             if ids is not None:
-                return list(ids[0])
+                return ids
         return None
 
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
         return False, None
