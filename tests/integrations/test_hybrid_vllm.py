@@ -84,8 +84,9 @@ def test_gemma3_groups_load_what_the_engine_reads(tmp_path_factory, start_node):
 
     def on_pause(tag: str) -> None:
         # One block of prompt 0 that the load read: the first of its sliding window.
-        hashes = hasher.block_hashes(hasher.token_ids("/v1/completions", {"prompt": PROMPTS[0]}))
-        num_blocks = (len(hashes) * BLOCK_SIZE - 1) // BLOCK_SIZE
+        token_ids = hasher.token_ids("/v1/completions", {"prompt": PROMPTS[0]})
+        hashes = hasher.block_hashes(token_ids)
+        num_blocks = min((len(token_ids) - 1) // BLOCK_SIZE, len(hashes))
         first = window.first_needed_block(num_blocks, BLOCK_SIZE)
         key = block_key(namespaces["0:sliding128"], hashes[first])
         with Client(node.unix_address) as client:
