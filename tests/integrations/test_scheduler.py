@@ -241,7 +241,7 @@ def test_hybrid_groups_match_and_load_only_what_the_engine_reads(node, client):
     # Hybrid loads run off the step: vLLM takes their failures per request.
     assert sched.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
     window = [0] * 6 + [26, 27]  # vLLM's null block (0) before the window
-    blocks = SimpleNamespace(get_block_ids=lambda: (window + [28], list(range(10, 19))))
+    blocks = SimpleNamespace(get_block_ids=lambda: ([*window, 28], list(range(10, 19))))
     sched.update_state_after_alloc(req, blocks, 8 * BS)
     (job,) = sched._loads
     assert job.block_ids == [26, 27, *range(10, 18)]
