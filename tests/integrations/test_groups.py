@@ -66,3 +66,35 @@ def test_a_group_the_pool_cannot_reuse_names_itself():
     groups = [CacheGroup(0, FULL), CacheGroup(1, UNSUPPORTED, spec_name="MambaSpec")]
     assert "MambaSpec" in unsupported_reason(groups)
     assert unsupported_reason([CacheGroup(0, FULL), CacheGroup(1, SLIDING, 128)]) == ""
+
+
+def test_groups_of_vllms_kv_cache_config():
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from kvpool.integrations.vllm.groups import cache_groups
+
+    def config(*specs, hash_block_size=BS):
+        groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[]) for s in specs]
+        return SimpleNamespace(kv_cache_groups=groups, hash_block_size=hash_block_size)
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))
+    # One group (the hybrid allocator off, or a plain model): the engine's only group.
+    assert cache_groups(config(full), BS) == [CacheGroup(0, FULL)]
+    assert cache_groups(SimpleNamespace(), BS) == [CacheGroup(0, FULL)]
+    assert [(g.kind, g.sliding_window) for g in cache_groups(config(window, full), BS)] == [
+        (SLIDING, 128),
+        (FULL, 0),
+    ]
+    assert [g.kind for g in cache_groups(config(mamba, full), BS)] == [UNSUPPORTED, FULL]
+    # Hashes finer than a block, or a group of another block size: nothing is keyed right.
+    assert {g.kind for g in cache_groups(config(window, full, hash_block_size=16), BS)} == {
+        UNSUPPORTED
+    }
+    assert [g.kind for g in cache_groups(config(window, full), 2 * BS)] == [UNSUPPORTED] * 2

@@ -76,10 +76,18 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups or len(groups) == 1:
         return [CacheGroup(0, FULL)]  # as before the hybrid allocator: every block
+    # A request's block hashes must be one per block: finer hashes (groups of several block
+    # sizes) would put a block under another block's key.
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
     out = []
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         name = type(spec).__name__
+        if hash_block_size != block_size:
+            out.append(
+                CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(hashes of {hash_block_size})")
+            )
+            continue
         if int(getattr(spec, "block_size", 0)) != block_size:
             out.append(CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(block {spec.block_size})"))
             continue
