@@ -7,6 +7,7 @@ import pytest
 from kvpool.integrations.vllm.groups import (
     FULL,
     SLIDING,
+    STATE,
     UNSUPPORTED,
     CacheGroup,
     group_namespace,
@@ -18,8 +19,11 @@ from kvpool.keys import Namespace
 BS = 32
 
 
-def test_full_attention_needs_every_block():
+def test_full_attention_needs_every_block_a_recurrent_state_its_last():
     assert CacheGroup(0, FULL).first_needed_block(57, BS) == 0
+    # vLLM keeps the state after N blocks in block N-1 (a prefix hit's last block).
+    assert CacheGroup(0, STATE).first_needed_block(57, BS) == 56
+    assert CacheGroup(0, STATE).first_needed_block(1, BS) == 0
 
 
 @pytest.mark.parametrize(
@@ -93,6 +97,10 @@ def test_groups_of_vllms_kv_cache_config():
         (FULL, 0),
     ]
     assert [g.kind for g in cache_groups(config(mamba, full), BS)] == [UNSUPPORTED, FULL]
+    aligned = MambaSpec(
+        block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    assert [g.kind for g in cache_groups(config(aligned, full), BS)] == [STATE, FULL]
     # Hashes finer than a block, or a group of another block size: nothing is keyed right.
     assert {g.kind for g in cache_groups(config(window, full, hash_block_size=16), BS)} == {
         UNSUPPORTED

@@ -283,3 +283,57 @@ def test_an_engine_with_a_mamba_group_is_offered_nothing(node, client):
     assert sched.stats.data["skipped_unsupported"] == 1 and "lookups" not in sched.stats.data
     assert not sched.can_save
     sched.shutdown()
+
+
+def test_a_recurrent_state_is_matched_at_the_prefix_end_and_saved_from_vllms_hand_offs(
+    node, client
+):
+    """Mamba in vLLM's align mode: a prefix of N blocks needs the full-attention blocks and
+    the state after block N-1; a missing state shortens the match to the last state held.
+    States are saved from the hand-offs vLLM makes, at block boundaries only."""
+    from kvpool.integrations.vllm.groups import FULL, STATE, CacheGroup, group_namespace
+
+    groups = [CacheGroup(0, STATE), CacheGroup(1, FULL)]
+    state_ns, full_ns = (group_namespace(NS, g, 2) for g in groups)
+    config = connector_config({"address": node.unix_address}, environ={})
+    sched = KVPoolScheduler(
+        config,
+        {(0, 0): NS},
+        BS,
+        can_load=True,
+        can_save=True,
+        wait_for_pending=False,
+        groups=groups,
+    )
+    req = request("s1", 8, first_token=3000)
+    client.put(full_ns.keys(req.block_hashes), [b"f"] * 8)
+    client.put(state_ns.keys([req.block_hashes[i] for i in (3, 7)]), [b"s"] * 2)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
+    table = [0] * 7 + [41]  # vLLM's null blocks before the prefix's last state
+    blocks = SimpleNamespace(get_block_ids=lambda: ([*table, 42], list(range(10, 19))))
+    sched.update_state_after_alloc(req, blocks, 8 * BS)
+    (job,) = sched._loads
+    assert job.block_ids == [41, *range(10, 18)] and job.groups == [0] + [1] * 8
+    assert job.block_hashes[0] == req.block_hashes[7]
+
+    other = request("s2", 8, first_token=4000)
+    client.put(full_ns.keys(other.block_hashes), [b"f"] * 8)
+    client.put(state_ns.keys([other.block_hashes[3]]), [b"s"])  # no state after block 7
+    sched.on_new_request(other)
+    assert sched.get_num_new_matched_tokens(other, 0) == (4 * BS, True)
+    # The engine's own cache holds 5 blocks: no state past it, nothing to load.
+    assert sched.get_num_new_matched_tokens(other, 5 * BS) == (0, False)
+
+    hand_offs = {"s2": [(0, 51, 2 * BS), (0, 52, 2 * BS + 7), (1, 53, 3 * BS), (0, 54, 99 * BS)]}
+    output = SimpleNamespace(
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=hand_offs),
+    )
+    (save,) = sched.build_connector_meta(output).saves
+    # Only the state group's hand-off at a prompt block's end: block 1's state, in block 51.
+    assert save.block_ids == [51] and save.groups == [0]
+    assert save.block_hashes == [other.block_hashes[1]]
+    sched.shutdown()

@@ -10,7 +10,12 @@ of ``N`` blocks is reusable only if every group has what the engine reads of it:
 - **sliding window** of ``W`` tokens: only the trailing blocks the next token's window
   reaches, the same rule as vLLM's sliding-window manager, which pads the blocks before
   them with its null block (:meth:`CacheGroup.first_needed_block`);
-- **anything else** (Mamba / linear-attention state, chunked local attention): not
+- **recurrent state** (Mamba / linear attention in vLLM's ``align`` prefix-caching mode):
+  only the state at the prefix's end, which vLLM keeps in the prefix's last block (the
+  blocks before it are null blocks).  Which blocks hold a state at a block boundary only
+  vLLM knows (a state block is copied forward and freed as the request runs), so such
+  states are saved from vLLM's boundary-state hand-offs, never from the block table;
+- **anything else** (chunked local attention, Mamba outside ``align`` mode, ...): not
   reusable through the pool; an engine with such a group is offered no pool blocks.
 
 Rules:
@@ -32,6 +37,7 @@ from kvpool.keys import Namespace
 
 FULL = "full"
 SLIDING = "sliding"
+STATE = "state"
 UNSUPPORTED = "unsupported"
 
 # vLLM's null block: the placeholder for blocks a group does not keep (block id 0).
@@ -47,6 +53,7 @@ class CacheGroup:
     kind: str
     sliding_window: int = 0
     spec_name: str = ""
+    layer_names: tuple[str, ...] = ()
 
     @property
     def is_reusable(self) -> bool:
@@ -55,7 +62,10 @@ class CacheGroup:
     def first_needed_block(self, num_blocks: int, block_size: int) -> int:
         """Of a prefix of ``num_blocks`` computed blocks, the first block the engine reads
         when it computes the next token: 0 for full attention; for a sliding window, the
-        block of the first token inside the window (earlier blocks are null blocks)."""
+        block of the first token inside the window; for a recurrent state, the last block
+        (earlier blocks are null blocks)."""
+        if self.kind == STATE:
+            return max(num_blocks - 1, 0)
         if self.kind != SLIDING:
             return 0
         num_skipped_tokens = max(0, num_blocks * block_size - self.sliding_window + 1)
@@ -71,7 +81,12 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
     """The groups of vLLM's ``KVCacheConfig`` (one full-attention group without one, or
     with one group).  A group whose blocks are not ``block_size`` tokens (the size the
     request's block hashes cover) is not reusable."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups or len(groups) == 1:
@@ -91,12 +106,15 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
         if int(getattr(spec, "block_size", 0)) != block_size:
             out.append(CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(block {spec.block_size})"))
             continue
+        layers = tuple(getattr(group, "layer_names", ()))
         # Exact types only: a subclass may keep its blocks by another rule.
         if type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
-            out.append(CacheGroup(index, SLIDING, window, name))
+            out.append(CacheGroup(index, SLIDING, window, name, layers))
         elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-            out.append(CacheGroup(index, FULL, spec_name=name))
+            out.append(CacheGroup(index, FULL, spec_name=name, layer_names=layers))
+        elif type(spec) is MambaSpec and spec.mamba_cache_mode == "align":
+            out.append(CacheGroup(index, STATE, spec_name=name, layer_names=layers))
         else:
             out.append(CacheGroup(index, UNSUPPORTED, spec_name=name))
     return out
@@ -126,6 +144,6 @@ def unsupported_reason(groups: list[CacheGroup]) -> str:
     if not kinds:
         return ""
     return (
-        f"KV cache group(s) of kind {', '.join(sorted(set(kinds)))} keep state the pool "
-        "does not reuse (Mamba / linear attention); no prefix is loaded or saved"
+        f"KV cache group(s) of kind {', '.join(sorted(set(kinds)))} keep KV the pool "
+        "cannot key or reuse; no prefix is loaded or saved"
     )

@@ -43,6 +43,7 @@ from .groups import (
     FULL,
     NULL_BLOCK_ID,
     SLIDING,
+    STATE,
     CacheGroup,
     group_namespaces,
     unsupported_reason,
@@ -94,7 +95,9 @@ class KVPoolScheduler:
         self.full_spaces = [
             ns for g in self.groups if g.kind == FULL for ns in self.group_spaces[g.index]
         ]
-        self.sliding_groups = [g for g in self.groups if g.kind == SLIDING]
+        # Groups that need only some blocks of a prefix (see :mod:`.groups`).
+        self.partial_groups = [g for g in self.groups if g.kind in (SLIDING, STATE)]
+        self.state_groups = {g.index for g in self.groups if g.kind == STATE}
         self.block_size = block_size
         if self.is_hybrid:
             log.info(
@@ -138,24 +141,39 @@ class KVPoolScheduler:
         """Leading blocks every group has what the engine reads of (see :mod:`.groups`),
         whether a rank is still writing the next, and the tier of each leading block."""
         num_prefix, pending, tiers = self._lookup(hashes, self.full_spaces)
-        for group in self.sliding_groups:
-            num_prefix = self._window_prefix(group, hashes[:num_prefix], num_local)
+        num_before = -1
+        while num_prefix != num_before:  # a group's shorter prefix may change another's needs
+            num_before = num_prefix
+            for group in self.partial_groups:
+                num_prefix = self._partial_prefix(group, hashes[:num_prefix], num_local)
         return num_prefix, pending, tiers[:num_prefix]
 
-    def _window_prefix(self, group: CacheGroup, hashes: list[bytes], num_local: int) -> int:
-        """The longest of ``hashes``' prefixes whose window blocks (past the engine's own
+    def _partial_prefix(self, group: CacheGroup, hashes: list[bytes], num_local: int) -> int:
+        """The longest of ``hashes``' prefixes whose needed blocks (past the engine's own
         ``num_local``) ``group`` holds in the pool."""
         num = len(hashes)
         if num <= num_local:
             return num
         spaces = self.group_spaces[group.index]
         first = max(num_local, group.first_needed_block(num, self.block_size))
-        num_window, _, _ = self._lookup(hashes[first:], spaces)
-        if num_window == num - first:
+        num_needed, _, _ = self._lookup(hashes[first:], spaces)
+        if num_needed == num - first:
             return num
+        if group.kind == STATE:
+            return self._last_state(hashes[num_local : num - 1], spaces, num_local)
         # The window of the whole prefix is not all there: a shorter prefix whose window is.
         num_held, _, _ = self._lookup(hashes[num_local:], spaces)
         return num_local + num_held
+
+    def _last_state(self, hashes: list[bytes], spaces: list[Namespace], num_local: int) -> int:
+        """The longest prefix (past ``num_local`` blocks, whose hashes are ``hashes``) that
+        ends on a block whose state every namespace of ``spaces`` holds."""
+        held = [True] * len(hashes)
+        for ns in spaces:
+            found = self.client.exists(ns.keys(hashes), timeout=self.config.lookup_timeout_s)
+            held = [a and b for a, b in zip(held, found, strict=True)]
+        ends = [i + 1 for i, is_held in enumerate(held) if is_held]
+        return num_local + (ends[-1] if ends else 0)
 
     def _lookup(self, hashes: list[bytes], spaces: list[Namespace]) -> tuple[int, bool, bytes]:
         """Leading blocks every namespace of ``spaces`` has, whether one is still writing
@@ -263,7 +281,7 @@ class KVPoolScheduler:
         if num_external_tokens <= 0:
             return
         block_ids, hashes, groups = self._blocks(
-            blocks.get_block_ids(), request.block_hashes, first, last
+            blocks.get_block_ids(), request.block_hashes, first, last, is_load=True
         )
         is_async = self._is_async(match.tiers[first:last])
         self._loads.append(
@@ -271,11 +289,19 @@ class KVPoolScheduler:
         )
 
     def _blocks(
-        self, group_block_ids: Sequence[Sequence[int]], block_hashes: Any, first: int, last: int
+        self,
+        group_block_ids: Sequence[Sequence[int]],
+        block_hashes: Any,
+        first: int,
+        last: int,
+        *,
+        is_load: bool = False,
     ) -> tuple[list[int], list[bytes], list[int] | None]:
         """Blocks ``first`` to ``last`` of a request: their ids and hashes, and with several
         groups, each block's group.  A group's null blocks (a sliding window's blocks that
-        the engine no longer reads) are neither saved nor loaded."""
+        the engine no longer reads) are neither saved nor loaded; a recurrent state group
+        loads its last block only, and saves from vLLM's hand-offs only
+        (:meth:`_state_saves`)."""
         if not self.is_hybrid:
             hashes = [bytes(h) for h in block_hashes[first:last]]
             return list(group_block_ids[0][first:last]), hashes, None
@@ -284,7 +310,12 @@ class KVPoolScheduler:
         groups: list[int] = []
         for group in self.groups:
             ids = group_block_ids[group.index]
-            for i in range(first, min(last, len(ids))):
+            start = first
+            if group.kind == STATE:
+                if not is_load:
+                    continue
+                start = max(first, last - 1)
+            for i in range(start, min(last, len(ids))):
                 if ids[i] != NULL_BLOCK_ID:
                     block_ids.append(ids[i])
                     hashes.append(bytes(block_hashes[i]))
@@ -299,10 +330,38 @@ class KVPoolScheduler:
                 job = self._save_job(scheduler_output, req_id, num_computed)
                 if job is not None:
                     meta.saves.append(job)
+            if self.state_groups:
+                meta.saves.extend(self._state_saves(scheduler_output))
         elif self.can_save:
             self._record("skipped_unhealthy")
         self._maybe_log()
         return meta
+
+    def _state_saves(self, scheduler_output: Any) -> list[TransferJob]:
+        """Saves of the recurrent states vLLM hands off this step at prompt block
+        boundaries: ``(group, block id, boundary)``, the state after ``boundary`` tokens,
+        computed by this step's forward at the latest."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        jobs = []
+        for req_id, entries in offloads.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            bs = self.block_size
+            num_blocks = min(len(request.block_hashes), request.num_prompt_tokens // bs)
+            block_ids, hashes, groups = [], [], []
+            for group_id, block_id, boundary in entries:
+                index = boundary // bs - 1
+                is_block_end = boundary % bs == 0 and 0 <= index < num_blocks
+                if group_id in self.state_groups and is_block_end and block_id != NULL_BLOCK_ID:
+                    block_ids.append(block_id)
+                    hashes.append(bytes(request.block_hashes[index]))
+                    groups.append(group_id)
+            if block_ids:
+                jobs.append(TransferJob(req_id, block_ids, hashes, groups=groups))
+        return jobs
 
     def _scheduled(self, scheduler_output: Any) -> list[tuple[str, int]]:
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]

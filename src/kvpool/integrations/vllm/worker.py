@@ -57,7 +57,7 @@ from kvpool.kvcache.loads import Load, load_into
 from kvpool.kvcache.saves import Save
 
 from .config import ConnectorConfig
-from .groups import FULL, CacheGroup, group_namespace, unsupported_reason
+from .groups import FULL, STATE, CacheGroup, group_namespace, unsupported_reason
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
@@ -126,6 +126,8 @@ class KVPoolWorker:
         # Several KV cache groups: each block's key is under its group's namespace, and a
         # failed load fails its request (vLLM cannot map a block id back to its group).
         self.is_hybrid = len(groups) > 1
+        self.has_state_groups = any(g.kind == STATE for g in groups)
+        self._attention_layers = {n for g in groups if g.kind != STATE for n in g.layer_names}
         self.unsupported = unsupported_reason(groups)
         self._group_ns_ids = [group_namespace(namespace, g, len(groups)).id for g in groups]
         self._failed_loading: set[str] = set()
@@ -157,16 +159,25 @@ class KVPoolWorker:
         if self.unsupported:
             log.warning("kvpool: the pool is not used by this engine: %s", self.unsupported)
             return
+        if self.has_state_groups:
+            # Recurrent state layers view the same tensors as attention layers, in views
+            # smaller than a page: the attention layers' views cover the whole page.
+            kv_caches = {n: c for n, c in kv_caches.items() if n in self._attention_layers}
         layout = PagedLayout.detect(kv_caches)
         if (
             layout.page_bytes * (layout.num_planes // max(len(_distinct(kv_caches)), 1))
             != self.expected_page_bytes
         ):
-            raise ConfigError(
+            reason = (
                 f"unexpected KV cache layout: {layout.describe()}, but the model's shape needs "
                 f"{self.expected_page_bytes} bytes per block and layer; refusing to share blocks "
                 "that might not mean the same thing"
             )
+            if not self.is_hybrid:
+                raise ConfigError(reason)
+            # A new kind of hybrid cache: its loads fail (recomputed), nothing is saved.
+            log.error("kvpool: the pool is not used by this engine: %s", reason)
+            return
         self.pool = pool = WorkerPool(self.config, layout)
         for planes in layout.layers.values():
             for plane in planes:
@@ -231,6 +242,8 @@ class KVPoolWorker:
         planes = layout.layers.get(layer_name, ())
         if not self.is_hybrid:
             return planes
+        if self.has_state_groups:
+            return ()  # state layers share the planes but report no save: copy at the end
         left = self._layers_left
         for plane in planes:
             left[plane] = left.get(plane, self._layers_per_plane.get(plane, 1)) - 1
