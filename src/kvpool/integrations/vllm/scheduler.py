@@ -22,6 +22,14 @@ Per request:
 
 When the pool is unhealthy, lookups report misses and saves are skipped: the engine
 recomputes, and never waits on the pool.
+
+Several KV cache groups (vLLM's hybrid allocator, :mod:`.groups`): each group's blocks are
+keyed under its own namespace.  A prefix is offered only as far as every group holds what
+the engine reads of it (all full-attention blocks, a sliding window's last blocks, a
+recurrent state's last block); the load plans each group's non-null blocks and always runs
+off the step, since vLLM takes a hybrid engine's load failures per request (it recomputes
+the request whole), never per block.  Recurrent states are saved from vLLM's boundary-state
+hand-offs; an engine with a group of any other kind is offered nothing and saves nothing.
 """
 
 from __future__ import annotations
