@@ -262,9 +262,10 @@ def test_hybrid_groups_match_and_load_only_what_the_engine_reads(node, client):
     sched.shutdown()
 
 
-def test_an_engine_with_a_mamba_group_is_offered_nothing(node, client):
+def test_an_engine_with_a_group_the_pool_cannot_reuse_is_offered_nothing(node, client):
     from kvpool.integrations.vllm.groups import FULL, UNSUPPORTED, CacheGroup
 
+    # E.g. Mamba outside vLLM's align mode: no state is kept at block boundaries.
     groups = [CacheGroup(0, FULL), CacheGroup(1, UNSUPPORTED, spec_name="MambaSpec")]
     config = connector_config({"address": node.unix_address}, environ={})
     sched = KVPoolScheduler(
