@@ -21,8 +21,8 @@ NS = Namespace(model="sched-test", block_size=BS)
 IS_ASYNC = connector_config({}, environ={}).transfer == "whole"
 
 
-def request(rid, num_blocks):
-    tokens = list(range(num_blocks * BS + 1))
+def request(rid, num_blocks, first_token=0):
+    tokens = list(range(first_token, first_token + num_blocks * BS + 1))
     return SimpleNamespace(
         request_id=rid,
         num_prompt_tokens=len(tokens),
@@ -232,4 +232,128 @@ def test_hits_are_counted_by_the_tier_that_holds_them(start_node, tmp_path):
     data = sched.stats.data
     assert data["hit_blocks_disk"] > 0 and data["hit_blocks_dram"] > 0
     assert data["hit_blocks_disk"] + data["hit_blocks_dram"] == 40
+    sched.shutdown()
+
+
+def test_hybrid_groups_match_and_load_only_what_the_engine_reads(node, client):
+    """Full attention and a sliding window of 64 tokens (2 blocks read by the next token):
+    a prefix counts if the full group has all its blocks and the window group the blocks
+    of its window; the load skips the window group's null blocks; keys never cross."""
+    from kvpool.integrations.vllm.groups import FULL, SLIDING, CacheGroup, group_namespace
+
+    groups = [CacheGroup(0, SLIDING, 64), CacheGroup(1, FULL)]
+    window_ns, full_ns = (group_namespace(NS, g, 2) for g in groups)
+    req = request("h1", 8)  # 8 full blocks and a token
+    client.put(full_ns.keys(req.block_hashes), [b"f"] * 8)
+    client.put(window_ns.keys(req.block_hashes[6:8]), [b"w"] * 2)
+    config = connector_config({"address": node.unix_address}, environ={})
+    sched = KVPoolScheduler(
+        config,
+        {(0, 0): NS},
+        BS,
+        can_load=True,
+        can_save=True,
+        wait_for_pending=False,
+        groups=groups,
+    )
+    sched.on_new_request(req)
+    # Hybrid loads run off the step: vLLM takes their failures per request.
+    assert sched.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
+    window = [0] * 6 + [26, 27]  # vLLM's null block (0) before the window
+    blocks = SimpleNamespace(get_block_ids=lambda: ([*window, 28], list(range(10, 19))))
+    sched.update_state_after_alloc(req, blocks, 8 * BS)
+    (job,) = sched._loads
+    assert job.block_ids == [26, 27, *range(10, 18)]
+    assert job.groups == [0, 0] + [1] * 8
+    assert job.block_hashes == req.block_hashes[6:8] + req.block_hashes[:8]
+
+    # A window block missing: the longest prefix whose window is there (6 blocks: 4-5).
+    other = request("h2", 8, first_token=1000)
+    client.put(full_ns.keys(other.block_hashes), [b"f"] * 8)
+    client.put(window_ns.keys(other.block_hashes[:6]), [b"w"] * 6)
+    sched.on_new_request(other)
+    assert sched.get_num_new_matched_tokens(other, 0) == (6 * BS, True)
+    # Blocks under the one-group namespace are no group's.
+    third = request("h3", 8, first_token=2000)
+    client.put(NS.keys(third.block_hashes), [b"x"] * 8)
+    sched.on_new_request(third)
+    assert sched.get_num_new_matched_tokens(third, 0) == (0, False)
+    sched.shutdown()
+
+
+def test_an_engine_with_a_group_the_pool_cannot_reuse_is_offered_nothing(node, client):
+    from kvpool.integrations.vllm.groups import FULL, UNSUPPORTED, CacheGroup
+
+    # E.g. Mamba outside vLLM's align mode: no state is kept at block boundaries.
+    groups = [CacheGroup(0, FULL), CacheGroup(1, UNSUPPORTED, spec_name="MambaSpec")]
+    config = connector_config({"address": node.unix_address}, environ={})
+    sched = KVPoolScheduler(
+        config,
+        {(0, 0): NS},
+        BS,
+        can_load=True,
+        can_save=True,
+        wait_for_pending=False,
+        groups=groups,
+    )
+    req = request("m1", 4)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([], [])), 0)
+    assert sched.stats.data["skipped_unsupported"] == 1 and "lookups" not in sched.stats.data
+    assert not sched.can_save
+    sched.shutdown()
+
+
+def test_a_recurrent_state_is_matched_at_the_prefix_end_and_saved_from_vllms_hand_offs(
+    node, client
+):
+    """Mamba in vLLM's align mode: a prefix of N blocks needs the full-attention blocks and
+    the state after block N-1; a missing state shortens the match to the last state held.
+    States are saved from the hand-offs vLLM makes, at block boundaries only."""
+    from kvpool.integrations.vllm.groups import FULL, STATE, CacheGroup, group_namespace
+
+    groups = [CacheGroup(0, STATE), CacheGroup(1, FULL)]
+    state_ns, full_ns = (group_namespace(NS, g, 2) for g in groups)
+    config = connector_config({"address": node.unix_address}, environ={})
+    sched = KVPoolScheduler(
+        config,
+        {(0, 0): NS},
+        BS,
+        can_load=True,
+        can_save=True,
+        wait_for_pending=False,
+        groups=groups,
+    )
+    req = request("s1", 8, first_token=3000)
+    client.put(full_ns.keys(req.block_hashes), [b"f"] * 8)
+    client.put(state_ns.keys([req.block_hashes[i] for i in (3, 7)]), [b"s"] * 2)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
+    table = [0] * 7 + [41]  # vLLM's null blocks before the prefix's last state
+    blocks = SimpleNamespace(get_block_ids=lambda: ([*table, 42], list(range(10, 19))))
+    sched.update_state_after_alloc(req, blocks, 8 * BS)
+    (job,) = sched._loads
+    assert job.block_ids == [41, *range(10, 18)] and job.groups == [0] + [1] * 8
+    assert job.block_hashes[0] == req.block_hashes[7]
+
+    other = request("s2", 8, first_token=4000)
+    client.put(full_ns.keys(other.block_hashes), [b"f"] * 8)
+    client.put(state_ns.keys([other.block_hashes[3]]), [b"s"])  # no state after block 7
+    sched.on_new_request(other)
+    assert sched.get_num_new_matched_tokens(other, 0) == (4 * BS, True)
+    # The engine's own cache holds 5 blocks: no state past it, nothing to load.
+    assert sched.get_num_new_matched_tokens(other, 5 * BS) == (0, False)
+
+    hand_offs = {"s2": [(0, 51, 2 * BS), (0, 52, 2 * BS + 7), (1, 53, 3 * BS), (0, 54, 99 * BS)]}
+    output = SimpleNamespace(
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=hand_offs),
+    )
+    (save,) = sched.build_connector_meta(output).saves
+    # Only the state group's hand-off at a prompt block's end: block 1's state, in block 51.
+    assert save.block_ids == [51] and save.groups == [0]
+    assert save.block_hashes == [other.block_hashes[1]]
     sched.shutdown()

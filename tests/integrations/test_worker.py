@@ -189,3 +189,57 @@ def test_a_load_from_a_dead_pool_does_not_hold_the_forward(start_node):
     assert loader.get_block_ids_with_load_errors() == {0}
     saver.shutdown()
     loader.shutdown()
+
+
+def test_hybrid_groups_save_each_shared_tensor_once_all_its_layers_ran(node):
+    """vLLM's hybrid allocator: a sliding-window group (layers 0, 2) and a full-attention
+    group (layers 1, 3) share two tensors, a layer of each per tensor.  A block is saved
+    with the writes of every layer sharing its tensor (not copied once the first one ran),
+    under its group's namespace; a load that fails is reported per request, never per
+    block id (vLLM cannot map those back to a group)."""
+    from kvpool.integrations.vllm.groups import FULL, SLIDING, CacheGroup
+
+    groups = [CacheGroup(0, SLIDING, 64), CacheGroup(1, FULL)]
+
+    def shared_caches(seed):
+        layers = caches(seed)
+        return {name: layers[LAYERS[i - i % 2]] for i, name in enumerate(LAYERS)}
+
+    def hybrid_worker(kv):
+        config = connector_config({"address": node.unix_address, "lookup_timeout": 2.0}, environ={})
+        w = KVPoolWorker(config, NS, H * BS * 2 * D * 4, groups)
+        w.register_kv_caches(kv)
+        return w
+
+    src, dst = shared_caches(1), shared_caches(2)
+    saver, loader = hybrid_worker(src), hybrid_worker(dst)
+    save = TransferJob("r1", [3, 7, 9], hashes(3), groups=[0, 1, 1])
+
+    def compute(name):  # the layer's attention writes its KV into the step's blocks
+        saver._saver.submit(lambda: None).result()  # a forward slower than the copies
+        src[name][[3, 7, 9]] = torch.randn(3, H, BS, 2 * D)
+
+    step(saver, KVPoolMetadata(saves=[save]), on_layer=compute)
+    drain(saver)
+    load = TransferJob("r2", [0, 1, 2], hashes(3), is_async=True, groups=[0, 1, 1])
+    step(loader, KVPoolMetadata(loads=[load]))
+    deadline = time.monotonic() + 10
+    results = loader.get_transfer_results()
+    while not results.finished_recving and time.monotonic() < deadline:
+        time.sleep(0.01)
+        results = loader.get_transfer_results()
+    assert results.finished_recving == {"r2"} and not results.failed_recving
+    for name in LAYERS:
+        assert torch.equal(dst[name][[0, 1, 2]], src[name][[3, 7, 9]]), name
+    # The same hashes under another group's namespace are not there: the request fails.
+    crossed = TransferJob("r3", [4, 5], hashes(2), is_async=True, groups=[1, 0])
+    step(loader, KVPoolMetadata(loads=[crossed]))
+    deadline = time.monotonic() + 10
+    results = loader.get_transfer_results()
+    while not results.finished_recving and time.monotonic() < deadline:
+        time.sleep(0.01)
+        results = loader.get_transfer_results()
+    assert results.failed_recving == {"r3"} == results.finished_recving
+    assert loader.get_block_ids_with_load_errors() == set()
+    saver.shutdown()
+    loader.shutdown()

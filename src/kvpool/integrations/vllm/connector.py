@@ -29,7 +29,10 @@ Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensor
                                  block that becomes full in the step and is not in the pool.
     update_connector_output()    once per step, with the workers' stats and failed loads.
     request_finished()           once, before the request's blocks are freed: it never holds
-                                 them back (saves copy their pages out within the step).
+    request_finished_all_groups()  them back (saves copy their pages out within the step).
+                                 The second is vLLM's hybrid allocator's (``SupportsHMA``):
+                                 every KV cache group is saved and loaded under its own
+                                 namespace (:mod:`.groups`).
 
 Worker side (:mod:`.worker`; transfers in flight only):
     register_kv_caches()         once, at start: the paged layout, checked against the model.
@@ -44,7 +47,9 @@ Worker side (:mod:`.worker`; transfers in flight only):
     wait_for_save()              per step, after the forward: stops the step's loads, copies
                                  what is left of its saves before returning; checksums and
                                  commits finish in the background.
-    get_finished()               per step: the requests whose whole loads finished.
+    get_transfer_results()       per step: the requests whose whole loads finished, and
+                                 (several KV cache groups) those whose load failed, which
+                                 vLLM recomputes whole.
     get_block_ids_with_load_errors()  per step: blocks that could not be loaded, which vLLM
                                  recomputes.
 
@@ -61,6 +66,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -70,6 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvpool.kvcache.ranks import writes_blocks
 
 from .config import connector_config, expected_page_bytes, namespaces
+from .groups import cache_groups
 from .metadata import KVPoolMetadata, KVPoolPromMetrics, KVPoolStats
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
@@ -77,12 +85,13 @@ from .worker import KVPoolWorker
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = connector_config(transfer.kv_connector_extra_config)
         spaces = namespaces(vllm_config, self.config)
+        groups = cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
         kv_role = str(transfer.kv_role)
         if transfer.kv_load_failure_policy != "recompute":
             # vLLM reads the policy right after creating the scheduler's connector.  The pool
@@ -102,6 +111,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 can_load=kv_role in ("kv_both", "kv_consumer"),
                 can_save=kv_role in ("kv_both", "kv_producer"),
                 wait_for_pending=kv_role == "kv_consumer",
+                groups=groups,
             )
             self._worker: KVPoolWorker | None = None
         else:
@@ -113,6 +123,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 self.config,
                 spaces[rank],
                 expected_page_bytes(vllm_config),
+                groups,
                 can_save=writes_blocks(spaces[rank], rank[0]),
             )
 
@@ -148,7 +159,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
 
     # -- worker side ----------------------------------------------------------------------
 
@@ -187,6 +204,10 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

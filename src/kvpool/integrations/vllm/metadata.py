@@ -32,6 +32,9 @@ class TransferJob:
     # Loads: the whole job before the request runs (vLLM's WAITING_FOR_REMOTE_KVS), not
     # layer by layer in its step: ``transfer: whole``, or blocks coming up from lower tiers.
     is_async: bool = False
+    # Engines with several KV cache groups (vLLM's hybrid allocator): the group of each
+    # block, which picks its namespace.  None: every block is the only group's.
+    groups: list[int] | None = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ _SUMS = (
     "save_errors",
     "skipped_unhealthy",
     "skipped_busy",
+    "skipped_unsupported",
     "load_s",
     "save_s",
 )
@@ -185,6 +189,10 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
         "skipped_busy": (
             "vllm:kvpool_skipped_busy",
             "Blocks not saved because earlier saves were still being committed.",
+        ),
+        "skipped_unsupported": (
+            "vllm:kvpool_skipped_unsupported",
+            "Requests offered no pool blocks: the model keeps KV state the pool does not reuse.",
         ),
     }
 

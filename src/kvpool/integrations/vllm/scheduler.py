@@ -22,12 +22,21 @@ Per request:
 
 When the pool is unhealthy, lookups report misses and saves are skipped: the engine
 recomputes, and never waits on the pool.
+
+Several KV cache groups (vLLM's hybrid allocator, :mod:`.groups`): each group's blocks are
+keyed under its own namespace.  A prefix is offered only as far as every group holds what
+the engine reads of it (all full-attention blocks, a sliding window's last blocks, a
+recurrent state's last block); the load plans each group's non-null blocks and always runs
+off the step, since vLLM takes a hybrid engine's load failures per request (it recomputes
+the request whole), never per block.  Recurrent states are saved from vLLM's boundary-state
+hand-offs; an engine with a group of any other kind is offered nothing and saves nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +47,15 @@ from kvpool.kvcache.guard import PoolGuard
 from kvpool.stats import TIER_DRAM, TIER_NAMES
 
 from .config import ConnectorConfig
+from .groups import (
+    FULL,
+    NULL_BLOCK_ID,
+    SLIDING,
+    STATE,
+    CacheGroup,
+    group_namespaces,
+    unsupported_reason,
+)
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
@@ -72,14 +90,39 @@ class KVPoolScheduler:
         can_load: bool,
         can_save: bool,
         wait_for_pending: bool,
+        groups: list[CacheGroup] | None = None,
     ):
         self.config = config
         self.wait_for_pending = wait_for_pending
-        # One lookup per distinct namespace: MLA's ranks share one (Namespace.for_rank).
-        self.namespaces = list(dict.fromkeys(namespaces.values()))
+        self.groups = groups or [CacheGroup(0, FULL)]
+        self.is_hybrid = len(self.groups) > 1
+        by_rank = group_namespaces(namespaces, self.groups)
+        # Per group, the distinct namespaces of its ranks (MLA's ranks share one:
+        # Namespace.for_rank), each looked up once.
+        self.group_spaces = [
+            list(dict.fromkeys(spaces[g.index] for spaces in by_rank.values())) for g in self.groups
+        ]
+        self.namespaces = [ns for spaces in self.group_spaces for ns in spaces]
+        self.full_spaces = [
+            ns for g in self.groups if g.kind == FULL for ns in self.group_spaces[g.index]
+        ]
+        # Groups that need only some blocks of a prefix (see :mod:`.groups`).
+        self.partial_groups = [g for g in self.groups if g.kind in (SLIDING, STATE)]
+        self.state_groups = {g.index for g in self.groups if g.kind == STATE}
         self.block_size = block_size
-        self.can_load = can_load
-        self.can_save = can_save
+        if self.is_hybrid:
+            log.info(
+                "kvpool: KV cache groups (hybrid allocator): %s",
+                " ".join(
+                    f"{g.tag()} namespace={self.group_spaces[g.index][0].id.hex()}"
+                    for g in self.groups
+                ),
+            )
+        self.unsupported = unsupported_reason(self.groups)
+        if self.unsupported:
+            log.warning("kvpool: this engine is offered no pool blocks: %s", self.unsupported)
+        self.can_load = can_load and not self.unsupported
+        self.can_save = can_save and not self.unsupported
         self._client: Client | None = None
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
         self.guard = PoolGuard(self.health, log)
@@ -105,12 +148,52 @@ class KVPoolScheduler:
     def _probe(self) -> None:
         self.client.health(timeout=self.config.lookup_timeout_s)
 
-    def _lookup(self, hashes: list[bytes]) -> tuple[int, bool, bytes]:
-        """Leading blocks every rank has, whether a rank is still writing the next, and the
-        tier of each leading block (in the rank that holds the fewest)."""
+    def _lookup_groups(self, hashes: list[bytes], num_local: int) -> tuple[int, bool, bytes]:
+        """Leading blocks every group has what the engine reads of (see :mod:`.groups`),
+        whether a rank is still writing the next, and the tier of each leading block."""
+        num_prefix, pending, tiers = self._lookup(hashes, self.full_spaces)
+        num_before = -1
+        while num_prefix != num_before:  # a group's shorter prefix may change another's needs
+            num_before = num_prefix
+            for group in self.partial_groups:
+                num_prefix = self._partial_prefix(group, hashes[:num_prefix], num_local)
+        return num_prefix, pending, tiers[:num_prefix]
+
+    def _partial_prefix(self, group: CacheGroup, hashes: list[bytes], num_local: int) -> int:
+        """The longest of ``hashes``' prefixes whose needed blocks (past the engine's own
+        ``num_local``) ``group`` holds in the pool."""
+        num = len(hashes)
+        if num <= num_local:
+            return num
+        spaces = self.group_spaces[group.index]
+        first = max(num_local, group.first_needed_block(num, self.block_size))
+        num_needed, _, _ = self._lookup(hashes[first:], spaces)
+        if num_needed == num - first:
+            return num
+        if group.kind == STATE:
+            return self._last_state(hashes[num_local : num - 1], spaces, num_local)
+        # The window of the whole prefix is not all there: a shorter prefix whose window is.
+        num_held, _, _ = self._lookup(hashes[num_local:], spaces)
+        return num_local + num_held
+
+    def _last_state(self, hashes: list[bytes], spaces: list[Namespace], num_local: int) -> int:
+        """The longest prefix (past ``num_local`` blocks, whose hashes are ``hashes``) that
+        ends on a block whose state every namespace of ``spaces`` holds."""
+        held = [True] * len(hashes)
+        for ns in spaces:
+            found = self.client.exists(ns.keys(hashes), timeout=self.config.lookup_timeout_s)
+            held = [a and b for a, b in zip(held, found, strict=True)]
+        ends = [i + 1 for i, is_held in enumerate(held) if is_held]
+        return num_local + (ends[-1] if ends else 0)
+
+    def _lookup(self, hashes: list[bytes], spaces: list[Namespace]) -> tuple[int, bool, bytes]:
+        """Leading blocks every namespace of ``spaces`` has, whether one is still writing
+        the next, and the tier of each leading block (in the one that holds the fewest)."""
         num_prefix, pending, tiers = len(hashes), False, b""
+        if not hashes:
+            return 0, False, b""
         prefetch = self.config.prefetch_hold_s if self.can_load else 0.0
-        for ns in self.namespaces:
+        for ns in spaces:
             state = self.client.lookup_state(
                 ns.keys(hashes), prefetch=prefetch, timeout=self.config.lookup_timeout_s
             )
@@ -138,7 +221,7 @@ class KVPoolScheduler:
         self._matches[request.request_id] = _Match(num_local_blocks, num_local_blocks)
         # Keep at least one prompt token to compute: vLLM must run a forward to sample.
         num_blocks = min((request.num_prompt_tokens - 1) // bs, len(request.block_hashes))
-        if num_blocks <= 0 or not self.health.is_healthy:
+        if num_blocks <= 0 or self.unsupported or not self.health.is_healthy:
             return 0, False
         if num_local_blocks >= num_blocks:
             # The engine's own cache holds every block the pool could offer: a lookup
@@ -148,7 +231,8 @@ class KVPoolScheduler:
         state = self._requests.get(request.request_id)
         started = time.perf_counter()
         with self.guard.call("lookup") as outcome:  # whatever the pool does: a miss
-            num_pool, pending, tiers = self._lookup(list(request.block_hashes[:num_blocks]))
+            hashes = list(request.block_hashes[:num_blocks])
+            num_pool, pending, tiers = self._lookup_groups(hashes, num_local_blocks)
         if outcome.failed:
             return 0, False
         self._matches[request.request_id] = _Match(
@@ -170,7 +254,11 @@ class KVPoolScheduler:
         return num_new * bs, self._is_async(tiers[num_local_blocks:num_pool])
 
     def _is_async(self, tiers: bytes) -> bool:
-        return self.config.transfer == "whole" or any(t != TIER_DRAM for t in tiers)
+        # Several groups: vLLM takes load failures per request only, which a load off the
+        # step reports (a whole-request recompute); never per block.
+        return (
+            self.is_hybrid or self.config.transfer == "whole" or any(t != TIER_DRAM for t in tiers)
+        )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The request is scheduled: count its lookup, plan its load, and start its saves
@@ -191,6 +279,8 @@ class KVPoolScheduler:
                 if loadable:
                     self._record(f"hit_blocks_{name}", loadable)
             self._observe("lookup", match.lookup_s)
+        elif self.unsupported:
+            self._record("skipped_unsupported")
         elif not self.health.is_healthy:
             self._record("skipped_unhealthy")
         bs = self.block_size
@@ -201,10 +291,47 @@ class KVPoolScheduler:
         state.first_load_block = first
         if num_external_tokens <= 0:
             return
-        block_ids = list(blocks.get_block_ids()[0][first:last])
-        hashes = [bytes(h) for h in request.block_hashes[first:last]]
+        block_ids, hashes, groups = self._blocks(
+            blocks.get_block_ids(), request.block_hashes, first, last, is_load=True
+        )
         is_async = self._is_async(match.tiers[first:last])
-        self._loads.append(TransferJob(request.request_id, block_ids, hashes, is_async=is_async))
+        self._loads.append(
+            TransferJob(request.request_id, block_ids, hashes, is_async=is_async, groups=groups)
+        )
+
+    def _blocks(
+        self,
+        group_block_ids: Sequence[Sequence[int]],
+        block_hashes: Any,
+        first: int,
+        last: int,
+        *,
+        is_load: bool = False,
+    ) -> tuple[list[int], list[bytes], list[int] | None]:
+        """Blocks ``first`` to ``last`` of a request: their ids and hashes, and with several
+        groups, each block's group.  A group's null blocks (a sliding window's blocks that
+        the engine no longer reads) are neither saved nor loaded; a recurrent state group
+        loads its last block only, and saves from vLLM's hand-offs only
+        (:meth:`_state_saves`)."""
+        if not self.is_hybrid:
+            hashes = [bytes(h) for h in block_hashes[first:last]]
+            return list(group_block_ids[0][first:last]), hashes, None
+        block_ids: list[int] = []
+        hashes = []
+        groups: list[int] = []
+        for group in self.groups:
+            ids = group_block_ids[group.index]
+            start = first
+            if group.kind == STATE:
+                if not is_load:
+                    continue
+                start = max(first, last - 1)
+            for i in range(start, min(last, len(ids))):
+                if ids[i] != NULL_BLOCK_ID:
+                    block_ids.append(ids[i])
+                    hashes.append(bytes(block_hashes[i]))
+                    groups.append(group.index)
+        return block_ids, hashes, groups
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._loads)
@@ -214,10 +341,38 @@ class KVPoolScheduler:
                 job = self._save_job(scheduler_output, req_id, num_computed)
                 if job is not None:
                     meta.saves.append(job)
+            if self.state_groups:
+                meta.saves.extend(self._state_saves(scheduler_output))
         elif self.can_save:
             self._record("skipped_unhealthy")
         self._maybe_log()
         return meta
+
+    def _state_saves(self, scheduler_output: Any) -> list[TransferJob]:
+        """Saves of the recurrent states vLLM hands off this step at prompt block
+        boundaries: ``(group, block id, boundary)``, the state after ``boundary`` tokens,
+        computed by this step's forward at the latest."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        jobs = []
+        for req_id, entries in offloads.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            bs = self.block_size
+            num_blocks = min(len(request.block_hashes), request.num_prompt_tokens // bs)
+            block_ids, hashes, groups = [], [], []
+            for group_id, block_id, boundary in entries:
+                index = boundary // bs - 1
+                is_block_end = boundary % bs == 0 and 0 <= index < num_blocks
+                if group_id in self.state_groups and is_block_end and block_id != NULL_BLOCK_ID:
+                    block_ids.append(block_id)
+                    hashes.append(bytes(request.block_hashes[index]))
+                    groups.append(group_id)
+            if block_ids:
+                jobs.append(TransferJob(req_id, block_ids, hashes, groups=groups))
+        return jobs
 
     def _scheduled(self, scheduler_output: Any) -> list[tuple[str, int]]:
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
@@ -238,14 +393,14 @@ class KVPoolScheduler:
         first = state.next_save_block
         if last <= first:
             return None
-        block_ids = self._block_ids(scheduler_output, req_id)
-        if block_ids is None or len(block_ids) < last:
+        group_block_ids = self._block_ids(scheduler_output, req_id)
+        if group_block_ids is None or len(group_block_ids[0]) < last:
             return None
         state.next_save_block = last
-        hashes = [bytes(h) for h in request.block_hashes[first:last]]
-        return TransferJob(
-            req_id, list(block_ids[first:last]), hashes, self._origins(request, first, last)
-        )
+        block_ids, hashes, groups = self._blocks(group_block_ids, request.block_hashes, first, last)
+        # KV events name a prefix's blocks once: a one-group engine's.
+        origins = None if self.is_hybrid else self._origins(request, first, last)
+        return TransferJob(req_id, block_ids, hashes, origins, groups=groups)
 
     def _origins(self, request: Any, first: int, last: int) -> list[BlockOrigin] | None:
         """Each block's tokens and its parent's hash, for the node's KV events."""
@@ -261,17 +416,16 @@ class KVPoolScheduler:
             for i in range(first, last)
         ]
 
-    def _block_ids(self, scheduler_output: Any, req_id: str) -> list[int] | None:
+    def _block_ids(self, scheduler_output: Any, req_id: str) -> Sequence[Sequence[int]] | None:
+        """The request's block ids, one list per group."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is not None:
             ids = block_state.get_block_ids(req_id)
             if ids is not None:
-                return list(ids[0])
+                return ids
         return None
 
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
         return False, None

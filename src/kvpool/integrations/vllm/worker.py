@@ -43,10 +43,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
 from kvpool.errors import ConfigError, KVPoolError
-from kvpool.keys import Namespace
+from kvpool.keys import Namespace, block_key
 from kvpool.kvcache.cache import PagedCache
 from kvpool.kvcache.copies import Mark, copies_for
 from kvpool.kvcache.guard import PoolGuard
@@ -55,6 +57,7 @@ from kvpool.kvcache.loads import Load, load_into
 from kvpool.kvcache.saves import Save
 
 from .config import ConnectorConfig
+from .groups import FULL, STATE, CacheGroup, group_namespace, unsupported_reason
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
@@ -115,12 +118,24 @@ class KVPoolWorker:
         config: ConnectorConfig,
         namespace: Namespace,
         expected_page_bytes: int,
+        groups: list[CacheGroup] | None = None,
         *,
         can_save: bool = True,
     ):
         self.config = config
         self.namespace = namespace
         self.can_save = can_save  # False: another rank saves this rank's blocks
+        groups = groups or [CacheGroup(0, FULL)]
+        # Several KV cache groups: each block's key is under its group's namespace, and a
+        # failed load fails its request (vLLM cannot map a block id back to its group).
+        self.is_hybrid = len(groups) > 1
+        self.has_state_groups = any(g.kind == STATE for g in groups)
+        self._attention_layers = {n for g in groups if g.kind != STATE for n in g.layer_names}
+        self.unsupported = unsupported_reason(groups)
+        self._group_ns_ids = [group_namespace(namespace, g, len(groups)).id for g in groups]
+        self._failed_loading: set[str] = set()
+        self._layers_per_plane: dict[int, int] = {}  # several groups: layers sharing a plane
+        self._layers_left: dict[int, int] = {}  # of them, not yet run in this step
         self.expected_page_bytes = expected_page_bytes
         self.layerwise = config.transfer == "layerwise"
         self.pool: WorkerPool | None = None  # once the cache is registered
@@ -144,17 +159,32 @@ class KVPoolWorker:
         self.stats = KVPoolStats()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.unsupported:
+            log.warning("kvpool: the pool is not used by this engine: %s", self.unsupported)
+            return
+        if self.has_state_groups:
+            # Recurrent state layers view the same tensors as attention layers, in views
+            # smaller than a page: the attention layers' views cover the whole page.
+            kv_caches = {n: c for n, c in kv_caches.items() if n in self._attention_layers}
         layout = PagedLayout.detect(kv_caches)
         if (
             layout.page_bytes * (layout.num_planes // max(len(_distinct(kv_caches)), 1))
             != self.expected_page_bytes
         ):
-            raise ConfigError(
+            reason = (
                 f"unexpected KV cache layout: {layout.describe()}, but the model's shape needs "
                 f"{self.expected_page_bytes} bytes per block and layer; refusing to share blocks "
                 "that might not mean the same thing"
             )
+            if not self.is_hybrid:
+                raise ConfigError(reason)
+            # A new kind of hybrid cache: its loads fail (recomputed), nothing is saved.
+            log.error("kvpool: the pool is not used by this engine: %s", reason)
+            return
         self.pool = pool = WorkerPool(self.config, layout)
+        for planes in layout.layers.values():
+            for plane in planes:
+                self._layers_per_plane[plane] = self._layers_per_plane.get(plane, 0) + 1
         log.info(
             "kvpool: KV cache layout %s; pool blocks of %d bytes; %s transfers%s",
             layout.describe(),
@@ -190,7 +220,7 @@ class KVPoolWorker:
                 if not pool.health.is_healthy:
                     self._finish_load(job, 0, "pool unhealthy", is_async=False)
                     continue
-                keys = self.namespace.keys(job.block_hashes)
+                keys = self._keys(job)
                 load = Load(pool.cache, keys, job.block_ids, deadline, after=after, by_layer=True)
                 self._step_loads.append((job, load))
                 self._executor.submit(load.run, pool.client)
@@ -206,7 +236,21 @@ class KVPoolWorker:
         if self.layerwise and self._step_save is not None and pool is not None:
             save = self._step_save[0]
             if pool.copies.per_plane:
-                self._saver.submit(save.copy, pool.layout.layers.get(layer_name, ()))
+                self._saver.submit(save.copy, self._computed_planes(pool.layout, layer_name))
+
+    def _computed_planes(self, layout: PagedLayout, layer_name: str) -> tuple[int, ...]:
+        """The planes ``layer_name`` completes.  With several KV cache groups, a layer
+        tensor holds one layer of each group (each group's blocks are its own pages), and
+        it is complete only once every layer sharing it has run this step."""
+        planes = layout.layers.get(layer_name, ())
+        if not self.is_hybrid:
+            return planes
+        if self.has_state_groups:
+            return ()  # state layers share the planes but report no save: copy at the end
+        left = self._layers_left
+        for plane in planes:
+            left[plane] = left.get(plane, self._layers_per_plane.get(plane, 1)) - 1
+        return tuple(p for p in planes if left[p] <= 0)
 
     def wait_for_save(self, meta: KVPoolMetadata) -> None:
         """After the forward: stop the step's loads, fill its saves; the step may end then."""
@@ -226,6 +270,12 @@ class KVPoolWorker:
             self.pool.copies.engine_waits(mark)
             load.waited = mark
 
+    def _keys(self, job: TransferJob) -> list[bytes]:
+        if job.groups is None:
+            return self.namespace.keys(job.block_hashes)
+        ns_ids = self._group_ns_ids
+        return [block_key(ns_ids[g], h) for g, h in zip(job.groups, job.block_hashes, strict=True)]
+
     # -- loads ----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
@@ -243,7 +293,7 @@ class KVPoolWorker:
 
     def _load(self, pool: WorkerPool, job: TransferJob, after: Mark) -> None:
         """A whole load (``transfer: whole``, or blocks from a lower tier), off the step."""
-        keys = self.namespace.keys(job.block_hashes)
+        keys = self._keys(job)
         timeout = self.config.transfer_timeout_s
         load = load_into(pool.cache, pool.client, keys, job.block_ids, timeout, after)
         self._finish_load(job, load.num_blocks, load.reason, time.perf_counter() - load.started)
@@ -272,7 +322,10 @@ class KVPoolWorker:
                 )
                 self.stats.add("load_errors", len(failed))
                 self.stats.data.setdefault("failed_req_ids", []).append(job.req_id)
-                self._load_errors.update(failed)
+                if self.is_hybrid:
+                    self._failed_loading.add(job.req_id)
+                else:
+                    self._load_errors.update(failed)
             if is_async:
                 self._done_loading.add(job.req_id)
 
@@ -290,7 +343,7 @@ class KVPoolWorker:
                 self.stats.add("skipped_busy", len(block_ids))
         if busy:
             return  # the pool is behind: these blocks stay computable, the step goes on
-        keys = self.namespace.keys([h for job in jobs for h in job.block_hashes])
+        keys = [key for job in jobs for key in self._keys(job)]
         origins = (
             [o for job in jobs for o in job.origins or ()]
             if all(job.origins is not None for job in jobs)
@@ -299,6 +352,7 @@ class KVPoolWorker:
         save = Save(pool.cache, keys, block_ids, time.perf_counter(), origins)
         reserved = self._saver.submit(save.reserve, pool.client, self.config.lookup_timeout_s)
         self._step_save = (save, reserved)
+        self._layers_left = {}
 
     def _finish_save(self, save: Save, reserved: Future[None]) -> None:
         # The reservation was asked for before the forward (with a lookup's deadline); past
@@ -344,9 +398,16 @@ class KVPoolWorker:
     # -- reporting ------------------------------------------------------------------------
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results()
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """The requests whose whole loads finished since the last call, and of them those
+        whose load failed (several groups: vLLM recomputes them whole)."""
         with self._lock:
             done, self._done_loading = self._done_loading, set()
-        return None, done or None
+            failed, self._failed_loading = self._failed_loading, set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
