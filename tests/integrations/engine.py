@@ -120,12 +120,14 @@ def hit_fraction(
 
 
 def flip_one_byte(node: Any, namespace_label: str = "") -> bytes:
-    """Damage one stored block in place: one byte in the middle of the oldest block whose
+    """Damage one stored block in place: one byte in the middle of the newest block whose
     namespace's label contains ``namespace_label``, written into the node's arena file (as a
-    stray write or a bad DIMM would).  Returns the block's key."""
+    stray write or a bad DIMM would).  The newest: the last block of the last prompt saved,
+    which a load of that prompt reads in every kind of KV cache group (a sliding window's
+    last blocks, a recurrent state at the prefix's end).  Returns the block's key."""
     arena = Path(node.info["arena"])
     replay = read_journal(arena.parent / "index")
-    for entry in replay.entries:
+    for entry in reversed(replay.entries):
         label = replay.labels.get(entry.key[:NAMESPACE_ID_BYTES], "")
         if namespace_label in label and entry.size > 0:
             with open(arena, "r+b") as f:

@@ -37,6 +37,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # ... and elsewhere its reference MLA kernels (block size forced to 16, its own prefix
     # cache and chunked prefill off): both run here, whatever this host has.
     "deepseek-v3/reference-kernels": {"attention_backend": "CPU_MLA"},
+    # ... with mixture-of-experts layers (Kimi-K2.5's shape).
+    "deepseek-v3-moe": {},
+    # Hybrids, through vLLM's hybrid memory allocator: sliding windows ...
+    "gemma3": {},
+    # ... and gated-delta-net linear attention (vLLM picks a block size of 160 here).
+    "qwen3-next": {},
 }
 
 
