@@ -9,12 +9,17 @@ SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
 # Ceph without them (ceph-mgr and friends): a monitor, a memstore OSD and radosgw are enough.
 LEAN_PACKAGES := prometheus ceph-mon ceph-osd radosgw ceph-common
 
-.PHONY: demo test lint pytest system-deps bench clean
+.PHONY: demo test check lint pytest system-deps bench clean
 
 demo: $(STAMP)
 	$(BIN)/kvpool demo
 
 test: system-deps $(STAMP) lint pytest
+
+# The developer's loop: the whole suite less the tests marked `extended` (about a third of
+# its time on a 2-core machine; CI runs them through `make test`).
+check: system-deps $(STAMP) lint
+	$(BIN)/python -m pytest -m "not extended"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -67,7 +67,14 @@ def _loaded(results: list[dict[str, Any]], tag: str) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("case", list(FAMILIES))
+# The heaviest variants run in `make test` and CI only (the `extended` marker).
+EXTENDED = {"deepseek-v3/reference-kernels", "deepseek-v3-moe"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in FAMILIES],
+)
 def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, start_node):
     family = case.split("/")[0]
     model = family_model(family)

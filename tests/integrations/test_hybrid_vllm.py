@@ -10,13 +10,11 @@ group was flipped in the node's arena.
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 
 from kvpool import Client
-from kvpool.harness.tiny_model import build_tiny_model
 from kvpool.integrations.vllm.groups import SLIDING, CacheGroup
 from kvpool.keys import block_key
 from kvpool.router.prefix import PromptHasher
@@ -26,16 +24,6 @@ pytestmark = pytest.mark.vllm
 
 PROMPTS = prompts(1, 3)  # ~2,000 tokens each with these models
 NO_SCRUB = ["--scrub-rate", "0"]  # damage must be met by the engine's loads, not the node
-
-
-def family_model(tmp_path_factory: pytest.TempPathFactory, family: str) -> str:
-    cache = os.environ.get("KVPOOL_CACHE_DIR")
-    target = (
-        os.path.join(cache, f"tiny-{family}")
-        if cache
-        else str(tmp_path_factory.mktemp(family) / f"tiny-{family}")
-    )
-    return str(build_tiny_model(target, family=family))
 
 
 def gen(name: str, batch: list[str] = PROMPTS) -> dict:
@@ -104,12 +92,12 @@ def saved_and_loaded(model, node, cfg, reference, corrupt_group, block_size):
     return saved, loaded
 
 
-def test_gemma3_groups_load_what_the_engine_reads(tmp_path_factory, start_node):
+def test_gemma3_groups_load_what_the_engine_reads(family_model, start_node):
     """Sliding window (128 tokens) and full attention, each its own group: a fresh engine
     loads every full-attention block and only the sliding window's last blocks, with the
     outputs of an engine alone; a byte flipped in a loaded sliding-window block is refused;
     an engine without the hybrid allocator neither reads those blocks nor fails."""
-    model = family_model(tmp_path_factory, "gemma3")
+    model = family_model("gemma3")
     (reference,) = run_engine(model, [gen("reference")])
     node = start_node(name="gemma3", memory="256MiB", extra=NO_SCRUB)
     cfg = connector(node.unix_address, verify_reads=True)
@@ -139,15 +127,13 @@ def test_gemma3_groups_load_what_the_engine_reads(tmp_path_factory, start_node):
     assert "hybrid allocator" not in first["log"]
 
 
-def test_qwen3_next_loads_full_attention_and_the_linear_attention_state(
-    tmp_path_factory, start_node
-):
+def test_qwen3_next_loads_full_attention_and_the_linear_attention_state(family_model, start_node):
     """Gated delta net and full attention: vLLM makes the attention blocks as large as a
     linear-attention state (160 tokens here) and keeps the state at block boundaries; a
     fresh engine loads every full-attention block and, per linear-attention group, the one
     state at the prefix's end, with the outputs of an engine alone; a byte flipped in a
     loaded state is refused."""
-    model = family_model(tmp_path_factory, "qwen3-next")
+    model = family_model("qwen3-next")
     (reference,) = run_engine(model, [gen("reference")])
     block_size = int(
         re.findall(r"Setting attention block size to (\d+) tokens", reference["log"])[0]

@@ -33,7 +33,7 @@ from kvpool.harness.tiny_model import build_tiny_model
 from tests.integrations.engine import BLOCK_SIZE, connector, prompts, run_engine
 from tests.integrations.vllm_server import ENGINE_ARGS, VllmServer, connector_config
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.extended]
 
 P = prompts(11, 3)  # ~2,000-token prompts
 Q = prompts(12, 2)
