@@ -119,15 +119,17 @@ def hit_fraction(
     return hits / full if full else 0.0
 
 
-def flip_one_byte(node: Any, namespace_label: str = "") -> bytes:
-    """Damage one stored block in place: one byte in the middle of the newest block whose
-    namespace's label contains ``namespace_label``, written into the node's arena file (as a
-    stray write or a bad DIMM would).  The newest: the last block of the last prompt saved,
-    which a load of that prompt reads in every kind of KV cache group (a sliding window's
-    last blocks, a recurrent state at the prefix's end).  Returns the block's key."""
+def flip_one_byte(node: Any, namespace_label: str = "", *, newest: bool = False) -> bytes:
+    """Damage one stored block in place: one byte in the middle of the oldest (or newest)
+    block whose namespace's label contains ``namespace_label``, written into the node's
+    arena file (as a stray write or a bad DIMM would).  The oldest is the first block of the
+    first prompt saved, which every load of it reads; the newest is the last block of the
+    last prompt saved, which a load of that prompt reads in every kind of KV cache group (a
+    sliding window's last blocks, a recurrent state at the prefix's end).  Returns the
+    block's key."""
     arena = Path(node.info["arena"])
     replay = read_journal(arena.parent / "index")
-    for entry in reversed(replay.entries):
+    for entry in reversed(replay.entries) if newest else replay.entries:
         label = replay.labels.get(entry.key[:NAMESPACE_ID_BYTES], "")
         if namespace_label in label and entry.size > 0:
             with open(arena, "r+b") as f:
