@@ -115,7 +115,9 @@ class Address:
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
+    """Whether listening on ``host`` is reachable from this host only.  An empty host binds
+    every interface, as ``0.0.0.0`` does: not loopback."""
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -565,12 +567,14 @@ class NodeConfig:
         keyed = bool(self.access_key or self.tenants_path)
         if not keyed and not is_loopback(self.host):
             raise ConfigError(
-                f"refusing to listen on {self.host} without an access key: set --access-key "
+                f"refusing to listen on {self.host or 'every interface'} without an access "
+                "key: set --access-key "
                 "(or KVPOOL_ACCESS_KEY) or --tenants, or listen on loopback"
             )
         if not keyed and not is_loopback(self.admin_host):
             raise ConfigError(
-                f"refusing to serve the admin HTTP on {self.admin_host} without an access key "
+                f"refusing to serve the admin HTTP on {self.admin_host or 'every interface'} "
+                "without an access key "
                 "(its status names every namespace): set --access-key, or keep it on loopback"
             )
         if self.tenants_path and self.access_key:

@@ -103,7 +103,18 @@ def test_a_size_it_cannot_get_is_refused_with_a_clear_message(run_dir):
     assert not (run_dir / "big" / "arena").exists()
 
 
-def test_listening_publicly_without_a_key_is_refused(run_dir):
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--host", "0.0.0.0"], {}),
+        # An empty host binds every interface too: it must not pass for loopback.
+        (["--host", ""], {}),
+        (["--admin-host", ""], {}),
+        ([], {"KVPOOL_HOST": ""}),
+        ([], {"KVPOOL_ADMIN_HOST": ""}),
+    ],
+)
+def test_listening_publicly_without_a_key_is_refused(run_dir, args, env):
     proc = subprocess.run(
         [
             sys.executable,
@@ -112,8 +123,7 @@ def test_listening_publicly_without_a_key_is_refused(run_dir):
             "serve",
             "--run-dir",
             str(run_dir),
-            "--host",
-            "0.0.0.0",
+            *args,
             "--memory",
             "8MiB",
             "--port",
@@ -124,8 +134,9 @@ def test_listening_publicly_without_a_key_is_refused(run_dir):
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **env},
     )
-    assert proc.returncode == 2 and "without an access key" in proc.stderr
+    assert proc.returncode == 2 and "without an access key" in proc.stderr, proc.stderr
 
 
 def test_sigint_also_stops_cleanly(start_node):
