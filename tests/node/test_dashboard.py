@@ -50,3 +50,20 @@ def test_dashboard_shows_the_node_live(node):
     assert "87.5%" in dom  # 7 of 8 looked-up blocks hit
     assert '<tr class="tier-dram"><td>dram</td><td>64.0 MiB</td>' in dom  # the tiers table
     assert '<div id="error"></div>' in dom  # no fetch error shown
+
+
+def test_a_namespace_label_is_shown_as_text_never_run(node):
+    """Stored XSS, from the attacker's side: a tenant DESCRIBEs a namespace whose label is
+    markup with a script in it; the operator's dashboard shows the label as text, and no
+    element of it is ever created (so nothing of it runs with the operator's credentials)."""
+    attack = "<img src=x onerror=\"document.title='pwned'\"><b>bold</b>"
+    ns = Namespace(model=attack)
+    with Client(node.unix_address) as client:
+        client.describe(ns)
+        key = ns.key(b"k" * 32)
+        client.put([key], [content(key, 1000)])
+    dom = render(node.admin_url + "/")
+    assert "&lt;img src=x onerror=" in dom  # the label, as text
+    assert "<img" not in dom and "<b>bold</b>" not in dom
+    assert "pwned" not in dom.split("<body", 1)[0]  # the title is the page's own
+    assert '<div id="error"></div>' in dom
