@@ -35,7 +35,7 @@ import os
 import re
 import tomllib
 from base64 import b64decode
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,21 +203,29 @@ class Registry:
         return True
 
     def authenticate(self, authorization: str) -> Credential | None:
-        """The credential an HTTP ``Authorization`` header proves: ``Basic`` (browsers,
-        Prometheus) or ``Bearer ID:KEY`` (what OpenAI clients send as their API key)."""
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() == "basic":
-            try:
-                token = b64decode(token.strip(), validate=True).decode()
-            except (binascii.Error, UnicodeDecodeError):
-                return None
-        elif scheme.lower() != "bearer":
+        """The credential an HTTP ``Authorization`` header proves (:func:`authenticate`)."""
+        return authenticate(authorization, self.credential)
+
+
+def authenticate(
+    authorization: str, credential_of: Callable[[str], Credential | None]
+) -> Credential | None:
+    """The credential an HTTP ``Authorization`` header proves: ``Basic`` (browsers,
+    Prometheus) or ``Bearer ID:KEY`` (what OpenAI clients send as their API key), checked
+    against ``credential_of(access_id)`` in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            token = b64decode(token.strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
             return None
-        access_id, _, key = token.strip().partition(":")
-        credential = self.credential(access_id)
-        if credential is None or not hmac.compare_digest(credential.key.encode(), key.encode()):
-            return None
-        return credential
+    elif scheme.lower() != "bearer":
+        return None
+    access_id, _, key = token.strip().partition(":")
+    credential = credential_of(access_id)
+    if credential is None or not hmac.compare_digest(credential.key.encode(), key.encode()):
+        return None
+    return credential
 
 
 def _stamp(path: Path) -> tuple[int, int, int]:

@@ -1,6 +1,9 @@
+import base64
+import urllib.error
 import urllib.request
 
 import msgspec
+import pytest
 
 from kvpool.protocol.messages import NodeStats
 from tests.helpers import content, key
@@ -43,3 +46,26 @@ def test_health_readiness_metrics_and_status(node, client):
     assert stats.namespaces and stats.namespaces[0].num_blocks == 3
     status, ctype, page = fetch(base + "/")
     assert status == 200 and "kvpool node" in page
+
+
+def test_a_keyed_node_asks_for_its_key_on_the_admin_http_too(start_node):
+    """From the attacker's side: a node whose data port needs its access key (and may
+    therefore serve off loopback) must not hand its status (every namespace) or its
+    metrics to a caller without that key."""
+    node = start_node(name="keyed-admin", extra=["--access-key", "a-key-of-sixteen-chars"])
+    wrong = {"Authorization": "Basic " + base64.b64encode(b"kvpool:wrong").decode()}
+    for path in ("/v1/status", "/metrics", "/"):
+        for header in ({}, wrong):
+            request = urllib.request.Request(node.admin_url + path, headers=header)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            refused.value.close()  # its response's socket
+            assert refused.value.code == 401, path
+    assert fetch(node.admin_url + "/healthz")[0] == 200  # probes stay open
+    good = base64.b64encode(b"kvpool:a-key-of-sixteen-chars").decode()
+    request = urllib.request.Request(
+        node.admin_url + "/v1/status", headers={"Authorization": "Basic " + good}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+        assert msgspec.json.decode(response.read(), type=NodeStats).node_id == "keyed-admin"

@@ -1,9 +1,12 @@
 """The admin HTTP endpoint of a node: health, readiness, Prometheus metrics, JSON status and
 a small dashboard page.  It shares the daemon's event loop.
 
-With tenants, everything but ``/healthz`` and ``/readyz`` asks for HTTP Basic credentials
-(an access id and its key, as on the data port; over TLS off loopback): the cluster's
-identity sees everything, a tenant only its own status, and ``/metrics`` is the cluster's.
+Whenever the data port asks for keys (a tenants file, or the node's own ``--access-key``),
+everything but ``/healthz`` and ``/readyz`` asks for the same ones, as HTTP Basic
+credentials (an access id and its key; over TLS off loopback): the cluster's identity sees
+everything, a tenant only its own status, and ``/metrics`` is the cluster's.  Without keys
+the admin HTTP, like the data port, is for loopback only (the node refuses to start
+otherwise).
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ def build_app(server: NodeServer, is_ready: Callable[[], bool]) -> web.Applicati
     Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
     @web.middleware
-    async def tenants_only_see_their_own(request: web.Request, handler: Handler) -> Any:
-        if server.tenants is None or request.path in OPEN_PATHS:
+    async def keyed_and_tenants_only_see_their_own(request: web.Request, handler: Handler) -> Any:
+        if not server.credentials.requires_auth or request.path in OPEN_PATHS:
             return await handler(request)
-        credential = server.tenants.authenticate(request.headers.get("Authorization", ""))
+        credential = server.credentials.authenticate(request.headers.get("Authorization", ""))
         if credential is None:
             return web.Response(
                 status=401,
@@ -41,7 +44,7 @@ def build_app(server: NodeServer, is_ready: Callable[[], bool]) -> web.Applicati
         request["tenant"] = credential.tenant
         return await handler(request)
 
-    app = web.Application(middlewares=[tenants_only_see_their_own])
+    app = web.Application(middlewares=[keyed_and_tenants_only_see_their_own])
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")

@@ -33,7 +33,7 @@ from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import CommitResult
 from kvpool.store.block_store import BlockStore
-from kvpool.tenants import Credential, Registry, Tenant
+from kvpool.tenants import Credential, Registry, Tenant, authenticate
 from kvpool.tiers.chain import Tiers
 
 
@@ -99,6 +99,11 @@ class Credentials:
         if self._access_key and access_id == self._access_id:
             return Credential(access_id, self._access_key, None)
         return None
+
+    def authenticate(self, authorization: str) -> Credential | None:
+        """The credential an HTTP ``Authorization`` header proves, by the same keys as the
+        data port (the admin HTTP's check)."""
+        return authenticate(authorization, self.credential)
 
 
 class SessionRegistry:
