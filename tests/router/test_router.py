@@ -35,8 +35,8 @@ def fakes():
 def routers():
     started: list[RouterProc] = []
 
-    def make(engines: list[str], *args: str) -> RouterProc:
-        router = RouterProc(engines, *args)
+    def make(engines: list[str], *args: str, env: dict[str, str] | None = None) -> RouterProc:
+        router = RouterProc(engines, *args, env=env)
         started.append(router)
         return router
 
@@ -372,3 +372,66 @@ def test_bad_requests_are_refused_clearly(fakes, routers):
         post(router.url + "/admin/engines", {"url": "ftp://nope", "role": "sideways"})
     assert error.value.code == 400
     error.value.close()
+
+
+def test_with_tenants_only_the_cluster_may_steer_the_router(fakes, routers, tmp_path):
+    """From the attacker's side: an engine added through /admin/engines would receive every
+    tenant's prompts, so with --tenants only the cluster's credential may list, add or
+    remove engines or read /metrics; a tenant's is refused, no credential asks for one, and
+    a cross-site text/plain POST (what a web page can send without a preflight) is refused
+    even with the right credential."""
+    from base64 import b64encode
+
+    from tests.security.tenants import CLUSTER, TenantsFile
+
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    alpha = tenants.add("alpha")[0]
+    tenants.write()
+    (a,) = fakes(1)
+    router = routers(
+        [a.url],
+        "--tenants",
+        str(tenants.path),
+        env={"KVPOOL_ACCESS_ID": CLUSTER[0], "KVPOOL_ACCESS_KEY": CLUSTER[1]},
+    )
+
+    def call(path, credential=None, method="GET", body=None, content_type="application/json"):
+        headers = {"Content-Type": content_type}
+        if credential is not None:
+            token = b64encode(f"{credential[0]}:{credential[1]}".encode()).decode()
+            headers["Authorization"] = "Basic " + token
+        data = None if body is None else body.encode()
+        request = urllib.request.Request(router.url + path, data, headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return exc.code
+
+    evil = json.dumps({"url": "http://127.0.0.1:9", "role": "both"})
+    for path, method, body in (
+        ("/admin/engines", "GET", None),
+        ("/admin/engines", "POST", evil),
+        (f"/admin/engines?url={a.url}", "DELETE", None),
+        ("/metrics", "GET", None),
+    ):
+        assert call(path, None, method, body) == 401, (path, method)
+        assert call(path, (CLUSTER[0], "not-the-key"), method, body) == 401, (path, method)
+        assert call(path, alpha, method, body) == 403, (path, method)
+    assert call("/admin/engines", CLUSTER, "POST", evil, content_type="text/plain") == 415
+    assert [e["url"] for e in get_engines(router, CLUSTER)] == [a.url]  # nothing changed
+    assert call("/metrics", CLUSTER) == 200
+    assert call("/health") == 200  # probes stay open
+    assert call("/admin/engines", CLUSTER, "POST", evil) == 201  # the operator may
+
+
+def get_engines(router, credential):
+    from base64 import b64encode
+
+    token = b64encode(f"{credential[0]}:{credential[1]}".encode()).decode()
+    request = urllib.request.Request(
+        router.url + "/admin/engines", headers={"Authorization": "Basic " + token}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["engines"]

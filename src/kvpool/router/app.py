@@ -15,6 +15,13 @@
 - A client that disconnects cancels the upstream requests.
 - ``/admin/engines``: list (GET), add (POST ``{"url", "role", "node"}``) and remove (DELETE
   ``?url=…``; drained first) engines at run time.
+
+Who may use what: with ``--tenants``, completions take a tenant's credential, and
+``/admin/*`` and ``/metrics`` only the cluster's (the tenants file's ``[cluster]``; a
+tenant's is refused): an engine added by anyone else would receive every tenant's
+prompts.  A POST to ``/admin/*`` must say ``Content-Type: application/json``, so that no
+web page can send one cross-site as a plain form or text.  ``/health`` and ``/v1/models``
+stay open.
 """
 
 from __future__ import annotations
@@ -427,8 +434,29 @@ class Router:
             return web.json_response({"error": f"no engine {url}"}, status=404)
         return web.json_response({"removed": url, "drained": drained})
 
+    @web.middleware
+    async def _operators_only(self, request: web.Request, handler: Any) -> Any:
+        """``/admin/*`` and ``/metrics``: the cluster's credential, with tenants; a POST to
+        ``/admin/*`` must be JSON (no cross-site form or text POST reaches it)."""
+        is_admin = request.path.startswith("/admin/")
+        if not is_admin and request.path != "/metrics":
+            return await handler(request)
+        if self.tenants is not None:
+            credential = self.tenants.authenticate(request.headers.get("Authorization", ""))
+            if credential is None:
+                return web.json_response(
+                    {"error": "the cluster's credential is needed (HTTP Basic or Bearer ID:KEY)"},
+                    status=401,
+                    headers={"WWW-Authenticate": 'Basic realm="kvpool router"'},
+                )
+            if credential.tenant is not None:
+                return web.json_response({"error": "for the cluster's operators only"}, status=403)
+        if is_admin and request.method == "POST" and request.content_type != "application/json":
+            return web.json_response({"error": "Content-Type must be application/json"}, status=415)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._operators_only])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
