@@ -306,3 +306,22 @@ def test_connection_caps_and_thousands_of_idle_connections(pool, credentials) ->
         sock.close()
     with client(pool.tcp_address, alpha, use_shm=False) as a:
         assert a.lookup(keys(4)) == 4
+
+
+def test_empty_blocks_cost_their_tenant_the_pages_they_take(start_node, tenants) -> None:
+    """From the attacker's side: a tenant with a 16 KiB quota stores thousands of empty
+    blocks.  Each takes an arena page whatever its size, so each counts a page against
+    its quota: the tenant keeps at most 4, and another tenant's 1 MiB still fits."""
+    small = tenants.add("small", quota="16KiB")[0]
+    other = tenants.add("other", quota="4MiB")[0]
+    tenants.write()
+    node = start_node("pages", "4MiB", extra=["--tenants", str(tenants.path)])
+    with client(node.tcp_address, small, use_shm=False) as attacker:
+        for batch in range(8):
+            attacker.put(keys(256, batch * 256), [b""] * 256)
+        held = attacker.stats()
+        assert held.num_blocks <= 4 and held.used_bytes <= 16 << 10, held
+    with client(node.tcp_address, other, use_shm=False) as victim:
+        assert victim.put(keys(1, 9000), [b"v" * (1 << 20)]).all_stored
+    with client(node.tcp_address, CLUSTER, use_shm=False) as cluster:
+        assert cluster.stats().used_bytes <= (16 << 10) + (1 << 20) + (64 << 10)

@@ -9,12 +9,16 @@ restart.  Keys with no known tag (no tenants, or a tenant since removed) count f
   if they cannot make room, the key is refused (``OVER_QUOTA``).
 - Eviction for a write never takes a block of another tenant that is within its quota:
   one tenant's traffic never evicts another's blocks beyond its share.
+- A block counts the arena memory it takes (whole pages, at least one, whatever its size:
+  :func:`kvpool.config.page_bytes`), not its payload: empty or tiny blocks cannot hold
+  more of the arena than their tenant's quota.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from kvpool.config import page_bytes
 from kvpool.tenants import TAG_BYTES
 
 
@@ -33,18 +37,19 @@ class Quotas:
     def added(self, key: bytes, size: int) -> None:
         tag = key[:TAG_BYTES]
         if tag in self.used:
-            self.used[tag] += size
+            self.used[tag] += page_bytes(size)
 
     def removed(self, key: bytes, size: int) -> None:
         tag = key[:TAG_BYTES]
         if tag in self.used:
-            self.used[tag] -= size
+            self.used[tag] -= page_bytes(size)
 
     def room(self, key: bytes, size: int) -> int:
-        """How many bytes the key's tenant is short of for ``size`` more (0: it fits)."""
+        """How many bytes the key's tenant is short of for a block of ``size`` more (0: it
+        fits), in arena memory."""
         tag = key[:TAG_BYTES]
         limit = self.limits.get(tag)
-        return 0 if limit is None else max(0, self.used[tag] + size - limit)
+        return 0 if limit is None else max(0, self.used[tag] + page_bytes(size) - limit)
 
     def same_tenant(self, a: bytes, b: bytes) -> bool:
         return a[:TAG_BYTES] == b[:TAG_BYTES] and a[:TAG_BYTES] in self.limits
