@@ -238,3 +238,51 @@ def test_fuzz_frames_against_the_live_daemon(node, op, meta, payload, claimed_pa
 def test_decoder_errors_are_typed():
     with pytest.raises(BadRequest):
         frames.decode_request(Op.PUT, struct.pack("<I", 7))
+
+
+def _rss_anon_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssAnon")
+
+
+def test_unauthenticated_peers_cost_the_node_little_memory(start_node):
+    """From the attacker's side: 100 connections to a keyed node's TCP port, each sending a
+    HELLO whose header announces 4 MiB of metadata and never the metadata.  Nothing sizeable
+    is allocated before a peer has authenticated (the node once took 4 MiB per such
+    connection, and 256 KiB for each bare one): the oversized HELLO is refused at its
+    header, and the node's memory hardly moves."""
+    node = start_node(name="preauth", extra=["--access-key", "a-key-of-sixteen-chars"])
+    host, port = node.tcp_address.rsplit(":", 1)
+    before = _rss_anon_kib(node.pid)
+    socks = []
+    try:
+        for _ in range(100):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            socks.append(sock)
+            assert _read_frame(sock)[0].op == Op.CHALLENGE
+            sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.HELLO, 0, 0, 1, 4 << 20, 0))
+        time.sleep(0.5)
+        grown_kib = _rss_anon_kib(node.pid) - before
+        assert grown_kib < 16 << 10, f"{grown_kib} KiB for 100 unauthenticated peers"
+        # Each oversized HELLO was refused at its header: the node hung up.
+        assert all(_closed_by_peer(sock) for sock in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    with Client(node.tcp_address, access_key="a-key-of-sixteen-chars") as client:
+        assert client.health().ok  # and serves the keyed
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other side hangs up (after an error reply, if any) within the timeout."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True

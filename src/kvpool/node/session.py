@@ -42,6 +42,7 @@ from kvpool.errors import (
     NodeUnavailable,
     ProtocolError,
     Status,
+    TooLarge,
     UnsupportedVersion,
     status_for_error,
 )
@@ -50,7 +51,13 @@ from kvpool.node.services import SessionServices
 from kvpool.protocol import auth
 from kvpool.protocol import messages as msg
 from kvpool.protocol.channel import AsyncChannel, PeerClosed
-from kvpool.protocol.frames import FLAG_RESPONSE, FrameHeader, decode_request, encode_frame
+from kvpool.protocol.frames import (
+    FLAG_RESPONSE,
+    FrameHeader,
+    RecvBuffer,
+    decode_request,
+    encode_frame,
+)
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
 from kvpool.store.block import Area, Block
@@ -60,6 +67,10 @@ from kvpool.tenants import Credential, Tenant
 log = logging.getLogger("kvpool.node")
 
 HANDSHAKE_TIMEOUT_S = 10.0
+# A HELLO is a version, an access id, a host id and a client name (256 characters each at
+# most), a nonce and a proof: 4 KiB holds any valid one.
+MAX_HELLO_BYTES = 4 << 10
+PRE_AUTH_BUFFER_BYTES = 4 << 10
 FRAME_TIMEOUT_S = 10.0  # a frame's metadata, once its header arrived (slow writers)
 
 # What a tenant's connection may do: no arena offsets (RESERVE/PIN are the shared-memory
@@ -100,7 +111,9 @@ class Session:
         self.tiers = services.tiers
         self.limits = services.limits
         self.owner = owner
-        self.channel = AsyncChannel(sock)
+        # Small until a peer has authenticated: nothing sizeable before that (the buffer grows
+        # with the frames of an authenticated session).
+        self.channel = AsyncChannel(sock, buffer_bytes=PRE_AUTH_BUFFER_BYTES)
         self.peer = "unix" if sock.family == socket.AF_UNIX else str(sock.getpeername()[0])
         self.credential: Credential | None = None  # who authenticated (None: no keys)
         self.tenant: Tenant | None = None  # whose keys this connection names
@@ -150,6 +163,7 @@ class Session:
         server_nonce = auth.new_nonce()
         header, hello = await self._challenge(server_nonce)
         proof = self._authenticate(hello, server_nonce)
+        self.channel.rbuf.grow(RecvBuffer.INITIAL_BYTES)  # authenticated: the usual read-ahead
         await self._reply(header, Op.HELLO, self._welcome(proof))
 
     async def _challenge(self, server_nonce: bytes) -> tuple[FrameHeader, msg.Hello]:
@@ -164,6 +178,8 @@ class Session:
         header = await self.channel.recv_header()
         if header.op != Op.HELLO or header.payload_len:
             raise BadRequest("expected HELLO")
+        if header.meta_len > MAX_HELLO_BYTES:  # bounded before a byte of it is buffered
+            raise TooLarge(f"a HELLO of {header.meta_len} bytes (at most {MAX_HELLO_BYTES})")
         hello = decode_request(Op.HELLO, await self.channel.recv_meta(header.meta_len))
         if not isinstance(hello, msg.Hello):
             raise BadRequest("expected HELLO")

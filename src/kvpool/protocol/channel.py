@@ -122,11 +122,19 @@ class SyncChannel:
 class AsyncChannel:
     """Non-blocking frame I/O on an event loop, waiting with add_reader / add_writer."""
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        buffer_bytes: int = RecvBuffer.INITIAL_BYTES,
+    ):
+        """``buffer_bytes``: the read-ahead buffer to start with (it grows as frames need:
+        a node starts its sessions small, so an unauthenticated peer costs little)."""
         sock.setblocking(False)
         self.sock = sock
         self.loop = loop or asyncio.get_running_loop()
-        self.rbuf = RecvBuffer()
+        self.rbuf = RecvBuffer(buffer_bytes)
         self._fd = sock.fileno()
         self._tls = isinstance(sock, ssl.SSLSocket)
 

@@ -177,6 +177,11 @@ class RecvBuffer:
             self._start, self._end = 0, buffered
         return self._view[self._end :]
 
+    def grow(self, capacity: int) -> None:
+        """Read ahead up to ``capacity`` bytes from now on (a session, once authenticated)."""
+        if len(self._buf) < capacity:
+            self.writable(capacity - self.num_buffered)
+
     def produced(self, num_bytes: int) -> None:
         self._end += num_bytes
 
