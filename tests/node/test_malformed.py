@@ -286,3 +286,27 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def test_remote_peers_that_never_authenticate_cannot_lock_out_the_local_engines(start_node):
+    """From the attacker's side: connections to the TCP port that never say HELLO.  At most
+    MAX_REMOTE_HANDSHAKES of them wait at once (each for the handshake's deadline at most);
+    the next are closed at once, and the Unix socket's clients are served throughout."""
+    from kvpool.node.server import MAX_REMOTE_HANDSHAKES
+
+    node = start_node(name="lockout", extra=["--access-key", "a-key-of-sixteen-chars"])
+    host, port = node.tcp_address.rsplit(":", 1)
+    socks = []
+    try:
+        for _ in range(MAX_REMOTE_HANDSHAKES):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            socks.append(sock)
+            assert _read_frame(sock)[0].op == Op.CHALLENGE  # each has its session
+        extra = socket.create_connection((host, int(port)), timeout=5)
+        socks.append(extra)
+        assert _closed_by_peer(extra)  # past the cap: closed before any session
+        with Client(node.unix_address, access_key="a-key-of-sixteen-chars") as local:
+            assert local.health().ok
+    finally:
+        for sock in socks:
+            sock.close()

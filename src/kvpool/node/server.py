@@ -47,6 +47,11 @@ from kvpool.tls import CertFiles
 log = logging.getLogger("kvpool.node")
 
 MAX_CONNECTIONS = 4096
+# Remote peers never take the Unix socket's last slots (its engines stay served whatever
+# arrives over the network), and at most this many of them may be mid-handshake (not
+# authenticated yet) at once.
+LOCAL_RESERVED_CONNECTIONS = 256
+MAX_REMOTE_HANDSHAKES = 256
 RELOAD_INTERVAL_S = 1.0  # how often the tenants file is checked for changes
 SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -184,7 +189,7 @@ class NodeServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(self.registry) >= MAX_CONNECTIONS:
+            if not self._admits(sock):
                 sock.close()
                 continue
             if sock.family != socket.AF_UNIX:
@@ -199,6 +204,15 @@ class NodeServer:
                 )
             session = Session(self.services, sock, next(self._owner_ids))
             session.task = self._spawn(session.run())
+
+    def _admits(self, sock: socket.socket) -> bool:
+        """Whether a connection just accepted may have a session (see MAX_CONNECTIONS)."""
+        if sock.family == socket.AF_UNIX:
+            return len(self.registry) < MAX_CONNECTIONS
+        return (
+            len(self.registry) < MAX_CONNECTIONS - LOCAL_RESERVED_CONNECTIONS
+            and self.registry.num_remote_handshakes < MAX_REMOTE_HANDSHAKES
+        )
 
     async def _expire_loop(self) -> None:
         while True:
