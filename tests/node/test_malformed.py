@@ -288,23 +288,22 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     return True
 
 
-def test_remote_peers_that_never_authenticate_cannot_lock_out_the_local_engines(start_node):
-    """From the attacker's side: connections to the TCP port that never say HELLO.  At most
-    MAX_REMOTE_HANDSHAKES of them wait at once (each for the handshake's deadline at most);
-    the next are closed at once, and the Unix socket's clients are served throughout."""
-    from kvpool.node.server import MAX_REMOTE_HANDSHAKES
+def test_remote_peers_cannot_take_the_local_engines_connection_slots(start_node):
+    """From the attacker's side: TCP connections that never say HELLO, as many as the node
+    takes.  They never take the Unix socket's reserved slots: the next TCP connection is
+    closed at once, and the local engines' clients are served throughout."""
+    from kvpool.node.server import LOCAL_RESERVED_CONNECTIONS, MAX_CONNECTIONS
 
     node = start_node(name="lockout", extra=["--access-key", "a-key-of-sixteen-chars"])
     host, port = node.tcp_address.rsplit(":", 1)
     socks = []
     try:
-        for _ in range(MAX_REMOTE_HANDSHAKES):
-            sock = socket.create_connection((host, int(port)), timeout=5)
-            socks.append(sock)
-            assert _read_frame(sock)[0].op == Op.CHALLENGE  # each has its session
+        for _ in range(MAX_CONNECTIONS - LOCAL_RESERVED_CONNECTIONS):
+            socks.append(socket.create_connection((host, int(port)), timeout=5))
+        assert _read_frame(socks[-1])[0].op == Op.CHALLENGE  # the last one has a session
         extra = socket.create_connection((host, int(port)), timeout=5)
         socks.append(extra)
-        assert _closed_by_peer(extra)  # past the cap: closed before any session
+        assert _closed_by_peer(extra)  # past the remote share: closed before any session
         with Client(node.unix_address, access_key="a-key-of-sixteen-chars") as local:
             assert local.health().ok
     finally:

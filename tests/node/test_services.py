@@ -30,7 +30,7 @@ def test_the_registry_caps_each_tenants_connections():
     registry = SessionRegistry()
     first, second, third = Connection(alpha), Connection(alpha), Connection(alpha)
     for session in (first, second, third):
-        registry.opened(session, remote=False)
+        registry.opened(session)
     registry.admit(first)
     registry.admit(second)
     with pytest.raises(NodeUnavailable):

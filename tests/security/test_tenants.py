@@ -325,3 +325,18 @@ def test_empty_blocks_cost_their_tenant_the_pages_they_take(start_node, tenants)
         assert victim.put(keys(1, 9000), [b"v" * (1 << 20)]).all_stored
     with client(node.tcp_address, CLUSTER, use_shm=False) as cluster:
         assert cluster.stats().used_bytes <= (16 << 10) + (1 << 20) + (64 << 10)
+
+
+def test_one_tenants_namespaces_cannot_crowd_out_anothers(pool, credentials) -> None:
+    """From the attacker's side: alpha DESCRIBEs 2,000 namespaces (more than the node's
+    table holds); beta's own namespace still gets its row, label and statistics."""
+    alpha, beta = credentials["alpha"][0], credentials["beta"][0]
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        for i in range(2000):
+            a.describe(Namespace(model=f"flood-{i}"))
+    mine = Namespace(model="beta-model")
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        b.describe(mine)
+        assert b.put([mine.key(b"k" * 32)], [b"b" * BLOCK]).all_stored
+        rows = {row.label: row for row in b.stats().namespaces}
+    assert "beta-model" in rows and rows["beta-model"].num_blocks == 1, sorted(rows)[:5]

@@ -47,11 +47,10 @@ from kvpool.tls import CertFiles
 log = logging.getLogger("kvpool.node")
 
 MAX_CONNECTIONS = 4096
-# Remote peers never take the Unix socket's last slots (its engines stay served whatever
-# arrives over the network), and at most this many of them may be mid-handshake (not
-# authenticated yet) at once.
+# Remote peers never take the Unix socket's last slots: its engines stay served whatever
+# arrives over the network (a peer that never authenticates costs a 4 KiB buffer and is
+# cut at the handshake's deadline).
 LOCAL_RESERVED_CONNECTIONS = 256
-MAX_REMOTE_HANDSHAKES = 256
 RELOAD_INTERVAL_S = 1.0  # how often the tenants file is checked for changes
 SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -209,10 +208,7 @@ class NodeServer:
         """Whether a connection just accepted may have a session (see MAX_CONNECTIONS)."""
         if sock.family == socket.AF_UNIX:
             return len(self.registry) < MAX_CONNECTIONS
-        return (
-            len(self.registry) < MAX_CONNECTIONS - LOCAL_RESERVED_CONNECTIONS
-            and self.registry.num_remote_handshakes < MAX_REMOTE_HANDSHAKES
-        )
+        return len(self.registry) < MAX_CONNECTIONS - LOCAL_RESERVED_CONNECTIONS
 
     async def _expire_loop(self) -> None:
         while True:

@@ -107,28 +107,17 @@ class Credentials:
 
 
 class SessionRegistry:
-    """The connections open now, per tenant (each tenant has a cap), and the TCP ones still
-    in their handshake (not authenticated yet: the accept loop caps them)."""
+    """The connections open now, and per tenant (each tenant has a cap)."""
 
     def __init__(self) -> None:
         self.sessions: set[Connection] = set()
         self._tenant_to_sessions: dict[str, set[Connection]] = {}
-        self._remote_handshakes: set[Connection] = set()
 
     def __len__(self) -> int:
         return len(self.sessions)
 
-    @property
-    def num_remote_handshakes(self) -> int:
-        return len(self._remote_handshakes)
-
-    def opened(self, session: Connection, *, remote: bool) -> None:
+    def opened(self, session: Connection) -> None:
         self.sessions.add(session)
-        if remote:
-            self._remote_handshakes.add(session)
-
-    def handshake_done(self, session: Connection) -> None:
-        self._remote_handshakes.discard(session)
 
     def admit(self, session: Connection) -> None:
         """Count an authenticated tenant connection, refusing past the tenant's cap."""
@@ -144,7 +133,6 @@ class SessionRegistry:
 
     def closed(self, session: Connection) -> None:
         self.sessions.discard(session)
-        self._remote_handshakes.discard(session)
         if session.tenant is not None:
             self._tenant_to_sessions.get(session.tenant.name, set()).discard(session)
 

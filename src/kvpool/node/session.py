@@ -127,12 +127,11 @@ class Session:
             self.channel.close()
 
     async def run(self) -> None:
-        self.services.registry.opened(self, remote=self.peer != "unix")
+        self.services.registry.opened(self)
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                 await self.channel.handshake()  # TLS, on a TCP listener that has it
                 await self._handshake()
-            self.services.registry.handshake_done(self)
             while True:
                 header = await self.channel.recv_header()
                 await self._serve(header)

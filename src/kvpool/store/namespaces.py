@@ -3,7 +3,9 @@ human-readable label a client gave the namespace.
 
 The table is bounded: past ``MAX_NAMESPACES`` rows, further namespaces are counted together
 in one row (``(other namespaces)``), so that no client can grow it without bound; a lookup
-never adds a row.
+never adds a row.  A tenant's namespaces (they start with its tag, :mod:`kvpool.tenants`)
+take at most ``MAX_NAMESPACES_PER_TAG`` rows, so that one tenant's DESCRIBE calls cannot
+fill the table and empty every other tenant's labels and statistics.
 """
 
 from __future__ import annotations
@@ -12,15 +14,37 @@ from collections.abc import Iterator, Sequence
 
 from kvpool.keys import namespace_of
 from kvpool.stats import NamespaceStats
+from kvpool.tenants import TAG_BYTES
 
 # Namespaces tracked one by one (each is a row in STATS and /metrics); past this, together.
 MAX_NAMESPACES = 1024
+MAX_NAMESPACES_PER_TAG = 128  # namespaces with one tenant tag (a tenant's)
 OTHER_NAMESPACE = b"\xff" * 16
 
 
 class NamespaceTable:
     def __init__(self) -> None:
         self.rows: dict[bytes, NamespaceStats] = {}
+        self._rows_per_tag: dict[bytes, int] = {}
+
+    def _has_room(self, ns: bytes) -> bool:
+        return (
+            len(self.rows) < MAX_NAMESPACES
+            and self._rows_per_tag.get(ns[:TAG_BYTES], 0) < MAX_NAMESPACES_PER_TAG
+        )
+
+    def _add_row(self, ns: bytes) -> NamespaceStats:
+        usage = self.rows[ns] = NamespaceStats(namespace_id=ns.hex())
+        tag = ns[:TAG_BYTES]
+        self._rows_per_tag[tag] = self._rows_per_tag.get(tag, 0) + 1
+        return usage
+
+    def _drop_row(self, ns: bytes) -> None:
+        del self.rows[ns]
+        tag = ns[:TAG_BYTES]
+        left = self._rows_per_tag.pop(tag, 1) - 1
+        if left:
+            self._rows_per_tag[tag] = left
 
     def __iter__(self) -> Iterator[NamespaceStats]:
         return iter(self.rows.values())
@@ -39,7 +63,7 @@ class NamespaceTable:
         usage.num_blocks -= 1
         usage.used_bytes -= size
         if not usage.num_blocks and not usage.label:
-            del self.rows[ns]  # nothing left to report
+            self._drop_row(ns)  # nothing left to report
 
     def looked_up(self, keys: Sequence[bytes], num_found: int) -> None:
         # Only namespaces the node already knows: a lookup must not grow the table.
@@ -51,8 +75,8 @@ class NamespaceTable:
     def label(self, namespace_id: bytes, label: str) -> bool:
         """Set a namespace's label; whether it changed."""
         usage = self.rows.get(namespace_id)
-        if usage is None and len(self.rows) < MAX_NAMESPACES:
-            usage = self.rows[namespace_id] = NamespaceStats(namespace_id=namespace_id.hex())
+        if usage is None and self._has_room(namespace_id):
+            usage = self._add_row(namespace_id)
         if usage is None or usage.label == label:
             return False
         usage.label = label
@@ -68,11 +92,11 @@ class NamespaceTable:
     def _row(self, ns: bytes) -> NamespaceStats:
         usage = self.rows.get(ns)
         if usage is None:
-            if len(self.rows) >= MAX_NAMESPACES:
-                ns = OTHER_NAMESPACE  # past the cap, the rest are counted together
+            if not self._has_room(ns):
+                ns = OTHER_NAMESPACE  # past a cap, the rest are counted together
                 usage = self.rows.get(ns)
             if usage is None:
-                usage = self.rows[ns] = NamespaceStats(namespace_id=ns.hex())
+                usage = self._add_row(ns)
                 if ns == OTHER_NAMESPACE:
                     usage.label = "(other namespaces)"
         return usage
