@@ -151,3 +151,40 @@ def test_small_arenas_work(start_node, memory):
     node: NodeProcess = start_node(name=f"small-{memory}", memory=memory)
     with Client(node.unix_address) as c:
         assert c.put([key(1)], [b"a" * 4096]).all_stored
+
+
+@pytest.mark.parametrize("taken", ["node directory", "run directory"])
+def test_a_directory_another_user_created_first_is_refused(tmp_path, taken):
+    """From the attacker's side: another local user creates the node's directory (or the
+    run directory above it) before the daemon starts, to swap its Unix socket or read its
+    arena.  The daemon refuses to start there rather than use it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to hand a directory to another user")  # CI runs as root
+    run_dir = tmp_path / "run"
+    node_dir = run_dir / "taken"
+    node_dir.mkdir(parents=True)
+    os.chown(node_dir if taken == "node directory" else run_dir, 12345, 12345)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "serve",
+            "--run-dir",
+            str(run_dir),
+            "--name",
+            "taken",
+            "--memory",
+            "8MiB",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "belongs to uid 12345" in message, proc.stderr
+    assert not (node_dir / "arena").exists()

@@ -6,6 +6,9 @@ Rules:
   arena ``0o660``: only the daemon's user and group can map it.
 - The daemon holds an exclusive ``flock`` on the node directory for its whole life; a
   directory somebody holds is refused.
+- The node directory must be the daemon's user's, and the directory above it the daemon's
+  user's or root's (``/dev/shm`` itself: root's, sticky): a directory another local user
+  created first (to swap the Unix socket, or read the arena) is refused, never used.
 - An arena left by an earlier daemon (a crash, ``kill -9``, an upgrade) is kept and mapped
   again if it has the size asked for, so that its blocks can be adopted (see
   :mod:`kvpool.store.journal`); otherwise, or with ``fresh``, it is replaced.
@@ -31,14 +34,31 @@ ARENA_MODE = 0o660
 DIR_MODE = 0o770
 
 
+def _check_owned(path: Path, *, allow_root: bool) -> None:
+    """Refuse a directory another user owns (or, for root's, one anybody may rename entries
+    in: world-writable without the sticky bit)."""
+    st = os.stat(path)
+    me = os.geteuid()
+    owner_ok = st.st_uid == me or (allow_root and st.st_uid == 0)
+    if st.st_uid == 0 and st.st_uid != me and st.st_mode & 0o002 and not st.st_mode & 0o1000:
+        owner_ok = False
+    if not owner_ok:
+        raise ConfigError(
+            f"{path} belongs to uid {st.st_uid}, not to this daemon's user ({me}): another "
+            "user may have created it to take the node's socket or arena; remove it, or use "
+            "another --run-dir"
+        )
+
+
 class NodeDirLock:
     """Exclusive ownership of a node directory, held for the daemon's life."""
 
     def __init__(self, node_dir: Path):
         self.node_dir = node_dir
         node_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        with contextlib.suppress(PermissionError):
-            os.chmod(node_dir, DIR_MODE)
+        _check_owned(node_dir.parent, allow_root=True)
+        _check_owned(node_dir, allow_root=False)
+        os.chmod(node_dir, DIR_MODE)
         self._fd = os.open(node_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
