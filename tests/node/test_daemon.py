@@ -13,6 +13,31 @@ from kvpool.harness.process import NodeProcess
 from tests.helpers import content, key
 
 
+def serve(run_dir, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``kvpool serve`` in the foreground on any free ports, for a start that must fail."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpool",
+            "serve",
+            "--run-dir",
+            str(run_dir),
+            *args,
+            "--memory",
+            "8MiB",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def test_arena_and_socket_are_private_to_user_and_group(node):
     arena = os.stat(node.info["arena"])
     sock = os.stat(node.info["unix"])
@@ -115,27 +140,7 @@ def test_a_size_it_cannot_get_is_refused_with_a_clear_message(run_dir):
     ],
 )
 def test_listening_publicly_without_a_key_is_refused(run_dir, args, env):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "serve",
-            "--run-dir",
-            str(run_dir),
-            *args,
-            "--memory",
-            "8MiB",
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **env},
-    )
+    proc = serve(run_dir, *args, env=env)
     assert proc.returncode == 2 and "without an access key" in proc.stderr, proc.stderr
 
 
@@ -164,27 +169,7 @@ def test_a_directory_another_user_created_first_is_refused(tmp_path, taken):
     node_dir = run_dir / "taken"
     node_dir.mkdir(parents=True)
     os.chown(node_dir if taken == "node directory" else run_dir, 12345, 12345)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "serve",
-            "--run-dir",
-            str(run_dir),
-            "--name",
-            "taken",
-            "--memory",
-            "8MiB",
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = serve(run_dir, "--name", "taken")
     message = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "belongs to uid 12345" in message, proc.stderr
     assert not (node_dir / "arena").exists()

@@ -277,8 +277,12 @@ def test_one_prefill_and_one_decode_ride_out_single_failures(fakes, routers):
 
 
 def get_json_status(url: str) -> int:
+    return status_of(urllib.request.Request(url))
+
+
+def status_of(request: urllib.request.Request) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=30) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         exc.close()
@@ -401,13 +405,7 @@ def test_with_tenants_only_the_cluster_may_steer_the_router(fakes, routers, tmp_
             token = b64encode(f"{credential[0]}:{credential[1]}".encode()).decode()
             headers["Authorization"] = "Basic " + token
         data = None if body is None else body.encode()
-        request = urllib.request.Request(router.url + path, data, headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status
-        except urllib.error.HTTPError as exc:
-            exc.close()
-            return exc.code
+        return status_of(urllib.request.Request(router.url + path, data, headers, method=method))
 
     evil = json.dumps({"url": "http://127.0.0.1:9", "role": "both"})
     for path, method, body in (
