@@ -72,27 +72,7 @@ def test_a_crashed_daemons_arena_is_adopted_unless_fresh(start_node):
 
 
 def test_second_daemon_in_the_same_directory_is_refused(node, run_dir):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "serve",
-            "--name",
-            "node",
-            "--run-dir",
-            str(run_dir),
-            "--memory",
-            "8MiB",
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = serve(run_dir, "--name", "node")
     assert proc.returncode == 2
     assert "another kvpool daemon is running" in proc.stderr
     with Client(node.unix_address) as c:  # the first one is untouched
