@@ -47,3 +47,12 @@ def commit_op(reservation_id, replicate=False):
     yield ops.Request(Op.COMMIT, request)
     response, _ = yield ops.Recv(Op.COMMIT, CommitResponse)
     return response.statuses
+
+
+def rss_anon_kib(pid: int) -> int:
+    """A process's anonymous resident memory (its heap), in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssAnon")

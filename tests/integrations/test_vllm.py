@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import threading
 import time
 
 import pytest
 
 from kvpool import Client
+from kvpool.protocol.frames import HEADER, MAGIC
+from kvpool.protocol.messages import PROTOCOL_VERSION, Op
+from tests.helpers import rss_anon_kib
 from tests.integrations.engine import connector, hit_fraction, prompts, run_engine
 from tests.security.tenants import TenantsFile
 
@@ -308,3 +313,95 @@ def test_a_tenants_engine_reuses_its_own_blocks_only(model, reference, start_nod
     (other,) = run_engine(model, [gen("other", S4)], connector_config=config(beta))
     assert other["token_ids"] == reference["S4"]
     assert other["counters"]["external_hits"] == 0  # alpha's blocks are not beta's
+
+
+class _Flood:
+    """From the attacker's side: unauthenticated TCP connections to the node, each sending a
+    HELLO header that announces 4 MiB of metadata and never the metadata, opened one after
+    another and held, while the node's anonymous memory is sampled."""
+
+    def __init__(self, node, num_connections: int) -> None:
+        self.host, port = node.tcp_address.rsplit(":", 1)
+        self.port = int(port)
+        self.pid = node.pid
+        self.num_connections = num_connections
+        self.idle_kib = rss_anon_kib(node.pid)
+        self.peak_kib = self.idle_kib
+        self.num_sent = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.socks: list[socket.socket] = []
+
+    def _run(self) -> None:
+        oversized = HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.HELLO, 0, 0, 1, 4 << 20, 0)
+        while not self.stopped.is_set():
+            if self.num_sent < self.num_connections:
+                try:
+                    sock = socket.create_connection((self.host, self.port), timeout=5)
+                    self.socks.append(sock)
+                    sock.sendall(oversized)
+                except OSError:
+                    pass  # refused or reset: the node's caps at work
+                self.num_sent += 1
+            else:
+                time.sleep(0.05)
+            if self.num_sent % 20 == 0:
+                self.peak_kib = max(self.peak_kib, rss_anon_kib(self.pid))
+
+    def __enter__(self) -> _Flood:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.thread.join(30)
+        for sock in self.socks:
+            sock.close()
+
+
+def test_an_engine_keeps_its_hits_through_a_flood_of_unauthenticated_peers(
+    model, reference, start_node
+):
+    """2,000 unauthenticated connections with oversized HELLO headers arrive while a keyed
+    engine saves and loads over the Unix socket: the node's heap grows by under 200 MiB, and
+    every request of the engine succeeds with its hits."""
+    secret = "a-key-of-sixteen-chars"
+    node = start_node(name="flood", memory="256MiB", extra=["--access-key", secret])
+    state: dict[str, _Flood] = {}
+
+    def on_pause(tag: str) -> None:
+        if tag == "attack":
+            state["flood"] = _Flood(node, 2000).__enter__()
+            deadline = time.monotonic() + 60
+            while state["flood"].num_sent < 500:  # the flood is well under way
+                assert time.monotonic() < deadline, "the flood did not start"
+                time.sleep(0.05)
+        else:
+            flood = state["flood"]
+            deadline = time.monotonic() + 120
+            while flood.num_sent < flood.num_connections:
+                assert time.monotonic() < deadline, "the flood did not finish"
+                time.sleep(0.1)
+            flood.__exit__(None, None, None)
+
+    steps = [
+        {"op": "pause", "tag": "attack"},
+        gen("save", S4),
+        {"op": "reset_prefix_cache"},
+        gen("load", S4),
+        {"op": "pause", "tag": "end"},
+    ]
+    results = run_engine(
+        model,
+        steps,
+        connector_config=connector(node.unix_address, access_key=secret),
+        on_pause=on_pause,
+    )
+    flood = state["flood"]
+    grown_mib = (flood.peak_kib - flood.idle_kib) / 1024
+    assert grown_mib < 200, f"the node's heap grew {grown_mib:.0f} MiB under the flood"
+    save, load = (r for r in results if r["op"] == "generate")
+    assert save["token_ids"] == reference["S4"]
+    assert load["token_ids"] == reference["S4_prefix"]
+    assert hit_fraction(save["counters"], load["counters"], load["prompt_tokens"]) >= 0.9
+    assert node.is_running

@@ -15,7 +15,7 @@ from kvpool.errors import BadRequest
 from kvpool.protocol import frames
 from kvpool.protocol.frames import HEADER, HEADER_BYTES, MAGIC, parse_header
 from kvpool.protocol.messages import PROTOCOL_VERSION, Hello, Op
-from tests.helpers import key
+from tests.helpers import key, rss_anon_kib
 
 
 def connect(node):
@@ -240,14 +240,6 @@ def test_decoder_errors_are_typed():
         frames.decode_request(Op.PUT, struct.pack("<I", 7))
 
 
-def _rss_anon_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise AssertionError("no RssAnon")
-
-
 def test_unauthenticated_peers_cost_the_node_little_memory(start_node):
     """From the attacker's side: 100 connections to a keyed node's TCP port, each sending a
     HELLO whose header announces 4 MiB of metadata and never the metadata.  Nothing sizeable
@@ -256,7 +248,7 @@ def test_unauthenticated_peers_cost_the_node_little_memory(start_node):
     header, and the node's memory hardly moves."""
     node = start_node(name="preauth", extra=["--access-key", "a-key-of-sixteen-chars"])
     host, port = node.tcp_address.rsplit(":", 1)
-    before = _rss_anon_kib(node.pid)
+    before = rss_anon_kib(node.pid)
     socks = []
     try:
         for _ in range(100):
@@ -265,7 +257,7 @@ def test_unauthenticated_peers_cost_the_node_little_memory(start_node):
             assert _read_frame(sock)[0].op == Op.CHALLENGE
             sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.HELLO, 0, 0, 1, 4 << 20, 0))
         time.sleep(0.5)
-        grown_kib = _rss_anon_kib(node.pid) - before
+        grown_kib = rss_anon_kib(node.pid) - before
         assert grown_kib < 16 << 10, f"{grown_kib} KiB for 100 unauthenticated peers"
         # Each oversized HELLO was refused at its header: the node hung up.
         assert all(_closed_by_peer(sock) for sock in socks)
