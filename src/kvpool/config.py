@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from kvpool.errors import ConfigError
 from kvpool.limits import LeaseLimits
@@ -137,6 +138,19 @@ def check_plaintext(host: str, tls: bool, insecure: bool, what: str) -> None:
             f"refusing to serve {what} on {host} in plaintext: give --tls-cert and --tls-key "
             "(TLS), or --insecure to accept plaintext on this network"
         )
+
+
+def check_plaintext_endpoint(url: str, insecure: bool, what: str) -> None:
+    """The same rule for an endpoint a process reaches (an engine, etcd, an S3 endpoint):
+    ``http://`` (or no scheme) only to a loopback host, unless the operator says
+    ``--insecure``; ``https://`` anywhere."""
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if parsed.scheme == "https" or insecure or is_loopback(parsed.hostname or ""):
+        return
+    raise ConfigError(
+        f"refusing to reach {what} at {url} in plaintext: use an https:// endpoint (TLS), "
+        "or --insecure to accept plaintext on this network"
+    )
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -313,6 +327,12 @@ class ObjectStoreConfig:
         key="object_read_timeout_s",
         parse=float,
     )
+
+    @property
+    def endpoint_url(self) -> str:
+        """The S3 endpoint the tier reaches: the configured one, else ``AWS_ENDPOINT_URL``
+        (as AWS clients read it), else AWS's own (``""``, HTTPS)."""
+        return self.endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
 
     def validate(self) -> ObjectStoreConfig:
         if self.url and not self.url.startswith("s3://"):
@@ -546,7 +566,19 @@ class NodeConfig:
             )
         self.events.validate()
         self.cluster.validate()
+        self._validate_endpoints()
         return self
+
+    def _validate_endpoints(self) -> None:
+        """What the node reaches (etcd, the S3 endpoint) carries the pool's membership and
+        blocks: plaintext only on loopback, unless ``--insecure``, as for what it serves."""
+        insecure = self.tls.insecure
+        if self.cluster.etcd:
+            check_plaintext_endpoint(self.cluster.etcd, insecure, "etcd (--etcd)")
+        if self.objects.url and self.objects.endpoint_url:
+            check_plaintext_endpoint(
+                self.objects.endpoint_url, insecure, "the object store (--object-store-endpoint)"
+            )
 
     def _validate_node(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):

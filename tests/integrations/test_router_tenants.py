@@ -54,9 +54,14 @@ def test_cache_aware_routing_sees_only_the_requests_tenant(
         assert a.put([namespace.key(h) for h in hashes], [b"kv" * 512] * len(hashes)).all_stored
         a.describe(namespace)
 
-    engines = [FakeEngine("one"), FakeEngine("two")]
+    # Two engines per tenant (with one, the policy has nothing to score), all on the node.
+    engines = {name: [FakeEngine(f"{name}-1"), FakeEngine(f"{name}-2")] for name in tenants.tenants}
     router = RouterProc(
-        [f"{e.url},node={node.tcp_address}" for e in engines],
+        [
+            f"{e.url},node={node.tcp_address},tenants={name}"
+            for name, pair in engines.items()
+            for e in pair
+        ],
         "--policy",
         "cache_aware",
         "--tokenizer",
@@ -77,9 +82,10 @@ def test_cache_aware_routing_sees_only_the_requests_tenant(
         status, route = ask(router.url, beta)
         assert status == 200 and f"prefix=0/{len(hashes)}" in route
         # The credential was the router's to check: engines never see it.
-        seen = [entry["headers"] for e in engines for entry in e.log()]
+        seen = [entry["headers"] for pair in engines.values() for e in pair for entry in e.log()]
         assert seen and not any("Authorization" in h or "authorization" in h for h in seen)
     finally:
         router.stop()
-        for engine in engines:
-            engine.stop()
+        for pair in engines.values():
+            for engine in pair:
+                engine.stop()

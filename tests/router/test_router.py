@@ -393,7 +393,7 @@ def test_with_tenants_only_the_cluster_may_steer_the_router(fakes, routers, tmp_
     tenants.write()
     (a,) = fakes(1)
     router = routers(
-        [a.url],
+        [f"{a.url},tenants=alpha"],
         "--tenants",
         str(tenants.path),
         env={"KVPOOL_ACCESS_ID": CLUSTER[0], "KVPOOL_ACCESS_KEY": CLUSTER[1]},
@@ -407,7 +407,7 @@ def test_with_tenants_only_the_cluster_may_steer_the_router(fakes, routers, tmp_
         data = None if body is None else body.encode()
         return status_of(urllib.request.Request(router.url + path, data, headers, method=method))
 
-    evil = json.dumps({"url": "http://127.0.0.1:9", "role": "both"})
+    evil = json.dumps({"url": "http://127.0.0.1:9", "role": "both", "tenants": ["alpha"]})
     for path, method, body in (
         ("/admin/engines", "GET", None),
         ("/admin/engines", "POST", evil),

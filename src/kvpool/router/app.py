@@ -13,15 +13,17 @@
   blocks held, load, health), and the answer names its engine and why:
   ``x-kvpool-engine`` and ``x-kvpool-route``.
 - A client that disconnects cancels the upstream requests.
-- ``/admin/engines``: list (GET), add (POST ``{"url", "role", "node"}``) and remove (DELETE
-  ``?url=…``; drained first) engines at run time.
+- ``/admin/engines``: list (GET), add (POST ``{"url", "role", "node", "tenants"}``) and
+  remove (DELETE ``?url=…``; drained first) engines at run time.
 
 Who may use what: with ``--tenants``, completions take a tenant's credential, and
 ``/admin/*`` and ``/metrics`` only the cluster's (the tenants file's ``[cluster]``; a
 tenant's is refused): an engine added by anyone else would receive every tenant's
 prompts.  A POST to ``/admin/*`` must say ``Content-Type: application/json``, so that no
 web page can send one cross-site as a plain form or text.  ``/health`` and ``/v1/models``
-stay open.
+stay open.  A tenant's request goes only to the engines that serve its tenant (each serves
+exactly one: :func:`~kvpool.router.config.check_engine`), and is refused (403) where none
+does: an engine's pool credential and its GPU prefix cache are shared by all it runs.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvpool.errors import ConfigError
 from kvpool.tenants import Registry
 from kvpool.tls import CertFiles
 
-from .config import RouterSettings
+from .config import RouterSettings, check_engine, engine_from
 from .engines import Engine, EngineSet, attempts
 from .policies import LeastLoad, Policy, RoutedRequest
 from .prefix import PrefixLocator
@@ -119,6 +122,8 @@ class Router:
         # With tenants, every request names its tenant's credential (Authorization: Bearer
         # ACCESS_ID:KEY), and looks only at that tenant's blocks.
         self.tenants = Registry(Path(config.tenants)) if config.tenants else None
+        for engine in engines.engines:
+            self._check(engine)
         self._prefetches: set[asyncio.Task[None]] = set()
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -196,14 +201,23 @@ class Router:
         )
         routed = RoutedRequest(route, body, session=session)
         routed.notes["raw"] = raw  # forwarded as received: no second serialization
+        tenant: str | None = None
         if self.tenants is not None:
             credential = self.tenants.authenticate(request.headers.get("Authorization", ""))
             if credential is None:
                 return self._error(route, 401, "a tenant's credential is needed: ID:KEY")
+            if credential.tenant is None:  # every engine serves one tenant, none the cluster
+                return self._error(route, 403, "completions take a tenant's credential")
+            # Each candidate serves this tenant alone, and its connector saves under this
+            # tenant's credential: the namespaces the cache-aware scoring reads are the ones
+            # the candidates write.
             routed.notes["tenant"] = credential.tenant
-        if self.engines.has_disaggregation:
+            tenant = routed.notes["tenant_name"] = credential.tenant.name
+            if not self.engines.serving(tenant):
+                return self._error(route, 403, f"no engine serves tenant {tenant!r}")
+        if self.engines.is_disaggregated(tenant):
             await self._prefill(routed, request)
-        candidates = self._decode_candidates()
+        candidates = self._decode_candidates(tenant)
         if not candidates:
             return self._error(route, 503, "no healthy engine can serve this request")
         ordered = await self.policy.order(candidates, routed)
@@ -238,11 +252,15 @@ class Router:
         self._prefetches.add(task)
         task.add_done_callback(self._prefetches.discard)
 
-    def _decode_candidates(self) -> list[Engine]:
-        """The engines that may answer a request (after its prefill, where that is apart)."""
-        if self.engines.has_disaggregation:
-            return self.engines.available("decode")
-        return self.engines.available("any") or self.engines.available("decode")
+    def _decode_candidates(self, tenant: str | None) -> list[Engine]:
+        """The engines that may answer a request of ``tenant`` (after its prefill, where that
+        is apart)."""
+        if self.engines.is_disaggregated(tenant):
+            return self.engines.available("decode", tenant)
+        return self.engines.available("any", tenant) or self.engines.available("decode", tenant)
+
+    def _check(self, engine: Engine) -> None:
+        check_engine(engine, self.config, self.tenants.current if self.tenants else None)
 
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
         # With tenants the credential was the router's to check: it does not travel on.
@@ -262,7 +280,8 @@ class Router:
             await asyncio.sleep(RETRY_BACKOFF_S * (1 << (attempt - 1)))
 
     async def _prefill(self, routed: RoutedRequest, request: web.Request) -> None:
-        candidates = self.engines.available("prefill")
+        tenant = routed.notes.get("tenant_name")
+        candidates = self.engines.available("prefill", tenant)
         body = dict(routed.body, max_tokens=1, stream=False)
         body.pop("stream_options", None)
         if "max_completion_tokens" in body:
@@ -272,7 +291,7 @@ class Router:
             self._prefetch(ordered[0], routed)
         previous: Engine | None = None
         tries = attempts(
-            ordered, lambda: self.engines.available("prefill"), self.config.max_attempts
+            ordered, lambda: self.engines.available("prefill", tenant), self.config.max_attempts
         )
         for attempt, engine in enumerate(tries):
             await self._before_attempt(attempt, engine, previous, "prefill")
@@ -312,8 +331,9 @@ class Router:
     ) -> web.StreamResponse:
         assert self._session is not None
         previous: Engine | None = None
+        tenant = routed.notes.get("tenant_name")
         for attempt, engine in enumerate(
-            attempts(ordered, self._decode_candidates, self.config.max_attempts)
+            attempts(ordered, lambda: self._decode_candidates(tenant), self.config.max_attempts)
         ):
             await self._before_attempt(attempt, engine, previous, "decode")
             previous = engine
@@ -411,11 +431,12 @@ class Router:
     async def add_engine(self, request: web.Request) -> web.Response:
         try:
             spec = await request.json()
-            engine = Engine(
-                url=str(spec["url"]), role=spec.get("role", "both"), node=str(spec.get("node", ""))
-            )
+            if not isinstance(spec, dict):
+                raise ConfigError("the body must be a JSON object")
+            engine = engine_from(spec)
+            self._check(engine)
             self.engines.add(engine)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (json.JSONDecodeError, ConfigError, ValueError) as exc:
             return web.json_response({"error": str(exc)}, status=400)
         await self.engines.check(engine)
         return web.json_response(engine.describe(), status=201)

@@ -6,9 +6,14 @@ A file::
     tokenizer = "/models/llama"   # the model's tokenizer (cache_aware, and prefetch)
     block_size = 16
     [[engines]]
-    url = "http://10.0.0.2:8000"
+    url = "https://10.0.0.2:8000" # http:// only on loopback, unless insecure = true
     role = "both"                 # both | prefill | decode
     node = "10.0.0.2:9400"        # the kvpool node on the engine's host
+    tenants = ["alpha"]           # with a tenants file: the one tenant it serves
+
+Engines given as flags read ``URL[,role=...][,node=...][,tenants=alpha]``; at run time
+``POST /admin/engines`` takes the same fields as JSON.  Every engine, whichever way it came,
+passes :func:`check_engine`.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.config import check_plaintext
+from kvpool.config import check_plaintext, check_plaintext_endpoint
 from kvpool.errors import ConfigError
+from kvpool.tenants import TenantsFile
 
 from .engines import ROLES, Engine
 
@@ -50,7 +56,7 @@ class RouterSettings:
     # blocks held only in lower tiers into DRAM, held this long for it (0: no prefetch).
     prefetch_hold: float = 60.0
     # HTTPS (certificate and key files, reloaded on change); plaintext only on loopback
-    # unless insecure.
+    # unless insecure, for the router's listener and for the engines it reaches.
     tls_cert: str = ""
     tls_key: str = ""
     insecure: bool = False
@@ -60,21 +66,81 @@ class RouterSettings:
     engines: list[Engine] = field(default_factory=list)
 
 
+ENGINE_FIELDS = ("url", "role", "node", "name", "tenants")
+
+
 def parse_engine(spec: str) -> Engine:
-    """``URL`` or ``URL,role=prefill,node=host:port``."""
+    """``URL`` or ``URL,role=prefill,node=host:port,tenants=alpha`` (several tenants:
+    ``alpha+beta``)."""
     url, *options = [part.strip() for part in spec.split(",") if part.strip()]
-    values: dict[str, str] = {}
+    values: dict[str, object] = {"url": url}
     for option in options:
         name, sep, value = option.partition("=")
-        if not sep or name not in ("role", "node", "name"):
-            raise ConfigError(f"engine option {option!r}: use role=..., node=... or name=...")
-        values[name] = value
-    if not url.startswith(("http://", "https://")):
+        if not sep or name == "url" or name not in ENGINE_FIELDS:
+            raise ConfigError(
+                f"engine option {option!r}: use role=..., node=..., name=... or tenants=..."
+            )
+        values[name] = value.split("+") if name == "tenants" else value
+    return engine_from(values)
+
+
+def engine_from(spec: dict[str, object]) -> Engine:
+    """An engine from its fields (a flag, a config file's ``[[engines]]``, or the JSON of
+    ``POST /admin/engines``); :class:`ConfigError` names what is wrong."""
+    unknown = set(spec) - set(ENGINE_FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown engine field(s) {sorted(unknown)}: {', '.join(ENGINE_FIELDS)}")
+    url = spec.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ConfigError(f"engine URL {url!r} must start with http:// or https://")
-    role = values.get("role", "both")
+    role = spec.get("role", "both")
     if role not in ROLES:
         raise ConfigError(f"engine role {role!r}: one of {', '.join(ROLES)}")
-    return Engine(url=url, role=role, node=values.get("node", ""), name=values.get("name", ""))
+    tenants = spec.get("tenants", [])
+    if isinstance(tenants, str):
+        tenants = [tenants]
+    if not isinstance(tenants, list) or not all(isinstance(t, str) and t for t in tenants):
+        raise ConfigError("engine tenants: a list of tenant names")
+    return Engine(
+        url=url,
+        role=role,
+        node=str(spec.get("node", "")),
+        name=str(spec.get("name", "")),
+        tenants=frozenset(tenants),
+    )
+
+
+def check_engine(engine: Engine, settings: RouterSettings, tenants: TenantsFile | None) -> None:
+    """Whether the router may send requests to ``engine``: the one place that decides, for
+    the engines it starts with and those added at run time (:class:`ConfigError` if not).
+
+    - Prompts and answers cross the hop to the engine: ``http://`` only to an engine on
+      loopback, unless ``--insecure`` (the router's own listener follows the same rule).
+    - With a tenants file, an engine serves exactly one tenant, named in the file.  An
+      engine saves and loads the pool under the one credential its connector was given,
+      and vLLM's GPU prefix cache is shared by every request it runs: an engine shared by
+      two tenants would give each the other's KV (and the timing of its prompts).  kvpool's
+      connector has no credential per request, so a shared engine is refused.
+    - Without a tenants file there are no tenants to tell apart: ``tenants`` is refused
+      rather than silently ignored.
+    """
+    check_plaintext_endpoint(engine.url, settings.insecure, f"the engine {engine.url}")
+    if tenants is None:
+        if engine.tenants:
+            raise ConfigError(
+                f"engine {engine.url}: tenants need the router's --tenants file (which "
+                "authenticates each request's tenant)"
+            )
+        return
+    if len(engine.tenants) != 1:
+        raise ConfigError(
+            f"engine {engine.url}: with --tenants, an engine serves exactly one tenant "
+            f"(tenants=NAME), not {len(engine.tenants)}: its pool credential and its GPU "
+            "prefix cache are shared by every request it runs"
+        )
+    unknown = sorted(engine.tenants - set(tenants.tenants))
+    if unknown:
+        raise ConfigError(f"engine {engine.url}: no tenant {unknown[0]!r} in the tenants file")
 
 
 def load_file(path: str) -> dict[str, Any]:
@@ -93,9 +159,7 @@ def settings_from(
 ) -> RouterSettings:
     values: dict[str, Any] = load_file(file) if file else {}
     engines = [
-        parse_engine(",".join([e["url"], *(f"{k}={v}" for k, v in e.items() if k != "url")]))
-        if isinstance(e, dict)
-        else parse_engine(str(e))
+        engine_from(e) if isinstance(e, dict) else parse_engine(str(e))
         for e in values.pop("engines", [])
     ]
     engines += [parse_engine(spec) for spec in engine_specs]

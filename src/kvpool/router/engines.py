@@ -2,7 +2,9 @@
 
 An engine is an OpenAI-compatible server (vLLM).  Its role is ``both`` (a plain engine),
 ``prefill`` or ``decode``; ``node`` names the kvpool node on its host (for cache-aware
-routing).  A background task checks ``/health`` (an engine is taken out after a failure
+routing); ``tenants`` names the tenants it serves (with ``--tenants``: exactly one, see
+:func:`kvpool.router.config.check_engine`), and a tenant's request goes only to an engine
+that serves it.  A background task checks ``/health`` (an engine is taken out after a failure
 and back after ``recover_after`` consecutive successes) and reads vLLM's ``/metrics`` for
 the load: requests running and waiting, and KV cache usage.  Engines added at run time are
 used at once; an engine being removed is drained first: it takes no new requests, and it
@@ -48,6 +50,8 @@ class Engine:
     role: Role = "both"
     node: str = ""  # the kvpool node on the engine's host
     name: str = ""
+    # The tenants whose requests it may take (by name); empty without --tenants.
+    tenants: frozenset[str] = frozenset()
     is_healthy: bool = True
     is_draining: bool = False
     in_flight: int = 0  # requests the router has open on it now
@@ -82,11 +86,16 @@ class Engine:
             return self.role == "both"
         return self.role in (phase, "both")
 
+    def serves(self, tenant: str | None) -> bool:
+        """Whether a request of ``tenant`` may come here (``None``: there are no tenants)."""
+        return tenant is None or tenant in self.tenants
+
     def describe(self) -> dict[str, object]:
         return {
             "url": self.url,
             "role": self.role,
             "node": self.node,
+            "tenants": sorted(self.tenants),
             "healthy": self.is_healthy,
             "draining": self.is_draining,
             "in_flight": self.in_flight,
@@ -132,12 +141,21 @@ class EngineSet:
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    def available(self, phase: Literal["prefill", "decode", "any"]) -> list[Engine]:
-        return [e for e in self.engines if e.is_available and e.can_serve(phase)]
+    def available(
+        self, phase: Literal["prefill", "decode", "any"], tenant: str | None = None
+    ) -> list[Engine]:
+        """The engines that can take ``phase`` of a request of ``tenant`` now."""
+        return [
+            e for e in self.engines if e.is_available and e.can_serve(phase) and e.serves(tenant)
+        ]
 
-    @property
-    def has_disaggregation(self) -> bool:
-        roles = {e.role for e in self.engines if not e.is_draining}
+    def serving(self, tenant: str | None) -> list[Engine]:
+        """The engines registered for ``tenant``'s requests, whatever their health."""
+        return [e for e in self.engines if e.serves(tenant)]
+
+    def is_disaggregated(self, tenant: str | None = None) -> bool:
+        """Whether ``tenant``'s requests have prefill and decode engines apart."""
+        roles = {e.role for e in self.engines if not e.is_draining and e.serves(tenant)}
         return "prefill" in roles and "decode" in roles
 
     def find(self, url: str) -> Engine | None:
@@ -148,7 +166,12 @@ class EngineSet:
         if self.find(engine.url) is not None:
             raise ValueError(f"engine {engine.url} is already registered")
         self.engines.append(engine)
-        log.info("engine added: %s (%s)", engine.url, engine.role)
+        log.info(
+            "engine added: %s (%s%s)",
+            engine.url,
+            engine.role,
+            f"; tenants {', '.join(sorted(engine.tenants))}" if engine.tenants else "",
+        )
         return engine
 
     async def remove(self, url: str, timeout: float) -> bool:
@@ -206,10 +229,15 @@ class EngineSet:
         engine.is_healthy = False
 
     def _is_last_of_role(self, engine: Engine) -> bool:
+        """Whether some tenant of ``engine`` (or everyone, without tenants) would be left
+        with no engine for one of its phases."""
         phases: tuple[Literal["prefill", "decode"], ...] = (
             ("prefill", "decode") if engine.role == "both" else (engine.role,)
         )
-        return any(not any(e is not engine for e in self.available(phase)) for phase in phases)
+        return any(
+            not any(e is not engine and engine.tenants <= e.tenants for e in self.available(phase))
+            for phase in phases
+        )
 
     # -- background checks ----------------------------------------------------------------
 

@@ -11,7 +11,6 @@ obstore raises its own exception classes and Python's (``FileNotFoundError``,
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Annotated, Any
 from urllib.parse import urlparse
@@ -80,7 +79,7 @@ def open_store(config: ObjectStoreConfig, *, timeout_s: float, retries: int) -> 
         "timeout": timedelta(seconds=timeout_s),
         "connect_timeout": timedelta(seconds=min(timeout_s, 2.0)),
     }
-    endpoint = config.endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
+    endpoint = config.endpoint_url  # plaintext off loopback refused (NodeConfig.validate)
     if endpoint.startswith("http://"):
         options["allow_http"] = True
     kwargs: dict[str, Any] = {}
