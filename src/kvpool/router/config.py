@@ -124,7 +124,7 @@ def check_engine(engine: Engine, settings: RouterSettings, tenants: TenantsFile 
     - Without a tenants file there are no tenants to tell apart: ``tenants`` is refused
       rather than silently ignored.
     """
-    check_plaintext_endpoint(engine.url, settings.insecure, f"the engine {engine.url}")
+    check_plaintext_endpoint(engine.url, settings.insecure, "an engine")
     if tenants is None:
         if engine.tenants:
             raise ConfigError(
