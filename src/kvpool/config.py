@@ -251,7 +251,12 @@ class TLSConfig:
     ca: str = setting(
         "", "--tls-ca", "The CA of other nodes' certificates (node to node).", key="tls_ca"
     )
-    insecure: bool = setting(False, "--insecure", "Accept plaintext off loopback.", is_switch=True)
+    insecure: bool = setting(
+        False,
+        "--insecure",
+        "Accept plaintext off loopback (the node's ports, etcd, the S3 endpoint).",
+        is_switch=True,
+    )
 
     def validate(self) -> TLSConfig:
         if bool(self.cert) != bool(self.key):

@@ -176,7 +176,12 @@ ROUTER_SETTINGS = (
     Setting("tenants", "--tenants", "A tenants file: requests carry ID:KEY as a bearer token."),
     Setting("tls_cert", "--tls-cert", "TLS certificate (PEM): HTTPS."),
     Setting("tls_key", "--tls-key", "Its private key (PEM)."),
-    Setting("insecure", "--insecure", "Accept plaintext off loopback.", is_switch=True),
+    Setting(
+        "insecure",
+        "--insecure",
+        "Accept plaintext off loopback (the router's port, and http:// engines).",
+        is_switch=True,
+    ),
 )
 
 
@@ -187,7 +192,8 @@ def router(
         list[str] | None,
         typer.Option(
             "--engine",
-            help="An engine: URL[,role=both|prefill|decode][,node=host:port]. Repeatable.",
+            help="An engine: URL[,role=both|prefill|decode][,node=host:port][,tenants=NAME] "
+            "(with --tenants, the one tenant it serves). Repeatable.",
         ),
     ] = None,
     config: Annotated[
