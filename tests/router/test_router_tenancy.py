@@ -206,3 +206,35 @@ def test_without_tenants_an_engine_takes_no_tenant_set(started):
     alpha_1 = engine(started, "alpha-1")
     status, output = run_router("--engine", f"{alpha_1.url},tenants=alpha")
     assert status == 2 and "tenants need the router's --tenants file" in output, output
+
+
+def test_a_tenants_last_engine_is_kept_whatever_other_tenants_have(started, tenants):
+    """The last engine of a role stays in rotation through a dropped connection (it is
+    retried): with tenants, "last" is counted among its tenant's engines, since another
+    tenant's engine can never take the request."""
+    file, credentials = tenants
+    alpha_1, beta_1 = engine(started, "alpha-1"), engine(started, "beta-1")
+    proc = router(
+        started,
+        [f"{alpha_1.url},tenants=alpha", f"{beta_1.url},tenants=beta"],
+        "--tenants",
+        str(file.path),
+    )
+    alpha_1.configure(drop=1)  # its next stream dies before the first chunk
+    token = b64encode(":".join(credentials["alpha"]).encode()).decode()
+    request = urllib.request.Request(
+        proc.url + "/v1/completions",
+        json.dumps({"model": "m", "prompt": "p", "max_tokens": 2, "stream": True}).encode(),
+        {"Content-Type": "application/json", "Authorization": "Basic " + token},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200 and b"[DONE]" in response.read()
+        assert response.headers["x-kvpool-engine"] == alpha_1.url
+        assert "attempt=2" in response.headers["x-kvpool-route"]
+    # Still in rotation (beta's engine does not count as a spare of alpha's), so alpha's
+    # next request is served at once instead of finding no healthy engine.
+    status, body, _ = call(proc.url + "/admin/engines", CLUSTER, None, method="GET")
+    assert status == 200
+    assert {e["url"]: e["healthy"] for e in body["engines"]}[alpha_1.url] is True
+    assert complete(proc, credentials["alpha"])[0] == 200
+    assert prompts_seen(beta_1) == 0
