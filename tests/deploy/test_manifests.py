@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from kvpool.config import CLIENT_ENV, CONNECTOR_ENV, NODE_ENV
-from kvpool.router.config import settings_from
+from kvpool.router.config import check_engine, settings_from
 from tests.thirdparty import third_party
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,6 +219,7 @@ def test_the_router_config_is_one_the_router_accepts_and_names_real_services(ove
     settings = router_settings(overlay)
     services = {d["metadata"]["name"] for d in documents(overlay) if d["kind"] == "Service"}
     for engine in settings.engines:
+        check_engine(engine, settings, None)  # plaintext in the cluster: insecure = true
         host = engine.url.split("//", 1)[1].split(":", 1)[0]
         # <pod>.<service>.<namespace>.svc or <service>.<namespace>.svc
         service, namespace, svc = host.split(".")[-3:]
