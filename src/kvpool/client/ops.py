@@ -180,14 +180,19 @@ def check_len(what: str, values: Sequence[Any], num: int) -> None:
 # -- handshake ----------------------------------------------------------------------------
 
 
-def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -> Op_[Welcome]:
+def handshake(
+    access_id: str, access_key: str, host_id: str, client_name: str, binding: bytes
+) -> Op_[Welcome]:
+    """Authenticate (``binding``: the connection as this side sees it, which both proofs
+    cover: :func:`kvpool.protocol.auth.client_binding`); the node's Welcome, once the node
+    proved it knows the key and that the Welcome is its own."""
     challenge, _ = yield Recv(Op.CHALLENGE, Challenge)
     if PROTOCOL_VERSION not in challenge.versions:
         raise UnsupportedVersion(f"node speaks versions {challenge.versions}")
     nonce = auth.new_nonce()
     proof = b""
     if access_key:
-        proof = auth.proof(access_key, "client", access_id, challenge.nonce, nonce)
+        proof = auth.proof(access_key, "client", access_id, challenge.nonce, nonce, binding)
     hello = Hello(
         version=PROTOCOL_VERSION,
         access_id=access_id,
@@ -199,7 +204,14 @@ def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -
     yield Request(Op.HELLO, hello)
     welcome, _ = yield Recv(Op.HELLO, Welcome)
     if access_key and not auth.verify(
-        access_key, "node", access_id, challenge.nonce, nonce, welcome.proof
+        access_key,
+        "node",
+        access_id,
+        challenge.nonce,
+        nonce,
+        welcome.proof,
+        binding,
+        auth.welcome_digest(welcome),
     ):
         raise AuthenticationError("node could not prove it knows the access key")
     return welcome

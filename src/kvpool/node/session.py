@@ -90,6 +90,12 @@ TENANT_OPS = frozenset(
 )
 
 
+# What only the node's operators may do: a keyless node's TCP listener does not offer it
+# (the Unix socket, in the node's 0700 run directory, does), so that any local user who
+# reaches the loopback port cannot stop or drain the node.
+ADMIN_OPS = frozenset({Op.SHUTDOWN})
+
+
 # What need not wait for the seals in flight (every other request sees them done).
 _BEFORE_SEALS = frozenset(
     {Op.AREA, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PUT, Op.UNPIN, Op.TOUCH, Op.HEALTH}
@@ -114,7 +120,10 @@ class Session:
         # Small until a peer has authenticated: nothing sizeable before that (the buffer grows
         # with the frames of an authenticated session).
         self.channel = AsyncChannel(sock, buffer_bytes=PRE_AUTH_BUFFER_BYTES)
-        self.peer = "unix" if sock.family == socket.AF_UNIX else str(sock.getpeername()[0])
+        self.is_local = sock.family == socket.AF_UNIX
+        self.peer = "unix" if self.is_local else str(sock.getpeername()[0])
+        # What the handshake's proofs cover of this connection (see kvpool.protocol.auth).
+        self.binding = services.identity.unix_binding if self.is_local else auth.TCP_BINDING
         self.credential: Credential | None = None  # who authenticated (None: no keys)
         self.tenant: Tenant | None = None  # whose keys this connection names
         self.task: asyncio.Task[None] | None = None
@@ -162,9 +171,20 @@ class Session:
     async def _handshake(self) -> None:
         server_nonce = auth.new_nonce()
         header, hello = await self._challenge(server_nonce)
-        proof = self._authenticate(hello, server_nonce)
+        credential = self._authenticate(hello, server_nonce)
         self.channel.rbuf.grow(RecvBuffer.INITIAL_BYTES)  # authenticated: the usual read-ahead
-        await self._reply(header, Op.HELLO, self._welcome(proof))
+        welcome = self._welcome()
+        if credential is not None:  # the node's proof covers the Welcome it sends
+            welcome.proof = auth.proof(
+                credential.key,
+                "node",
+                hello.access_id,
+                server_nonce,
+                hello.nonce,
+                self.binding,
+                auth.welcome_digest(welcome),
+            )
+        await self._reply(header, Op.HELLO, welcome)
 
     async def _challenge(self, server_nonce: bytes) -> tuple[FrameHeader, msg.Hello]:
         """Send the CHALLENGE; the client's HELLO, in a version this node speaks."""
@@ -187,31 +207,38 @@ class Session:
             raise UnsupportedVersion(f"client speaks version {hello.version}")
         return header, hello
 
-    def _authenticate(self, hello: msg.Hello, server_nonce: bytes) -> bytes:
-        """Check the client's proof, if the node knows its access id; the node's proof."""
+    def _authenticate(self, hello: msg.Hello, server_nonce: bytes) -> Credential | None:
+        """Check the client's proof, if the node knows its access id; who it proved to be
+        (None: the node needs no key and the client gave none it knows)."""
         credentials = self.services.credentials
         credential = credentials.credential(hello.access_id)
         if credential is None:
             if credentials.requires_auth:
-                log.warning("unknown access id %r (%s)", hello.access_id, self.peer)
+                self.services.refusals.note("unknown access id", self.peer)
                 raise AuthenticationError("access id or key refused")
-            return b""
+            return None
         ok = auth.verify(
-            credential.key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
+            credential.key,
+            "client",
+            hello.access_id,
+            server_nonce,
+            hello.nonce,
+            hello.proof,
+            self.binding,
         )
         if not ok:
-            log.warning("authentication failed for access id %r (%s)", hello.access_id, self.peer)
+            self.services.refusals.note("authentication failed", self.peer)
             raise AuthenticationError("access id or key refused")
         self.credential = credential
         self.tenant = credential.tenant
         self.services.registry.admit(self)  # the tenant's connection cap
-        return auth.proof(credential.key, "node", hello.access_id, server_nonce, hello.nonce)
+        return credential
 
-    def _welcome(self, proof: bytes) -> msg.Welcome:
+    def _welcome(self) -> msg.Welcome:
         identity = self.services.identity
         welcome = msg.Welcome(
             node_id=identity.node_id,
-            proof=proof,
+            proof=b"",
             host_id=identity.host_id,
             tcp_address=identity.tcp_address,
             arena_path="",
@@ -284,13 +311,22 @@ class Session:
     def _decode(self, header: FrameHeader, meta: bytes, op_name: str) -> Any:
         """The request, scoped to the connection's tenant, if it may send it."""
         request = decode_request(header.op, meta)
+        self._check_permitted(header.op, op_name)
         if self.tenant is not None:
-            if header.op not in TENANT_OPS:
-                raise Forbidden(f"{op_name} is not open to tenants")
             request = _scoped(request, self.tenant)
         if header.op != Op.PUT and header.payload_len:
             raise BadRequest(f"{op_name} carries no payload")
         return request
+
+    def _check_permitted(self, op: int, op_name: str) -> None:
+        """Who may do what, decided here for every request: a tenant only TENANT_OPS; a
+        client of a keyless node over TCP everything but ADMIN_OPS; an authenticated
+        operator (the node's key, the cluster's identity) or the Unix socket everything."""
+        if self.tenant is not None:
+            if op not in TENANT_OPS:
+                raise Forbidden(f"{op_name} is not open to tenants")
+        elif self.credential is None and not self.is_local and op in ADMIN_OPS:
+            raise Forbidden(f"{op_name} needs the Unix socket or an access key on this node")
 
     async def _reply(
         self,

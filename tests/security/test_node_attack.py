@@ -1,0 +1,230 @@
+"""The node's handshake, listeners, prefetch and secrets, tried from the attacker's side
+against real daemons (issue 28: items 11, 12, 2 and the low items).
+
+Each test is what an attacker does: relay a victim's handshake, rewrite a Welcome in the
+middle of a plaintext link, stop a keyless node over its loopback port, flood the log with
+refused handshakes, fill the daemon's heap with block origins, fan a tenant's PREFETCH out
+to other nodes, or read a key from the process list or a readable tenants file.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvpool import AuthenticationError, Client, Forbidden
+from kvpool.client.connection import Connection
+from kvpool.config import Address, client_config_from
+from kvpool.protocol.frames import HEADER_BYTES, encode_frame, parse_header
+from kvpool.protocol.messages import (
+    Empty,
+    NodeStats,
+    Op,
+    ShutdownRequest,
+    Welcome,
+)
+from tests.conftest import NodeFactory
+from tests.security.tenants import send
+
+KEY = "a-key-of-sixteen-chars-or-more"
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def _read_frame(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One frame: its raw header bytes and its metadata (no frame here has a payload)."""
+    raw = _recv_exact(sock, HEADER_BYTES)
+    header = parse_header(raw)
+    return raw, _recv_exact(sock, header.meta_len)
+
+
+class Relay:
+    """A local attacker's listener: it takes a victim's connection, opens its own to the
+    node, and forwards the handshake (CHALLENGE, HELLO, the Welcome or the refusal) frame
+    by frame, rewriting the Welcome with ``rewrite`` if given.  Afterwards it keeps the
+    connection to the node for itself: ``node_side``."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        connect: Callable[[], socket.socket],
+        rewrite: Callable[[Welcome], Welcome] | None = None,
+    ):
+        self.listener = listener
+        self.connect = connect
+        self.rewrite = rewrite
+        self.node_side: socket.socket | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            victim, _ = self.listener.accept()
+            victim.settimeout(10)
+            node = self.connect()
+            node.settimeout(10)
+            self.node_side = node
+            raw, meta = _read_frame(node)  # CHALLENGE
+            victim.sendall(raw + meta)
+            raw, meta = _read_frame(victim)  # HELLO, with the victim's proof
+            node.sendall(raw + meta)
+            raw, meta = _read_frame(node)  # the Welcome (or the refusal)
+            header = parse_header(raw)
+            if self.rewrite is not None and header.status == 0:
+                welcome = self.rewrite(msgspec.msgpack.decode(meta, type=Welcome))
+                victim.sendall(
+                    encode_frame(
+                        header.op,
+                        welcome,
+                        request_id=header.request_id,
+                        flags=header.flags,
+                    )
+                )
+            else:
+                victim.sendall(raw + meta)
+            victim.close()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def join(self) -> None:
+        self.thread.join(20)
+        assert not self.thread.is_alive()
+
+    def close(self) -> None:
+        if self.node_side is not None:
+            self.node_side.close()
+        self.listener.close()
+
+
+def _stats_on(sock: socket.socket) -> NodeStats | None:
+    """What the attacker gets asking the node for STATS on the relayed connection (None:
+    the node closed it or refused)."""
+    try:
+        sock.sendall(encode_frame(Op.STATS, Empty(), request_id=7))
+        raw, meta = _read_frame(sock)
+    except OSError:
+        return None
+    if parse_header(raw).status != 0:
+        return None
+    return msgspec.msgpack.decode(meta, type=NodeStats)
+
+
+@pytest.mark.parametrize("target", ["unix", "tcp"])
+def test_a_relayed_unix_handshake_authenticates_nobody(
+    start_node: NodeFactory, tmp_path: Path, target: str
+) -> None:
+    """The attacker makes a victim connect to a Unix socket of its own (e.g. one it
+    planted where the victim looks for the node's) and relays the victim's handshake to the
+    node's Unix socket or loopback TCP port: the victim's proof covers the socket it
+    really connected to, so the node refuses it, and the attacker holds nothing."""
+    node = start_node("relayed", extra=["--access-key", KEY])
+    trap = tmp_path / "kvpool.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(trap))
+    listener.listen(1)
+
+    def connect() -> socket.socket:
+        if target == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(node.info["unix"])
+            return sock
+        address = Address.parse(node.tcp_address)
+        return socket.create_connection((address.host, address.port))
+
+    relay = Relay(listener, connect)
+    with pytest.raises(AuthenticationError), Client(f"unix:{trap}", access_key=KEY) as victim:
+        victim.stats()
+    relay.join()
+    assert relay.error is None and relay.node_side is not None
+    assert _stats_on(relay.node_side) is None  # the relayed connection serves nothing
+    relay.close()
+    # The real socket still authenticates the real client.
+    with Client(node.unix_address, access_key=KEY, timeout=10) as client:
+        assert client.stats().node_id == "relayed"
+
+
+def test_a_rewritten_welcome_is_refused_by_the_client(
+    start_node: NodeFactory, tmp_path: Path
+) -> None:
+    """A man in the middle of a plaintext TCP link passes the handshake through but points
+    the client at an arena file of its own: the node's proof covers its Welcome, so the
+    client refuses the connection instead of mapping the attacker's file."""
+    node = start_node("rewritten", extra=["--access-key", KEY])
+    planted = tmp_path / "arena"
+    planted.write_bytes(b"\0" * 4096)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    address = Address.parse(node.tcp_address)
+
+    def rewrite(welcome: Welcome) -> Welcome:
+        stat = planted.stat()
+        return msgspec.structs.replace(
+            welcome,
+            arena_path=str(planted),
+            arena_bytes=4096,
+            arena_dev=stat.st_dev,
+            arena_ino=stat.st_ino,
+            host_id="rewritten-host",
+        )
+
+    relay = Relay(listener, lambda: socket.create_connection((address.host, address.port)), rewrite)
+    config = client_config_from(
+        {"address": f"127.0.0.1:{port}", "access_key": KEY, "host_id": "rewritten-host"}
+    )
+    with pytest.raises(AuthenticationError, match="could not prove"):
+        Connection(Address.parse(config.address), config, time.monotonic() + 10)
+    relay.join()
+    assert relay.error is None
+    relay.close()
+
+
+def test_a_keyless_nodes_loopback_port_cannot_stop_it(start_node: NodeFactory) -> None:
+    """With no key, any local user reaches the loopback TCP port: it may use the pool, but
+    not stop or drain the node (the Unix socket, in the node's own run directory, may)."""
+    node = start_node("keyless")
+    config = client_config_from({"address": node.tcp_address, "use_shm": False})
+    connection = Connection(Address.parse(node.tcp_address), config, time.monotonic() + 10)
+    try:
+        with pytest.raises(Forbidden, match="Unix socket or an access key"):
+            send(
+                connection,
+                Op.SHUTDOWN,
+                ShutdownRequest(node_id="keyless", drain=True),
+                Empty,
+            )
+    finally:
+        connection.close()
+    time.sleep(0.5)
+    assert node.proc is not None and node.proc.poll() is None
+    with Client(node.tcp_address, use_shm=False, timeout=10) as client:
+        assert client.stats().node_id == "keyless"
+
+
+def test_refused_handshakes_cannot_flood_the_log(start_node: NodeFactory) -> None:
+    """Every refused handshake came before authentication: 200 of them from one attacker
+    leave a line or two in the node's log, with their count, not 200."""
+    node = start_node("flooded", extra=["--access-key", KEY])
+    for i in range(200):
+        guess = Client(node.tcp_address, access_id=f"guess-{i}", access_key=KEY, use_shm=False)
+        with pytest.raises(AuthenticationError), guess:
+            guess.stats()
+    time.sleep(0.5)
+    words = ("refused", "access id", "authentication")
+    refusals = [line for line in node.output if any(word in line for word in words)]
+    assert 1 <= len(refusals) <= 2, refusals
+    assert "handshake(s) refused" in refusals[0]
