@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpool import AuthenticationError, Client, Forbidden
+from kvpool import AuthenticationError, Client, Forbidden, Namespace
 from kvpool.client.connection import Connection
 from kvpool.config import Address, client_config_from
 from kvpool.protocol.frames import HEADER_BYTES, encode_frame, parse_header
@@ -30,7 +30,7 @@ from kvpool.protocol.messages import (
     Welcome,
 )
 from tests.conftest import NodeFactory
-from tests.security.tenants import send
+from tests.security.tenants import TenantsFile, send
 
 KEY = "a-key-of-sixteen-chars-or-more"
 
@@ -228,3 +228,37 @@ def test_refused_handshakes_cannot_flood_the_log(start_node: NodeFactory) -> Non
     refusals = [line for line in node.output if any(word in line for word in words)]
     assert 1 <= len(refusals) <= 2, refusals
     assert "handshake(s) refused" in refusals[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_tenants_prefetch_cannot_fan_out_to_other_nodes(
+    start_node: NodeFactory, tmp_path: Path
+) -> None:
+    """A tenant sends PREFETCHes of blocks nobody holds, on a node whose other member is
+    slow (it accepts and never answers): each request sends at most 64 keys to other
+    nodes, and the tenant has at most 256 out at once; the rest are refused at once."""
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    beta = tenants.add("beta")[0]
+    tenants.write()
+    slow = socket.create_server(("127.0.0.1", 0), backlog=256)
+    port = _free_port()
+    peers = f"127.0.0.1:{port},127.0.0.1:{slow.getsockname()[1]}"
+    node = start_node(
+        "fanned", extra=["--port", str(port), "--peers", peers, "--tenants", str(tenants.path)]
+    )
+    namespace = Namespace(model="attack")
+    started = refused = 0
+    with Client(node.tcp_address, access_id=beta[0], access_key=beta[1], use_shm=False) as b:
+        for request in range(16):
+            wanted = [namespace.key(f"{request}-{i}".encode()) for i in range(1024)]
+            answer = b.prefetch(wanted, hold=5)
+            assert answer.num_started <= 64
+            started += answer.num_started
+            refused += answer.num_refused
+    assert started <= 256 and refused >= 16 * 1024 - 256
+    slow.close()
