@@ -21,6 +21,7 @@ import pytest
 from kvpool import AuthenticationError, Client, Forbidden, Namespace
 from kvpool.client.connection import Connection
 from kvpool.config import Address, client_config_from
+from kvpool.keys import MAX_TOKENS_PER_BLOCK, BlockOrigin
 from kvpool.protocol.frames import HEADER_BYTES, encode_frame, parse_header
 from kvpool.protocol.messages import (
     Empty,
@@ -30,6 +31,7 @@ from kvpool.protocol.messages import (
     Welcome,
 )
 from tests.conftest import NodeFactory
+from tests.helpers import rss_anon_kib
 from tests.security.tenants import TenantsFile, send
 
 KEY = "a-key-of-sixteen-chars-or-more"
@@ -262,3 +264,27 @@ def test_a_tenants_prefetch_cannot_fan_out_to_other_nodes(
             refused += answer.num_refused
     assert started <= 256 and refused >= 16 * 1024 - 256
     slow.close()
+
+
+def test_block_origins_cannot_fill_the_daemons_heap(
+    start_node: NodeFactory, tmp_path: Path
+) -> None:
+    """A tenant with a 4 MiB quota stores 1,024 empty blocks (a page each, its whole
+    quota), each with the longest origin the wire allows (4,096 token ids): the daemon's
+    heap grows by what the quota pays for, not by the origins (about 160 MiB before)."""
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    beta = tenants.add("beta", quota="4MiB")[0]
+    tenants.write()
+    node = start_node("origins", extra=["--tenants", str(tenants.path)])
+    assert node.proc is not None
+    namespace = Namespace(model="attack")
+    origin = BlockOrigin(token_ids=list(range(1 << 20, (1 << 20) + MAX_TOKENS_PER_BLOCK)))
+    with Client(node.tcp_address, access_id=beta[0], access_key=beta[1], use_shm=False) as b:
+        b.put([namespace.key(b"warm")], [b""])
+        before = rss_anon_kib(node.proc.pid)
+        for batch in range(32):
+            keys = [namespace.key(f"{batch}-{i}".encode()) for i in range(32)]
+            assert b.put(keys, [b""] * 32, origins=[origin] * 32).all_stored
+        assert b.stats().num_blocks >= 1000
+        grown_kib = rss_anon_kib(node.proc.pid) - before
+    assert grown_kib < 40 << 10, f"the daemon's heap grew by {grown_kib >> 10} MiB"

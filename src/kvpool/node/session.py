@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from kvpool import checksum as ck
+from kvpool.config import page_bytes
 from kvpool.errors import (
     AuthenticationError,
     BadRequest,
@@ -46,6 +47,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     status_for_error,
 )
+from kvpool.keys import BlockOrigin
 from kvpool.limits import LeaseLimits
 from kvpool.node.services import SessionServices
 from kvpool.protocol import auth
@@ -89,6 +91,10 @@ TENANT_OPS = frozenset(
     }
 )
 
+
+# A tenant's block keeps an origin of at most one token id per this many bytes of arena
+# memory it takes (a 4 KiB page: 16 token ids; a 2 MiB block: all 4,096 a block may have).
+ORIGIN_BYTES_PER_TOKEN = 256
 
 # What only the node's operators may do: a keyless node's TCP listener does not offer it
 # (the Unix socket, in the node's 0700 run directory, does), so that any local user who
@@ -565,13 +571,33 @@ class Session:
 
 
 def _scoped(request: Any, tenant: Tenant) -> Any:
-    """The request with every key (and namespace id) it names moved into the tenant's."""
+    """The request with every key (and namespace id) it names moved into the tenant's, and
+    a PUT's origins within what its blocks pay for (:func:`_paid_origins`)."""
+    if isinstance(request, msg.PutRequest) and request.origins:
+        request = msgspec.structs.replace(request, origins=_paid_origins(request))
     if isinstance(request, msg.DescribeRequest):
         scoped = tenant.scope_namespace(request.namespace_id)
         return msgspec.structs.replace(request, namespace_id=scoped)
     if hasattr(request, "keys"):
         return msgspec.structs.replace(request, keys=tenant.scope_all(request.keys))
     return request
+
+
+def _paid_origins(req: msg.PutRequest) -> list[BlockOrigin | None]:
+    """A tenant's origins, each kept only if its block pays for it: at most one token id
+    per ORIGIN_BYTES_PER_TOKEN bytes of the arena memory the block takes (what its quota
+    counts).  An origin sits in the daemon's heap, about 40 bytes a token id; so bounded,
+    a tenant's origins cost at most a sixth of its quota, and a block too small for its
+    origin is stored without it (its KV events carry no token ids)."""
+    origins = req.origins or []
+    if len(origins) != len(req.sizes):
+        return list(origins)  # refused whole by the PUT's own checks
+    return [
+        origin
+        if origin is None or len(origin.token_ids) * ORIGIN_BYTES_PER_TOKEN <= page_bytes(size)
+        else None
+        for origin, size in zip(origins, req.sizes, strict=True)
+    ]
 
 
 def _put_mismatch(req: msg.PutRequest, payload_len: int) -> str:
