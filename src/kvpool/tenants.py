@@ -81,8 +81,11 @@ class Tenant:
         if scoped is None:
             digest = hmac.new(self.salt, namespace_id, hashlib.sha256).digest()
             scoped = self.tag + digest[: NAMESPACE_ID_BYTES - TAG_BYTES]
-            if len(self._scoped) >= _SCOPE_CACHE:
-                self._scoped.clear()
+            if len(self._scoped) >= _SCOPE_CACHE:  # the least recently used goes
+                del self._scoped[next(iter(self._scoped))]
+            self._scoped[namespace_id] = scoped
+        else:  # most recently used: last in the dict's order
+            del self._scoped[namespace_id]
             self._scoped[namespace_id] = scoped
         return scoped
 
@@ -118,8 +121,10 @@ class TenantsFile:
 def load(path: Path) -> TenantsFile:
     """Read and check a tenants file; :class:`ConfigError` names what is wrong."""
     try:
-        if path.stat().st_size > MAX_TENANTS_FILE_BYTES:
+        stat = path.stat()
+        if stat.st_size > MAX_TENANTS_FILE_BYTES:
             raise ConfigError(f"{path}: larger than {MAX_TENANTS_FILE_BYTES} bytes")
+        _check_private(path, stat)
         data = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read the tenants file {path}: {exc.strerror}") from exc
@@ -226,6 +231,18 @@ def authenticate(
     if credential is None or not hmac.compare_digest(credential.key.encode(), key.encode()):
         return None
     return credential
+
+
+def _check_private(path: Path, stat: os.stat_result) -> None:
+    """The file holds every tenant's keys: refuse one that another user owns (who could
+    change it) or that anyone but its owner may read or write."""
+    if stat.st_uid != os.geteuid():
+        raise ConfigError(f"{path}: owned by uid {stat.st_uid}, not this daemon's user")
+    if stat.st_mode & 0o077:
+        raise ConfigError(
+            f"{path}: readable or writable by group or others (mode {stat.st_mode & 0o777:o});"
+            " chmod 600 it"
+        )
 
 
 def _stamp(path: Path) -> tuple[int, int, int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpool import AuthenticationError, Client, Forbidden, Namespace
+from kvpool import AuthenticationError, Client, ConfigError, Forbidden, Namespace
 from kvpool.client.connection import Connection
 from kvpool.config import Address, client_config_from
 from kvpool.keys import MAX_TOKENS_PER_BLOCK, BlockOrigin
@@ -288,3 +288,17 @@ def test_block_origins_cannot_fill_the_daemons_heap(
         assert b.stats().num_blocks >= 1000
         grown_kib = rss_anon_kib(node.proc.pid) - before
     assert grown_kib < 40 << 10, f"the daemon's heap grew by {grown_kib >> 10} MiB"
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620])
+def test_a_tenants_file_others_may_read_or_write_is_refused(
+    start_node: NodeFactory, tmp_path: Path, mode: int
+) -> None:
+    """Every tenant's key is in the tenants file: a node will not start on one that
+    another local user may read (and steal the keys) or write (and add their own)."""
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    tenants.add("beta")
+    tenants.write()
+    tenants.path.chmod(mode)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        start_node("exposed", extra=["--tenants", str(tenants.path)])
