@@ -21,6 +21,7 @@ import pytest
 from kvpool import AuthenticationError, Client, ConfigError, Forbidden, Namespace
 from kvpool.client.connection import Connection
 from kvpool.config import Address, client_config_from
+from kvpool.integrations.vllm.config import connector_config
 from kvpool.keys import MAX_TOKENS_PER_BLOCK, BlockOrigin
 from kvpool.protocol.frames import HEADER_BYTES, encode_frame, parse_header
 from kvpool.protocol.messages import (
@@ -302,3 +303,35 @@ def test_a_tenants_file_others_may_read_or_write_is_refused(
     tenants.path.chmod(mode)
     with pytest.raises(ConfigError, match="chmod 600"):
         start_node("exposed", extra=["--tenants", str(tenants.path)])
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_the_access_key_stays_out_of_the_process_list(
+    start_node: NodeFactory, tmp_path: Path
+) -> None:
+    """Any local user reads every process's command line: a key given in a file (the
+    node's --access-key-file, a client's or connector's access_key_file) is not in it,
+    and a key given as a flag gets a warning in the node's log."""
+    key_file = tmp_path / "access-key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    node = start_node("filed", extra=["--access-key-file", str(key_file)])
+    assert node.proc is not None and KEY.encode() not in _cmdline(node.proc.pid)
+    with Client(node.unix_address, access_key_file=str(key_file), timeout=10) as client:
+        assert client.stats().node_id == "filed"
+    with pytest.raises(AuthenticationError), Client(node.unix_address) as keyless:
+        keyless.stats()
+    connector = connector_config({"access_key_file": str(key_file), "address": node.unix_address})
+    assert connector.client.access_key == KEY and KEY not in connector.describe()
+
+    flagged = start_node("flagged", extra=["--access-key", KEY])
+    assert any("process list" in line for line in flagged.output)
+
+    key_file.chmod(0o644)  # another user could read it: refused, by node and client
+    with pytest.raises(ConfigError, match="chmod 600"):
+        start_node("exposed-key", extra=["--access-key-file", str(key_file)])
+    with pytest.raises(ConfigError, match="chmod 600"):
+        Client(node.unix_address, access_key_file=str(key_file))
