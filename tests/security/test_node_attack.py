@@ -9,6 +9,7 @@ to other nodes, or read a key from the process list or a readable tenants file.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -21,13 +22,18 @@ import pytest
 from kvpool import AuthenticationError, Client, ConfigError, Forbidden, Namespace
 from kvpool.client.connection import Connection
 from kvpool.config import Address, client_config_from
+from kvpool.harness.process import NodeProcess
 from kvpool.integrations.vllm.config import connector_config
 from kvpool.keys import MAX_TOKENS_PER_BLOCK, BlockOrigin
 from kvpool.protocol.frames import HEADER_BYTES, encode_frame, parse_header
 from kvpool.protocol.messages import (
+    PROTOCOL_VERSION,
     Empty,
+    Hello,
+    LookupRequest,
     NodeStats,
     Op,
+    PutRequest,
     ShutdownRequest,
     Welcome,
 )
@@ -36,6 +42,7 @@ from tests.helpers import rss_anon_kib
 from tests.security.tenants import TenantsFile, send
 
 KEY = "a-key-of-sixteen-chars-or-more"
+NS = Namespace(model="attack")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -335,3 +342,48 @@ def test_the_access_key_stays_out_of_the_process_list(
         start_node("exposed-key", extra=["--access-key-file", str(key_file)])
     with pytest.raises(ConfigError, match="chmod 600"):
         Client(node.unix_address, access_key_file=str(key_file))
+
+
+def _num_connections(node: NodeProcess) -> int:
+    with Client(node.unix_address, timeout=10) as observer:
+        return observer.stats().num_connections - 1  # not counting the observer
+
+
+def test_a_peer_that_stalls_a_refused_payload_or_never_reads_is_cut(
+    start_node: NodeFactory,
+) -> None:
+    """Two connections an attacker holds open for nothing: one sends a PUT the node refuses
+    (its lists disagree) announcing 64 MiB of payload and never sends it; the other sends
+    lookups and never reads the answers.  Each is cut within a deadline, so neither holds
+    its session, and what the node buffered for it, for ever."""
+    node = start_node("stalled")
+    address = Address.parse(node.tcp_address)
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection((address.host, address.port))
+        sock.settimeout(10)
+        _read_frame(sock)  # CHALLENGE
+        hello = Hello(version=PROTOCOL_VERSION, access_id="kvpool", nonce=b"n" * 32)
+        sock.sendall(encode_frame(Op.HELLO, hello, request_id=1))
+        raw, _ = _read_frame(sock)
+        assert parse_header(raw).status == 0
+        return sock
+
+    stalled = connect()
+    bad_put = PutRequest(keys=[NS.key(b"a"), NS.key(b"b")], sizes=[1 << 20])
+    stalled.sendall(encode_frame(Op.PUT, bad_put, payload_len=64 << 20, request_id=2))
+    deaf = connect()
+    deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    lookup = LookupRequest(keys=[NS.key(b"%d" % i) for i in range(16384)], mask=True)
+    frame = encode_frame(Op.LOOKUP, lookup, request_id=3)
+    deaf.settimeout(0.5)
+    with contextlib.suppress(TimeoutError):
+        for _ in range(1000):  # until the node, whose replies nobody reads, stops reading too
+            deaf.sendall(frame)
+    assert _num_connections(node) == 2
+    deadline = time.monotonic() + 40
+    while _num_connections(node):
+        assert time.monotonic() < deadline, "the stalled connections were never cut"
+        time.sleep(0.5)
+    stalled.close()
+    deaf.close()

@@ -74,6 +74,10 @@ HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HELLO_BYTES = 4 << 10
 PRE_AUTH_BUFFER_BYTES = 4 << 10
 FRAME_TIMEOUT_S = 10.0  # a frame's metadata, once its header arrived (slow writers)
+# A transfer with no lease to bound it (a reply, a refused PUT's payload being skipped)
+# gets FRAME_TIMEOUT_S plus its size at this rate: a peer that stops reading or trickles
+# bytes cannot hold its session, and what it has buffered, for ever.
+MIN_TRANSFER_BYTES_S = 16 << 20
 
 # What a tenant's connection may do: no arena offsets (RESERVE/PIN are the shared-memory
 # path, which tenants do not get) and no shutdown.
@@ -152,7 +156,7 @@ class Session:
                 await self._serve(header)
         except NodeUnavailable as exc:  # e.g. the tenant has all its connections open
             log.info("refusing a connection from %s: %s", self.peer, exc)
-            with contextlib.suppress(OSError, KVPoolError):
+            with contextlib.suppress(OSError, KVPoolError, TransferTimeout):
                 await self._reply_error(Op.HELLO, 0, exc)
         except (PeerClosed, asyncio.CancelledError):
             pass  # the client hung up, or the node stops
@@ -163,7 +167,7 @@ class Session:
         except ProtocolError as exc:
             # The frame header itself was bad: we cannot find the next frame.  Say why, close.
             log.info("closing connection from %s: %s", self.peer, exc)
-            with contextlib.suppress(OSError, KVPoolError):
+            with contextlib.suppress(OSError, KVPoolError, TransferTimeout):
                 await self._reply_error(0, 0, exc)
         except ssl.SSLError as exc:
             log.info("TLS with %s failed: %s", self.peer, exc.reason or exc)
@@ -288,7 +292,7 @@ class Session:
             raise  # the connection is lost, or its framing is: close it
         except KVPoolError as exc:
             if payload_left:
-                await self.channel.skip(payload_left)
+                await self._skip(payload_left)
             if header.wants_reply:
                 await self._reply_error(header.op, header.request_id, exc)
             else:  # nobody waits for the answer: say it here
@@ -347,13 +351,20 @@ class Session:
         frame = encode_frame(
             op, message, payload_len=payload_len, request_id=header.request_id, flags=FLAG_RESPONSE
         )
-        await self.channel.send([frame, *payload])
+        async with _unleased_transfer(len(frame) + payload_len, "sending a reply"):
+            await self.channel.send([frame, *payload])
 
     async def _reply_error(self, op: int, request_id: int, exc: BaseException) -> None:
         status = status_for_error(exc)
         message = msg.ErrorResponse(message=str(exc)[:1000])
         frame = encode_frame(op, message, request_id=request_id, flags=FLAG_RESPONSE, status=status)
-        await self.channel.send([frame])
+        async with _unleased_transfer(len(frame), "sending an error reply"):
+            await self.channel.send([frame])
+
+    async def _skip(self, num_bytes: int) -> None:
+        """Read past a refused request's payload (its framing stays intact)."""
+        async with _unleased_transfer(num_bytes, "skipping a refused payload"):
+            await self.channel.skip(num_bytes)
 
     # -- the write path: reserve -> (fill) -> commit ----------------------------------------
 
@@ -400,7 +411,7 @@ class Session:
     async def _put(self, header: FrameHeader, req: msg.PutRequest) -> None:
         problem = _put_mismatch(req, header.payload_len)
         if problem:
-            await self.channel.skip(header.payload_len)
+            await self._skip(header.payload_len)
             raise BadRequest(problem)
         result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)
@@ -568,6 +579,17 @@ class Session:
         )
         await self._reply(header, Op.SHUTDOWN, msg.Empty())
         self.services.shutdown(req.drain)
+
+
+@contextlib.asynccontextmanager
+async def _unleased_transfer(num_bytes: int, what: str) -> Any:
+    """Bound a transfer no lease bounds (see MIN_TRANSFER_BYTES_S): past it, the
+    connection closes."""
+    try:
+        async with asyncio.timeout(FRAME_TIMEOUT_S + num_bytes / MIN_TRANSFER_BYTES_S):
+            yield
+    except TimeoutError:
+        raise TransferTimeout(f"timed out {what}") from None
 
 
 def _scoped(request: Any, tenant: Tenant) -> Any:
