@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.config import parse_size
-from kvpool.errors import ConfigError
+from kvpool.errors import BadRequest, ConfigError
 from kvpool.keys import NAMESPACE_ID_BYTES
 
 log = logging.getLogger("kvpool.tenants")
@@ -54,6 +54,7 @@ DEFAULT_MAX_CONNECTIONS = 256
 MAX_TENANTS_FILE_BYTES = 1 << 20
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SCOPE_CACHE = 1024  # namespace ids remembered per tenant
+MAX_NAMESPACES_PER_REQUEST = 64
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,22 @@ class Tenant:
         return self.scope_namespace(key[:NAMESPACE_ID_BYTES]) + key[NAMESPACE_ID_BYTES:]
 
     def scope_all(self, keys: Sequence[bytes]) -> list[bytes]:
-        return [self.scope(k) for k in keys]
+        """Every key scoped; a request that names more than MAX_NAMESPACES_PER_REQUEST
+        namespaces is refused (each new one costs an HMAC on the node's event loop, and
+        a real request names one, or one per KV cache group)."""
+        namespace_to_scoped: dict[bytes, bytes] = {}
+        scoped_keys = []
+        for key in keys:
+            namespace_id = key[:NAMESPACE_ID_BYTES]
+            scoped = namespace_to_scoped.get(namespace_id)
+            if scoped is None:
+                if len(namespace_to_scoped) >= MAX_NAMESPACES_PER_REQUEST:
+                    raise BadRequest(
+                        f"a request names more than {MAX_NAMESPACES_PER_REQUEST} namespaces"
+                    )
+                scoped = namespace_to_scoped[namespace_id] = self.scope_namespace(namespace_id)
+            scoped_keys.append(scoped + key[NAMESPACE_ID_BYTES:])
+        return scoped_keys
 
     def owns(self, key_or_namespace: bytes) -> bool:
         return key_or_namespace[:TAG_BYTES] == self.tag

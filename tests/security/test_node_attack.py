@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpool import AuthenticationError, Client, ConfigError, Forbidden, Namespace
+from kvpool import AuthenticationError, BadRequest, Client, ConfigError, Forbidden, Namespace
 from kvpool.client.connection import Connection
 from kvpool.config import Address, client_config_from
 from kvpool.harness.process import NodeProcess
@@ -387,3 +387,20 @@ def test_a_peer_that_stalls_a_refused_payload_or_never_reads_is_cut(
         time.sleep(0.5)
     stalled.close()
     deaf.close()
+
+
+def test_a_tenant_cannot_make_the_node_hash_thousands_of_namespaces_per_request(
+    start_node: NodeFactory, tmp_path: Path
+) -> None:
+    """Scoping a key costs an HMAC per new namespace, on the node's event loop: a tenant's
+    lookup of 16,384 keys in 16,384 namespaces is refused (a real request names one, or
+    one per KV cache group), and one of 64 namespaces is served."""
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    beta = tenants.add("beta")[0]
+    tenants.write()
+    node = start_node("hashed", extra=["--tenants", str(tenants.path)])
+    many = [Namespace(model=f"m{i}").key(b"block") for i in range(16384)]
+    with Client(node.tcp_address, access_id=beta[0], access_key=beta[1], use_shm=False) as b:
+        with pytest.raises(BadRequest, match="namespaces"):
+            b.exists(many)
+        assert b.exists(many[:64]) == [False] * 64

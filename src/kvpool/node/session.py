@@ -351,15 +351,21 @@ class Session:
         frame = encode_frame(
             op, message, payload_len=payload_len, request_id=header.request_id, flags=FLAG_RESPONSE
         )
-        async with _unleased_transfer(len(frame) + payload_len, "sending a reply"):
-            await self.channel.send([frame, *payload])
+        await self._send([frame, *payload], len(frame) + payload_len, "sending a reply")
 
     async def _reply_error(self, op: int, request_id: int, exc: BaseException) -> None:
         status = status_for_error(exc)
         message = msg.ErrorResponse(message=str(exc)[:1000])
         frame = encode_frame(op, message, request_id=request_id, flags=FLAG_RESPONSE, status=status)
-        async with _unleased_transfer(len(frame), "sending an error reply"):
-            await self.channel.send([frame])
+        await self._send([frame], len(frame), "sending an error reply")
+
+    async def _send(self, parts: Sequence[Any], num_bytes: int, what: str) -> None:
+        """Send, bounded in time (see MIN_TRANSFER_BYTES_S) once the socket makes us wait:
+        a reply the socket takes at once, the usual case, costs no timer."""
+        rest = self.channel.send_now(parts)
+        if rest:
+            async with _unleased_transfer(num_bytes, what):
+                await self.channel.send(rest)
 
     async def _skip(self, num_bytes: int) -> None:
         """Read past a refused request's payload (its framing stays intact)."""
