@@ -21,6 +21,8 @@ import pytest
 
 from kvpool import AuthenticationError, BadRequest, Client, ConfigError, Forbidden, Namespace
 from kvpool.client.connection import Connection
+from kvpool.cluster.membership import Member
+from kvpool.cluster.placement import homes
 from kvpool.config import Address, client_config_from
 from kvpool.harness.process import NodeProcess
 from kvpool.integrations.vllm.config import connector_config
@@ -404,3 +406,34 @@ def test_a_tenant_cannot_make_the_node_hash_thousands_of_namespaces_per_request(
         with pytest.raises(BadRequest, match="namespaces"):
             b.exists(many)
         assert b.exists(many[:64]) == [False] * 64
+
+
+def test_a_prefetch_buffers_no_more_of_other_nodes_blocks_than_its_budget(
+    start_node: NodeFactory,
+) -> None:
+    """A client asks node A to prefetch 24 blocks of 4 MiB (96 MiB) that only node B holds:
+    A cuts B's answer at the 64 MiB a fetch may buffer, from the sizes B announces before
+    sending a byte, so at most 16 come up (all 24 did before, buffered whole first)."""
+    port_a, port_b = _free_port(), _free_port()
+    peers = f"127.0.0.1:{port_a},127.0.0.1:{port_b}"
+    node_a = start_node("a", "160MiB", extra=["--port", str(port_a), "--peers", peers])
+    node_b = start_node("b", "160MiB", extra=["--port", str(port_b), "--peers", peers])
+    members = [Member(node_id=a, tcp_address=a) for a in peers.split(",")]
+    candidates = (NS.key(b"big-%d" % i) for i in range(1000))
+    wanted = [k for k in candidates if homes(k, members)[0].tcp_address == node_b.tcp_address]
+    wanted = wanted[:24]
+    block = b"\x5a" * (4 << 20)
+    with Client(node_b.unix_address, write_rcache=False, timeout=30) as writer:
+        for i in range(0, 24, 4):
+            assert writer.put(wanted[i : i + 4], [block] * 4).all_stored
+    with Client(node_a.unix_address, timeout=30) as reader:
+        assert reader.prefetch(wanted, hold=60).num_started == 24
+        deadline = time.monotonic() + 30
+        while reader.stats().prefetch.completed + reader.stats().prefetch.refused < 24:
+            before = sum(reader.local.exists(wanted))
+            time.sleep(1.0)
+            if sum(reader.local.exists(wanted)) == before and before:
+                break
+            assert time.monotonic() < deadline
+        arrived = sum(reader.local.exists(wanted))
+    assert 1 <= arrived <= 16, arrived
