@@ -137,6 +137,7 @@ class Session:
         self.credential: Credential | None = None  # who authenticated (None: no keys)
         self.tenant: Tenant | None = None  # whose keys this connection names
         self.task: asyncio.Task[None] | None = None
+        self.is_welcomed = False  # the handshake is done
 
     def close(self) -> None:
         """End the session (from outside it: a revoked key, the node stopping)."""
@@ -161,22 +162,32 @@ class Session:
         except (PeerClosed, asyncio.CancelledError):
             pass  # the client hung up, or the node stops
         except TimeoutError:
-            log.info("handshake timed out (%s)", self.peer)
+            self._log_closing("the handshake timed out")
         except TransferTimeout as exc:
-            log.info("closing connection from %s: %s", self.peer, exc)
+            self._log_closing(str(exc))
         except ProtocolError as exc:
             # The frame header itself was bad: we cannot find the next frame.  Say why, close.
-            log.info("closing connection from %s: %s", self.peer, exc)
+            if not isinstance(exc, AuthenticationError):  # (counted where it was refused)
+                self._log_closing(str(exc))
             with contextlib.suppress(OSError, KVPoolError, TransferTimeout):
                 await self._reply_error(0, 0, exc)
         except ssl.SSLError as exc:
-            log.info("TLS with %s failed: %s", self.peer, exc.reason or exc)
+            self._log_closing(f"TLS failed: {exc.reason or exc}")
         except OSError as exc:
             log.debug("connection from %s failed: %s", self.peer, exc)
         finally:
             self.services.registry.closed(self)
             self.store.release_owner(self.owner)
             self.channel.close()
+
+    def _log_closing(self, reason: str) -> None:
+        """Say why the connection closes: in the log once the peer has authenticated;
+        before, counted and logged at a bounded rate (anyone who reaches a listener could
+        otherwise fill the log, a line a connection)."""
+        if self.is_welcomed:
+            log.info("closing connection from %s: %s", self.peer, reason)
+        else:
+            self.services.refusals.note(reason, self.peer)
 
     async def _handshake(self) -> None:
         server_nonce = auth.new_nonce()
@@ -195,6 +206,7 @@ class Session:
                 auth.welcome_digest(welcome),
             )
         await self._reply(header, Op.HELLO, welcome)
+        self.is_welcomed = True
 
     async def _challenge(self, server_nonce: bytes) -> tuple[FrameHeader, msg.Hello]:
         """Send the CHALLENGE; the client's HELLO, in a version this node speaks."""
