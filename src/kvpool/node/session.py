@@ -101,8 +101,8 @@ TENANT_OPS = frozenset(
 ORIGIN_BYTES_PER_TOKEN = 256
 
 # What only the node's operators may do: a keyless node's TCP listener does not offer it
-# (the Unix socket, in the node's 0700 run directory, does), so that any local user who
-# reaches the loopback port cannot stop or drain the node.
+# (the Unix socket does, in the node's directory that only the daemon's user and group may
+# enter), so that any local user who reaches the loopback port cannot stop or drain it.
 ADMIN_OPS = frozenset({Op.SHUTDOWN})
 
 
