@@ -157,6 +157,35 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+MAX_SECRET_FILE_BYTES = 4096
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """A secret kept in a file (not on a command line, where every local user reads it in
+    the process list): its text, without the trailing newline.  Refused when others may
+    read or write it, as the tenants file is."""
+    try:
+        with open(path, "rb") as file:
+            stat = os.fstat(file.fileno())
+            if stat.st_mode & 0o077:
+                raise ConfigError(
+                    f"{what} {path}: readable or writable by group or others "
+                    f"(mode {stat.st_mode & 0o777:o}); chmod 600 it"
+                )
+            data = file.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{what} {path}: larger than {MAX_SECRET_FILE_BYTES} bytes")
+    try:
+        secret = data.decode().rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path}: not UTF-8 text") from exc
+    if not secret:
+        raise ConfigError(f"{what} {path} is empty")
+    return secret
+
+
 def parse_bool(value: str | bool, name: str = "value") -> bool:
     if isinstance(value, bool):
         return value
@@ -516,7 +545,15 @@ class NodeConfig:
         DEFAULT_ACCESS_ID, "--access-id", "Access id clients authenticate with."
     )
     access_key: str = setting(
-        "", "--access-key", "Access key (HMAC secret); prefer KVPOOL_ACCESS_KEY."
+        "",
+        "--access-key",
+        "Access key (HMAC secret); prefer --access-key-file or KVPOOL_ACCESS_KEY "
+        "(a flag shows in the process list).",
+    )
+    access_key_file: str = setting(
+        "",
+        "--access-key-file",
+        "A file (mode 600) holding the access key: kept out of the process list.",
     )
     # Tenants (kvpool.tenants): a TOML file of credentials, salts and quotas ("": none).
     tenants_path: str = setting(
@@ -558,6 +595,7 @@ class NodeConfig:
 
     def validate(self) -> NodeConfig:
         self._validate_node()
+        self._read_access_key()
         self._validate_access()
         self.leases.validate()
         self.tls.validate()
@@ -600,6 +638,14 @@ class NodeConfig:
             if not 0 <= port < 65536:
                 raise ConfigError(f"invalid port {port}")
 
+    def _read_access_key(self) -> None:
+        if not self.access_key_file:
+            return
+        key = read_secret_file(self.access_key_file, "the access key file")
+        if self.access_key and self.access_key != key:  # (equal: validated once before)
+            raise ConfigError("--access-key and --access-key-file together: give one")
+        object.__setattr__(self, "access_key", key)  # frozen: set once, while validating
+
     def _validate_access(self) -> None:
         keyed = bool(self.access_key or self.tenants_path)
         if not keyed and not is_loopback(self.host):
@@ -628,6 +674,9 @@ class ClientConfig:
     address: str = f"unix:{DEFAULT_RUN_DIR}/{DEFAULT_NODE_NAME}/kvpool.sock"
     access_id: str = DEFAULT_ACCESS_ID
     access_key: str = ""
+    # A file (mode 600) holding the access key, read by client_config_from: kept out of an
+    # engine's command line and logs, where kv_connector_extra_config lands.
+    access_key_file: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     use_shm: bool = True
@@ -697,6 +746,7 @@ CLIENT_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_ADDRESS": ("address", str),
     "KVPOOL_ACCESS_ID": ("access_id", str),
     "KVPOOL_ACCESS_KEY": ("access_key", str),
+    "KVPOOL_ACCESS_KEY_FILE": ("access_key_file", str),
     "KVPOOL_TIMEOUT": ("timeout_s", float),
     "KVPOOL_CONNECT_TIMEOUT": ("connect_timeout_s", float),
     "KVPOOL_USE_SHM": ("use_shm", parse_bool),
@@ -738,6 +788,9 @@ def client_config_from(
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{given}={value!r}: {exc}") from exc
         values[name] = tuple(value) if name == "peers" and isinstance(value, list) else value
+    key_file = values.get("access_key_file")
+    if key_file:
+        values["access_key"] = read_secret_file(str(key_file), "the access key file")
     return ClientConfig(**values).validate()  # type: ignore[arg-type]
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.config import parse_size
-from kvpool.errors import ConfigError
+from kvpool.errors import BadRequest, ConfigError
 from kvpool.keys import NAMESPACE_ID_BYTES
 
 log = logging.getLogger("kvpool.tenants")
@@ -54,6 +54,7 @@ DEFAULT_MAX_CONNECTIONS = 256
 MAX_TENANTS_FILE_BYTES = 1 << 20
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SCOPE_CACHE = 1024  # namespace ids remembered per tenant
+MAX_NAMESPACES_PER_REQUEST = 64
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,11 @@ class Tenant:
         if scoped is None:
             digest = hmac.new(self.salt, namespace_id, hashlib.sha256).digest()
             scoped = self.tag + digest[: NAMESPACE_ID_BYTES - TAG_BYTES]
-            if len(self._scoped) >= _SCOPE_CACHE:
-                self._scoped.clear()
+            if len(self._scoped) >= _SCOPE_CACHE:  # the least recently used goes
+                del self._scoped[next(iter(self._scoped))]
+            self._scoped[namespace_id] = scoped
+        else:  # most recently used: last in the dict's order
+            del self._scoped[namespace_id]
             self._scoped[namespace_id] = scoped
         return scoped
 
@@ -90,7 +94,22 @@ class Tenant:
         return self.scope_namespace(key[:NAMESPACE_ID_BYTES]) + key[NAMESPACE_ID_BYTES:]
 
     def scope_all(self, keys: Sequence[bytes]) -> list[bytes]:
-        return [self.scope(k) for k in keys]
+        """Every key scoped; a request that names more than MAX_NAMESPACES_PER_REQUEST
+        namespaces is refused (each new one costs an HMAC on the node's event loop, and
+        a real request names one, or one per KV cache group)."""
+        namespace_to_scoped: dict[bytes, bytes] = {}
+        scoped_keys = []
+        for key in keys:
+            namespace_id = key[:NAMESPACE_ID_BYTES]
+            scoped = namespace_to_scoped.get(namespace_id)
+            if scoped is None:
+                if len(namespace_to_scoped) >= MAX_NAMESPACES_PER_REQUEST:
+                    raise BadRequest(
+                        f"a request names more than {MAX_NAMESPACES_PER_REQUEST} namespaces"
+                    )
+                scoped = namespace_to_scoped[namespace_id] = self.scope_namespace(namespace_id)
+            scoped_keys.append(scoped + key[NAMESPACE_ID_BYTES:])
+        return scoped_keys
 
     def owns(self, key_or_namespace: bytes) -> bool:
         return key_or_namespace[:TAG_BYTES] == self.tag
@@ -118,8 +137,10 @@ class TenantsFile:
 def load(path: Path) -> TenantsFile:
     """Read and check a tenants file; :class:`ConfigError` names what is wrong."""
     try:
-        if path.stat().st_size > MAX_TENANTS_FILE_BYTES:
+        stat = path.stat()
+        if stat.st_size > MAX_TENANTS_FILE_BYTES:
             raise ConfigError(f"{path}: larger than {MAX_TENANTS_FILE_BYTES} bytes")
+        _check_private(path, stat)
         data = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read the tenants file {path}: {exc.strerror}") from exc
@@ -226,6 +247,18 @@ def authenticate(
     if credential is None or not hmac.compare_digest(credential.key.encode(), key.encode()):
         return None
     return credential
+
+
+def _check_private(path: Path, stat: os.stat_result) -> None:
+    """The file holds every tenant's keys: refuse one that another user owns (who could
+    change it) or that anyone but its owner may read or write."""
+    if stat.st_uid != os.geteuid():
+        raise ConfigError(f"{path}: owned by uid {stat.st_uid}, not this daemon's user")
+    if stat.st_mode & 0o077:
+        raise ConfigError(
+            f"{path}: readable or writable by group or others (mode {stat.st_mode & 0o777:o});"
+            " chmod 600 it"
+        )
 
 
 def _stamp(path: Path) -> tuple[int, int, int]:

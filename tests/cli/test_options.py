@@ -3,6 +3,8 @@ its environment variable, parsed the same way; `kvpool serve --help` lists every
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import typer
@@ -14,6 +16,11 @@ from kvpool.config import NODE_ENV, NodeConfig, node_config_from, node_settings
 from kvpool.errors import ConfigError
 
 MiB = 1 << 20
+
+# An access key file as an operator keeps one: readable by its owner only.
+KEY_FILE = Path(tempfile.mkdtemp()) / "access-key"
+KEY_FILE.write_text("a-key-from-a-file\n")
+KEY_FILE.chmod(0o600)
 
 # For each setting (by key): the text an operator gives, and the value the field then holds.
 SAMPLES: dict[str, tuple[str, object]] = {
@@ -33,6 +40,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "admin_port": ("9501", 9501),
     "access_id": ("pool", "pool"),
     "access_key": ("secret", "secret"),
+    "access_key_file": (str(KEY_FILE), str(KEY_FILE)),
     "tenants_path": ("/etc/kvpool/tenants.toml", "/etc/kvpool/tenants.toml"),
     "pin_lease_s": ("12.5", 12.5),
     "reserve_lease_s": ("40", 40.0),

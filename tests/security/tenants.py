@@ -51,6 +51,7 @@ class TenantsFile:
             ]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("\n".join(lines))
+        tmp.chmod(0o600)  # the node refuses a tenants file others may read
         tmp.replace(self.path)  # as an operator's tool would: never a half-written file
         time.sleep(0.01)
 

@@ -138,7 +138,7 @@ def test_a_prefetch_from_other_nodes_comes_up_through_the_same_path(tmp_path: Pa
     held = {k: bytes(data) for k, data, _ in disk_blocks("r", 4, BLOCK)}
     asked: list[list[bytes]] = []
 
-    async def fetch(keys: list[bytes]) -> list[bytes | None]:  # another node, in memory
+    async def fetch(keys: list[bytes], max_bytes: int) -> list[bytes | None]:  # another node
         asked.append(keys)
         return [held.get(k) for k in keys]
 

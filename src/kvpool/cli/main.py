@@ -48,7 +48,13 @@ def serve(
     from kvpool.node.daemon import run_daemon
 
     _logging(log_level)
-    config = node_config_from(given(SERVE_SETTINGS, values))
+    options = given(SERVE_SETTINGS, values)
+    if options.get("access_key"):
+        logging.getLogger("kvpool.node").warning(
+            "--access-key is visible to every local user in the process list: "
+            "give it with --access-key-file or KVPOOL_ACCESS_KEY instead"
+        )
+    config = node_config_from(options)
     run_daemon(config)
 
 

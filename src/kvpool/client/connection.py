@@ -38,6 +38,7 @@ from kvpool.errors import (
     TransportError,
     error_for_status,
 )
+from kvpool.protocol import auth
 from kvpool.protocol.channel import SyncChannel
 from kvpool.protocol.frames import (
     FLAG_NO_REPLY,
@@ -204,10 +205,11 @@ class Connection:
         timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
         self.channel = SyncChannel(open_socket(address, timeout, tls_for(config)))
         try:
-            self.welcome: Welcome = self.run(
-                ops.handshake(config.access_id, config.access_key, config.host_id, "kvpool-client"),
-                deadline,
+            binding = auth.client_binding(self.channel.sock, address.path)
+            handshake = ops.handshake(
+                config.access_id, config.access_key, config.host_id, "kvpool-client", binding
             )
+            self.welcome: Welcome = self.run(handshake, deadline)
         except BaseException:
             self.close()
             raise

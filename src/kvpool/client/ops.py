@@ -180,14 +180,19 @@ def check_len(what: str, values: Sequence[Any], num: int) -> None:
 # -- handshake ----------------------------------------------------------------------------
 
 
-def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -> Op_[Welcome]:
+def handshake(
+    access_id: str, access_key: str, host_id: str, client_name: str, binding: bytes
+) -> Op_[Welcome]:
+    """Authenticate (``binding``: the connection as this side sees it, which both proofs
+    cover: :func:`kvpool.protocol.auth.client_binding`); the node's Welcome, once the node
+    proved it knows the key and that the Welcome is its own."""
     challenge, _ = yield Recv(Op.CHALLENGE, Challenge)
     if PROTOCOL_VERSION not in challenge.versions:
         raise UnsupportedVersion(f"node speaks versions {challenge.versions}")
     nonce = auth.new_nonce()
     proof = b""
     if access_key:
-        proof = auth.proof(access_key, "client", access_id, challenge.nonce, nonce)
+        proof = auth.proof(access_key, "client", access_id, challenge.nonce, nonce, binding)
     hello = Hello(
         version=PROTOCOL_VERSION,
         access_id=access_id,
@@ -199,7 +204,14 @@ def handshake(access_id: str, access_key: str, host_id: str, client_name: str) -
     yield Request(Op.HELLO, hello)
     welcome, _ = yield Recv(Op.HELLO, Welcome)
     if access_key and not auth.verify(
-        access_key, "node", access_id, challenge.nonce, nonce, welcome.proof
+        access_key,
+        "node",
+        access_id,
+        challenge.nonce,
+        nonce,
+        welcome.proof,
+        binding,
+        auth.welcome_digest(welcome),
     ):
         raise AuthenticationError("node could not prove it knows the access key")
     return welcome
@@ -298,13 +310,25 @@ def put_stream(
 
 
 def destinations(
-    dsts: Sequence[memoryview] | None, sizes: Sequence[int], statuses: list[Status]
+    dsts: Sequence[memoryview] | None,
+    sizes: Sequence[int],
+    statuses: list[Status],
+    max_bytes: int | None = None,
 ) -> list[memoryview | None]:
+    """Where each block goes: the caller's buffer, else a new one (at most ``max_bytes`` in
+    all, decided from the sizes the node announced before any block arrives; the blocks
+    past it are ``REFUSED`` and skipped)."""
     out: list[memoryview | None] = []
+    budget = max_bytes
     for i, (status, size) in enumerate(zip(statuses, sizes, strict=True)):
         if status is not Status.OK:
             out.append(None)
+        elif dsts is None and budget is not None and size > budget:
+            statuses[i] = Status.REFUSED
+            out.append(None)
         elif dsts is None:
+            if budget is not None:
+                budget -= size
             out.append(memoryview(bytearray(size)))
         elif len(dsts[i]) < size:
             statuses[i] = Status.REFUSED  # the caller's buffer is too small for this block
@@ -321,9 +345,14 @@ def lower_tier_wait_ms(timeout_s: float) -> int:
 
 
 def get_stream(
-    keys: Sequence[bytes], dsts: Sequence[memoryview] | None, prefix: bool, wait_ms: int = 0
+    keys: Sequence[bytes],
+    dsts: Sequence[memoryview] | None,
+    prefix: bool,
+    wait_ms: int = 0,
+    max_bytes: int | None = None,
 ) -> Op_[GetResult]:
-    """Receive the blocks inline, verifying each checksum as its bytes arrive."""
+    """Receive the blocks inline, verifying each checksum as its bytes arrive (with no
+    ``dsts``, into new buffers of at most ``max_bytes`` in all: see :func:`destinations`)."""
     yield Request(Op.GET, GetRequest(keys=list(keys), prefix=prefix, wait_ms=wait_ms))
     response, payload_len = yield Recv(Op.GET, GetResponse)
     for what in ("statuses", "sizes", "checksums"):
@@ -332,7 +361,7 @@ def get_stream(
     sizes = [s if st is Status.OK else 0 for s, st in zip(response.sizes, statuses, strict=True)]
     if sum(sizes) != payload_len:
         raise ProtocolError(f"GET payload of {payload_len} bytes, sizes add up to {sum(sizes)}")
-    targets = destinations(dsts, sizes, statuses)
+    targets = destinations(dsts, sizes, statuses, max_bytes)
     corrupt: list[bytes] = []
     for i, target in enumerate(targets):
         if target is None:

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from kvpool.client import ops
 from kvpool.client.aio import AsyncClient
 from kvpool.cluster.cooldown import Cooldowns
 from kvpool.cluster.membership import EtcdMembership, Member, Membership, membership_for
@@ -183,15 +184,20 @@ class NodeAgent:
 
     # -- reads from other nodes (prefetch) ------------------------------------------------
 
-    async def fetch(self, keys: list[bytes]) -> list[bytes | None]:
+    async def fetch(self, keys: list[bytes], max_bytes: int) -> list[bytes | None]:
         """The blocks among ``keys`` that their other home nodes hold (verified by the
-        client as they arrive); ``None`` where no home answered with it in time."""
+        client as they arrive), ``max_bytes`` at most in all, shared among the homes asked
+        at once (each home's answer is bounded from the sizes it announces, before its
+        bytes are buffered); ``None`` where no home answered with it in time, or past the
+        bound."""
         members = {m.node_id: m for m in self.membership.members()}
         groups = group_by_home(
             keys, list(members.values()), self.config.cluster.replicas, skip=self.member.node_id
         )
         found: list[bytes | None] = [None] * len(keys)
         now = time.monotonic()
+        max_bytes_per_home = max_bytes // max(len(groups), 1)
+        loop = asyncio.get_running_loop()
 
         async def ask(node_id: str, indices: list[int]) -> None:
             if self._down.is_down(node_id, now) or node_id not in members:
@@ -199,9 +205,17 @@ class NodeAgent:
             wanted = [i for i in indices if found[i] is None]
             if not wanted:
                 return
+            node = self._peer(members[node_id]).sync.local
+            assert node is not None  # a client of one address: its node
+            asked = [keys[i] for i in wanted]
             try:
-                client = self._peer(members[node_id])
-                result = await client.get([keys[i] for i in wanted], timeout=FETCH_TIMEOUT_S)
+                result = await loop.run_in_executor(
+                    None,
+                    lambda: node.call(
+                        lambda _: ops.get_stream(asked, None, False, 0, max_bytes_per_home),
+                        FETCH_TIMEOUT_S,
+                    ),
+                )
             except KVPoolError as exc:
                 log.debug("prefetch from %s failed: %s", node_id, exc)
                 return

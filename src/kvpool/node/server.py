@@ -37,6 +37,7 @@ from kvpool.node.services import (
     Traffic,
 )
 from kvpool.node.session import Session
+from kvpool.protocol import auth
 from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
@@ -144,6 +145,8 @@ class NodeServer:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o660)  # the daemon's user and group: those it trusts with the arena
+        bound = path.stat()
+        self.identity.unix_binding = auth.unix_binding(bound.st_dev, bound.st_ino, os.geteuid())
         unix.listen(512)
         unix.setblocking(False)
         tcp = socket.create_server(

@@ -10,7 +10,8 @@ small and named for its job:
 - :class:`SessionRegistry`: the connections open now, and each tenant's cap on them;
 - :class:`Traffic`: the bytes clients wrote and read, and the write-through of what they
   committed (:meth:`Traffic.published`);
-- :class:`StoreChanges`: a lookup waiting for the store to change.
+- :class:`StoreChanges`: a lookup waiting for the store to change;
+- :class:`Refusals`: refused handshakes, logged at a bounded rate.
 
 All of it is touched from the daemon's event loop only.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,10 @@ from kvpool.store.block import CommitResult
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Credential, Registry, Tenant, authenticate
 from kvpool.tiers.chain import Tiers
+
+log = logging.getLogger("kvpool.node")
+
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class Connection(Protocol):
@@ -59,6 +65,9 @@ class NodeIdentity:
     tcp_port: int
     advertise_host: str = ""
     started_at: float = field(default_factory=time.monotonic)
+    # The Unix socket's file and user, which a local client's handshake proof covers
+    # (:func:`kvpool.protocol.auth.unix_binding`; set once the socket is bound).
+    unix_binding: bytes = b""
 
     @classmethod
     def of(cls, config: NodeConfig) -> NodeIdentity:
@@ -163,6 +172,33 @@ class Traffic:
         self.bytes_out += num_bytes
 
 
+class Refusals:
+    """Refused handshakes, logged at most once per ``interval_s`` with a count: they come
+    before authentication, so anyone who reaches a listener could otherwise fill the log."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.num_refused = 0  # since the node started
+        self._num_unlogged = 0
+        self._logged_at = -interval_s
+
+    def note(self, reason: str, peer: str) -> None:
+        self.num_refused += 1
+        self._num_unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at < self.interval_s:
+            return
+        log.warning(
+            "%d handshake(s) refused in the last %.0f s (latest: %s, from %s)",
+            self._num_unlogged,
+            min(now - self._logged_at, self.interval_s),
+            reason,
+            peer,
+        )
+        self._logged_at = now
+        self._num_unlogged = 0
+
+
 class StoreChanges:
     """Lookups that wait for a key to be committed wake on any change of the store."""
 
@@ -197,6 +233,7 @@ class SessionServices:
     changes: StoreChanges
     stats: Callable[[Tenant | None], NodeStats]  # the node's (or a tenant's) statistics
     shutdown: Callable[[bool], None]  # a client asked the node to stop (True: drain it)
+    refusals: Refusals = field(default_factory=Refusals)
 
     @property
     def limits(self) -> LeaseLimits:

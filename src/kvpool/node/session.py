@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from kvpool import checksum as ck
+from kvpool.config import page_bytes
 from kvpool.errors import (
     AuthenticationError,
     BadRequest,
@@ -46,6 +47,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     status_for_error,
 )
+from kvpool.keys import BlockOrigin
 from kvpool.limits import LeaseLimits
 from kvpool.node.services import SessionServices
 from kvpool.protocol import auth
@@ -72,6 +74,10 @@ HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HELLO_BYTES = 4 << 10
 PRE_AUTH_BUFFER_BYTES = 4 << 10
 FRAME_TIMEOUT_S = 10.0  # a frame's metadata, once its header arrived (slow writers)
+# A transfer with no lease to bound it (a reply, a refused PUT's payload being skipped)
+# gets FRAME_TIMEOUT_S plus its size at this rate: a peer that stops reading or trickles
+# bytes cannot hold its session, and what it has buffered, for ever.
+MIN_TRANSFER_BYTES_S = 16 << 20
 
 # What a tenant's connection may do: no arena offsets (RESERVE/PIN are the shared-memory
 # path, which tenants do not get) and no shutdown.
@@ -88,6 +94,16 @@ TENANT_OPS = frozenset(
         Op.PREFETCH,
     }
 )
+
+
+# A tenant's block keeps an origin of at most one token id per this many bytes of arena
+# memory it takes (a 4 KiB page: 16 token ids; a 2 MiB block: all 4,096 a block may have).
+ORIGIN_BYTES_PER_TOKEN = 256
+
+# What only the node's operators may do: a keyless node's TCP listener does not offer it
+# (the Unix socket does, in the node's directory that only the daemon's user and group may
+# enter), so that any local user who reaches the loopback port cannot stop or drain it.
+ADMIN_OPS = frozenset({Op.SHUTDOWN})
 
 
 # What need not wait for the seals in flight (every other request sees them done).
@@ -114,10 +130,14 @@ class Session:
         # Small until a peer has authenticated: nothing sizeable before that (the buffer grows
         # with the frames of an authenticated session).
         self.channel = AsyncChannel(sock, buffer_bytes=PRE_AUTH_BUFFER_BYTES)
-        self.peer = "unix" if sock.family == socket.AF_UNIX else str(sock.getpeername()[0])
+        self.is_local = sock.family == socket.AF_UNIX
+        self.peer = "unix" if self.is_local else str(sock.getpeername()[0])
+        # What the handshake's proofs cover of this connection (see kvpool.protocol.auth).
+        self.binding = services.identity.unix_binding if self.is_local else auth.TCP_BINDING
         self.credential: Credential | None = None  # who authenticated (None: no keys)
         self.tenant: Tenant | None = None  # whose keys this connection names
         self.task: asyncio.Task[None] | None = None
+        self.is_welcomed = False  # the handshake is done
 
     def close(self) -> None:
         """End the session (from outside it: a revoked key, the node stopping)."""
@@ -137,21 +157,22 @@ class Session:
                 await self._serve(header)
         except NodeUnavailable as exc:  # e.g. the tenant has all its connections open
             log.info("refusing a connection from %s: %s", self.peer, exc)
-            with contextlib.suppress(OSError, KVPoolError):
+            with contextlib.suppress(OSError, KVPoolError, TransferTimeout):
                 await self._reply_error(Op.HELLO, 0, exc)
         except (PeerClosed, asyncio.CancelledError):
             pass  # the client hung up, or the node stops
         except TimeoutError:
-            log.info("handshake timed out (%s)", self.peer)
+            self._log_closing("the handshake timed out")
         except TransferTimeout as exc:
-            log.info("closing connection from %s: %s", self.peer, exc)
+            self._log_closing(str(exc))
         except ProtocolError as exc:
             # The frame header itself was bad: we cannot find the next frame.  Say why, close.
-            log.info("closing connection from %s: %s", self.peer, exc)
-            with contextlib.suppress(OSError, KVPoolError):
+            if not isinstance(exc, AuthenticationError):  # (counted where it was refused)
+                self._log_closing(str(exc))
+            with contextlib.suppress(OSError, KVPoolError, TransferTimeout):
                 await self._reply_error(0, 0, exc)
         except ssl.SSLError as exc:
-            log.info("TLS with %s failed: %s", self.peer, exc.reason or exc)
+            self._log_closing(f"TLS failed: {exc.reason or exc}")
         except OSError as exc:
             log.debug("connection from %s failed: %s", self.peer, exc)
         finally:
@@ -159,12 +180,33 @@ class Session:
             self.store.release_owner(self.owner)
             self.channel.close()
 
+    def _log_closing(self, reason: str) -> None:
+        """Say why the connection closes: in the log once the peer has authenticated;
+        before, counted and logged at a bounded rate (anyone who reaches a listener could
+        otherwise fill the log, a line a connection)."""
+        if self.is_welcomed:
+            log.info("closing connection from %s: %s", self.peer, reason)
+        else:
+            self.services.refusals.note(reason, self.peer)
+
     async def _handshake(self) -> None:
         server_nonce = auth.new_nonce()
         header, hello = await self._challenge(server_nonce)
-        proof = self._authenticate(hello, server_nonce)
+        credential = self._authenticate(hello, server_nonce)
         self.channel.rbuf.grow(RecvBuffer.INITIAL_BYTES)  # authenticated: the usual read-ahead
-        await self._reply(header, Op.HELLO, self._welcome(proof))
+        welcome = self._welcome()
+        if credential is not None:  # the node's proof covers the Welcome it sends
+            welcome.proof = auth.proof(
+                credential.key,
+                "node",
+                hello.access_id,
+                server_nonce,
+                hello.nonce,
+                self.binding,
+                auth.welcome_digest(welcome),
+            )
+        await self._reply(header, Op.HELLO, welcome)
+        self.is_welcomed = True
 
     async def _challenge(self, server_nonce: bytes) -> tuple[FrameHeader, msg.Hello]:
         """Send the CHALLENGE; the client's HELLO, in a version this node speaks."""
@@ -187,31 +229,38 @@ class Session:
             raise UnsupportedVersion(f"client speaks version {hello.version}")
         return header, hello
 
-    def _authenticate(self, hello: msg.Hello, server_nonce: bytes) -> bytes:
-        """Check the client's proof, if the node knows its access id; the node's proof."""
+    def _authenticate(self, hello: msg.Hello, server_nonce: bytes) -> Credential | None:
+        """Check the client's proof, if the node knows its access id; who it proved to be
+        (None: the node needs no key and the client gave none it knows)."""
         credentials = self.services.credentials
         credential = credentials.credential(hello.access_id)
         if credential is None:
             if credentials.requires_auth:
-                log.warning("unknown access id %r (%s)", hello.access_id, self.peer)
+                self.services.refusals.note("unknown access id", self.peer)
                 raise AuthenticationError("access id or key refused")
-            return b""
+            return None
         ok = auth.verify(
-            credential.key, "client", hello.access_id, server_nonce, hello.nonce, hello.proof
+            credential.key,
+            "client",
+            hello.access_id,
+            server_nonce,
+            hello.nonce,
+            hello.proof,
+            self.binding,
         )
         if not ok:
-            log.warning("authentication failed for access id %r (%s)", hello.access_id, self.peer)
+            self.services.refusals.note("authentication failed", self.peer)
             raise AuthenticationError("access id or key refused")
         self.credential = credential
         self.tenant = credential.tenant
         self.services.registry.admit(self)  # the tenant's connection cap
-        return auth.proof(credential.key, "node", hello.access_id, server_nonce, hello.nonce)
+        return credential
 
-    def _welcome(self, proof: bytes) -> msg.Welcome:
+    def _welcome(self) -> msg.Welcome:
         identity = self.services.identity
         welcome = msg.Welcome(
             node_id=identity.node_id,
-            proof=proof,
+            proof=b"",
             host_id=identity.host_id,
             tcp_address=identity.tcp_address,
             arena_path="",
@@ -255,7 +304,7 @@ class Session:
             raise  # the connection is lost, or its framing is: close it
         except KVPoolError as exc:
             if payload_left:
-                await self.channel.skip(payload_left)
+                await self._skip(payload_left)
             if header.wants_reply:
                 await self._reply_error(header.op, header.request_id, exc)
             else:  # nobody waits for the answer: say it here
@@ -284,13 +333,22 @@ class Session:
     def _decode(self, header: FrameHeader, meta: bytes, op_name: str) -> Any:
         """The request, scoped to the connection's tenant, if it may send it."""
         request = decode_request(header.op, meta)
+        self._check_permitted(header.op, op_name)
         if self.tenant is not None:
-            if header.op not in TENANT_OPS:
-                raise Forbidden(f"{op_name} is not open to tenants")
             request = _scoped(request, self.tenant)
         if header.op != Op.PUT and header.payload_len:
             raise BadRequest(f"{op_name} carries no payload")
         return request
+
+    def _check_permitted(self, op: int, op_name: str) -> None:
+        """Who may do what, decided here for every request: a tenant only TENANT_OPS; a
+        client of a keyless node over TCP everything but ADMIN_OPS; an authenticated
+        operator (the node's key, the cluster's identity) or the Unix socket everything."""
+        if self.tenant is not None:
+            if op not in TENANT_OPS:
+                raise Forbidden(f"{op_name} is not open to tenants")
+        elif self.credential is None and not self.is_local and op in ADMIN_OPS:
+            raise Forbidden(f"{op_name} needs the Unix socket or an access key on this node")
 
     async def _reply(
         self,
@@ -305,13 +363,26 @@ class Session:
         frame = encode_frame(
             op, message, payload_len=payload_len, request_id=header.request_id, flags=FLAG_RESPONSE
         )
-        await self.channel.send([frame, *payload])
+        await self._send([frame, *payload], len(frame) + payload_len, "sending a reply")
 
     async def _reply_error(self, op: int, request_id: int, exc: BaseException) -> None:
         status = status_for_error(exc)
         message = msg.ErrorResponse(message=str(exc)[:1000])
         frame = encode_frame(op, message, request_id=request_id, flags=FLAG_RESPONSE, status=status)
-        await self.channel.send([frame])
+        await self._send([frame], len(frame), "sending an error reply")
+
+    async def _send(self, parts: Sequence[Any], num_bytes: int, what: str) -> None:
+        """Send, bounded in time (see MIN_TRANSFER_BYTES_S) once the socket makes us wait:
+        a reply the socket takes at once, the usual case, costs no timer."""
+        rest = self.channel.send_now(parts)
+        if rest:
+            async with _unleased_transfer(num_bytes, what):
+                await self.channel.send(rest)
+
+    async def _skip(self, num_bytes: int) -> None:
+        """Read past a refused request's payload (its framing stays intact)."""
+        async with _unleased_transfer(num_bytes, "skipping a refused payload"):
+            await self.channel.skip(num_bytes)
 
     # -- the write path: reserve -> (fill) -> commit ----------------------------------------
 
@@ -358,7 +429,7 @@ class Session:
     async def _put(self, header: FrameHeader, req: msg.PutRequest) -> None:
         problem = _put_mismatch(req, header.payload_len)
         if problem:
-            await self.channel.skip(header.payload_len)
+            await self._skip(header.payload_len)
             raise BadRequest(problem)
         result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)
@@ -528,14 +599,45 @@ class Session:
         self.services.shutdown(req.drain)
 
 
+@contextlib.asynccontextmanager
+async def _unleased_transfer(num_bytes: int, what: str) -> Any:
+    """Bound a transfer no lease bounds (see MIN_TRANSFER_BYTES_S): past it, the
+    connection closes."""
+    try:
+        async with asyncio.timeout(FRAME_TIMEOUT_S + num_bytes / MIN_TRANSFER_BYTES_S):
+            yield
+    except TimeoutError:
+        raise TransferTimeout(f"timed out {what}") from None
+
+
 def _scoped(request: Any, tenant: Tenant) -> Any:
-    """The request with every key (and namespace id) it names moved into the tenant's."""
+    """The request with every key (and namespace id) it names moved into the tenant's, and
+    a PUT's origins within what its blocks pay for (:func:`_paid_origins`)."""
+    if isinstance(request, msg.PutRequest) and request.origins:
+        request = msgspec.structs.replace(request, origins=_paid_origins(request))
     if isinstance(request, msg.DescribeRequest):
         scoped = tenant.scope_namespace(request.namespace_id)
         return msgspec.structs.replace(request, namespace_id=scoped)
     if hasattr(request, "keys"):
         return msgspec.structs.replace(request, keys=tenant.scope_all(request.keys))
     return request
+
+
+def _paid_origins(req: msg.PutRequest) -> list[BlockOrigin | None]:
+    """A tenant's origins, each kept only if its block pays for it: at most one token id
+    per ORIGIN_BYTES_PER_TOKEN bytes of the arena memory the block takes (what its quota
+    counts).  An origin sits in the daemon's heap, about 40 bytes a token id; so bounded,
+    a tenant's origins cost at most a sixth of its quota, and a block too small for its
+    origin is stored without it (its KV events carry no token ids)."""
+    origins = req.origins or []
+    if len(origins) != len(req.sizes):
+        return list(origins)  # refused whole by the PUT's own checks
+    return [
+        origin
+        if origin is None or len(origin.token_ids) * ORIGIN_BYTES_PER_TOKEN <= page_bytes(size)
+        else None
+        for origin, size in zip(origins, req.sizes, strict=True)
+    ]
 
 
 def _put_mismatch(req: msg.PutRequest, payload_len: int) -> str:

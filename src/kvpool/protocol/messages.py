@@ -43,8 +43,8 @@ from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockO
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
 from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
 
-PROTOCOL_VERSION = 2  # 2: sealed commits
-SUPPORTED_VERSIONS = (2,)
+PROTOCOL_VERSION = 3  # 2: sealed commits; 3: proofs bound to the connection and Welcome
+SUPPORTED_VERSIONS = (3,)
 
 MAX_KEYS_PER_REQUEST = 16384
 MAX_BLOCK_BYTES = 256 << 20

@@ -26,6 +26,13 @@ source that only prefetches ask.
   refused).  Its blocks are *held* (:mod:`kvpool.store.holds`) until read or until the
   hold lapses.  A prefetch of blocks already in DRAM or already coming up only holds them;
   a cancelled one releases its holds.
+- **Prefetch from other nodes** is bounded like the rest, since any tenant may ask for it:
+  at most ``RemoteSource.max_keys`` keys of a request go out, at most
+  ``REMOTE_KEYS_IN_FLIGHT`` keys are out at once on the node and
+  ``REMOTE_KEYS_IN_FLIGHT_PER_TENANT`` per tenant (by the key's tenant tag), and each
+  fetch reserves ``REMOTE_FETCH_BYTES`` of ``PREFETCH_MAX_BYTES`` before it starts: the
+  other nodes' answers are cut at that from the sizes they announce, before a byte is
+  buffered.  What is past a bound is refused (a hint: the read will go elsewhere).
 
 All disk and object-store I/O runs on threads, never on the event loop.
 """
@@ -46,6 +53,7 @@ from kvpool.store.block import Block
 from kvpool.store.block_store import BlockStore
 from kvpool.store.holds import Holds
 from kvpool.store.leases import Owner
+from kvpool.tenants import TAG_BYTES
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import RemoteSource, Tier
 from kvpool.tiers.writeback import WriteBack
@@ -55,6 +63,9 @@ log = logging.getLogger("kvpool.node")
 READ_THREADS = 4
 DEFAULT_WAIT_S = 2.0  # a read that names no deadline waits this long for lower tiers
 PREFETCH_MAX_BYTES = 512 << 20
+REMOTE_KEYS_IN_FLIGHT = 1024
+REMOTE_KEYS_IN_FLIGHT_PER_TENANT = 256
+REMOTE_FETCH_BYTES = 64 << 20  # the most one fetch from other nodes may buffer
 
 # Fills reserved slots, given as ``(index, destination)``: per slot, its checksum or None.
 Fill = Callable[[list[tuple[int, memoryview]]], list[int | None]]
@@ -101,6 +112,8 @@ class Tiers:
         self.num_late = 0  # reads that stopped waiting for a promotion at their deadline
         self.prefetched = PrefetchStats()
         self._prefetch_bytes = 0  # in flight
+        self._remote_keys = 0  # keys asked of other nodes, in flight
+        self._tag_to_remote_keys: dict[bytes, int] = {}  # the same, per tenant tag
         self._promoting: dict[bytes, asyncio.Future[int]] = {}
         self._io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-tier-read")
         self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-prefetch")
@@ -357,10 +370,12 @@ class Tiers:
             else:
                 wanted.append((key, *source))
                 self._prefetch_bytes += size
-        if elsewhere and self.remote is not None:  # other nodes may: asked in the background
-            elsewhere = elsewhere[: self.remote.max_keys]
-            answer.num_started += len(elsewhere)
-            self._spawn_remote(elsewhere, hold_s)
+        if elsewhere:  # other nodes may: asked in the background, within bounds
+            asked = self._admit_remote(elsewhere)
+            answer.num_refused += len(elsewhere) - len(asked)
+            if asked:
+                answer.num_started += len(asked)
+                self._spawn_remote(asked, hold_s)
         if wanted:
             answer.num_started += len(wanted)
             num_bytes = sum(size for _, size, _ in wanted)
@@ -374,7 +389,37 @@ class Tiers:
         stats.absent += answer.num_absent
         return answer
 
+    def _admit_remote(self, keys: list[bytes]) -> list[bytes]:
+        """The keys that may be asked of other nodes now (see the module's bounds); none
+        when no byte budget is left for a fetch."""
+        assert self.remote is not None
+        if self._prefetch_bytes + REMOTE_FETCH_BYTES > PREFETCH_MAX_BYTES:
+            return []
+        asked: list[bytes] = []
+        for key in keys[: self.remote.max_keys]:
+            tag = key[:TAG_BYTES]
+            num_tenant = self._tag_to_remote_keys.get(tag, 0)
+            if self._remote_keys >= REMOTE_KEYS_IN_FLIGHT:
+                break
+            if num_tenant >= REMOTE_KEYS_IN_FLIGHT_PER_TENANT:
+                continue
+            self._tag_to_remote_keys[tag] = num_tenant + 1
+            self._remote_keys += 1
+            asked.append(key)
+        return asked
+
+    def _remote_done(self, keys: list[bytes]) -> None:
+        for key in keys:
+            tag = key[:TAG_BYTES]
+            left = self._tag_to_remote_keys[tag] - 1
+            if left:
+                self._tag_to_remote_keys[tag] = left
+            else:
+                del self._tag_to_remote_keys[tag]
+        self._remote_keys -= len(keys)
+
     def _spawn_remote(self, keys: list[bytes], hold_s: float) -> None:
+        self._prefetch_bytes += REMOTE_FETCH_BYTES  # reserved until the fetch ends
         task = asyncio.ensure_future(self._prefetch_remote(keys, hold_s))
         for key in keys:
             self._promoting[key] = task
@@ -383,11 +428,7 @@ class Tiers:
         """Copy blocks that other nodes hold into this node's DRAM, and hold them."""
         assert self.remote is not None
         try:
-            found = [
-                (key, value)
-                for key, value in await self.remote.fetch(keys)
-                if self._prefetch_bytes + len(value) <= PREFETCH_MAX_BYTES
-            ]
+            found = await self.remote.fetch(keys, REMOTE_FETCH_BYTES)
             if not found:
                 return 0
             values = [memoryview(value) for _, value in found]
@@ -410,6 +451,8 @@ class Tiers:
         finally:
             for key in keys:
                 self._promoting.pop(key, None)
+            self._remote_done(keys)
+            self._prefetch_bytes -= REMOTE_FETCH_BYTES
 
     def _prefetch_done(self, task: asyncio.Future[int], num_bytes: int) -> None:
         self._prefetch_bytes -= num_bytes

@@ -20,7 +20,9 @@ MEDIUM_DRAM = "CPU"  # the medium of the DRAM arena's KV events
 MEDIUM_STORAGE = "STORAGE"  # the disk tier's
 
 # Reads blocks from other nodes of the cluster: per key, its bytes or None.
-RemoteFetch = Callable[[list[bytes]], Awaitable[list[bytes | None]]]
+# Other nodes' blocks for these keys, at most ``max_bytes`` of them in all (None: absent
+# or past the bound, decided from the sizes the nodes announce before sending).
+RemoteFetch = Callable[[list[bytes], int], Awaitable[list[bytes | None]]]
 
 # ``(key, offset, size, checksum)`` of each live block of a disk segment.
 SegmentBlocks = list[tuple[bytes, int, int, int]]
@@ -97,13 +99,13 @@ class RemoteSource:
     requests are asynchronous); the bytes it returns are not verified against a checksum
     (the agent's client checked them as they arrived)."""
 
-    def __init__(self, fetch: RemoteFetch, max_keys: int = 1024) -> None:
+    def __init__(self, fetch: RemoteFetch, max_keys: int = 64) -> None:
         self._fetch = fetch
         self.max_keys = max_keys
 
-    async def fetch(self, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """``(key, bytes)`` of the keys some other node holds."""
-        values = await self._fetch(keys)
+    async def fetch(self, keys: list[bytes], max_bytes: int) -> list[tuple[bytes, bytes]]:
+        """``(key, bytes)`` of the keys some other node holds, ``max_bytes`` at most."""
+        values = await self._fetch(keys, max_bytes)
         return [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
 
 
