@@ -492,7 +492,7 @@ class Session:
     async def _delete(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         statuses = self.store.delete(req.keys)
         _, _, in_tiers = self.tiers.presence(req.keys)
-        self.tiers.delete(req.keys)
+        await self.tiers.delete(req.keys)
         for i, tier in enumerate(in_tiers):  # gone from every tier
             if tier != TIER_DRAM and statuses[i] is Status.NOT_FOUND:
                 statuses[i] = Status.OK

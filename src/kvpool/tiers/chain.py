@@ -421,9 +421,16 @@ class Tiers:
         if len(self.holds):
             self.holds.read([b.key for b in blocks if b is not None])
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Forget the keys in the tiers below DRAM; how many were there."""
-        return sum(tier.delete(keys) for tier in self.chain)
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete the keys from the tiers below DRAM, for good (the disk writes tombstones,
+        the object store is told: on a thread); how many were there."""
+        if not self.chain:
+            return 0
+        loop = asyncio.get_running_loop()
+        counts = await loop.run_in_executor(
+            self._io, lambda: [tier.delete(keys) for tier in self.chain]
+        )
+        return sum(counts)
 
     # -- status ---------------------------------------------------------------------------
 

@@ -81,7 +81,6 @@ from kvpool.tiers.tier import KeyIndex, SegmentBlocks
 
 log = logging.getLogger("kvpool.objects")
 
-OUTGOING_DIR = "outgoing"  # under the disk tier's directory: segments waiting for upload
 MAX_STAGED_SEGMENTS = 4
 ORPHAN_AGE_S = 600.0
 ORPHAN_SWEEP_EVERY = 20  # refreshes
@@ -149,15 +148,17 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._wake = threading.Event()
-        shutil.rmtree(staging, ignore_errors=True)  # leftovers of a crash: just cache
-        staging.mkdir(parents=True, exist_ok=True)
 
     # -- life -----------------------------------------------------------------------------
 
     def start(self) -> None:
         """Check that the bucket can be listed (one that refuses us is a configuration
         error; one that does not answer is retried by the refresher), then run: the first
-        refresh follows at once, on the refresher's thread."""
+        refresh follows at once, on the refresher's thread.  The staging directory is
+        emptied first (leftovers of a crash: just cache): the disk tier that holds it is
+        open, and so locked, by then."""
+        shutil.rmtree(self._staging, ignore_errors=True)
+        self._staging.mkdir(mode=0o700, exist_ok=True)
         try:
             next(iter(obstore.list(self._reader, INDEXES, chunk_size=1)), None)
         except STORE_ERRORS as exc:

@@ -1,0 +1,168 @@
+"""The tiers below DRAM under attack (issue 28, items 8 and 9, and the disk directory): real
+daemons, real files.
+
+- A DELETE lasts on every tier: a restarted node (even one killed) does not serve a
+  deleted disk block again; another node does not read it from the object store; the home
+  node that got a write-through copy drops it too.
+- One daemon per disk directory: a second one, even with ``--fresh``, is refused and
+  deletes nothing of the first's; a directory another user owns, or one others may write
+  in, is refused; a new segment never replaces a file that is there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvpool import Client
+from kvpool.errors import ConfigError
+from kvpool.stats import TIER_DISK
+from kvpool.tiers.disk import DiskTier
+from tests.conftest import NodeFactory
+from tests.helpers import content, key
+from tests.node.test_daemon import serve
+
+BLOCK = 256 << 10
+
+
+def disk_node(start_node: NodeFactory, disk: Path, name: str = "tiered", extra=()):
+    return start_node(
+        name=name, memory="8MiB", extra=["--disk", str(disk), "--disk-size", "64MiB", *extra]
+    )
+
+
+def fill_to_disk(client: Client, tag: str, num_blocks: int = 64) -> list[bytes]:
+    """Put ``num_blocks`` blocks through an 8 MiB arena; the keys that ended up on disk only."""
+    keys = [key(f"{tag}-{i}") for i in range(num_blocks)]
+    for start in range(0, num_blocks, 4):
+        batch = keys[start : start + 4]
+        assert client.put(batch, [content(k, BLOCK) for k in batch]).all_stored
+        time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        disk = next(t for t in client.stats().tiers if t.name == "disk")
+        if disk.writes + disk.dropped + disk.refused >= client.stats().evictions:
+            break
+        time.sleep(0.05)
+    tiers = client.lookup_state(keys).tiers
+    return [k for k, t in zip(keys, tiers, strict=True) if t == TIER_DISK]
+
+
+def said(process) -> str:
+    """What a refused start printed, its lines joined (the CLI wraps them)."""
+    return " ".join(process.stderr.split())
+
+
+# -- deletes last ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", ["stop", "kill"])
+def test_a_deleted_disk_block_is_not_served_after_a_restart(start_node, tmp_path, stop):
+    disk = tmp_path / "disk"
+    node = disk_node(start_node, disk)
+    with Client(node.unix_address, timeout=10) as client:
+        on_disk = fill_to_disk(client, "del")
+        assert len(on_disk) >= 16
+        deleted, kept = on_disk[:8], on_disk[8:12]
+        assert all(s.name == "OK" for s in client.delete(deleted))
+        assert client.get(deleted).num_found == 0
+    getattr(node, stop)()
+    again = disk_node(start_node, disk)
+    with Client(again.unix_address, timeout=10) as client:
+        assert client.get(deleted).num_found == 0, "a deleted block came back after a restart"
+        assert not any(client.lookup_state(deleted).tiers)
+        got = client.get(kept)  # the others are still there
+        assert got.num_found == len(kept)
+        assert all(
+            bytes(v) == content(k, BLOCK).tobytes() for k, v in zip(kept, got.values, strict=True)
+        )
+
+
+# -- one daemon per disk directory ----------------------------------------------------------
+
+
+def test_a_second_daemon_on_the_same_disk_directory_is_refused_and_deletes_nothing(
+    start_node, tmp_path, run_dir
+):
+    disk = tmp_path / "disk"
+    node = disk_node(start_node, disk)
+    with Client(node.unix_address, timeout=10) as client:
+        on_disk = fill_to_disk(client, "two")
+        assert on_disk
+        segments = sorted(p.name for p in disk.glob("seg-*.kvs"))
+        for fresh in ([], ["--fresh"]):
+            second = serve(
+                run_dir,
+                "--name",
+                "intruder",
+                "--disk",
+                str(disk),
+                "--disk-size",
+                "64MiB",
+                *fresh,
+            )
+            assert second.returncode != 0
+            assert "another kvpool daemon uses the disk directory" in said(second)
+            assert sorted(p.name for p in disk.glob("seg-*.kvs")) == segments
+        got = client.get(on_disk[:8])
+        assert got.num_found == len(on_disk[:8])
+        assert all(
+            bytes(v) == content(k, BLOCK).tobytes()
+            for k, v in zip(on_disk[:8], got.values, strict=True)
+        )
+
+
+def test_a_disk_directory_others_may_write_in_or_own_is_refused(start_node, tmp_path, run_dir):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    refused = serve(run_dir, "--disk", str(shared), "--disk-size", "64MiB")
+    assert refused.returncode != 0 and "may be written by its group or by others" in said(refused)
+    assert not list(shared.iterdir())  # nothing written there
+    if os.geteuid() == 0:  # a directory another user created first
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        refused = serve(run_dir, "--disk", str(theirs), "--disk-size", "64MiB")
+        assert refused.returncode != 0 and "belongs to uid 65534" in said(refused)
+    created = tmp_path / "new" / "disk"
+    disk_node(start_node, created, name="created").stop()
+    assert (created.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_new_segment_never_replaces_a_file_that_is_there(tmp_path):
+    disk = DiskTier(tmp_path, 16 << 20, segment_bytes=4 << 20)
+    data = memoryview(b"x" * (1 << 20))
+    checksum = xxhash.xxh3_64_intdigest(data)
+    disk.write([(key(f"a-{i}"), data, checksum) for i in range(3)])  # segment 1
+    planted = tmp_path / "seg-00000002.kvs"
+    planted.write_bytes(b"someone else's file")
+    with pytest.raises(FileExistsError):
+        disk.write([(key(f"b-{i}"), data, checksum) for i in range(3)])  # would open segment 2
+    assert planted.read_bytes() == b"someone else's file"
+    with pytest.raises(ConfigError, match="another kvpool daemon uses the disk directory"):
+        DiskTier(tmp_path, 16 << 20, segment_bytes=4 << 20)
+
+
+def test_a_tombstone_outlives_its_segment_while_the_block_it_hides_is_on_disk(tmp_path):
+    disk = DiskTier(tmp_path, 16 << 20, segment_bytes=4 << 20)  # four segments
+    data = memoryview(b"y" * (256 << 10))
+    checksum = xxhash.xxh3_64_intdigest(data)
+    first = [key(f"old-{i}") for i in range(16)]
+    disk.write([(k, data, checksum) for k in first])  # segment 1 full, segment 2 open
+    assert disk.location(first[0]).segment_id == 1 and disk.location(first[-1]).segment_id == 2
+    assert disk.delete([first[0]]) == 1  # its tombstone goes into segment 2
+    for n in range(6):  # segment 2 goes before segment 1, which reads keep recent
+        for k in first[1:3]:
+            disk.read_into(k, memoryview(bytearray(len(data))))
+        disk.write([(key(f"new-{n}-{i}"), data, checksum) for i in range(12)])
+    assert disk.location(first[1]) is not None and disk.location(first[1]).segment_id == 1
+    assert not (tmp_path / "seg-00000002.kvs").exists()
+    disk._dir_lock.release()  # a crash
+    again = DiskTier(tmp_path, 16 << 20, segment_bytes=4 << 20)
+    assert not again.contains([first[0]])[0], "a deleted block came back"
+    assert again.contains([first[1]])[0]
