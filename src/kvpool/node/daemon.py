@@ -99,6 +99,7 @@ class Daemon:
             "started_in_s": round(self.started_in_s, 3),
             "kv_events": events.endpoint if events is not None else "",
             "kv_events_replay": events.replay_endpoint if events is not None else "",
+            "kv_events_tenants": events.tenant_endpoints if events is not None else {},
         }
 
     def is_ready(self) -> bool:
