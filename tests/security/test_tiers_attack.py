@@ -166,3 +166,68 @@ def test_a_tombstone_outlives_its_segment_while_the_block_it_hides_is_on_disk(tm
     again = DiskTier(tmp_path, 16 << 20, segment_bytes=4 << 20)
     assert not again.contains([first[0]])[0], "a deleted block came back"
     assert again.contains([first[1]])[0]
+
+
+# -- deletes reach the object store and the homes --------------------------------------------
+
+
+@pytest.fixture
+def s3_env(s3_server) -> dict[str, str]:
+    return {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_REGION": s3_server.region,
+    }
+
+
+def test_a_deleted_block_is_not_read_from_the_object_store_by_another_node(
+    start_node, s3_server, s3_bucket, s3_env, tmp_path
+):
+    from kvpool.stats import TIER_OBJECT
+    from tests.node.test_object_tier import fill, start_host, wait_for, written_to_bucket
+
+    a = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "a")
+    with Client(a.tcp_address, use_shm=False, timeout=10) as c:
+        prefix = fill(c, "gone", 12)
+    written_to_bucket(a, prefix)
+    b = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "b")
+    with Client(b.tcp_address, use_shm=False, timeout=10) as reader:
+        wait_for(lambda: reader.lookup(prefix) == len(prefix))
+        assert reader.lookup_state(prefix).tiers == bytes([TIER_OBJECT]) * len(prefix)
+        with Client(a.tcp_address, use_shm=False, timeout=10) as writer:
+            writer.delete(prefix[:6])
+            assert writer.lookup(prefix) == 0  # the writer forgets them at once
+        wait_for(lambda: reader.lookup(prefix) == 0)  # another node, after its refresh
+        assert reader.get(prefix[:6]).num_found == 0, "another node read a deleted block"
+        assert reader.get(prefix[6:]).num_found == 6  # the others are still there
+    c = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "c")  # a new node
+    with Client(c.tcp_address, use_shm=False, timeout=10) as late:
+        wait_for(lambda: late.lookup(prefix[6:]) == 6)
+        assert late.get(prefix[:6]).num_found == 0, "a node started later read a deleted block"
+
+
+def test_a_delete_reaches_the_home_node_that_got_a_write_through_copy(start_node):
+    from tests.cluster.fabric import free_port
+
+    ports = [free_port(), free_port()]
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    a, b = (
+        start_node(name=name, extra=["--port", str(port), "--peers", peers])
+        for name, port in zip(("home-a", "home-b"), ports, strict=True)
+    )
+    keys = [key(f"homed-{i}") for i in range(40)]
+    with (
+        Client(a.unix_address, timeout=10) as writer,
+        Client(b.tcp_address, use_shm=False, timeout=10) as home,
+    ):
+        assert writer.put(keys, [content(k, 4096) for k in keys]).all_stored
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and home.get(keys).num_found < 10:
+            time.sleep(0.1)
+        at_b = [k for k, v in zip(keys, home.get(keys).values, strict=True) if v is not None]
+        assert len(at_b) >= 10  # rendezvous puts about half of them at b
+        writer.delete(keys)  # a client that knows only its local node
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and home.get(at_b).num_found:
+            time.sleep(0.1)
+        assert home.get(at_b).num_found == 0, "the home kept its write-through copies"

@@ -61,6 +61,9 @@ class ClusterHooks(Protocol):
     def enqueue(self, keys: Sequence[bytes]) -> None:
         """Write these committed keys through to their home nodes (best effort)."""
 
+    def delete_at_homes(self, keys: Sequence[bytes]) -> None:
+        """Delete these keys at their home nodes too (best effort)."""
+
     def peer_ids(self) -> list[str]:
         """The members of the cluster, for status."""
 
@@ -94,7 +97,10 @@ class NodeServer:
         self._on_shutdown = on_shutdown
         self.identity = NodeIdentity.of(config)
         self.registry = SessionRegistry()
-        self.traffic = Traffic(cluster.enqueue if cluster is not None else None)
+        self.traffic = Traffic(
+            cluster.enqueue if cluster is not None else None,
+            cluster.delete_at_homes if cluster is not None else None,
+        )
         self.changes = changes
         self.credentials = Credentials(config, tenants)
         self._owner_ids = itertools.count(1)  # connection numbers: lease owners >= 1
