@@ -231,3 +231,53 @@ def test_a_delete_reaches_the_home_node_that_got_a_write_through_copy(start_node
         while time.monotonic() < deadline and home.get(at_b).num_found:
             time.sleep(0.1)
         assert home.get(at_b).num_found == 0, "the home kept its write-through copies"
+
+
+# -- quotas on the lower tiers -----------------------------------------------------------------
+
+
+def test_a_tenant_churning_within_its_quota_never_evicts_anothers_disk_blocks(start_node, tmp_path):
+    from tests.security.tenants import TenantsFile, client
+
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    alpha = tenants.add("alpha", quota="4MiB")[0]
+    beta = tenants.add("beta", quota="4MiB")[0]
+    tenants.write()
+    node = start_node(
+        name="shares",
+        memory="12MiB",
+        extra=["--tenants", str(tenants.path), "--disk", str(tmp_path / "disk"),
+               "--disk-size", "32MiB"],  # 16 MiB each: the quotas' shares
+    )  # fmt: skip
+
+    def put_all(pool: Client, tag: str, num_blocks: int) -> list[bytes]:
+        keys = [key(f"{tag}-{i}") for i in range(num_blocks)]
+        for start in range(0, num_blocks, 4):
+            batch = keys[start : start + 4]
+            assert pool.put(batch, [content(k, BLOCK) for k in batch]).all_stored
+            time.sleep(0.02)
+        return keys
+
+    def on_disk(pool: Client, keys: list[bytes]) -> list[bytes]:
+        return [k for k in keys if pool.lookup_state([k]).tiers == bytes([TIER_DISK])]
+
+    with client(node.tcp_address, beta) as victim, client(node.tcp_address, alpha) as churner:
+        held = put_all(victim, "beta", 40)  # 10 MiB past a 4 MiB quota: ~6 MiB to disk
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(on_disk(victim, held)) < 16:
+            time.sleep(0.1)
+        before = on_disk(victim, held)
+        assert len(before) >= 16
+        churned = put_all(churner, "alpha", 240)  # 60 MiB through alpha's 4 MiB quota
+        time.sleep(2)  # the write-back settles
+        after = on_disk(victim, before)
+        assert len(after) == len(before), (
+            f"alpha's churn evicted beta's disk blocks: {len(before)} -> {len(after)}"
+        )
+        got = victim.get(after[:8])
+        assert got.num_found == 8
+        assert all(
+            bytes(v) == content(k, BLOCK).tobytes()
+            for k, v in zip(after[:8], got.values, strict=True)
+        )
+        assert len(on_disk(churner, churned)) >= 16  # alpha's use the rest of the disk

@@ -228,7 +228,9 @@ class NodeServer:
         if self.tenants is None:
             return
         tenants = self.tenants.current.tenants.values()
-        self.store.set_quotas({t.tag: t.quota_bytes for t in tenants})
+        quotas = {t.tag: t.quota_bytes for t in tenants}
+        self.store.set_quotas(quotas)
+        self.tiers.set_quotas(quotas)  # the same tenants' shares of the disk and the bucket
 
     async def _reload_loop(self) -> None:
         while True:

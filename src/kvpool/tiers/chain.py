@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -420,6 +420,16 @@ class Tiers:
         """These blocks were pinned or sent: the requests that held them ran."""
         if len(self.holds):
             self.holds.read([b.key for b in blocks if b is not None])
+
+    def set_quotas(self, quotas: Mapping[bytes, int] | None) -> None:
+        """Tenants' DRAM quotas (by tag; None: no tenants), carried to the lower tiers: each
+        gives a tenant the share of its capacity that its quota is of all the quotas."""
+        total = sum(quotas.values()) if quotas else 0
+        for tier in self.chain:
+            if not quotas or total <= 0:
+                tier.set_quotas(None)
+                continue
+            tier.set_quotas({tag: tier.capacity * q // total for tag, q in quotas.items()})
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Delete the keys from the tiers below DRAM, for good (the disk writes tombstones,

@@ -19,6 +19,13 @@ files, no in-place updates)::
   segment goes (its file is deleted, with every block in it): LRU at segment granularity,
   which keeps writes sequential and needs no compaction.  A block read from a segment
   makes that segment recent again.
+- Tenants (:meth:`DiskTier.set_quotas`, the store's :class:`~kvpool.store.quotas.Quotas`
+  counting the bytes segments take): each tenant writes its own segments, so that evicting
+  one never takes another tenant's blocks.  A tenant past its share of the disk evicts its
+  own least recently used segments first, and a segment is evicted for a write only if it
+  is the writer's, nobody's, or a tenant's past its share; a write that finds no such room
+  is dropped (the disk is a cache).  A tenant holds at most its share and one open
+  segment.
 - The index lives in memory and is rebuilt at start from the files: a host that lost
   /dev/shm (a reboot) finds its disk blocks again.
 - A delete lasts: it appends a tombstone record (a header with ``FLAG_TOMBSTONE`` and no
@@ -63,6 +70,8 @@ from kvpool.dirs import DirLock, check_owned
 from kvpool.errors import ConfigError
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TierStats
+from kvpool.store.quotas import Quotas
+from kvpool.tenants import TAG_BYTES
 from kvpool.tiers.tier import MEDIUM_STORAGE, KeyIndex, SegmentSink, TierEvents
 
 RECORD_MAGIC = b"KVDR"
@@ -109,6 +118,7 @@ class Segment:
     last_used: float = 0.0
     sealed: bool = False
     keys: set[bytes] = field(default_factory=set)
+    first_key: bytes = b""  # whose segment it is (the tenant's tag leads the key)
     tombstones: set[bytes] = field(default_factory=set)  # keys deleted by records here
     buried: set[bytes] = field(default_factory=set)  # keys of records here a tombstone hides
     headers: list[bytes] = field(default_factory=list)  # for the footer, while open
@@ -127,6 +137,7 @@ class DiskCounters:
     corrupt: int = 0
     recovered: int = 0
     torn_records: int = 0
+    over_share: int = 0  # blocks not written: their tenant had no room within its share
 
 
 class DiskTier(KeyIndex[Location]):
@@ -163,7 +174,8 @@ class DiskTier(KeyIndex[Location]):
         self._below: SegmentSink | None = None
         self._events: TierEvents | None = None
         self._segments: dict[int, Segment] = {}
-        self._open: Segment | None = None
+        self._open: dict[bytes, Segment] = {}  # by owner (see _owner)
+        self.quotas: Quotas | None = None  # tenants' shares of the disk, when it has tenants
         self._fds: dict[int, int] = {}
         self._clock = itertools.count(1)
         self._writer = threading.Lock()  # one writer at a time: appends and tombstones
@@ -301,6 +313,7 @@ class DiskTier(KeyIndex[Location]):
                 previous.keys.discard(key)
         self._index[key] = location
         segment.keys.add(key)
+        segment.first_key = segment.first_key or key
         self._graves.pop(key, None)  # written again after its delete: nothing to hide
 
     def _bury(self, key: bytes, tombstone_at: Segment | None) -> bool:
@@ -341,26 +354,56 @@ class DiskTier(KeyIndex[Location]):
 
     # -- writes ---------------------------------------------------------------------------
 
+    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
+        """Tenants' shares of the disk, in bytes, by tag (None: no tenants); what each
+        holds is counted again from the segments."""
+        with self._lock:
+            if not shares:
+                self.quotas = None
+                return
+            quotas = Quotas(cost=_bytes)
+            quotas.recount(shares, ((s.first_key, s.num_bytes) for s in self._segments.values()))
+            self.quotas = quotas
+
+    def _owner(self, key: bytes) -> bytes:
+        """The open segment a key's records go to: its tenant's (its tag), else nobody's."""
+        quotas = self.quotas
+        tag = key[:TAG_BYTES]
+        return tag if quotas is not None and tag in quotas.limits else b""
+
     def write(
         self,
         blocks: Sequence[tuple[bytes, memoryview, int]],
         origins: Mapping[bytes, BlockOrigin] | None = None,
     ) -> int:
         """Append ``(key, bytes, checksum)`` blocks as records; returns how many were
-        written (all but those larger than a segment).  One ``pwritev`` per segment
-        touched: large sequential writes.  The keys become visible once their bytes are
-        written, and are reported stored with what ``origins`` says they were computed
-        from."""
+        written (all but those larger than a segment, or past their tenant's share).  One
+        ``pwritev`` per segment touched: large sequential writes.  The keys become visible
+        once their bytes are written, and are reported stored with what ``origins`` says
+        they were computed from."""
         with self._writer:
-            records: list[_Record] = [(key, data, checksum, 0) for key, data, checksum in blocks]
-            return self._write_records(records, origins or {})
+            return self._write_records(
+                [(key, data, checksum, 0) for key, data, checksum in blocks], origins or {}
+            )
 
     def _write_records(self, records: list[_Record], origins: Mapping[bytes, BlockOrigin]) -> int:
-        """Append ``records`` (the caller holds ``_writer``), after the tombstones to
-        write again; how many blocks were written."""
+        """Append ``records``, each to its owner's open segment (the caller holds
+        ``_writer``); how many blocks were written."""
+        by_owner: dict[bytes, list[_Record]] = {}
+        for record in records:
+            by_owner.setdefault(self._owner(record[0]), []).append(record)
+        if not by_owner and self._carried:
+            by_owner[b""] = []
+        return sum(self._write_owned(owner, owned, origins) for owner, owned in by_owner.items())
+
+    def _write_owned(
+        self, owner: bytes, records: list[_Record], origins: Mapping[bytes, BlockOrigin]
+    ) -> int:
+        """Append one owner's records, after the tombstones to write again."""
         written = 0
         batch: list[_Record] = []
-        room = self._open.num_bytes if self._open is not None else self.segment_bytes
+        segment = self._open.get(owner)
+        room = segment.num_bytes if segment is not None else self.segment_bytes
         pending = list(records)
         pending.reverse()
         while pending or self._carried:
@@ -374,16 +417,22 @@ class DiskTier(KeyIndex[Location]):
             if len(key) > MAX_KEY_BYTES or need > self.segment_bytes:
                 continue
             if room + need > self.segment_bytes:
-                written += self._append(batch, origins)
+                written += self._append(owner, batch, origins)
                 batch = []
-                self._roll()  # may evict a segment, and so carry its tombstones
+                # May evict segments, and so carry their tombstones.
+                if not self._roll(owner, key):
+                    with self._lock:
+                        self.counters.over_share += 1 + len(pending)
+                    return written
                 room = 0
             batch.append(record)
             room += need
-        return written + self._append(batch, origins)
+        return written + self._append(owner, batch, origins)
 
-    def _append(self, records: list[_Record], origins: Mapping[bytes, BlockOrigin]) -> int:
-        segment = self._open
+    def _append(
+        self, owner: bytes, records: list[_Record], origins: Mapping[bytes, BlockOrigin]
+    ) -> int:
+        segment = self._open.get(owner)
         if not records or segment is None:
             return 0
         parts: list[bytes | memoryview] = []
@@ -405,7 +454,7 @@ class DiskTier(KeyIndex[Location]):
             fd = self._fd(segment.segment_id)
         _pwritev_all(fd, parts, start)
         with self._lock:
-            segment.num_bytes = position
+            self._grow(segment, position - start)
             segment.headers += headers
             segment.last_used = next(self._clock)
             stored = [] if segment.dropped else placed
@@ -420,19 +469,29 @@ class DiskTier(KeyIndex[Location]):
                 self._events.stored_key(key, origins.get(key), self.medium)
         return len(placed)
 
-    def _roll(self) -> None:
-        """Seal the open segment and open a new one, making room for it first."""
-        if self._open is not None:
-            self._finish_segment(self._open)
+    def _grow(self, segment: Segment, num_bytes: int) -> None:
+        """``num_bytes`` more of ``segment`` on disk, counted for its owner."""
+        segment.num_bytes += num_bytes
+        if self.quotas is not None and segment.first_key and not segment.dropped:
+            self.quotas.added(segment.first_key, num_bytes)
+
+    def _roll(self, owner: bytes, key: bytes) -> bool:
+        """Seal the owner's open segment and open a new one, making room for it first
+        (``key``: the record that needs it); False if there is no room it may take."""
+        sealed = self._open.get(owner)
+        if sealed is not None:
+            self._finish_segment(sealed)
         with self._lock:
-            self._make_room(self.segment_bytes)
+            if not self._make_room(self.segment_bytes, key):
+                return False
             segment_id = max(self._segments, default=0) + 1
             path = self.path / f"seg-{segment_id:08d}.kvs"
             # Never over an existing file: the directory is locked, so one is not ours.
             self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            segment = Segment(segment_id, path, last_used=next(self._clock))
+            segment = Segment(segment_id, path, last_used=next(self._clock), first_key=key)
             self._segments[segment_id] = segment
-            self._open = segment
+            self._open[owner] = segment
+        return True
 
     def _finish_segment(self, segment: Segment) -> None:
         with self._lock:
@@ -442,20 +501,43 @@ class DiskTier(KeyIndex[Location]):
         trailer = TRAILER.pack(FOOTER_MAGIC, at, xxhash.xxh3_64_intdigest(footer))
         _pwritev_all(fd, [footer, trailer], at)
         with self._lock:
-            segment.num_bytes += len(footer) + len(trailer)
+            self._grow(segment, len(footer) + len(trailer))
             segment.sealed = True
             segment.headers = []
-            if self._open is segment:
-                self._open = None
+            for owner, open_segment in list(self._open.items()):
+                if open_segment is segment:
+                    del self._open[owner]
 
-    def _make_room(self, num_bytes: int) -> None:
-        """Delete least recently used sealed segments until ``num_bytes`` more fit."""
+    def _make_room(self, num_bytes: int, for_key: bytes | None = None) -> bool:
+        """Delete least recently used sealed segments until ``num_bytes`` more fit: first
+        the writer's own while its tenant is past its share, then only those a write of
+        ``for_key`` may evict (None: any).  Whether the room was found."""
+        quotas = self.quotas
+        sealed = [s for s in self._segments.values() if s.sealed]
+        if quotas is not None and for_key is not None:
+            own = sorted(
+                (s for s in sealed if quotas.same_tenant(s.first_key, for_key)),
+                key=lambda s: s.last_used,
+            )
+            while own and quotas.room(for_key, num_bytes):
+                self._drop_segment(own.pop(0))
+            tag = for_key[:TAG_BYTES]
+            if tag in quotas.limits and quotas.used[tag] >= quotas.limits[tag]:
+                return False  # past its share with nothing of its own left to evict
+        victims = sorted(
+            (
+                s
+                for s in self._segments.values()
+                if s.sealed
+                and (quotas is None or for_key is None or quotas.may_evict(s.first_key, for_key))
+            ),
+            key=lambda s: s.last_used,
+        )
         while sum(s.num_bytes for s in self._segments.values()) + num_bytes > self.capacity:
-            victims = [s for s in self._segments.values() if s.sealed and s is not self._open]
             if not victims:
-                return
-            victim = min(victims, key=lambda s: s.last_used)
-            self._drop_segment(victim)
+                return quotas is None  # without tenants, a write goes on (as it always did)
+            self._drop_segment(victims.pop(0))
+        return True
 
     def _drop_segment(self, segment: Segment) -> None:
         evicted = []
@@ -473,6 +555,8 @@ class DiskTier(KeyIndex[Location]):
         for key in segment.tombstones:  # still hiding a record elsewhere: written again
             if self._graves.get(key, segment.segment_id) != segment.segment_id:
                 self._carried.append(key)
+        if self.quotas is not None and segment.first_key:
+            self.quotas.removed(segment.first_key, segment.num_bytes)
         if live and self._below is not None:
             self._below.offer_segment(segment.path, live)
         if evicted and self._events is not None:
@@ -561,13 +645,17 @@ class DiskTier(KeyIndex[Location]):
         with self._writer:
             if self._carried:
                 self._write_records([], {})
-            if self._open is not None:
-                self._finish_segment(self._open)
+            for segment in list(self._open.values()):
+                self._finish_segment(segment)
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
         self._dir_lock.release()
+
+
+def _bytes(size: int) -> int:
+    return size
 
 
 def lock_disk_dir(path: Path) -> DirLock:

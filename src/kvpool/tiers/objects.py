@@ -36,6 +36,10 @@ Layout under ``s3://BUCKET/PREFIX``::
   (``deletes/<writer>-<n>.del``) before the next pack: every node's refresh reads it and
   hides its keys in every pack uploaded before it, so another node misses a deleted block
   at most ``refresh_s`` later.  A delete object goes once no pack older than it is left.
+- **Tenants** (:meth:`ObjectTier.set_quotas`): a pack is one disk segment, so one tenant's
+  blocks (the disk writes each tenant's segments apart).  A tenant past its share of the
+  bucket loses its own oldest packs first, and capacity evicts only packs of nobody or of
+  tenants past their share, never those of a tenant within its share.
 - **Failures.**  Reads have the read timeout and no retry; uploads, listings and deletes
   have a longer timeout and a few retries.  An unreachable or frozen store turns reads
   into misses within the caller's deadline (the node bounds its wait) and uploads into
@@ -55,7 +59,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +71,7 @@ import obstore
 from kvpool.buffers import copy_with_checksum
 from kvpool.errors import ConfigError
 from kvpool.stats import TIER_OBJECT, TierStats
+from kvpool.store.quotas import Quotas
 from kvpool.tiers.bucket import (
     DELETES,
     INDEX_VERSION,
@@ -158,6 +163,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         # Keys deleted (by any node), and when: hidden in packs written before then.
         self._deleted: dict[bytes, float] = {}
         self._delete_lists: dict[str, tuple[float, list[bytes]]] = {}  # name -> (when, keys)
+        self._shares: dict[bytes, int] | None = None  # tenants' shares of the bucket
         self._cond = threading.Condition(self._lock)
         self._stopping = False
         self._threads: list[threading.Thread] = []
@@ -427,16 +433,37 @@ class ObjectTier(KeyIndex[ObjectLocation]):
             if location is not None and location.pack == name:
                 del self._index[key]
 
+    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
+        """Tenants' shares of the bucket, in bytes, by tag (None: no tenants); applied at
+        the next refresh."""
+        with self._lock:
+            self._shares = dict(shares) if shares else None
+
     def _keep_within_capacity(self) -> None:
+        """Oldest packs first: those of a tenant past its share, then, while the bucket is
+        past its capacity, those of nobody (no tenant) -- never a pack of a tenant within
+        its share.  A pack is one disk segment: one tenant's blocks."""
         with self._lock:
             packs = sorted(self._packs.values(), key=lambda p: (p.written_at, p.name))
             total = sum(p.num_bytes for p in packs)
+            quotas = None
+            if self._shares:
+                quotas = Quotas(cost=int)
+                quotas.recount(self._shares, ((p.keys[0], p.num_bytes) for p in packs if p.keys))
             victims = []
             for pack in packs:
-                if total <= self.capacity:
-                    break
+                owner = pack.keys[0] if pack.keys else b""
+                if quotas is None:
+                    if total <= self.capacity:
+                        break
+                elif not quotas.room(owner, 0) and (
+                    total <= self.capacity or not quotas.may_evict(owner, None)
+                ):
+                    continue
                 victims.append(pack.name)
                 total -= pack.num_bytes
+                if quotas is not None:
+                    quotas.removed(owner, pack.num_bytes)
                 self._forget_pack(pack.name)
         for name in victims:
             obstore.delete(self._store, INDEXES + index_name(name))

@@ -9,7 +9,7 @@ after every local tier, and only prefetches ask them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -86,6 +86,11 @@ class Tier(Protocol):
     def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]: ...
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
+        """Tenants' shares of the tier (bytes, by tag; None: no tenants): a tenant past
+        its share loses its own blocks first, and no write or capacity limit takes the
+        blocks of a tenant within its share (the store's rule 11, on this tier)."""
 
     def stats(self) -> TierStats: ...
 
