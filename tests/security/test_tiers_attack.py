@@ -281,3 +281,48 @@ def test_a_tenant_churning_within_its_quota_never_evicts_anothers_disk_blocks(st
             for k, v in zip(after[:8], got.values, strict=True)
         )
         assert len(on_disk(churner, churned)) >= 16  # alpha's use the rest of the disk
+
+
+def test_a_tenant_past_its_share_of_the_bucket_loses_its_own_packs_never_anothers(
+    s3_server, s3_bucket, s3_env, tmp_path, monkeypatch
+):
+    from kvpool.tiers.objects import ObjectTier
+    from tests.tiers.test_objects import config, wait_for
+
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    alpha, beta = b"AAAA", b"BBBB"  # tenants' tags lead their keys
+
+    def tenant_blocks(tag: bytes, n: int, seed: int):
+        return [(tag + b"ns" * 6 + f"{seed}-{i}".encode(), os.urandom(BLOCK)) for i in range(n)]
+
+    def write(disk: DiskTier, items) -> None:
+        disk.write([(k, memoryview(v), xxhash.xxh3_64_intdigest(v)) for k, v in items])
+
+    MiB = 1 << 20
+    bucket = ObjectTier(config(s3_server, s3_bucket, capacity=16 * MiB), tmp_path / "out", "a")
+    disk = DiskTier(tmp_path / "disk", 8 * MiB, segment_bytes=4 * MiB, below=bucket)
+    disk.set_quotas({alpha: 4 * MiB, beta: 4 * MiB})  # what Tiers.set_quotas gives them
+    bucket.set_quotas({alpha: 8 * MiB, beta: 8 * MiB})
+    bucket.start()
+    try:
+        held = []
+        for seed in range(3):  # beta: two segments reach the bucket (within its share)
+            items = tenant_blocks(beta, 14, seed)
+            held += [k for k, _ in items]
+            write(disk, items)
+            wait_for(lambda: not bucket._queue)
+        wait_for(lambda: bucket.counters.uploads >= 2)
+        bucket.refresh()
+        in_bucket = [k for k in held if bucket.contains([k])[0]]
+        assert len(in_bucket) >= 28
+        for seed in range(10, 18):  # alpha churns seven segments into the bucket
+            write(disk, tenant_blocks(alpha, 14, seed))
+            wait_for(lambda: not bucket._queue)
+        wait_for(lambda: bucket.counters.uploads + bucket.counters.dropped_segments >= 9)
+        bucket.refresh()
+        assert bucket.counters.deleted_packs >= 1 and bucket.used_bytes <= 16 * MiB
+        assert all(bucket.contains(in_bucket)), "alpha's churn evicted beta's packs"
+    finally:
+        bucket.close()
+        disk.close()

@@ -182,6 +182,7 @@ class DiskTier(KeyIndex[Location]):
         # Key -> the segment of the record its tombstone hides (while that segment exists).
         self._graves: dict[bytes, int] = {}
         self._carried: list[bytes] = []  # tombstones to write again (their segment went)
+        self._last_segment_id = 0  # segment ids are never reused
         self._dir_lock = lock_disk_dir(self.path)
         try:
             if fresh:
@@ -226,6 +227,7 @@ class DiskTier(KeyIndex[Location]):
                     self._bury(key, segment)
                 else:
                     self._place(key, location, segment)
+        self._last_segment_id = max(self._segments, default=0)
         # Appends go to a new segment: the last one may end in a torn record.
         for segment in self._segments.values():
             segment.sealed = True
@@ -484,7 +486,9 @@ class DiskTier(KeyIndex[Location]):
         with self._lock:
             if not self._make_room(self.segment_bytes, key):
                 return False
-            segment_id = max(self._segments, default=0) + 1
+            # Never an id used before, even if its segment just went: the tier below
+            # names its packs by it.
+            segment_id = self._last_segment_id = self._last_segment_id + 1
             path = self.path / f"seg-{segment_id:08d}.kvs"
             # Never over an existing file: the directory is locked, so one is not ours.
             self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
