@@ -326,3 +326,32 @@ def test_a_tenant_past_its_share_of_the_bucket_loses_its_own_packs_never_another
     finally:
         bucket.close()
         disk.close()
+
+
+def test_a_block_deleted_on_its_way_to_disk_does_not_land_there(tmp_path):
+    from kvpool.store.arena import Arena
+    from kvpool.store.block import Block, BlockState
+    from kvpool.tiers.admission import AdmitAll
+    from kvpool.tiers.writeback import WriteBack
+
+    arena = Arena(tmp_path / "arena", 4 << 20)
+    disk = DiskTier(tmp_path / "disk", 16 << 20, segment_bytes=4 << 20)
+    writeback = WriteBack(disk, arena, AdmitAll())
+    writeback.start()
+    blocks = []
+    for i in range(2):
+        data = bytes([i + 1]) * 4096
+        arena.slice(i * 4096, 4096)[:] = data
+        checksum = xxhash.xxh3_64_intdigest(data)
+        blocks.append(Block(key(f"wb-{i}"), i * 4096, 4096, BlockState.COMMITTED, checksum))
+    try:
+        with disk._writer:  # the disk is busy: the write-back's writer waits on it
+            assert writeback.offer(blocks[0])
+            time.sleep(0.2)  # the writer took the first and waits; the second stays queued
+            assert writeback.offer(blocks[1])
+            writeback.discard([blocks[1].key])  # a DELETE of it
+    finally:
+        writeback.stop()
+    assert disk.contains([blocks[0].key, blocks[1].key]) == [True, False]
+    disk.close()
+    arena.close(remove=True)

@@ -436,6 +436,8 @@ class Tiers:
         the object store is told: on a thread); how many were there."""
         if not self.chain:
             return 0
+        if self.lower.writeback is not None:
+            self.lower.writeback.discard(keys)  # on its way to disk: it must not land there
         loop = asyncio.get_running_loop()
         counts = await loop.run_in_executor(
             self._io, lambda: [tier.delete(keys) for tier in self.chain]
