@@ -103,6 +103,8 @@ UPLOAD_CHUNK_BYTES = 8 << 20
 READ_COALESCE_BYTES = 64 << 10
 READ_RUN_BYTES = 16 << 20  # blocks fetched together: one ranged GET (coalesced)
 READ_PARALLELISM = 8  # runs fetched at once
+# Keys per delete object: well within what every node reads (MAX_INDEX_BYTES, 80-byte keys).
+DELETE_OBJECT_KEYS = 100_000
 
 
 @dataclass(slots=True, frozen=True)
@@ -262,7 +264,8 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                     self._cond.wait()
                 if self._stopping:
                     return
-                deletes, self._deletes = self._deletes, []
+                deletes = self._deletes[:DELETE_OBJECT_KEYS]
+                del self._deletes[:DELETE_OBJECT_KEYS]
                 if deletes:
                     self._num_deletes += 1
                     number = self._num_deletes
