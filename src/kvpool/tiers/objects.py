@@ -32,7 +32,8 @@ Layout under ``s3://BUCKET/PREFIX``::
   ``capacity`` bytes (plus what was uploaded since the last refresh) in at most
   ``capacity / segment size`` packs.
 - **Deletes last.**  A delete forgets the keys here at once, drops them from the segments
-  still waiting for upload, and has the uploader PUT a delete object
+  still waiting for upload, and has the uploader PUT a delete object of those the index
+  held
   (``deletes/<writer>-<n>.del``) before the next pack: every node's refresh reads it and
   hides its keys in every pack uploaded before it, so another node misses a deleted block
   at most ``refresh_s`` later.  A delete object goes once no pack older than it is left.
@@ -564,10 +565,13 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         out.  How many were found."""
         wanted = set(keys)
         with self._cond:
-            num_found = sum(self._index.pop(k, None) is not None for k in keys)
+            # Only what this node knows the bucket holds (its index covers every node's
+            # packs, up to one refresh; the node that uploaded a newer one is asked too):
+            # a DELETE of keys the bucket never held costs no request.
+            found = [k for k in keys if self._index.pop(k, None) is not None]
             for n, (staged, blocks) in enumerate(self._queue):
                 self._queue[n] = (staged, [b for b in blocks if b[0] not in wanted])
-            if not self._stopping:
-                self._deletes.extend(keys)
+            if found and not self._stopping:
+                self._deletes.extend(found)
                 self._cond.notify()
-        return num_found
+        return len(found)
