@@ -163,9 +163,9 @@ def test_what_concerns_two_sections_is_checked_by_the_node():
 
 def test_node_overrides_by_their_old_names_land_in_their_sections():
     config = node_config_from(
-        {"disk_path": "/mnt/nvme", "disk_bytes": "64MiB", "kv_events": "tcp://*:5557"}, {}
+        {"disk_path": "/mnt/nvme", "disk_bytes": "64MiB", "kv_events": "tcp://127.0.0.1:5557"}, {}
     )
     assert config.disk == DiskConfig("/mnt/nvme", 64 << 20)
-    assert config.events.endpoint == "tcp://*:5557"
+    assert config.events.endpoint == "tcp://127.0.0.1:5557"
     with pytest.raises(ConfigError, match="unknown node option"):
         node_config_from({"disk": "/mnt/nvme"}, {})

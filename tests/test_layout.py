@@ -10,7 +10,18 @@ import kvpool
 ROOT = Path(kvpool.__file__).parent
 # Each layer may import itself and the layers before it, never one after it.
 LAYERS = [
-    {"errors", "limits", "checksum", "buffers", "keys", "stats", "config", "tenants", "tls"},
+    {
+        "errors",
+        "limits",
+        "checksum",
+        "buffers",
+        "keys",
+        "stats",
+        "config",
+        "tenants",
+        "tls",
+        "dirs",
+    },
     {"directory"},
     {"protocol"},
     {"store"},

@@ -385,10 +385,10 @@ KV_EVENT_ENCODINGS = ("map", "array")
 class EventsConfig:
     """KV events in vLLM's format (``kvpool.node.events``); off without an endpoint."""
 
-    endpoint: str = setting(  # e.g. tcp://*:5557 (bound)
+    endpoint: str = setting(  # e.g. tcp://127.0.0.1:5557 (bound)
         "",
         "--kv-events",
-        "Publish KV events (vLLM's format) on this ZMQ endpoint, e.g. tcp://*:5557.",
+        "Publish KV events (vLLM's format) on this ZMQ endpoint, e.g. tcp://127.0.0.1:5557.",
         key="kv_events",
     )
     replay_endpoint: str = setting(
@@ -410,12 +410,57 @@ class EventsConfig:
         key="kv_events_encoding",
     )
 
+    token_ids: bool = setting(
+        False,
+        "--kv-events-token-ids",
+        "Put each block's token ids in its BlockStored event (they are the prompt's text).",
+        key="kv_events_token_ids",
+        is_switch=True,
+    )
+    curve_key: str = setting(
+        "",
+        "--kv-events-curve-key",
+        "The KV event sockets' CURVE secret key file (zmq.auth.create_certificates).",
+        key="kv_events_curve_key",
+    )
+    clients: str = setting(
+        "",
+        "--kv-events-clients",
+        "A TOML file of the CURVE public keys that may subscribe (see README).",
+        key="kv_events_clients",
+    )
+
     def validate(self) -> EventsConfig:
         if self.encoding not in KV_EVENT_ENCODINGS:
             raise ConfigError("--kv-events-encoding must be map or array")
         if self.replay_endpoint and not self.endpoint:
             raise ConfigError("--kv-events-replay needs --kv-events")
+        if bool(self.curve_key) != bool(self.clients):
+            raise ConfigError("CURVE needs both --kv-events-curve-key and --kv-events-clients")
         return self
+
+    def check_transport(self, insecure: bool, tenants: bool) -> None:
+        """Who may subscribe: anybody who reaches the sockets, unless they are CURVE's.
+        Without CURVE, only loopback or ``ipc://`` (this host), and no tenants (whose
+        engines may run on this host); ``insecure`` accepts either."""
+        if not self.endpoint or self.curve_key or insecure:
+            return
+        for endpoint in filter(None, (self.endpoint, self.replay_endpoint)):
+            scheme, _, rest = endpoint.partition("://")
+            host = rest.rpartition(":")[0].strip("[]")
+            local = scheme == "ipc" or (scheme == "tcp" and is_loopback(host))
+            if not local:
+                raise ConfigError(
+                    f"refusing to publish KV events on {endpoint} in the open: anybody who "
+                    "reaches it reads every block the node holds; give --kv-events-curve-key "
+                    "and --kv-events-clients (CURVE), bind loopback, or --insecure"
+                )
+            if tenants:
+                raise ConfigError(
+                    "with --tenants, KV events need CURVE (--kv-events-curve-key and "
+                    "--kv-events-clients): any local process could read every tenant's "
+                    "blocks; or --insecure"
+                )
 
 
 @dataclass(frozen=True)
@@ -608,6 +653,7 @@ class NodeConfig:
                 "--object-store needs --disk: the object tier takes the segments the disk evicts"
             )
         self.events.validate()
+        self.events.check_transport(self.tls.insecure, bool(self.tenants_path))
         self.cluster.validate()
         self._validate_endpoints()
         return self

@@ -204,9 +204,20 @@ class Registry:
         self.path = path
         self.current = load(path)
         self._stamp = _stamp(path)
+        self._tags_of: TenantsFile | None = None  # the file _names was built from
+        self._names: dict[bytes, str] = {}
 
     def credential(self, access_id: str) -> Credential | None:
         return self.current.credentials.get(access_id)
+
+    def tenant_name(self, key: bytes) -> str | None:
+        """Whose a scoped key is, by its tag: a tenant's name, or None (thread-safe: the
+        file as last read)."""
+        current = self.current
+        if self._tags_of is not current:
+            self._names = {t.tag: name for name, t in current.tenants.items()}
+            self._tags_of = current
+        return self._names.get(key[:TAG_BYTES])
 
     def reload(self) -> bool:
         """Read the file again if it changed; whether it did.  A file that became invalid

@@ -57,10 +57,13 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "object_store_region": ("eu-west-1", "eu-west-1"),
     "object_refresh_s": ("5", 5.0),
     "object_read_timeout_s": ("0.5", 0.5),
-    "kv_events": ("tcp://*:5557", "tcp://*:5557"),
-    "kv_events_replay": ("tcp://*:5558", "tcp://*:5558"),
+    "kv_events": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
+    "kv_events_replay": ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5558"),
     "kv_events_topic": ("kv@pod@model", "kv@pod@model"),
     "kv_events_encoding": ("array", "array"),
+    "kv_events_token_ids": ("true", True),
+    "kv_events_curve_key": ("events.key_secret", "events.key_secret"),
+    "kv_events_clients": ("events-clients.toml", "events-clients.toml"),
     "peers": ("a:1, b:2", ("a:1", "b:2")),
     "etcd": ("http://127.0.0.1:2379", "http://127.0.0.1:2379"),
     "etcd_prefix": ("/pool/", "/pool/"),
@@ -77,6 +80,8 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
     "tls_key": ("tls_cert",),
     "tls_client_ca": ("tls_cert", "tls_key"),
     "kv_events_replay": ("kv_events",),
+    "kv_events_curve_key": ("kv_events_clients",),
+    "kv_events_clients": ("kv_events_curve_key",),
 }
 
 SETTINGS = {setting.key: (section, name, setting) for section, name, setting in node_settings()}

@@ -33,7 +33,11 @@ def collect(sock, decoder, until, timeout=60.0):
 def test_the_pools_events_name_blocks_as_the_engine_does(model, start_node):
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-    node = start_node(name="ev", memory="256MiB", extra=["--kv-events", "tcp://127.0.0.1:0"])
+    node = start_node(
+        name="ev",
+        memory="256MiB",
+        extra=["--kv-events", "tcp://127.0.0.1:0", "--kv-events-token-ids"],
+    )
     engine_port = free_port()
     engine_events = json.dumps(
         {

@@ -65,6 +65,7 @@ def events_node(start_node, encoding="map", memory="64MiB", topic="kv@pod-a@mode
             topic,
             "--kv-events-encoding",
             encoding,
+            "--kv-events-token-ids",  # the routers that rehash blocks need them
         ],
     )
     return node, node.info["kv_events"], node.info["kv_events_replay"]
@@ -352,6 +353,7 @@ def test_blocks_written_back_to_disk_move_from_cpu_to_storage(start_node, tmp_pa
             "tcp://127.0.0.1:0",
             "--kv-events-replay",
             "tcp://127.0.0.1:0",
+            "--kv-events-token-ids",
         ],
     )
     sub = Replayer(node.info["kv_events_replay"])
@@ -411,7 +413,7 @@ def test_an_endpoint_that_cannot_be_bound_is_a_clear_error(run_dir):
             "--admin-port",
             "0",
             "--kv-events",
-            "garbage",
+            "tcp://127.0.0.1:garbage",  # loopback, so past the transport check
         ],
         capture_output=True,
         text=True,

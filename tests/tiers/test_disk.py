@@ -26,6 +26,11 @@ def tier(path, capacity=64 << 20):
     return DiskTier(path, capacity, segment_bytes=SEGMENT)
 
 
+def crash(disk):
+    """What a daemon that dies leaves: its files as they are, its directory unlocked."""
+    disk._dir_lock.release()
+
+
 def read(disk, k, size=256 << 10):
     dst = memoryview(bytearray(size))
     checksum = disk.read_into(k, dst)
@@ -39,6 +44,7 @@ def test_blocks_round_trip_and_survive_a_restart(tmp_path):
     assert all(read(disk, k) == bytes(d) for k, d, _ in written)
     assert disk.contains([written[0][0], key("absent")]) == [True, False]
     # A crash: nothing closed, the open segment has no footer.  It is scanned.
+    crash(disk)
     again = tier(tmp_path)
     assert len(again) == 40 and again.counters.recovered == 40
     assert all(read(again, k) == bytes(d) for k, d, _ in written)
@@ -55,6 +61,7 @@ def test_a_torn_tail_is_never_served(tmp_path):
     size = newest.stat().st_size
     with open(newest, "r+b") as f:  # power lost mid-write: the last record is cut short
         f.truncate(size - 1000)
+    crash(disk)
     again = tier(tmp_path)
     assert again.counters.torn_records == 1
     found = [k for k, _, _ in written if again.contains([k])[0]]

@@ -243,7 +243,9 @@ class Client:
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Status]:
         if self.cluster is not None:
             return self.cluster.delete(keys, self._deadline(timeout))
-        return self._require_local().delete(keys, timeout=timeout)
+        # The node deletes what it wrote through to the keys' homes, as it wrote it.
+        local = self._require_local()
+        return local.delete(keys, replicate=self.config.write_rcache, timeout=timeout)
 
     # -- transactions: fill or read blocks where they lie ---------------------------------
 

@@ -282,8 +282,10 @@ class NodeClient:
             timeout,
         )
 
-    def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[Any]:
-        return self.call(lambda _: ops.delete(keys), timeout) if keys else []
+    def delete(
+        self, keys: Sequence[bytes], *, replicate: bool = True, timeout: float | None = None
+    ) -> list[Any]:
+        return self.call(lambda _: ops.delete(keys, replicate), timeout) if keys else []
 
     def describe(self, namespace_id: bytes, label: str, *, timeout: float | None = None) -> None:
         self.call(lambda _: ops.describe(namespace_id, label), timeout)

@@ -43,6 +43,7 @@ from kvpool.protocol.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
     Challenge,
+    DeleteRequest,
     DescribeRequest,
     Empty,
     GetRequest,
@@ -412,8 +413,10 @@ def report_corrupt(keys: Sequence[bytes]) -> Op_[None]:
     yield Recv(Op.REPORT_CORRUPT, StatusResponse)
 
 
-def delete(keys: Sequence[bytes]) -> Op_[list[Status]]:
-    yield Request(Op.DELETE, KeysRequest(keys=list(keys)))
+def delete(keys: Sequence[bytes], replicate: bool = True) -> Op_[list[Status]]:
+    """Delete ``keys`` (``replicate``: the node deletes its write-through copies at the
+    keys' homes too)."""
+    yield Request(Op.DELETE, DeleteRequest(keys=list(keys), replicate=replicate))
     response, _ = yield Recv(Op.DELETE, StatusResponse)
     check_len("statuses", response.statuses, len(keys))
     return statuses_of(response.statuses)

@@ -314,10 +314,15 @@ class ClusterClient:
 
     def delete(self, keys: Sequence[bytes], deadline: float) -> list[Status]:
         statuses, _ = self._local(
-            lambda node, t: node.delete(keys, timeout=t), [Status.NOT_FOUND] * len(keys), deadline
+            lambda node, t: node.delete(keys, replicate=False, timeout=t),
+            [Status.NOT_FOUND] * len(keys),
+            deadline,
         )
-        groups = self.view.groups(keys, among="all")
-        calls = {m: _bind(NodeClient.delete, [keys[i] for i in idx]) for m, idx in groups.items()}
+        groups = self.view.groups(keys, among="all")  # every node: none forwards it again
+        calls = {
+            m: _bind(NodeClient.delete, [keys[i] for i in idx], replicate=False)
+            for m, idx in groups.items()
+        }
         for member, remote in self.view.answers(calls, deadline):
             for i, status in zip(groups[member], remote, strict=True):
                 if status is Status.OK:
@@ -349,6 +354,6 @@ class ClusterClient:
         raise NodeUnavailable("no member of the cluster answered")
 
 
-def _bind(method: Callable[..., T], *args: Any) -> Callable[[NodeClient, float], T]:
-    """``method(node, *args, timeout=t)`` as a fan-out call."""
-    return lambda node, timeout: method(node, *args, timeout=timeout)
+def _bind(method: Callable[..., T], *args: Any, **kwargs: Any) -> Callable[[NodeClient, float], T]:
+    """``method(node, *args, **kwargs, timeout=t)`` as a fan-out call."""
+    return lambda node, timeout: method(node, *args, **kwargs, timeout=timeout)

@@ -127,7 +127,7 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         )
         undo.callback(journal.close)
         seal_replayed(journal.replayed, arena)
-        events = open_events(config)
+        events = open_events(config, credentials.tenants)
         if events is not None:
             undo.callback(events.close)
         lower = await open_lower_tiers(config, arena, events)
@@ -170,13 +170,15 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
     return Node(config, tls, lock, arena, directory, journal, events, lower, store, cluster, server)
 
 
-def open_events(config: NodeConfig) -> KVEventPublisher | None:
-    """The KV event publisher, bound to its endpoints (None without ``--kv-events``)."""
+def open_events(config: NodeConfig, tenants: Registry | None = None) -> KVEventPublisher | None:
+    """The KV event publisher, bound to its endpoints (None without ``--kv-events``); with
+    tenants, each block's events also go to its tenant's stream."""
     if not config.events.endpoint:
         return None
     from kvpool.node.events import KVEventPublisher  # imports zmq: only when publishing
 
-    return KVEventPublisher(config.events)
+    whose = tenants.tenant_name if tenants is not None else None
+    return KVEventPublisher(config.events, whose)
 
 
 def _cluster_agent(config: NodeConfig, store: BlockStore, arena: Arena) -> NodeAgent | None:

@@ -23,12 +23,13 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kvpool.config import NodeConfig, format_size
 from kvpool.node.admin import start_admin
 from kvpool.node.build import Node, build_node
-from kvpool.tiers.build import empty_disk_dir
+from kvpool.tiers.disk import empty_disk_dir
 
 log = logging.getLogger("kvpool.node")
 
@@ -98,6 +99,7 @@ class Daemon:
             "started_in_s": round(self.started_in_s, 3),
             "kv_events": events.endpoint if events is not None else "",
             "kv_events_replay": events.replay_endpoint if events is not None else "",
+            "kv_events_tenants": events.tenant_endpoints if events is not None else {},
         }
 
     def is_ready(self) -> bool:
@@ -140,8 +142,9 @@ class Daemon:
         node.directory.close(remove=True)  # retired: its readers ask the next daemon
         node.journal.close(remove=drain)
         node.arena.close(remove=drain)
-        if drain and self.config.disk.path:
-            empty_disk_dir(self.config.disk.path)
+        # Only if no other daemon holds the directory: never another's segments.
+        if drain and self.config.disk.path and not empty_disk_dir(Path(self.config.disk.path)):
+            log.warning("drain: %s is another daemon's now: its files stay", self.config.disk.path)
         node.lock.release()
         if drain:
             with contextlib.suppress(OSError):

@@ -69,6 +69,7 @@ class NodeAgent:
         self._queue: deque[bytes] = deque(maxlen=MAX_QUEUED_KEYS)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._deletes: set[asyncio.Future[None]] = set()  # deletes at homes in flight
         self.num_replicated = 0
         self.num_failed = 0
         self.num_dropped = 0  # queued past MAX_QUEUED_KEYS: never written through
@@ -114,6 +115,8 @@ class NodeAgent:
 
     async def stop(self) -> None:
         self.is_joined = False
+        for pending in list(self._deletes):
+            pending.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -181,6 +184,33 @@ class NodeAgent:
         finally:
             if pinned.pin_id:
                 self.store.unpin(pinned.pin_id)
+
+    # -- deletes ----------------------------------------------------------------------------
+
+    def delete_at_homes(self, keys: Sequence[bytes]) -> None:
+        """A client deleted ``keys`` here: delete the copies written through to their homes
+        too, in the background (best effort, like the write-through: a home that is down
+        keeps its copy until it evicts it).  The homes do not forward it again."""
+        if len(self.membership.members()) < 2:
+            return
+        task = asyncio.ensure_future(self._delete_at_homes(list(keys)))
+        self._deletes.add(task)
+        task.add_done_callback(self._deletes.discard)
+
+    async def _delete_at_homes(self, keys: list[bytes]) -> None:
+        members = {m.node_id: m for m in self.membership.members()}
+        groups = group_by_home(
+            keys, list(members.values()), self.config.cluster.replicas, skip=self.member.node_id
+        )
+
+        async def delete(node_id: str, indices: list[int]) -> None:
+            try:
+                client = self._peer(members[node_id])
+                await client.delete([keys[i] for i in indices], timeout=WRITE_THROUGH_TIMEOUT_S)
+            except KVPoolError as exc:
+                log.debug("delete of %d blocks at %s failed: %s", len(indices), node_id, exc)
+
+        await asyncio.gather(*(delete(n, ix) for n, ix in groups.items() if n in members))
 
     # -- reads from other nodes (prefetch) ------------------------------------------------
 

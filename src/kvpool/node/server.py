@@ -62,6 +62,9 @@ class ClusterHooks(Protocol):
     def enqueue(self, keys: Sequence[bytes]) -> None:
         """Write these committed keys through to their home nodes (best effort)."""
 
+    def delete_at_homes(self, keys: Sequence[bytes]) -> None:
+        """Delete these keys at their home nodes too (best effort)."""
+
     def peer_ids(self) -> list[str]:
         """The members of the cluster, for status."""
 
@@ -95,7 +98,10 @@ class NodeServer:
         self._on_shutdown = on_shutdown
         self.identity = NodeIdentity.of(config)
         self.registry = SessionRegistry()
-        self.traffic = Traffic(cluster.enqueue if cluster is not None else None)
+        self.traffic = Traffic(
+            cluster.enqueue if cluster is not None else None,
+            cluster.delete_at_homes if cluster is not None else None,
+        )
         self.changes = changes
         self.credentials = Credentials(config, tenants)
         self._owner_ids = itertools.count(1)  # connection numbers: lease owners >= 1
@@ -225,7 +231,9 @@ class NodeServer:
         if self.tenants is None:
             return
         tenants = self.tenants.current.tenants.values()
-        self.store.set_quotas({t.tag: t.quota_bytes for t in tenants})
+        quotas = {t.tag: t.quota_bytes for t in tenants}
+        self.store.set_quotas(quotas)
+        self.tiers.set_quotas(quotas)  # the same tenants' shares of the disk and the bucket
 
     async def _reload_loop(self) -> None:
         while True:

@@ -154,11 +154,18 @@ class WriteThrough(Protocol):
         """Write these committed keys through to their home nodes (best effort)."""
 
 
+class DeleteThrough(Protocol):
+    def __call__(self, keys: Sequence[bytes]) -> None:
+        """Delete these keys at their home nodes too (best effort, in the background)."""
+
+
 @dataclass
 class Traffic:
-    """Bytes clients wrote and read, and the write-through of what they committed."""
+    """Bytes clients wrote and read, and the write-through of what they committed (and of
+    what they deleted)."""
 
     write_through: WriteThrough | None = None
+    delete_through: DeleteThrough | None = None
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -167,6 +174,12 @@ class Traffic:
         self.bytes_in += result.num_bytes
         if replicate and result.committed and self.write_through is not None:
             self.write_through([b.key for b in result.committed])
+
+    def deleted(self, keys: Sequence[bytes], replicate: bool) -> None:
+        """A client deleted these keys (``replicate``: at their homes too, where the
+        write-through put them)."""
+        if replicate and keys and self.delete_through is not None:
+            self.delete_through(keys)
 
     def sent(self, num_bytes: int) -> None:
         self.bytes_out += num_bytes

@@ -560,10 +560,12 @@ class Session:
         response = self.tiers.prefetch(req.keys, hold_s, req.cancel)
         await self._reply(header, Op.PREFETCH, response)
 
-    async def _delete(self, header: FrameHeader, req: msg.KeysRequest) -> None:
+    async def _delete(self, header: FrameHeader, req: msg.DeleteRequest) -> None:
+        """Delete from every tier, for good, and (``replicate``) at the keys' homes."""
         statuses = self.store.delete(req.keys)
+        self.services.traffic.deleted(req.keys, req.replicate)
         _, _, in_tiers = self.tiers.presence(req.keys)
-        self.tiers.delete(req.keys)
+        await self.tiers.delete(req.keys)
         for i, tier in enumerate(in_tiers):  # gone from every tier
             if tier != TIER_DRAM and statuses[i] is Status.NOT_FOUND:
                 statuses[i] = Status.OK

@@ -316,6 +316,11 @@ class KeysRequest(Message):
     keys: Keys
 
 
+class DeleteRequest(Message):
+    keys: Keys
+    replicate: bool = True  # also delete the copies written through to the keys' homes
+
+
 class DescribeRequest(Message):
     namespace_id: Annotated[
         bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)
@@ -379,7 +384,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.ABORT: AbortRequest,
     Op.PIN: PinRequest,
     Op.UNPIN: UnpinRequest,
-    Op.DELETE: KeysRequest,
+    Op.DELETE: DeleteRequest,
     Op.REPORT_CORRUPT: KeysRequest,
     Op.DESCRIBE: DescribeRequest,
     Op.STATS: Empty,

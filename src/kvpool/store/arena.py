@@ -21,33 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import secrets
 from pathlib import Path
 
 from kvpool.config import PAGE_BYTES, format_size
+from kvpool.dirs import DirLock, check_owned
 from kvpool.errors import ConfigError
 
 ARENA_MODE = 0o660
 DIR_MODE = 0o770
-
-
-def _check_owned(path: Path, *, allow_root: bool) -> None:
-    """Refuse a directory another user owns (or, for root's, one anybody may rename entries
-    in: world-writable without the sticky bit)."""
-    st = os.stat(path)
-    me = os.geteuid()
-    owner_ok = st.st_uid == me or (allow_root and st.st_uid == 0)
-    if st.st_uid == 0 and st.st_uid != me and st.st_mode & 0o002 and not st.st_mode & 0o1000:
-        owner_ok = False
-    if not owner_ok:
-        raise ConfigError(
-            f"{path} belongs to uid {st.st_uid}, not to this daemon's user ({me}): another "
-            "user may have created it to take the node's socket or arena; remove it, or use "
-            "another --run-dir"
-        )
 
 
 class NodeDirLock:
@@ -56,23 +40,16 @@ class NodeDirLock:
     def __init__(self, node_dir: Path):
         self.node_dir = node_dir
         node_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        _check_owned(node_dir.parent, allow_root=True)
-        _check_owned(node_dir, allow_root=False)
+        check_owned(node_dir.parent, allow_root=True)
+        check_owned(node_dir)
         os.chmod(node_dir, DIR_MODE)
-        self._fd = os.open(node_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise ConfigError(
-                f"another kvpool daemon is running in {node_dir}; stop it or use another --name"
-            ) from None
+        self._lock = DirLock(
+            node_dir,
+            f"another kvpool daemon is running in {node_dir}; stop it or use another --name",
+        )
 
     def release(self) -> None:
-        if self._fd >= 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
+        self._lock.release()
 
 
 class Arena:

@@ -16,16 +16,23 @@ restart.  Keys with no known tag (no tenants, or a tenant since removed) count f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from kvpool.config import page_bytes
 from kvpool.tenants import TAG_BYTES
 
 
 class Quotas:
-    def __init__(self, limits: Mapping[bytes, int] | None = None):
+    """Per-tenant limits and usage, keyed by tag.  ``cost``: what ``size`` bytes of a block
+    take where it is counted (the arena's pages by default; a lower tier counts the bytes
+    it stores)."""
+
+    def __init__(
+        self, limits: Mapping[bytes, int] | None = None, cost: Callable[[int], int] = page_bytes
+    ):
         self.limits: dict[bytes, int] = dict(limits or {})
         self.used: dict[bytes, int] = dict.fromkeys(self.limits, 0)
+        self.cost = cost
 
     def recount(self, limits: Mapping[bytes, int], blocks: Iterable[tuple[bytes, int]]) -> None:
         """New limits (a reloaded tenants file), and the usage of the blocks held now."""
@@ -37,19 +44,19 @@ class Quotas:
     def added(self, key: bytes, size: int) -> None:
         tag = key[:TAG_BYTES]
         if tag in self.used:
-            self.used[tag] += page_bytes(size)
+            self.used[tag] += self.cost(size)
 
     def removed(self, key: bytes, size: int) -> None:
         tag = key[:TAG_BYTES]
         if tag in self.used:
-            self.used[tag] -= page_bytes(size)
+            self.used[tag] -= self.cost(size)
 
     def room(self, key: bytes, size: int) -> int:
         """How many bytes the key's tenant is short of for a block of ``size`` more (0: it
         fits), in arena memory."""
         tag = key[:TAG_BYTES]
         limit = self.limits.get(tag)
-        return 0 if limit is None else max(0, self.used[tag] + page_bytes(size) - limit)
+        return 0 if limit is None else max(0, self.used[tag] + self.cost(size) - limit)
 
     def same_tenant(self, a: bytes, b: bytes) -> bool:
         return a[:TAG_BYTES] == b[:TAG_BYTES] and a[:TAG_BYTES] in self.limits

@@ -3,7 +3,8 @@ client (obstore) that reaches it.
 
 Under ``s3://BUCKET/PREFIX``, ``packs/<writer>-<segment>.kvs`` holds a disk segment as the
 disk wrote it, and ``index/<writer>-<segment>.idx`` its :class:`PackIndex` (msgpack, every
-size bounded): the blocks it holds, where, and their checksums.
+size bounded): the blocks it holds, where, and their checksums.  ``deletes/<writer>-<n>.del``
+is a :class:`DeleteList`: keys deleted, hidden in the packs uploaded before it.
 
 obstore raises its own exception classes and Python's (``FileNotFoundError``,
 ``TimeoutError``...); ``STORE_ERRORS``, ``NOT_FOUND`` and ``REFUSED`` name them in one place.
@@ -30,6 +31,7 @@ REFUSED = (PermissionDeniedError, UnauthenticatedError, PermissionError)
 INDEX_VERSION = 1
 PACKS = "packs/"
 INDEXES = "index/"
+DELETES = "deletes/"
 MAX_INDEX_BYTES = 16 << 20
 MAX_PACK_BLOCKS = 1 << 20
 MAX_OBJECT_KEY_BYTES = 80
@@ -61,6 +63,21 @@ class PackIndex(msgspec.Struct, forbid_unknown_fields=False):
             if offset < 0 or size <= 0 or offset + size > self.pack_bytes:
                 raise ValueError("a block outside its pack")
 
+
+class DeleteList(msgspec.Struct, forbid_unknown_fields=False):
+    """A delete object (msgpack): keys a node deleted at ``written_at``, hidden in every
+    pack uploaded before then."""
+
+    version: int
+    written_at: float
+    writer: Annotated[str, msgspec.Meta(max_length=256)]
+    keys: Annotated[
+        list[Annotated[bytes, msgspec.Meta(max_length=MAX_OBJECT_KEY_BYTES)]],
+        msgspec.Meta(max_length=MAX_PACK_BLOCKS),
+    ]
+
+
+decode_deletes = msgspec.msgpack.Decoder(DeleteList).decode
 
 _decode_index = msgspec.msgpack.Decoder(PackIndex).decode
 _encode = msgspec.msgpack.Encoder().encode

@@ -11,14 +11,13 @@ store is built next with ``spill=lower.writeback``, and the chain over both with
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 
 from kvpool.config import NodeConfig
 from kvpool.store.arena import Arena
 from kvpool.tiers.chain import LowerTiers
-from kvpool.tiers.disk import ID_FILE, SEGMENT_RE, DiskTier
-from kvpool.tiers.objects import OUTGOING_DIR, ObjectTier
+from kvpool.tiers.disk import OUTGOING_DIR, DiskTier
+from kvpool.tiers.objects import ObjectTier
 from kvpool.tiers.tier import Tier, TierEvents
 from kvpool.tiers.writeback import WriteBack
 
@@ -28,18 +27,20 @@ async def open_lower_tiers(
 ) -> LowerTiers:
     """The tiers below DRAM that ``config`` asks for, open and running (the object tier's
     threads started; the write-back's starts with ``Tiers.start``).  With ``fresh``, the
-    disk tier's files are removed first.  Blocking work runs on a thread."""
+    disk tier's files are removed first, once it holds its directory.  Blocking work runs
+    on a thread."""
     if not config.disk.path:
         return LowerTiers()
     loop = asyncio.get_running_loop()
-    if config.fresh:
-        empty_disk_dir(config.disk.path)
     path = Path(config.disk.path)
     objects = None
     if config.objects.url:
         objects = ObjectTier(config.objects, path / OUTGOING_DIR, writer=config.name)
     disk = await loop.run_in_executor(
-        None, lambda: DiskTier(path, config.disk.capacity, below=objects, events=events)
+        None,
+        lambda: DiskTier(
+            path, config.disk.capacity, below=objects, events=events, fresh=config.fresh
+        ),
     )
     chain: list[Tier] = [disk]
     if objects is not None:
@@ -50,15 +51,3 @@ async def open_lower_tiers(
             raise
         chain.append(objects)
     return LowerTiers(chain, WriteBack(disk, arena), disk)
-
-
-def empty_disk_dir(path: str) -> None:
-    """Remove the disk tier's files (only kvpool's: segments, the identity file, and the
-    segments waiting for upload to the object store)."""
-    directory = Path(path)
-    if not directory.is_dir():
-        return
-    shutil.rmtree(directory / OUTGOING_DIR, ignore_errors=True)
-    for entry in directory.iterdir():
-        if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
-            entry.unlink(missing_ok=True)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -464,9 +464,28 @@ class Tiers:
         if len(self.holds):
             self.holds.read([b.key for b in blocks if b is not None])
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Forget the keys in the tiers below DRAM; how many were there."""
-        return sum(tier.delete(keys) for tier in self.chain)
+    def set_quotas(self, quotas: Mapping[bytes, int] | None) -> None:
+        """Tenants' DRAM quotas (by tag; None: no tenants), carried to the lower tiers: each
+        gives a tenant the share of its capacity that its quota is of all the quotas."""
+        total = sum(quotas.values()) if quotas else 0
+        for tier in self.chain:
+            if not quotas or total <= 0:
+                tier.set_quotas(None)
+                continue
+            tier.set_quotas({tag: tier.capacity * q // total for tag, q in quotas.items()})
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete the keys from the tiers below DRAM, for good (the disk writes tombstones,
+        the object store is told: on a thread); how many were there."""
+        if not self.chain:
+            return 0
+        if self.lower.writeback is not None:
+            self.lower.writeback.discard(keys)  # on its way to disk: it must not land there
+        loop = asyncio.get_running_loop()
+        counts = await loop.run_in_executor(
+            self._io, lambda: [tier.delete(keys) for tier in self.chain]
+        )
+        return sum(counts)
 
     # -- status ---------------------------------------------------------------------------
 

@@ -19,8 +19,23 @@ files, no in-place updates)::
   segment goes (its file is deleted, with every block in it): LRU at segment granularity,
   which keeps writes sequential and needs no compaction.  A block read from a segment
   makes that segment recent again.
+- Tenants (:meth:`DiskTier.set_quotas`, the store's :class:`~kvpool.store.quotas.Quotas`
+  counting the bytes segments take): each tenant writes its own segments, so that evicting
+  one never takes another tenant's blocks.  A tenant past its share of the disk evicts its
+  own least recently used segments first, and a segment is evicted for a write only if it
+  is the writer's, nobody's, or a tenant's past its share; a write that finds no such room
+  is dropped (the disk is a cache).  A tenant holds at most its share and one open
+  segment.
 - The index lives in memory and is rebuilt at start from the files: a host that lost
   /dev/shm (a reboot) finds its disk blocks again.
+- A delete lasts: it appends a tombstone record (a header with ``FLAG_TOMBSTONE`` and no
+  payload), which hides every earlier record of its key when the index is rebuilt.  A
+  tombstone is needed while the segment of the record it hides is on disk: when its own
+  segment is evicted first, it is written again, with the next write (or at close).
+- The directory is the daemon's alone: created ``0o700``, refused if another user owns it
+  or its group or others may write in it, and locked (``flock``) for the tier's life, so
+  that a second daemon given it refuses to start instead of deleting or overwriting the
+  first one's segments.  A new segment never replaces an existing file (``O_EXCL``).
 
 Events: the blocks a write places are reported stored, and the blocks an evicted segment
 or a delete takes away removed, to the :class:`~kvpool.tiers.tier.TierEvents` the tier was
@@ -31,7 +46,8 @@ Threads: lookups (``contains``) are cheap and may come from the event loop; read
 writes do blocking I/O and come from worker threads.  One lock guards the index and the
 segment table, and is never held during I/O: a writer reserves its place in the open
 segment, writes, then publishes the keys; a reader takes a reference on the segment, so
-that evicting it meanwhile defers closing its file.  There is one writer at a time.
+that evicting it meanwhile defers closing its file.  There is one writer at a time
+(``_writer``): the write-back's thread, or a delete's tombstones.
 """
 
 from __future__ import annotations
@@ -40,7 +56,9 @@ import itertools
 import os
 import re
 import secrets
+import shutil
 import struct
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,9 +66,12 @@ from pathlib import Path
 
 import xxhash
 
+from kvpool.dirs import DirLock, check_owned
 from kvpool.errors import ConfigError
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TierStats
+from kvpool.store.quotas import Quotas
+from kvpool.tenants import TAG_BYTES
 from kvpool.tiers.tier import MEDIUM_STORAGE, KeyIndex, SegmentSink, TierEvents
 
 RECORD_MAGIC = b"KVDR"
@@ -64,10 +85,16 @@ SEGMENT_RE = re.compile(r"^seg-(\d{8})\.kvs$")
 DEFAULT_SEGMENT_BYTES = 256 << 20
 MIN_SEGMENT_BYTES = 4 << 20
 MAX_KEY_BYTES = 255
+FLAG_TOMBSTONE = 1  # a record that deletes its key: no payload
+DIR_MODE = 0o700
+OUTGOING_DIR = "outgoing"  # segments waiting for upload to the object store
+
+# A record to append: (key, payload, checksum, flags).
+_Record = tuple[bytes, memoryview | bytes, int, int]
 
 
-def _header(key: bytes, size: int, checksum: int) -> bytes:
-    body = RECORD.pack(RECORD_MAGIC, len(key), 0, 0, size, checksum, time.time_ns()) + key
+def _header(key: bytes, size: int, checksum: int, flags: int = 0) -> bytes:
+    body = RECORD.pack(RECORD_MAGIC, len(key), flags, 0, size, checksum, time.time_ns()) + key
     return body + RECORD_TAIL.pack(xxhash.xxh3_64_intdigest(body))
 
 
@@ -91,6 +118,9 @@ class Segment:
     last_used: float = 0.0
     sealed: bool = False
     keys: set[bytes] = field(default_factory=set)
+    first_key: bytes = b""  # whose segment it is (the tenant's tag leads the key)
+    tombstones: set[bytes] = field(default_factory=set)  # keys deleted by records here
+    buried: set[bytes] = field(default_factory=set)  # keys of records here a tombstone hides
     headers: list[bytes] = field(default_factory=list)  # for the footer, while open
     readers: int = 0
     dropped: bool = False
@@ -107,6 +137,7 @@ class DiskCounters:
     corrupt: int = 0
     recovered: int = 0
     torn_records: int = 0
+    over_share: int = 0  # blocks not written: their tenant had no room within its share
 
 
 class DiskTier(KeyIndex[Location]):
@@ -124,7 +155,11 @@ class DiskTier(KeyIndex[Location]):
         segment_bytes: int = 0,
         below: SegmentSink | None = None,
         events: TierEvents | None = None,
+        fresh: bool = False,
     ):
+        """Open the tier in ``path`` (created ``0o700``; refused if another user owns it,
+        it is group- or world-writable, or another daemon holds it) and re-index what it
+        holds; with ``fresh``, its files are removed first."""
         super().__init__()
         self.path = Path(path)
         self.capacity = capacity
@@ -139,12 +174,24 @@ class DiskTier(KeyIndex[Location]):
         self._below: SegmentSink | None = None
         self._events: TierEvents | None = None
         self._segments: dict[int, Segment] = {}
-        self._open: Segment | None = None
+        self._open: dict[bytes, Segment] = {}  # by owner (see _owner)
+        self.quotas: Quotas | None = None  # tenants' shares of the disk, when it has tenants
         self._fds: dict[int, int] = {}
         self._clock = itertools.count(1)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._check_identity()
-        self._recover()
+        self._writer = threading.Lock()  # one writer at a time: appends and tombstones
+        # Key -> the segment of the record its tombstone hides (while that segment exists).
+        self._graves: dict[bytes, int] = {}
+        self._carried: list[bytes] = []  # tombstones to write again (their segment went)
+        self._last_segment_id = 0  # segment ids are never reused
+        self._dir_lock = lock_disk_dir(self.path)
+        try:
+            if fresh:
+                _remove_files(self.path)
+            self._check_identity()
+            self._recover()
+        except BaseException:
+            self._dir_lock.release()
+            raise
         # Set after re-indexing: segments a start drops to fit its capacity are neither
         # handed below nor reported.
         self._below = below
@@ -175,8 +222,12 @@ class DiskTier(KeyIndex[Location]):
                 records = self._scan(segment)
             else:
                 segment.sealed = True
-            for key, location in records:
-                self._place(key, location, segment)
+            for key, location, flags in records:
+                if flags & FLAG_TOMBSTONE:
+                    self._bury(key, segment)
+                else:
+                    self._place(key, location, segment)
+        self._last_segment_id = max(self._segments, default=0)
         # Appends go to a new segment: the last one may end in a torn record.
         for segment in self._segments.values():
             segment.sealed = True
@@ -184,7 +235,7 @@ class DiskTier(KeyIndex[Location]):
         with self._lock:
             self._make_room(0)
 
-    def _read_footer(self, segment: Segment) -> list[tuple[bytes, Location]] | None:
+    def _read_footer(self, segment: Segment) -> list[tuple[bytes, Location, int]] | None:
         if segment.num_bytes < TRAILER.size:
             return None
         with open(segment.path, "rb") as f:
@@ -202,18 +253,19 @@ class DiskTier(KeyIndex[Location]):
             parsed = self._parse_header(footer, position)
             if parsed is None:
                 return None
-            key, size, checksum, end, payload_at = parsed
-            records.append((key, Location(segment.segment_id, payload_at, size, checksum)))
+            key, size, checksum, flags, end, payload_at = parsed
+            location = Location(segment.segment_id, payload_at, size, checksum)
+            records.append((key, location, flags))
             position = end
         return records
 
     @staticmethod
-    def _parse_header(data: bytes, position: int) -> tuple[bytes, int, int, int, int] | None:
-        """(key, size, checksum, end of this entry in ``data``, payload offset in the file)
-        of a footer entry, which is a record header followed by its payload's offset."""
+    def _parse_header(data: bytes, position: int) -> tuple[bytes, int, int, int, int, int] | None:
+        """(key, size, checksum, flags, end of this entry in ``data``, payload offset in the
+        file) of a footer entry, which is a record header followed by its payload's offset."""
         if position + RECORD.size > len(data):
             return None
-        magic, key_len, _, _, size, checksum, _ = RECORD.unpack_from(data, position)
+        magic, key_len, flags, _, size, checksum, _ = RECORD.unpack_from(data, position)
         end = position + RECORD.size + key_len
         if magic != RECORD_MAGIC or end + RECORD_TAIL.size + 8 > len(data):
             return None
@@ -222,9 +274,9 @@ class DiskTier(KeyIndex[Location]):
             return None
         (payload_at,) = struct.unpack_from("<Q", data, end + RECORD_TAIL.size)
         key = data[position + RECORD.size : end]
-        return key, size, checksum, end + RECORD_TAIL.size + 8, payload_at
+        return key, size, checksum, flags, end + RECORD_TAIL.size + 8, payload_at
 
-    def _scan(self, segment: Segment) -> list[tuple[bytes, Location]]:
+    def _scan(self, segment: Segment) -> list[tuple[bytes, Location, int]]:
         """The records of an unsealed segment, header by header, up to the first that is
         torn or garbled (what a crash or power loss left at the tail)."""
         records = []
@@ -233,7 +285,7 @@ class DiskTier(KeyIndex[Location]):
             while position + RECORD.size <= segment.num_bytes:
                 f.seek(position)
                 head = f.read(RECORD.size + MAX_KEY_BYTES + RECORD_TAIL.size)
-                magic, key_len, _, _, size, checksum, _ = RECORD.unpack_from(head)
+                magic, key_len, flags, _, size, checksum, _ = RECORD.unpack_from(head)
                 end = RECORD.size + key_len
                 if magic != RECORD_MAGIC or end + RECORD_TAIL.size > len(head):
                     break
@@ -247,6 +299,7 @@ class DiskTier(KeyIndex[Location]):
                     (
                         head[RECORD.size : end],
                         Location(segment.segment_id, payload_at, size, checksum),
+                        flags,
                     )
                 )
                 position = payload_at + size
@@ -262,6 +315,24 @@ class DiskTier(KeyIndex[Location]):
                 previous.keys.discard(key)
         self._index[key] = location
         segment.keys.add(key)
+        segment.first_key = segment.first_key or key
+        self._graves.pop(key, None)  # written again after its delete: nothing to hide
+
+    def _bury(self, key: bytes, tombstone_at: Segment | None) -> bool:
+        """A tombstone in ``tombstone_at`` (None: one about to be written) deletes ``key``:
+        it leaves the index, and the tombstone is kept while the segment of the record it
+        hides is on disk.  Whether the key was here."""
+        if tombstone_at is not None:
+            tombstone_at.tombstones.add(key)
+        location = self._index.pop(key, None)
+        if location is None:
+            return False
+        hidden = self._segments.get(location.segment_id)
+        if hidden is not None:
+            hidden.keys.discard(key)
+            hidden.buried.add(key)
+            self._graves[key] = hidden.segment_id
+        return True
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -285,79 +356,146 @@ class DiskTier(KeyIndex[Location]):
 
     # -- writes ---------------------------------------------------------------------------
 
+    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
+        """Tenants' shares of the disk, in bytes, by tag (None: no tenants); what each
+        holds is counted again from the segments."""
+        with self._lock:
+            if not shares:
+                self.quotas = None
+                return
+            quotas = Quotas(cost=_bytes)
+            quotas.recount(shares, ((s.first_key, s.num_bytes) for s in self._segments.values()))
+            self.quotas = quotas
+
+    def _owner(self, key: bytes) -> bytes:
+        """The open segment a key's records go to: its tenant's (its tag), else nobody's."""
+        quotas = self.quotas
+        tag = key[:TAG_BYTES]
+        return tag if quotas is not None and tag in quotas.limits else b""
+
     def write(
         self,
         blocks: Sequence[tuple[bytes, memoryview, int]],
         origins: Mapping[bytes, BlockOrigin] | None = None,
     ) -> int:
         """Append ``(key, bytes, checksum)`` blocks as records; returns how many were
-        written (all but those larger than a segment).  One ``pwritev`` per segment
-        touched: large sequential writes.  The keys become visible once their bytes are
-        written, and are reported stored with what ``origins`` says they were computed
-        from.  One writer at a time."""
+        written (all but those larger than a segment, or past their tenant's share).  One
+        ``pwritev`` per segment touched: large sequential writes.  The keys become visible
+        once their bytes are written, and are reported stored with what ``origins`` says
+        they were computed from."""
+        with self._writer:
+            return self._write_records(
+                [(key, data, checksum, 0) for key, data, checksum in blocks], origins or {}
+            )
+
+    def _write_records(self, records: list[_Record], origins: Mapping[bytes, BlockOrigin]) -> int:
+        """Append ``records``, each to its owner's open segment (the caller holds
+        ``_writer``); how many blocks were written."""
+        by_owner: dict[bytes, list[_Record]] = {}
+        for record in records:
+            by_owner.setdefault(self._owner(record[0]), []).append(record)
+        if not by_owner and self._carried:
+            by_owner[b""] = []
+        return sum(self._write_owned(owner, owned, origins) for owner, owned in by_owner.items())
+
+    def _write_owned(
+        self, owner: bytes, records: list[_Record], origins: Mapping[bytes, BlockOrigin]
+    ) -> int:
+        """Append one owner's records, after the tombstones to write again."""
         written = 0
-        origins = origins or {}
-        batch: list[tuple[bytes, memoryview, int]] = []
-        room = self._open.num_bytes if self._open is not None else self.segment_bytes
-        for key, data, checksum in blocks:
+        batch: list[_Record] = []
+        segment = self._open.get(owner)
+        room = segment.num_bytes if segment is not None else self.segment_bytes
+        pending = list(records)
+        pending.reverse()
+        while pending or self._carried:
+            if self._carried:  # tombstones whose segment went: before anything else
+                with self._lock:
+                    carried, self._carried = self._carried, []
+                pending += [(key, b"", 0, FLAG_TOMBSTONE) for key in reversed(carried)]
+            record = pending.pop()
+            key, data, _, _ = record
             need = header_bytes(key) + len(data)
             if len(key) > MAX_KEY_BYTES or need > self.segment_bytes:
                 continue
             if room + need > self.segment_bytes:
-                written += self._append(batch, origins)
+                written += self._append(owner, batch, origins)
                 batch = []
-                self._roll()
+                # May evict segments, and so carry their tombstones.
+                if not self._roll(owner, key):
+                    with self._lock:
+                        self.counters.over_share += 1 + len(pending)
+                    return written
                 room = 0
-            batch.append((key, data, checksum))
+            batch.append(record)
             room += need
-        return written + self._append(batch, origins)
+        return written + self._append(owner, batch, origins)
 
     def _append(
-        self, blocks: list[tuple[bytes, memoryview, int]], origins: Mapping[bytes, BlockOrigin]
+        self, owner: bytes, records: list[_Record], origins: Mapping[bytes, BlockOrigin]
     ) -> int:
-        segment = self._open
-        if not blocks or segment is None:
+        segment = self._open.get(owner)
+        if not records or segment is None:
             return 0
         parts: list[bytes | memoryview] = []
         start = position = segment.num_bytes
         placed = []
+        buried = []
         headers = []
-        for key, data, checksum in blocks:
-            header = _header(key, len(data), checksum)
+        for key, data, checksum, flags in records:
+            header = _header(key, len(data), checksum, flags)
             parts += [header, data]
             payload_at = position + len(header)
-            placed.append((key, Location(segment.segment_id, payload_at, len(data), checksum)))
+            if flags & FLAG_TOMBSTONE:
+                buried.append(key)
+            else:
+                placed.append((key, Location(segment.segment_id, payload_at, len(data), checksum)))
             headers.append(header + struct.pack("<Q", payload_at))
             position = payload_at + len(data)
         with self._lock:
             fd = self._fd(segment.segment_id)
         _pwritev_all(fd, parts, start)
         with self._lock:
-            segment.num_bytes = position
+            self._grow(segment, position - start)
             segment.headers += headers
             segment.last_used = next(self._clock)
             stored = [] if segment.dropped else placed
             for key, location in stored:
                 self._place(key, location, segment)
-            self.counters.writes += len(blocks)
+            if not segment.dropped:
+                segment.tombstones.update(buried)
+            self.counters.writes += len(placed)
             self.counters.written_bytes += position - start
         if self._events is not None:
             for key, _ in stored:
                 self._events.stored_key(key, origins.get(key), self.medium)
-        return len(blocks)
+        return len(placed)
 
-    def _roll(self) -> None:
-        """Seal the open segment and open a new one, making room for it first."""
-        if self._open is not None:
-            self._finish_segment(self._open)
+    def _grow(self, segment: Segment, num_bytes: int) -> None:
+        """``num_bytes`` more of ``segment`` on disk, counted for its owner."""
+        segment.num_bytes += num_bytes
+        if self.quotas is not None and segment.first_key and not segment.dropped:
+            self.quotas.added(segment.first_key, num_bytes)
+
+    def _roll(self, owner: bytes, key: bytes) -> bool:
+        """Seal the owner's open segment and open a new one, making room for it first
+        (``key``: the record that needs it); False if there is no room it may take."""
+        sealed = self._open.get(owner)
+        if sealed is not None:
+            self._finish_segment(sealed)
         with self._lock:
-            self._make_room(self.segment_bytes)
-            segment_id = max(self._segments, default=0) + 1
+            if not self._make_room(self.segment_bytes, key):
+                return False
+            # Never an id used before, even if its segment just went: the tier below
+            # names its packs by it.
+            segment_id = self._last_segment_id = self._last_segment_id + 1
             path = self.path / f"seg-{segment_id:08d}.kvs"
-            self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
-            segment = Segment(segment_id, path, last_used=next(self._clock))
+            # Never over an existing file: the directory is locked, so one is not ours.
+            self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            segment = Segment(segment_id, path, last_used=next(self._clock), first_key=key)
             self._segments[segment_id] = segment
-            self._open = segment
+            self._open[owner] = segment
+        return True
 
     def _finish_segment(self, segment: Segment) -> None:
         with self._lock:
@@ -367,20 +505,43 @@ class DiskTier(KeyIndex[Location]):
         trailer = TRAILER.pack(FOOTER_MAGIC, at, xxhash.xxh3_64_intdigest(footer))
         _pwritev_all(fd, [footer, trailer], at)
         with self._lock:
-            segment.num_bytes += len(footer) + len(trailer)
+            self._grow(segment, len(footer) + len(trailer))
             segment.sealed = True
             segment.headers = []
-            if self._open is segment:
-                self._open = None
+            for owner, open_segment in list(self._open.items()):
+                if open_segment is segment:
+                    del self._open[owner]
 
-    def _make_room(self, num_bytes: int) -> None:
-        """Delete least recently used sealed segments until ``num_bytes`` more fit."""
+    def _make_room(self, num_bytes: int, for_key: bytes | None = None) -> bool:
+        """Delete least recently used sealed segments until ``num_bytes`` more fit: first
+        the writer's own while its tenant is past its share, then only those a write of
+        ``for_key`` may evict (None: any).  Whether the room was found."""
+        quotas = self.quotas
+        sealed = [s for s in self._segments.values() if s.sealed]
+        if quotas is not None and for_key is not None:
+            own = sorted(
+                (s for s in sealed if quotas.same_tenant(s.first_key, for_key)),
+                key=lambda s: s.last_used,
+            )
+            while own and quotas.room(for_key, num_bytes):
+                self._drop_segment(own.pop(0))
+            tag = for_key[:TAG_BYTES]
+            if tag in quotas.limits and quotas.used[tag] >= quotas.limits[tag]:
+                return False  # past its share with nothing of its own left to evict
+        victims = sorted(
+            (
+                s
+                for s in self._segments.values()
+                if s.sealed
+                and (quotas is None or for_key is None or quotas.may_evict(s.first_key, for_key))
+            ),
+            key=lambda s: s.last_used,
+        )
         while sum(s.num_bytes for s in self._segments.values()) + num_bytes > self.capacity:
-            victims = [s for s in self._segments.values() if s.sealed and s is not self._open]
             if not victims:
-                return
-            victim = min(victims, key=lambda s: s.last_used)
-            self._drop_segment(victim)
+                return quotas is None  # without tenants, a write goes on (as it always did)
+            self._drop_segment(victims.pop(0))
+        return True
 
     def _drop_segment(self, segment: Segment) -> None:
         evicted = []
@@ -392,6 +553,14 @@ class DiskTier(KeyIndex[Location]):
                 self.counters.evicted_blocks += 1
                 evicted.append(key)
                 live.append((key, location.offset, location.size, location.checksum))
+        for key in segment.buried:  # the records those tombstones hid are gone too
+            if self._graves.get(key) == segment.segment_id:
+                del self._graves[key]
+        for key in segment.tombstones:  # still hiding a record elsewhere: written again
+            if self._graves.get(key, segment.segment_id) != segment.segment_id:
+                self._carried.append(key)
+        if self.quotas is not None and segment.first_key:
+            self.quotas.removed(segment.first_key, segment.num_bytes)
         if live and self._below is not None:
             self._below.offer_segment(segment.path, live)
         if evicted and self._events is not None:
@@ -455,16 +624,14 @@ class DiskTier(KeyIndex[Location]):
         return None
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Forget these blocks (their space returns when their segment goes)."""
-        with self._lock:
-            gone = []
-            for key in keys:
-                location = self._index.pop(key, None)
-                if location is not None:
-                    gone.append(key)
-                    segment = self._segments.get(location.segment_id)
-                    if segment is not None:
-                        segment.keys.discard(key)
+        """Delete these blocks for good: they leave the index at once, and a tombstone
+        record per block is appended (blocking I/O: from a worker thread), so that a
+        restart does not bring them back.  Their space returns when their segment goes."""
+        with self._writer:
+            with self._lock:
+                gone = [key for key in keys if self._bury(key, None)]
+            if gone:
+                self._write_records([(key, b"", 0, FLAG_TOMBSTONE) for key in gone], {})
         if gone and self._events is not None:
             self._events.removed_keys(gone, self.medium)
         return len(gone)
@@ -477,13 +644,57 @@ class DiskTier(KeyIndex[Location]):
             os.fsync(fd)
 
     def close(self) -> None:
-        """Seal the open segment (a clean start reads its footer) and close the files."""
-        if self._open is not None:
-            self._finish_segment(self._open)
+        """Write the tombstones still to carry, seal the open segment (a clean start reads
+        its footer), close the files and release the directory."""
+        with self._writer:
+            if self._carried:
+                self._write_records([], {})
+            for segment in list(self._open.values()):
+                self._finish_segment(segment)
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+        self._dir_lock.release()
+
+
+def _bytes(size: int) -> int:
+    return size
+
+
+def lock_disk_dir(path: Path) -> DirLock:
+    """Create the disk tier's directory (``0o700``), check that it is this user's alone, and
+    lock it: a second daemon given the same directory is refused."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    check_owned(path, private=True)
+    return DirLock(
+        path,
+        f"another kvpool daemon uses the disk directory {path}; stop it, or give this one "
+        "another --disk",
+    )
+
+
+def empty_disk_dir(path: Path) -> bool:
+    """Remove the disk tier's files (only kvpool's: segments, the identity file, and the
+    segments waiting for upload), if no daemon holds the directory; whether they went."""
+    if not path.is_dir():
+        return True
+    try:
+        lock = lock_disk_dir(path)
+    except ConfigError:
+        return False
+    try:
+        _remove_files(path)
+    finally:
+        lock.release()
+    return True
+
+
+def _remove_files(path: Path) -> None:
+    shutil.rmtree(path / OUTGOING_DIR, ignore_errors=True)
+    for entry in path.iterdir():
+        if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
+            entry.unlink(missing_ok=True)
 
 
 def _pwritev_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:

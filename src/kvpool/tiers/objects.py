@@ -31,6 +31,16 @@ Layout under ``s3://BUCKET/PREFIX``::
   PUTs) is deleted once older than ``ORPHAN_AGE_S``.  So the bucket holds at most
   ``capacity`` bytes (plus what was uploaded since the last refresh) in at most
   ``capacity / segment size`` packs.
+- **Deletes last.**  A delete forgets the keys here at once, drops them from the segments
+  still waiting for upload, and has the uploader PUT a delete object of those the index
+  held
+  (``deletes/<writer>-<n>.del``) before the next pack: every node's refresh reads it and
+  hides its keys in every pack uploaded before it, so another node misses a deleted block
+  at most ``refresh_s`` later.  A delete object goes once no pack older than it is left.
+- **Tenants** (:meth:`ObjectTier.set_quotas`): a pack is one disk segment, so one tenant's
+  blocks (the disk writes each tenant's segments apart).  A tenant past its share of the
+  bucket loses its own oldest packs first, and capacity evicts only packs of nobody or of
+  tenants past their share, never those of a tenant within its share.
 - **Failures.**  Reads have the read timeout and no retry; uploads, listings and deletes
   have a longer timeout and a few retries.  An unreachable or frozen store turns reads
   into misses within the caller's deadline (the node bounds its wait) and uploads into
@@ -50,7 +60,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +72,9 @@ import obstore
 from kvpool.buffers import copy_with_checksum
 from kvpool.errors import ConfigError
 from kvpool.stats import TIER_OBJECT, TierStats
+from kvpool.store.quotas import Quotas
 from kvpool.tiers.bucket import (
+    DELETES,
     INDEX_VERSION,
     INDEXES,
     MAX_INDEX_BYTES,
@@ -70,8 +82,10 @@ from kvpool.tiers.bucket import (
     PACKS,
     REFUSED,
     STORE_ERRORS,
+    DeleteList,
     ObjectStoreConfig,
     PackIndex,
+    decode_deletes,
     decode_index,
     encode_index,
     index_name,
@@ -81,7 +95,6 @@ from kvpool.tiers.tier import KeyIndex, SegmentBlocks
 
 log = logging.getLogger("kvpool.objects")
 
-OUTGOING_DIR = "outgoing"  # under the disk tier's directory: segments waiting for upload
 MAX_STAGED_SEGMENTS = 4
 ORPHAN_AGE_S = 600.0
 ORPHAN_SWEEP_EVERY = 20  # refreshes
@@ -91,6 +104,8 @@ UPLOAD_CHUNK_BYTES = 8 << 20
 READ_COALESCE_BYTES = 64 << 10
 READ_RUN_BYTES = 16 << 20  # blocks fetched together: one ranged GET (coalesced)
 READ_PARALLELISM = 8  # runs fetched at once
+# Keys per delete object: well within what every node reads (MAX_INDEX_BYTES, 80-byte keys).
+DELETE_OBJECT_KEYS = 100_000
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,6 +137,7 @@ class ObjectCounters:
     refreshes: int = 0
     refresh_errors: int = 0
     deleted_packs: int = 0  # packs removed to keep the bucket within its capacity
+    deletes_sent: int = 0  # delete objects uploaded
 
 
 class ObjectTier(KeyIndex[ObjectLocation]):
@@ -145,19 +161,27 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         self._staging = staging
         self._packs: dict[str, _Pack] = {}
         self._queue: deque[tuple[Path, SegmentBlocks]] = deque()
+        self._deletes: list[bytes] = []  # keys deleted here, for the next delete object
+        self._num_deletes = 0
+        # Keys deleted (by any node), and when: hidden in packs written before then.
+        self._deleted: dict[bytes, float] = {}
+        self._delete_lists: dict[str, tuple[float, list[bytes]]] = {}  # name -> (when, keys)
+        self._shares: dict[bytes, int] | None = None  # tenants' shares of the bucket
         self._cond = threading.Condition(self._lock)
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._wake = threading.Event()
-        shutil.rmtree(staging, ignore_errors=True)  # leftovers of a crash: just cache
-        staging.mkdir(parents=True, exist_ok=True)
 
     # -- life -----------------------------------------------------------------------------
 
     def start(self) -> None:
         """Check that the bucket can be listed (one that refuses us is a configuration
         error; one that does not answer is retried by the refresher), then run: the first
-        refresh follows at once, on the refresher's thread."""
+        refresh follows at once, on the refresher's thread.  The staging directory is
+        emptied first (leftovers of a crash: just cache): the disk tier that holds it is
+        open, and so locked, by then."""
+        shutil.rmtree(self._staging, ignore_errors=True)
+        self._staging.mkdir(mode=0o700, exist_ok=True)
         try:
             next(iter(obstore.list(self._reader, INDEXES, chunk_size=1)), None)
         except STORE_ERRORS as exc:
@@ -237,10 +261,26 @@ class ObjectTier(KeyIndex[ObjectLocation]):
     def _upload_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not self._deletes and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
+                deletes = self._deletes[:DELETE_OBJECT_KEYS]
+                del self._deletes[:DELETE_OBJECT_KEYS]
+                if deletes:
+                    self._num_deletes += 1
+                    number = self._num_deletes
+            if deletes:  # before any pack: a pack uploaded later cannot hold them
+                try:
+                    self._send_deletes(deletes, number)
+                except STORE_ERRORS as exc:
+                    log.warning(
+                        "delete of %d blocks from the object store failed: %s", len(deletes), exc
+                    )
+                continue
+            with self._cond:
+                if not self._queue:
+                    continue
                 staged, blocks = self._queue.popleft()
             try:
                 self._upload(staged, blocks)
@@ -274,6 +314,16 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         self.counters.uploaded_blocks += len(blocks)
         self.counters.uploaded_bytes += num_bytes
 
+    def _send_deletes(self, keys: list[bytes], number: int) -> None:
+        name = f"{self.writer}-{number:08d}.del"
+        deletes = DeleteList(
+            version=INDEX_VERSION, written_at=time.time(), writer=self.writer, keys=keys
+        )
+        obstore.put(self._store, DELETES + name, msgspec.msgpack.encode(deletes))
+        with self._lock:
+            self._apply_deletes(name, deletes)
+        self.counters.deletes_sent += 1
+
     # -- the shared index -----------------------------------------------------------------
 
     def _refresh_loop(self) -> None:
@@ -299,10 +349,28 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                 name = meta["path"].rsplit("/", 1)[-1]
                 if name.endswith(".idx"):
                     listed[name[: -len(".idx")] + ".kvs"] = meta["size"]
+        deletes: dict[str, int] = {}
+        for chunk in obstore.list(self._store, DELETES, chunk_size=1000):
+            for meta in chunk:
+                deletes[meta["path"].rsplit("/", 1)[-1]] = meta["size"]
         with self._lock:
             for gone in [p for p in self._packs if p not in listed]:
                 self._forget_pack(gone)
             new = [p for p in listed if p not in self._packs]
+            new_deletes = [d for d in deletes if d not in self._delete_lists]
+        for name in new_deletes:  # first: a pack read below then hides what they delete
+            if deletes[name] > MAX_INDEX_BYTES:
+                continue
+            try:
+                data = obstore.get(self._store, DELETES + name).bytes()
+                delete_list = decode_deletes(memoryview(data))
+            except NOT_FOUND:
+                continue
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.warning("delete object %s is unreadable: %s", name, exc)
+                continue
+            with self._lock:
+                self._apply_deletes(name, delete_list)
         for name in new:
             if listed[name] > MAX_INDEX_BYTES:
                 log.warning("index of %s is %d bytes: ignored", name, listed[name])
@@ -322,6 +390,30 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                 self._add(index)
         self.counters.refreshes += 1
         self._keep_within_capacity()
+        self._drop_old_deletes()
+
+    def _apply_deletes(self, name: str, deletes: DeleteList) -> None:
+        """Hide ``deletes.keys`` in every pack written before it (under the lock)."""
+        when = deletes.written_at
+        self._delete_lists[name] = (when, list(deletes.keys))
+        for key in deletes.keys:
+            self._deleted[key] = max(when, self._deleted.get(key, when))
+            location = self._index.get(key)
+            if location is not None and self._packs[location.pack].written_at < when:
+                del self._index[key]
+
+    def _drop_old_deletes(self) -> None:
+        """Delete objects older than every pack left hide nothing more: they go."""
+        with self._lock:
+            oldest = min((p.written_at for p in self._packs.values()), default=time.time())
+            done = [n for n, (when, _) in self._delete_lists.items() if when < oldest]
+            for name in done:
+                when, keys = self._delete_lists.pop(name)
+                for key in keys:
+                    if self._deleted.get(key, when + 1) <= when:
+                        del self._deleted[key]
+        for name in done:
+            obstore.delete(self._store, DELETES + name)
 
     def _add(self, index: PackIndex) -> None:
         if index.pack in self._packs:
@@ -332,6 +424,8 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         for key, offset, size, checksum in zip(
             index.keys, index.offsets, index.sizes, index.checksums, strict=True
         ):
+            if self._deleted.get(key, 0.0) > index.written_at:
+                continue  # deleted after this pack was written
             self._index[key] = ObjectLocation(index.pack, offset, size, checksum)
 
     def _forget_pack(self, name: str) -> None:
@@ -343,16 +437,37 @@ class ObjectTier(KeyIndex[ObjectLocation]):
             if location is not None and location.pack == name:
                 del self._index[key]
 
+    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
+        """Tenants' shares of the bucket, in bytes, by tag (None: no tenants); applied at
+        the next refresh."""
+        with self._lock:
+            self._shares = dict(shares) if shares else None
+
     def _keep_within_capacity(self) -> None:
+        """Oldest packs first: those of a tenant past its share, then, while the bucket is
+        past its capacity, those of nobody (no tenant) -- never a pack of a tenant within
+        its share.  A pack is one disk segment: one tenant's blocks."""
         with self._lock:
             packs = sorted(self._packs.values(), key=lambda p: (p.written_at, p.name))
             total = sum(p.num_bytes for p in packs)
+            quotas = None
+            if self._shares:
+                quotas = Quotas(cost=int)
+                quotas.recount(self._shares, ((p.keys[0], p.num_bytes) for p in packs if p.keys))
             victims = []
             for pack in packs:
-                if total <= self.capacity:
-                    break
+                owner = pack.keys[0] if pack.keys else b""
+                if quotas is None:
+                    if total <= self.capacity:
+                        break
+                elif not quotas.room(owner, 0) and (
+                    total <= self.capacity or not quotas.may_evict(owner, None)
+                ):
+                    continue
                 victims.append(pack.name)
                 total -= pack.num_bytes
+                if quotas is not None:
+                    quotas.removed(owner, pack.num_bytes)
                 self._forget_pack(pack.name)
         for name in victims:
             obstore.delete(self._store, INDEXES + index_name(name))
@@ -444,6 +559,19 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         return None
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Forget these blocks here (a DELETE); their bytes go when their pack ages out."""
-        with self._lock:
-            return sum(self._index.pop(k, None) is not None for k in keys)
+        """Delete these blocks for good (see the module docstring): forgotten here at once,
+        dropped from the segments waiting for upload, and a delete object for every node,
+        sent by the uploader ahead of the next pack.  Their bytes go when their pack ages
+        out.  How many were found."""
+        wanted = set(keys)
+        with self._cond:
+            # Only what this node knows the bucket holds (its index covers every node's
+            # packs, up to one refresh; the node that uploaded a newer one is asked too):
+            # a DELETE of keys the bucket never held costs no request.
+            found = [k for k in keys if self._index.pop(k, None) is not None]
+            for n, (staged, blocks) in enumerate(self._queue):
+                self._queue[n] = (staged, [b for b in blocks if b[0] not in wanted])
+            if found and not self._stopping:
+                self._deletes.extend(found)
+                self._cond.notify()
+        return len(found)

@@ -9,7 +9,7 @@ after every local tier, and only prefetches ask them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -51,16 +51,18 @@ class Tier(Protocol):
 
     What a caller guarantees:
 
-    - ``contains``, ``size_of``, ``delete`` and ``stats`` may come from the event loop;
-      ``read_many`` and ``close`` come from a worker thread (they block on I/O).
+    - ``contains``, ``size_of`` and ``stats`` may come from the event loop; ``read_many``,
+      ``delete`` and ``close`` come from a worker thread (they block on I/O).
     - Each destination given to ``read_many`` is at least the block's size and is not read
       by anyone until ``read_many`` returns.
     - ``close`` is called once, after the last read.
 
     What an implementation must do:
 
-    - Answer ``contains``, ``size_of`` and ``delete`` from memory alone: never I/O, never a
-      request (a deleted block's bytes go later, with its segment or pack).
+    - Answer ``contains`` and ``size_of`` from memory alone: never I/O, never a request.
+    - Make a ``delete`` last: the block is not served again, after a restart either, nor
+      by another node reading a shared tier (its bytes may go later, with its segment or
+      pack); it leaves the index before ``delete`` returns.
     - Serve only verified bytes: ``read_many`` checks each block against the checksum it
       was stored with (xxh3-64, the one DRAM keeps) and returns that checksum, or ``None``
       for a block it does not hold, could not read in time, or found corrupt (which it then
@@ -86,6 +88,11 @@ class Tier(Protocol):
     def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]: ...
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
+        """Tenants' shares of the tier (bytes, by tag; None: no tenants): a tenant past
+        its share loses its own blocks first, and no write or capacity limit takes the
+        blocks of a tenant within its share (the store's rule 11, on this tier)."""
 
     def stats(self) -> TierStats: ...
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
 
 from kvpool.keys import BlockOrigin
 from kvpool.store.arena import Arena
@@ -114,6 +115,21 @@ class WriteBack:
                     ):
                         self._spare.setdefault(len(buffer), []).append(buffer)
                         self._spare_bytes += len(buffer)
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        """Deleted keys: those still queued are not written (a delete must not be undone
+        by a write-back that was on its way)."""
+        gone = set(keys)
+        with self._cond:
+            if not self._queue:
+                return
+            kept = [item for item in self._queue if item[0] not in gone]
+            if len(kept) != len(self._queue):
+                dropped = sum(len(view) for key, view, _ in self._queue if key in gone)
+                self._queue = deque(kept)
+                self._unwritten_bytes -= dropped
+        for key in gone:
+            self._origins.pop(key, None)
 
     def stop(self) -> None:
         """Write what is queued, then stop the writer."""
