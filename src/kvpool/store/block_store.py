@@ -39,7 +39,7 @@ Rules (each has a test in tests/store/test_pool.py):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import takewhile
 
 from kvpool.config import page_bytes
@@ -135,6 +135,8 @@ class BlockStore:
             self.quotas = Quotas()
             self.quotas.recount(limits, ((b.key, b.size) for b in self._index.values()))
         self.space.quotas = self.quotas
+        # One LRU list per tenant (a reload visits every block once; requests never do).
+        self.eviction.regroup(None if self.quotas is None else self.quotas.group_of)
 
     def _adopt(self) -> None:
         """Take over the blocks a replayed journal describes (a warm restart)."""
@@ -292,8 +294,7 @@ class BlockStore:
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
         self.space.trim()
-        if self.journal.needs_compaction(self.num_committed):
-            self.journal.compact(self._entries_oldest_first(), self.namespaces.labels())
+        self._compact_journal()
         self._changed()
         return result
 
@@ -390,9 +391,10 @@ class BlockStore:
             if block is None or past_a_miss:
                 found.append(None)
                 continue
+            if not block.num_pins:
+                self.eviction.remove(key)  # out of the LRU while pinned: eviction never visits it
             block.num_pins += 1
             block.num_reads += 1
-            self.eviction.touch(key)
             found.append(block)
             pinned.append(block)
         self.counters.get_hits += len(pinned)
@@ -411,7 +413,8 @@ class BlockStore:
             block = self._committed.get(key)
             if block is not None:
                 block.num_reads += 1
-                self.eviction.touch(key)
+                if not block.num_pins:
+                    self.eviction.touch(key)
                 blocks.append(block)
         self.counters.get_hits += len(blocks)
         return blocks
@@ -428,8 +431,12 @@ class BlockStore:
         with its last pin (rule 4)."""
         for block in pin.blocks:
             block.num_pins -= 1
-            if block.num_pins == 0 and block.state is BlockState.REMOVED:
+            if block.num_pins:
+                continue
+            if block.state is BlockState.REMOVED:
                 self.allocator.free(block.offset)
+            else:
+                self.eviction.touch(block.key)  # evictable again, as recent as its last read
 
     def get_block(self, key: bytes) -> Block | None:
         return self._committed.get(key)
@@ -515,11 +522,30 @@ class BlockStore:
         if self.namespaces.label(namespace_id, label) and journal:
             self.journal.labelled(namespace_id, label)
 
-    def _entries_oldest_first(self) -> Iterator[Entry]:
-        ordered = [k for k in self.eviction.victims() if k in self._committed]
-        unordered = self._committed.keys() - set(ordered)  # what the policy does not order
-        for block in (self._committed[k] for k in [*ordered, *unordered]):
-            yield Entry(block.key, block.offset, block.size, block.checksum)
+    def _compact_journal(self) -> None:
+        """Start a compaction of the journal when it needs one, and advance the one under
+        way by a step (a bounded number of records per commit: see :meth:`Journal.compact_step`)."""
+        journal = self.journal
+        if not journal.compacting and journal.needs_compaction(self.num_committed):
+            keys = self.eviction.ordered_keys()  # a list copy: no block is visited yet
+            if keys is None:
+                keys = list(self._committed)
+            else:
+                keys += self._pinned_keys()  # out of the LRU while pinned
+            journal.start_compaction(keys, self.namespaces.labels())
+        if journal.compacting:
+            journal.compact_step(self._entry)
+
+    def _entry(self, key: bytes) -> Entry | None:
+        """The journal entry of a committed block (None: not committed now)."""
+        block = self._committed.get(key)
+        if block is None:
+            return None
+        return Entry(block.key, block.offset, block.size, block.checksum)
+
+    def _pinned_keys(self) -> list[bytes]:
+        keys = {b.key for pin in self._pins.values() for b in pin.blocks}
+        return [k for k in keys if k in self._committed]
 
     @property
     def num_pinned(self) -> int:

@@ -24,7 +24,11 @@ Rules (each has a test in tests/store/test_journal.py):
 5. Replay yields the live blocks in commit order, oldest first (the LRU order to restore).
 6. When the journal holds much more than it describes, it is compacted: a snapshot of the
    live records (committed blocks, and FILLED blocks not committed yet) is written beside it
-   and renamed over it, so a crash mid-way leaves the old journal whole.
+   and renamed over it, so a crash mid-way leaves the old journal whole.  The snapshot is
+   written a step at a time (``COMPACT_STEP`` records per commit), never in one pass over
+   the whole index: while it is under way every record goes to both files, and a block is
+   written into the snapshot only if it is still live when its step comes, so the new file
+   describes what the old one does when it replaces it.
 7. The header names the arena (device, inode, size): a journal of another arena is
    discarded at start.
 
@@ -38,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +60,8 @@ COMMIT, REMOVE, LABEL, FILLED = 1, 2, 3, 4
 # Compact when the journal holds this many times the live records (and is not tiny).
 COMPACT_RATIO = 4
 COMPACT_MIN_RECORDS = 4096
+# Snapshot records a compaction writes per step (per commit): a few milliseconds of work.
+COMPACT_STEP = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +156,10 @@ class Journal:
         self.num_records = 0
         self._valid_bytes = 0
         self._filled: dict[bytes, Entry] = {}  # FILLED, not yet followed by COMMIT or REMOVE
+        self._new_fd = -1  # the snapshot being written (a compaction under way), else -1
+        self._snapshot: list[bytes] = []  # keys the snapshot has still to write, oldest first
+        self._snapshot_at = 0  # how many of them it wrote
+        self._new_records = 0
         Path(str(path) + ".new").unlink(missing_ok=True)  # a compaction a crash cut short
         if not fresh:
             self.replayed = self._replay()
@@ -200,37 +210,68 @@ class Journal:
 
     def _write(self, records: list[bytes]) -> None:
         if records:
-            _write_all(self._fd, b"".join(records))
+            data = b"".join(records)
+            _write_all(self._fd, data)
             self.num_records += len(records)
+            if self._new_fd >= 0:  # the snapshot hears it too, after what it wrote so far
+                _write_all(self._new_fd, data)
+                self._new_records += len(records)
 
     # -- compaction -----------------------------------------------------------------------
 
     def needs_compaction(self, num_live: int) -> bool:
         return self.num_records > max(COMPACT_MIN_RECORDS, COMPACT_RATIO * num_live)
 
-    def compact(self, entries: Iterable[Entry], labels: dict[bytes, str]) -> None:
-        """Replace the journal with a snapshot of ``entries`` (oldest first) and labels."""
+    @property
+    def compacting(self) -> bool:
+        return self._new_fd >= 0
+
+    def start_compaction(self, keys: list[bytes], labels: dict[bytes, str]) -> None:
+        """Begin a snapshot of the blocks ``keys`` names (oldest first; the journal takes
+        the list) and of ``labels``; :meth:`compact_step` writes it."""
         new = Path(str(self.path) + ".new")
-        fd = self._create(new)
+        self._new_fd = self._create(new)
+        records = [
+            _record(LABEL, ns, label=label.encode()[:MAX_LABEL_BYTES])
+            for ns, label in labels.items()
+        ]
+        # Blocks still being sealed: their writers were told they are stored.
+        records += [_record(FILLED, e.key, e.offset, e.size) for e in self._filled.values()]
+        _write_all(self._new_fd, b"".join(records))
+        self._new_records = len(records)
+        self._snapshot, self._snapshot_at = keys, 0
+
+    def compact_step(self, live: Callable[[bytes], Entry | None]) -> None:
+        """Write the next ``COMPACT_STEP`` keys of the snapshot that ``live`` says are
+        committed now; once all are written, the snapshot replaces the journal."""
+        end = min(self._snapshot_at + COMPACT_STEP, len(self._snapshot))
+        entries = [e for k in self._snapshot[self._snapshot_at : end] if (e := live(k)) is not None]
+        self._snapshot_at = end
+        records = [_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries]
         try:
-            records = [
-                _record(LABEL, ns, label=label.encode()[:MAX_LABEL_BYTES])
-                for ns, label in labels.items()
-            ]
-            records += [_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries]
-            # Blocks still being sealed: their writers were told they are stored.
-            records += [_record(FILLED, e.key, e.offset, e.size) for e in self._filled.values()]
-            _write_all(fd, b"".join(records))
-            os.replace(new, self.path)
+            _write_all(self._new_fd, b"".join(records))
+            self._new_records += len(records)
+            if end == len(self._snapshot):
+                os.replace(str(self.path) + ".new", self.path)
         except BaseException:
-            os.close(fd)
-            new.unlink(missing_ok=True)
+            self._abandon_compaction()
             raise
+        if end < len(self._snapshot):
+            return
         os.close(self._fd)
-        self._fd = fd
-        self.num_records = len(records)
+        self._fd, self._new_fd = self._new_fd, -1
+        self.num_records = self._new_records
+        self._snapshot, self._snapshot_at = [], 0
+
+    def _abandon_compaction(self) -> None:
+        os.close(self._new_fd)
+        self._new_fd = -1
+        self._snapshot, self._snapshot_at = [], 0
+        Path(str(self.path) + ".new").unlink(missing_ok=True)
 
     def close(self, *, remove: bool = False) -> None:
+        if self._new_fd >= 0:
+            self._abandon_compaction()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -265,7 +306,12 @@ class NoJournal:
     def needs_compaction(self, num_live: int) -> bool:
         return False
 
-    def compact(self, entries: Iterable[Entry], labels: dict[bytes, str]) -> None:
+    compacting = False
+
+    def start_compaction(self, keys: list[bytes], labels: dict[bytes, str]) -> None:
+        pass
+
+    def compact_step(self, live: Callable[[bytes], Entry | None]) -> None:
         pass
 
     def close(self, *, remove: bool = False) -> None:

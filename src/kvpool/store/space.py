@@ -14,7 +14,7 @@ from typing import Protocol
 from kvpool.config import page_bytes
 from kvpool.store.allocator import Allocator
 from kvpool.store.block import Block
-from kvpool.store.eviction import EvictionPolicy
+from kvpool.store.eviction import Allowed, EvictionPolicy, Group
 from kvpool.store.quotas import Quotas
 
 
@@ -60,9 +60,8 @@ class Space:
         quotas = self.quotas
         if quotas is None or not quotas.room(key, size):
             return True
-        return self._evict(
-            lambda victim: quotas.same_tenant(victim, key), lambda: not quotas.room(key, size)
-        )
+        own = quotas.group_of(key)
+        return self._evict(lambda group: group == own, lambda: not quotas.room(key, size))
 
     def trim(self) -> None:
         """Past the high watermark, evict down to the low one."""
@@ -72,8 +71,8 @@ class Space:
         target = self.low_watermark * capacity
         quotas = self.quotas
 
-        def allowed(victim: bytes) -> bool:
-            return quotas is None or quotas.may_evict(victim, None)
+        def allowed(group: Group) -> bool:
+            return quotas is None or quotas.may_evict_group(group, None)
 
         def low_enough() -> bool:
             return self.allocator.used <= target
@@ -85,9 +84,9 @@ class Space:
         offsets: list[int] = []
         quotas = self.quotas
 
-        def allowed(victim: bytes) -> bool:
+        def allowed(group: Group) -> bool:
             # Another tenant's block, within its share, stays.
-            return quotas is None or quotas.may_evict(victim, key)
+            return quotas is None or quotas.may_evict_group(group, key)
 
         def allocated() -> bool:
             if not offsets:
@@ -101,12 +100,16 @@ class Space:
             return None
         return offsets[0]
 
-    def _evict(self, allowed: Callable[[bytes], bool], done: Callable[[], bool]) -> bool:
-        """Evict LRU blocks that ``allowed`` admits until ``done()``; whether it got there."""
-        for victim in self.eviction.victims():
+    def _evict(self, allowed: Allowed, done: Callable[[], bool]) -> bool:
+        """Evict LRU blocks of the groups (tenants) ``allowed`` admits until ``done()``;
+        whether it got there.  The policy lists only evictable blocks (pinned ones leave it
+        while pinned) and only the groups allowed, so this visits O(blocks evicted)."""
+        if done():
+            return True
+        for victim in self.eviction.victims(allowed):
+            block = self.blocks.evictable(victim)
+            if block is not None:
+                self.blocks.evict(block)
             if done():
                 return True
-            block = self.blocks.evictable(victim)
-            if block is not None and allowed(victim):
-                self.blocks.evict(block)
-        return done()
+        return False
