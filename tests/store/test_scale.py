@@ -13,6 +13,7 @@ from kvpool.errors import Status
 from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy
 from kvpool.store.journal import COMPACT_STEP, RECORD, Journal
+from kvpool.store.space import TRIM_STEP
 
 NUM_BLOCKS = 100_000
 BATCH = 256
@@ -164,3 +165,21 @@ def test_a_compaction_is_written_a_step_per_commit_and_stays_crash_safe(tmp_path
         assert store.journal.num_records < 2 * len(expected)  # the churn is gone
         again = open_store()
     assert {b.key for b in again.committed_blocks()} == expected
+
+
+def test_a_trim_evicts_a_bounded_step_per_call_until_the_low_watermark():
+    """The gap between the watermarks is a share of the whole arena: one request must not
+    evict all of it; each call takes a bounded step, and later calls go on until done."""
+    store = BlockStore(NUM_BLOCKS * PAGE_BYTES, high_watermark=0.95, low_watermark=0.90)
+    fill(store, [key_of(i) for i in range(int(0.95 * NUM_BLOCKS))])
+    assert store.counters.evictions == 0
+    calls = 0
+    while store.used_bytes > 0.90 * store.capacity:
+        evictions = store.counters.evictions
+        assert put(store, [key_of(NUM_BLOCKS + calls)]) == [Status.OK]
+        assert store.counters.evictions - evictions <= TRIM_STEP
+        calls += 1
+    assert calls > 1 and store.counters.evictions >= 0.05 * NUM_BLOCKS
+    evictions = store.counters.evictions
+    put(store, [key_of(2 * NUM_BLOCKS)])  # back under the low watermark: no more trimming
+    assert store.counters.evictions == evictions

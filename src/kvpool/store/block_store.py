@@ -38,6 +38,7 @@ Rules (each has a test in tests/store/test_pool.py):
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from itertools import takewhile
@@ -107,8 +108,10 @@ class BlockStore:
         self.counters = StoreCounters()
         self.namespaces = NamespaceTable()
         self.on_change = on_change
-        self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
-        self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
+        # The index: committed blocks, and pending ones (reserved, not committed yet); a
+        # key is in one of them at most.  One entry per block: they are millions.
+        self._committed: dict[bytes, Block] = {}
+        self._pending: dict[bytes, Block] = {}
         self._reservations: LeaseBook[Reservation] = self.ledger.open_book(
             LeaseKind.RESERVATION, self._end_reservation
         )
@@ -133,7 +136,8 @@ class BlockStore:
             self.quotas = None
         else:
             self.quotas = Quotas()
-            self.quotas.recount(limits, ((b.key, b.size) for b in self._index.values()))
+            held = itertools.chain(self._committed.values(), self._pending.values())
+            self.quotas.recount(limits, ((b.key, b.size) for b in held))
         self.space.quotas = self.quotas
         # One LRU list per tenant (a reload visits every block once; requests never do).
         self.eviction.regroup(None if self.quotas is None else self.quotas.group_of)
@@ -151,7 +155,6 @@ class BlockStore:
                 continue
             checksum = entry.checksum or 0
             block = Block(entry.key, entry.offset, entry.size, BlockState.COMMITTED, checksum)
-            self._index[block.key] = block
             self._insert_committed(block)
         for namespace_id, label in replayed.labels.items():
             self.describe(namespace_id, label, journal=False)
@@ -217,12 +220,11 @@ class BlockStore:
         wanted: list[int] = []
         seen: set[bytes] = set()
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            existing = self._index.get(key)
             if key in seen:
                 statuses.append(Status.PENDING)  # named twice: the first is being written
-            elif existing is not None and existing.state is BlockState.RESERVED:
+            elif key in self._pending:
                 statuses.append(Status.PENDING)
-            elif existing is not None:
+            elif key in self._committed:
                 statuses.append(Status.EXISTS)
             elif page_bytes(size) > self.capacity:
                 statuses.append(Status.REFUSED)
@@ -253,7 +255,7 @@ class BlockStore:
                     self.quotas.removed(keys[i], sizes[i])
                 continue
             block = Block(keys[i], offset, sizes[i])
-            self._index[keys[i]] = block
+            self._pending[keys[i]] = block
             self.reserved_bytes += block.size
             blocks[i] = block
         return blocks
@@ -312,6 +314,8 @@ class BlockStore:
         self._changed()
 
     def _commit(self, block: Block, checksum: int) -> None:
+        if self._pending.get(block.key) is block:
+            del self._pending[block.key]
         block.state = BlockState.COMMITTED
         block.checksum = checksum
         block.sealed = True
@@ -342,8 +346,8 @@ class BlockStore:
         self.reserved_bytes -= block.size
         if self.quotas is not None:
             self.quotas.removed(block.key, block.size)
-        if self._index.get(block.key) is block:
-            del self._index[block.key]
+        if self._pending.get(block.key) is block:
+            del self._pending[block.key]
         self.allocator.free(block.offset)
 
     # -- reads ----------------------------------------------------------------------------
@@ -351,7 +355,7 @@ class BlockStore:
     def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> tuple[int, bool]:
         """The length of the longest committed prefix, and whether the next key is pending."""
         num_prefix = len(list(takewhile(self._committed.__contains__, keys)))
-        pending = num_prefix < len(keys) and keys[num_prefix] in self._index
+        pending = num_prefix < len(keys) and keys[num_prefix] in self._pending
         if count:
             self.record_lookup(keys, num_prefix)
         return num_prefix, pending
@@ -367,8 +371,8 @@ class BlockStore:
 
     def pending_mask(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is being written (reserved, not committed yet)."""
-        index, committed = self._index, self._committed
-        return [k in index and k not in committed for k in keys]
+        pending = self._pending
+        return [k in pending for k in keys]
 
     def record_lookup(self, keys: Sequence[bytes], num_prefix: int) -> None:
         """Count a lookup of ``keys`` that found ``num_prefix`` leading blocks (for a lookup
@@ -443,7 +447,7 @@ class BlockStore:
 
     def evictable(self, key: bytes) -> Block | None:
         """The block ``key`` names, if eviction may take it now (for :class:`Space`)."""
-        block = self._index.get(key)
+        block = self._committed.get(key)
         if block is None or not block.is_evictable:
             return None
         return block
@@ -461,11 +465,9 @@ class BlockStore:
     def delete(self, keys: Sequence[bytes]) -> list[Status]:
         statuses = []
         for key in keys:
-            block = self._index.get(key)
+            block = self._committed.get(key)
             if block is None:
-                statuses.append(Status.NOT_FOUND)
-            elif block.state is BlockState.RESERVED:
-                statuses.append(Status.PENDING)
+                statuses.append(Status.PENDING if key in self._pending else Status.NOT_FOUND)
             else:
                 self._remove(block)
                 statuses.append(Status.OK)
@@ -477,7 +479,6 @@ class BlockStore:
         return self.delete(keys)
 
     def _remove(self, block: Block, *, evicted: bool = False) -> None:
-        del self._index[block.key]
         del self._committed[block.key]
         self.eviction.remove(block.key)
         self.directory.withdraw(block.key)  # both before the memory can be handed out again
