@@ -6,10 +6,13 @@ written a bounded step per commit, never the whole index at once."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvpool.config import PAGE_BYTES
 from kvpool.errors import Status
+from kvpool.store.allocator import SegregatedFitAllocator
 from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy
 from kvpool.store.journal import COMPACT_STEP, RECORD, Journal
@@ -183,3 +186,35 @@ def test_a_trim_evicts_a_bounded_step_per_call_until_the_low_watermark():
     evictions = store.counters.evictions
     put(store, [key_of(2 * NUM_BLOCKS)])  # back under the low watermark: no more trimming
     assert store.counters.evictions == evictions
+
+
+def test_adopting_in_bulk_takes_what_one_extent_at_a_time_takes():
+    """A restart adopts millions of extents at once; a damaged journal's (overlapping,
+    misaligned, outside the arena) are refused as one by one, in offset order."""
+    rng = random.Random(7)
+    total_pages = 4096
+    extents = [
+        (rng.randrange(0, total_pages + 8) * PAGE_BYTES, rng.randrange(1, 5 * PAGE_BYTES))
+        for _ in range(3000)
+    ]
+    extents += [(PAGE_BYTES + 1, 10), (0, 0)]  # misaligned; empty (one page)
+    rng.shuffle(extents)
+    expected = [False] * len(extents)
+    cursor = 0
+    for i in sorted(range(len(extents)), key=lambda i: extents[i][0]):
+        offset, size = extents[i]
+        start, num_pages = offset // PAGE_BYTES, max(1, -(-size // PAGE_BYTES))
+        if offset % PAGE_BYTES == 0 and start >= cursor and start + num_pages <= total_pages:
+            expected[i], cursor = True, start + num_pages
+    allocator = SegregatedFitAllocator(total_pages * PAGE_BYTES)
+    assert allocator.adopt(extents) == expected
+    held = sum(max(1, -(-s // PAGE_BYTES)) for (_, s), ok in zip(extents, expected, strict=True) if ok)
+    assert allocator.used == held * PAGE_BYTES
+    # What was not adopted is free, and only that: allocation fills exactly the rest.
+    while allocator.allocate(PAGE_BYTES) is not None:
+        pass
+    assert allocator.used == allocator.capacity
+    for offset, ok in zip(extents, expected, strict=True):
+        if ok:
+            allocator.free(offset[0])
+    assert allocator.used == (total_pages - held) * PAGE_BYTES

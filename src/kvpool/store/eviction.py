@@ -36,6 +36,8 @@ class EvictionPolicy(Protocol):
 
     def regroup(self, group_of: GroupOf | None) -> None: ...
 
+    def adopt(self, keys: list[bytes]) -> None: ...
+
     def ordered_keys(self) -> list[bytes] | None: ...
 
 
@@ -72,6 +74,16 @@ class LRUPolicy:
         order = self._groups.get(self._group_of(key))
         if order is not None:
             order.pop(key, None)
+
+    def adopt(self, keys: list[bytes]) -> None:
+        """Touch ``keys`` in order (the blocks of a warm restart, oldest first), in bulk."""
+        if self._grouped:
+            for key in keys:
+                self.touch(key)
+        else:
+            for key in keys:
+                self._groups[None].pop(key, None)
+            self._groups[None].update(dict.fromkeys(keys))
 
     def regroup(self, group_of: GroupOf | None) -> None:
         """Sort the entries into new groups, keeping their order (at a reload of the
@@ -138,6 +150,9 @@ class NoEviction:
         return iter(())
 
     def regroup(self, group_of: GroupOf | None) -> None:
+        pass
+
+    def adopt(self, keys: list[bytes]) -> None:
         pass
 
     def ordered_keys(self) -> list[bytes] | None:

@@ -141,5 +141,8 @@ class QueueAwareEviction:
     def regroup(self, group_of: GroupOf | None) -> None:
         self.inner.regroup(group_of)
 
+    def adopt(self, keys: list[bytes]) -> None:
+        self.inner.adopt(keys)
+
     def ordered_keys(self) -> list[bytes] | None:
         return self.inner.ordered_keys()

@@ -40,12 +40,15 @@ are served like every block, by their readers, against the checksums recorded he
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import xxhash
 
 FILE_MAGIC = b"KVPOOLJ1"
@@ -64,9 +67,8 @@ COMPACT_MIN_RECORDS = 4096
 COMPACT_STEP = 2048
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """A live block as the journal recorded it."""
+class Entry(NamedTuple):
+    """A live block as the journal recorded it (a tuple: replay makes millions)."""
 
     key: bytes
     offset: int
@@ -99,11 +101,77 @@ def _header(dev: int, ino: int, arena_bytes: int) -> bytes:
     return body + RECORD_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
+def _run_dtype(key_len: int) -> np.dtype:
+    """A record of a block (no label) with a key of ``key_len`` bytes, as numpy reads it."""
+    return np.dtype(
+        [
+            ("magic", "S4"),
+            ("kind", "u1"),
+            ("key_len", "u1"),
+            ("label_len", "<u2"),
+            ("offset", "<u8"),
+            ("size", "<u8"),
+            ("checksum", "<u8"),
+            ("key", f"V{key_len}"),
+            ("crc", "<u8"),
+        ]
+    )
+
+
+def _parse_run(
+    data: bytes, position: int, key_len: int
+) -> list[tuple[int, int, bytes, int, int, int, bytes]]:
+    """The intact block records from ``position`` on whose keys are all ``key_len`` bytes
+    long (nearly every record of a journal), decoded together: a restart replays millions,
+    and numpy checks their headers at once; each record's checksum is still verified."""
+    dtype = _run_dtype(key_len)
+    count = (len(data) - position) // dtype.itemsize
+    if count < 2:
+        return []
+    records = np.frombuffer(data, dtype, count, position)
+    kind = records["kind"]
+    fits = (
+        (records["magic"] == RECORD_MAGIC)
+        & (records["key_len"] == key_len)
+        & (records["label_len"] == 0)
+        & ((kind == COMMIT) | (kind == REMOVE) | (kind == FILLED))
+    )
+    if not fits.all():
+        count = int(np.argmin(fits))
+    body = dtype.itemsize - RECORD_CHECKSUM.size
+    view, hash_ = memoryview(data), xxhash.xxh3_64_intdigest
+    starts = range(position, position + count * dtype.itemsize, dtype.itemsize)
+    digests = np.fromiter((hash_(view[p : p + body]) for p in starts), np.uint64, count)
+    intact = digests == records["crc"][:count]
+    if not intact.all():
+        count = int(np.argmin(intact))
+    key_at = RECORD.size
+    ends = range(position + dtype.itemsize, position + (count + 1) * dtype.itemsize, dtype.itemsize)
+    return list(
+        zip(
+            ends,
+            kind[:count].tolist(),
+            [data[p + key_at : p + key_at + key_len] for p in starts[:count]],
+            records["offset"][:count].tolist(),
+            records["size"][:count].tolist(),
+            records["checksum"][:count].tolist(),
+            itertools.repeat(b"", count),
+            strict=False,
+        )
+    )
+
+
 def _parse(data: bytes) -> Iterator[tuple[int, int, bytes, int, int, int, bytes]]:
     """(end position, kind, key, offset, size, checksum, label) of each intact record."""
     position = FILE_HEADER_BYTES
     while position + RECORD.size + RECORD_CHECKSUM.size <= len(data):
         magic, kind, key_len, label_len, offset, size, checksum = RECORD.unpack_from(data, position)
+        if magic == RECORD_MAGIC and kind != LABEL and not label_len:
+            run = _parse_run(data, position, key_len)
+            if run:
+                yield from run
+                position = run[-1][0]
+                continue
         end = position + RECORD.size + key_len + label_len
         if (
             magic != RECORD_MAGIC
@@ -122,7 +190,7 @@ def _parse(data: bytes) -> Iterator[tuple[int, int, bytes, int, int, int, bytes]
 
 def _replay(data: bytes) -> tuple[Replay, int]:
     """What the records of a journal's bytes describe, and where its intact records end."""
-    live: dict[bytes, Entry] = {}
+    live: dict[bytes, tuple[bytes, int, int, int | None]] = {}
     labels: dict[bytes, str] = {}
     num_records = 0
     valid_bytes = FILE_HEADER_BYTES
@@ -131,13 +199,14 @@ def _replay(data: bytes) -> tuple[Replay, int]:
         valid_bytes = end
         if kind in (COMMIT, FILLED):
             live.pop(key, None)  # re-inserted: its commit order is the newest
-            live[key] = Entry(key, offset, size, checksum if kind == COMMIT else None)
+            live[key] = (key, offset, size, checksum if kind == COMMIT else None)
         elif kind == REMOVE:
             live.pop(key, None)
         else:
             labels[key] = label.decode("utf-8", "replace")
     torn = len(data) - valid_bytes
-    return Replay(list(live.values()), labels, num_records, torn), valid_bytes
+    entries = list(map(Entry._make, live.values()))
+    return Replay(entries, labels, num_records, torn), valid_bytes
 
 
 def read_journal(path: Path) -> Replay:
