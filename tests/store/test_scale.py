@@ -208,7 +208,8 @@ def test_adopting_in_bulk_takes_what_one_extent_at_a_time_takes():
             expected[i], cursor = True, start + num_pages
     allocator = SegregatedFitAllocator(total_pages * PAGE_BYTES)
     assert allocator.adopt(extents) == expected
-    held = sum(max(1, -(-s // PAGE_BYTES)) for (_, s), ok in zip(extents, expected, strict=True) if ok)
+    adopted = [size for (_, size), ok in zip(extents, expected, strict=True) if ok]
+    held = sum(max(1, -(-size // PAGE_BYTES)) for size in adopted)
     assert allocator.used == held * PAGE_BYTES
     # What was not adopted is free, and only that: allocation fills exactly the rest.
     while allocator.allocate(PAGE_BYTES) is not None:
