@@ -468,6 +468,11 @@ class BlockStore:
         """Every committed block, oldest commit first."""
         return list(self._committed.values())
 
+    def committed_keys(self) -> list[bytes]:
+        """The keys of every committed block, oldest commit first (a list that does not
+        keep the blocks themselves alive once they leave)."""
+        return list(self._committed)
+
     # -- removal --------------------------------------------------------------------------
 
     def delete(self, keys: Sequence[bytes]) -> list[Status]:
