@@ -40,6 +40,7 @@ are served like every block, by their readers, against the checksums recorded he
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import os
 import struct
@@ -65,6 +66,8 @@ COMPACT_RATIO = 4
 COMPACT_MIN_RECORDS = 4096
 # Snapshot records a compaction writes per step (per commit): a few milliseconds of work.
 COMPACT_STEP = 2048
+# Records replay decodes together at most (a bounded batch, however long the journal).
+RUN_RECORDS = 1 << 16
 
 
 class Entry(NamedTuple):
@@ -125,7 +128,7 @@ def _parse_run(
     long (nearly every record of a journal), decoded together: a restart replays millions,
     and numpy checks their headers at once; each record's checksum is still verified."""
     dtype = _run_dtype(key_len)
-    count = (len(data) - position) // dtype.itemsize
+    count = min(RUN_RECORDS, (len(data) - position) // dtype.itemsize)
     if count < 2:
         return []
     records = np.frombuffer(data, dtype, count, position)
@@ -190,6 +193,18 @@ def _parse(data: bytes) -> Iterator[tuple[int, int, bytes, int, int, int, bytes]
 
 def _replay(data: bytes) -> tuple[Replay, int]:
     """What the records of a journal's bytes describe, and where its intact records end."""
+    # Millions of short-lived tuples and no cycles: a collection pass every few thousand
+    # of them would walk all those still alive (minutes, for a long journal).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _replay_records(data)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _replay_records(data: bytes) -> tuple[Replay, int]:
     live: dict[bytes, tuple[bytes, int, int, int | None]] = {}
     labels: dict[bytes, str] = {}
     num_records = 0
