@@ -61,8 +61,9 @@ RECORD_CHECKSUM = struct.Struct("<Q")
 MAX_KEY_BYTES = 255
 MAX_LABEL_BYTES = 1024
 COMMIT, REMOVE, LABEL, FILLED = 1, 2, 3, 4
-# Compact when the journal holds this many times the live records (and is not tiny).
-COMPACT_RATIO = 4
+# Compact when the journal holds this many times the live records (and is not tiny): what
+# a restart replays.  Cheap, now that a compaction is written a step per commit.
+COMPACT_RATIO = 2
 COMPACT_MIN_RECORDS = 4096
 # Snapshot records a compaction writes per step (per commit): a few milliseconds of work.
 COMPACT_STEP = 2048
