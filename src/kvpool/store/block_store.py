@@ -541,12 +541,9 @@ class BlockStore:
         way by a step (a bounded number of records per commit: see :meth:`Journal.compact_step`)."""
         journal = self.journal
         if not journal.compacting and journal.needs_compaction(self.num_committed):
-            keys = self.eviction.ordered_keys()  # a list copy: no block is visited yet
-            if keys is None:
-                keys = list(self._committed)
-            else:
-                keys += self._pinned_keys()  # out of the LRU while pinned
-            journal.start_compaction(keys, self.namespaces.labels())
+            # Commit order, as the journal itself has it (rule 5 of the journal); a copy of
+            # the keys only, a few milliseconds for a million blocks.
+            journal.start_compaction(list(self._committed), self.namespaces.labels())
         if journal.compacting:
             journal.compact_step(self._entry)
 
@@ -556,10 +553,6 @@ class BlockStore:
         if block is None:
             return None
         return Entry(block.key, block.offset, block.size, block.checksum)
-
-    def _pinned_keys(self) -> list[bytes]:
-        keys = {b.key for pin in self._pins.values() for b in pin.blocks}
-        return [k for k in keys if k in self._committed]
 
     @property
     def num_pinned(self) -> int:

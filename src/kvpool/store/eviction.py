@@ -38,8 +38,6 @@ class EvictionPolicy(Protocol):
 
     def adopt(self, keys: list[bytes]) -> None: ...
 
-    def ordered_keys(self) -> list[bytes] | None: ...
-
 
 def _one_group(key: bytes) -> Group:
     return None
@@ -97,7 +95,7 @@ class LRUPolicy:
             self.touch(key)
 
     def ordered_keys(self) -> list[bytes]:
-        """Every key, least recent first (for a journal snapshot)."""
+        """Every key, least recent first."""
         if not self._grouped:
             return list(self._groups[None])
         merged = heapq.merge(*(order.items() for order in self._groups.values()), key=_recency)
@@ -154,6 +152,3 @@ class NoEviction:
 
     def adopt(self, keys: list[bytes]) -> None:
         pass
-
-    def ordered_keys(self) -> list[bytes] | None:
-        return None  # no order: the store lists its blocks itself

@@ -143,6 +143,3 @@ class QueueAwareEviction:
 
     def adopt(self, keys: list[bytes]) -> None:
         self.inner.adopt(keys)
-
-    def ordered_keys(self) -> list[bytes] | None:
-        return self.inner.ordered_keys()

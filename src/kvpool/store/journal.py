@@ -66,7 +66,7 @@ COMMIT, REMOVE, LABEL, FILLED = 1, 2, 3, 4
 COMPACT_RATIO = 2
 COMPACT_MIN_RECORDS = 4096
 # Snapshot records a compaction writes per step (per commit): a few milliseconds of work.
-COMPACT_STEP = 2048
+COMPACT_STEP = 1024
 # Records replay decodes together at most (a bounded batch, however long the journal).
 RUN_RECORDS = 1 << 16
 
