@@ -7,6 +7,8 @@ written a bounded step per commit, never the whole index at once."""
 from __future__ import annotations
 
 import random
+import sys
+import tracemalloc
 
 import pytest
 
@@ -219,3 +221,21 @@ def test_adopting_in_bulk_takes_what_one_extent_at_a_time_takes():
         if ok:
             allocator.free(offset[0])
     assert allocator.used == (total_pages - held) * PAGE_BYTES
+
+
+def test_the_index_says_what_heap_it_takes():
+    """``metadata_bytes`` (for status and metrics) follows what the heap really grew by."""
+    store = BlockStore(NUM_BLOCKS * PAGE_BYTES)
+    empty = store.metadata_bytes()
+    keys = [key_of(i) for i in range(20_000)]  # made before measuring: the caller's keys
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        fill(store, keys)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    estimated = store.metadata_bytes() - empty - sum(sys.getsizeof(k) for k in keys)
+    assert 0.7 * grown <= estimated <= 1.3 * grown, (estimated, grown)
+    store.delete(keys)
+    assert store.metadata_bytes() < empty + 0.5 * estimated

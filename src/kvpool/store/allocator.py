@@ -16,6 +16,7 @@ first bin that can hold a request in O(1); neighbours are coalesced on free in O
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import numpy as np
@@ -76,6 +77,14 @@ class SegregatedFitAllocator:
         total = self.capacity // PAGE_BYTES
         if total:
             self._insert_free(0, total)
+
+    def __sizeof__(self) -> int:
+        allocated = self._allocated_start_to_pages
+        tables = (self._free_start_to_pages, self._free_end_to_start, allocated)
+        # The int keys of the allocated extents are the only per-block objects here.
+        ints = len(allocated) * sys.getsizeof(1 << 40)
+        bins = sum(map(sys.getsizeof, self._bins))
+        return object.__sizeof__(self) + sum(map(sys.getsizeof, tables)) + bins + ints
 
     def allocate(self, num_bytes: int) -> int | None:
         want = pages(num_bytes)

@@ -39,6 +39,7 @@ Rules (each has a test in tests/store/test_pool.py):
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from itertools import takewhile
@@ -71,6 +72,8 @@ from kvpool.store.quotas import Quotas
 from kvpool.store.space import Space
 
 Clock = Callable[[], float]
+_BLOCK_BYTES = sys.getsizeof(Block(b"", 0, 0))
+_INT_BYTES = sys.getsizeof(1 << 62)  # an offset or checksum past the small ints
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
 Checksums = Sequence[int | None]  # per block (None: drop it)
 
@@ -118,6 +121,7 @@ class BlockStore:
         self._pins: LeaseBook[Pin] = self.ledger.open_book(LeaseKind.PIN, self._end_pin)
         self.reserved_bytes = 0
         self.committed_bytes = 0
+        self._key_bytes = 0  # the heap the keys of committed blocks take (metadata_bytes)
         self.num_committed = 0
         self.journal = journal or NoJournal()
         self.directory = directory if directory is not None else NoDirectory()
@@ -161,6 +165,7 @@ class BlockStore:
         dropped = [e.key for e, ok in zip(entries, taken, strict=True) if not ok]
         self._committed.update({b.key: b for b in blocks})
         self.committed_bytes += sum(b.size for b in blocks)
+        self._key_bytes += sum(sys.getsizeof(b.key) for b in blocks)
         self.num_committed += len(blocks)
         self.eviction.adopt([b.key for b in blocks])
         self.namespaces.adopted((b.key, b.size) for b in blocks)
@@ -341,6 +346,7 @@ class BlockStore:
         if block.sealed:
             self.directory.list(block.key, block.offset, block.size)
         self._committed[block.key] = block
+        self._key_bytes += sys.getsizeof(block.key)
         self.committed_bytes += block.size
         self.num_committed += 1
         self.eviction.touch(block.key)
@@ -493,6 +499,7 @@ class BlockStore:
 
     def _remove(self, block: Block, *, evicted: bool = False) -> None:
         del self._committed[block.key]
+        self._key_bytes -= sys.getsizeof(block.key)
         self.eviction.remove(block.key)
         self.directory.withdraw(block.key)  # both before the memory can be handed out again
         self.journal.removed([block.key])
@@ -553,6 +560,21 @@ class BlockStore:
         if block is None:
             return None
         return Entry(block.key, block.offset, block.size, block.checksum)
+
+    def metadata_bytes(self) -> int:
+        """The heap the index takes now, estimated in O(1) (for status and metrics): its
+        dicts and the LRU as allocated (over-allocation included), the allocator's tables,
+        and per committed block its :class:`Block`, its key and its two large ints (offset
+        and checksum).  Pending blocks and leases are few and not counted."""
+        per_block = _BLOCK_BYTES + 2 * _INT_BYTES
+        return (
+            sys.getsizeof(self._committed)
+            + sys.getsizeof(self._pending)
+            + sys.getsizeof(self.eviction)
+            + sys.getsizeof(self.allocator)
+            + self.num_committed * per_block
+            + self._key_bytes
+        )
 
     @property
     def num_pinned(self) -> int:

@@ -18,6 +18,7 @@ key of the allowed groups at most once per ``victims()`` pass and tolerates ``re
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Protocol
@@ -55,6 +56,9 @@ class LRUPolicy:
 
     def __len__(self) -> int:
         return sum(len(order) for order in self._groups.values())
+
+    def __sizeof__(self) -> int:
+        return object.__sizeof__(self) + sum(map(sys.getsizeof, self._groups.values()))
 
     def touch(self, key: bytes) -> None:
         group = self._group_of(key)

@@ -24,6 +24,7 @@ Synchronous, touched from one thread (the daemon's event loop), as the store is.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -140,6 +141,9 @@ class QueueAwareEviction:
 
     def regroup(self, group_of: GroupOf | None) -> None:
         self.inner.regroup(group_of)
+
+    def __sizeof__(self) -> int:
+        return object.__sizeof__(self) + sys.getsizeof(self.inner)
 
     def adopt(self, keys: list[bytes]) -> None:
         self.inner.adopt(keys)
