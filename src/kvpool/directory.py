@@ -114,8 +114,9 @@ class DirectoryWriter:
             raise ValueError(f"{self.num_slots} slots: not a power of two")
         self._mask = self.num_slots - 1
         self.num_unlisted = 0  # blocks the table had no room for (read through the node)
-        self._key_to_slot: dict[bytes, int] = {}
-        self._slot_to_key: dict[int, bytes] = {}
+        # The table is the node's only index of it (no dict of keys: with millions of
+        # blocks, one would cost more heap than all of the store's own index).
+        self._num_listed = 0
         retire(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
@@ -137,24 +138,37 @@ class DirectoryWriter:
         header[_MAGIC] = MAGIC  # last: a reader that sees it sees the rest
 
     def __len__(self) -> int:
-        return len(self._key_to_slot)
+        return self._num_listed
+
+    def _find(self, low: int, high: int) -> int | None:
+        """The slot of the entry with this digest, if listed (it lies at most
+        ``MAX_PROBE`` slots past its home, and no empty slot comes before it)."""
+        words, mask = self._words, self._mask
+        slot = low & mask
+        for _ in range(MAX_PROBE):
+            base = HEADER_WORDS + slot * ENTRY_WORDS
+            entry_low, entry_high = words[base + 1], words[base + 2]
+            if entry_low == low and entry_high == high:
+                return slot
+            if entry_low == 0 and entry_high == 0:
+                return None
+            slot = (slot + 1) & mask
+        return None
 
     def list(self, key: bytes, offset: int, size: int) -> bool:
         """List a sealed block; False if the table has no room near its home."""
-        if key in self._key_to_slot:
-            self.withdraw(key)
+        low, high = digest(key)
+        self._withdraw(low, high)
         if offset % PAGE_BYTES or offset // PAGE_BYTES >= MAX_OFFSET_PAGES or size > MAX_SIZE:
             self.num_unlisted += 1
             return False
-        low, high = digest(key)
         words = self._words
         slot = low & self._mask
         for _ in range(MAX_PROBE):
             base = HEADER_WORDS + slot * ENTRY_WORDS
             if words[base + 1] == 0 and words[base + 2] == 0:
                 self._write(slot, low, high, (offset // PAGE_BYTES) << 32 | size)
-                self._key_to_slot[key] = slot
-                self._slot_to_key[slot] = key
+                self._num_listed += 1
                 return True
             slot = (slot + 1) & self._mask
         self.num_unlisted += 1
@@ -163,28 +177,27 @@ class DirectoryWriter:
     def withdraw(self, key: bytes) -> None:
         """Withdraw a block (before its memory is handed out again); then close the gap by
         shifting the entries after it back towards their homes."""
-        hole = self._key_to_slot.pop(key, None)
+        self._withdraw(*digest(key))
+
+    def _withdraw(self, low: int, high: int) -> None:
+        hole = self._find(low, high)
         if hole is None:
             return
-        del self._slot_to_key[hole]
+        self._num_listed -= 1
         self._write(hole, 0, 0, 0)
         words, mask = self._words, self._mask
         slot = hole
         while True:
             slot = (slot + 1) & mask
-            moved = self._slot_to_key.get(slot)
-            if moved is None or (slot - hole) & mask > MAX_PROBE:
-                return  # an empty slot, or entries too far on to have a home before the hole
             base = HEADER_WORDS + slot * ENTRY_WORDS
             low, high, location = words[base + 1], words[base + 2], words[base + 3]
+            if (low == 0 and high == 0) or (slot - hole) & mask > MAX_PROBE:
+                return  # an empty slot, or entries too far on to have a home before the hole
             home = low & mask
             # The entry may move into the hole if the hole lies between its home and it.
             if (slot - home) & mask >= (slot - hole) & mask:
                 self._write(hole, low, high, location)
                 self._write(slot, 0, 0, 0)
-                self._key_to_slot[moved] = hole
-                self._slot_to_key[hole] = moved
-                del self._slot_to_key[slot]
                 hole = slot
 
     def _write(self, slot: int, low: int, high: int, location: int) -> None:

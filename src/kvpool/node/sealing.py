@@ -140,15 +140,19 @@ class Sealer:
     async def scrub(self, rate_bytes_s: float) -> None:
         """Re-hash committed blocks, oldest commit first, at most ``rate_bytes_s`` on average."""
         while True:
-            blocks = self.store.committed_blocks()
-            if not blocks:
+            # Keys, not blocks: a pass takes minutes, and a list of the blocks would keep
+            # every block evicted meanwhile in memory until the pass ends.
+            keys = self.store.committed_keys()
+            if not keys:
                 await asyncio.sleep(1.0)
             batch: list[Block] = []
             num_bytes = 0
-            for i, block in enumerate(blocks):
-                batch.append(block)
-                num_bytes += block.size
-                if num_bytes >= SCRUB_STEP_BYTES or i == len(blocks) - 1:
+            for i, key in enumerate(keys):
+                block = self.store.get_block(key)  # None: gone since
+                if block is not None:
+                    batch.append(block)
+                    num_bytes += block.size
+                if num_bytes >= SCRUB_STEP_BYTES or i == len(keys) - 1:
                     await self.scrub_blocks(batch)
                     await asyncio.sleep(num_bytes / rate_bytes_s)
                     batch, num_bytes = [], 0

@@ -16,7 +16,10 @@ first bin that can hold a request in O(1); neighbours are coalesced on free in O
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
+
+import numpy as np
 
 from kvpool.config import PAGE_BYTES, pages
 
@@ -74,6 +77,14 @@ class SegregatedFitAllocator:
         total = self.capacity // PAGE_BYTES
         if total:
             self._insert_free(0, total)
+
+    def __sizeof__(self) -> int:
+        allocated = self._allocated_start_to_pages
+        tables = (self._free_start_to_pages, self._free_end_to_start, allocated)
+        # The int keys of the allocated extents are the only per-block objects here.
+        ints = len(allocated) * sys.getsizeof(1 << 40)
+        bins = sum(map(sys.getsizeof, self._bins))
+        return object.__sizeof__(self) + sum(map(sys.getsizeof, tables)) + bins + ints
 
     def allocate(self, num_bytes: int) -> int | None:
         want = pages(num_bytes)
@@ -152,22 +163,41 @@ class SegregatedFitAllocator:
         total = self.capacity // PAGE_BYTES
         if total:
             self._remove_free(0)
-        taken = [False] * len(extents)
-        cursor = 0
-        for index in sorted(range(len(extents)), key=lambda i: extents[i][0]):
-            offset, num_bytes = extents[index]
-            start, num_pages = offset // PAGE_BYTES, pages(num_bytes)
-            if offset % PAGE_BYTES or start < cursor or start + num_pages > total:
-                continue
-            if start > cursor:
-                self._insert_free(cursor, start - cursor)
-            self._allocated_start_to_pages[start] = num_pages
-            self.used += num_pages * PAGE_BYTES
-            cursor = start + num_pages
-            taken[index] = True
-        if cursor < total:
-            self._insert_free(cursor, total - cursor)
-        return taken
+        if not extents:
+            if total:
+                self._insert_free(0, total)
+            return []
+        # In bulk (a restart adopts millions): sorted by offset, each extent is taken if it
+        # is aligned, inside the arena and starts at or after the end of the last one taken.
+        columns = np.array(extents, dtype=np.int64)
+        order = np.argsort(columns[:, 0], kind="stable")
+        offsets = columns[order, 0]
+        starts = offsets // PAGE_BYTES
+        num_pages = np.maximum(1, -(-columns[order, 1] // PAGE_BYTES))
+        ends = starts + num_pages
+        fits = (offsets % PAGE_BYTES == 0) & (offsets >= 0) & (ends <= total)
+        before = np.concatenate(([0], np.maximum.accumulate(np.where(fits, ends, 0))[:-1]))
+        ok = fits & (starts >= before)
+        if not (ok == fits).all():
+            # An overlap: a refused extent must not push the cursor on, so decide in order
+            # (a damaged journal only).
+            cursor = 0
+            for i in np.flatnonzero(fits).tolist():
+                ok[i] = starts[i] >= cursor
+                if ok[i]:
+                    cursor = int(ends[i])
+        starts, num_pages, ends = starts[ok], num_pages[ok], ends[ok]
+        self._allocated_start_to_pages.update(zip(starts.tolist(), num_pages.tolist(), strict=True))
+        self.used += int(num_pages.sum()) * PAGE_BYTES
+        gap_starts = np.concatenate(([0], ends))
+        gap_pages = np.concatenate((starts, [total])) - gap_starts
+        for start, length in zip(
+            gap_starts[gap_pages > 0].tolist(), gap_pages[gap_pages > 0].tolist(), strict=True
+        ):
+            self._insert_free(start, length)
+        taken = np.zeros(len(extents), dtype=bool)
+        taken[order] = ok
+        return taken.tolist()
 
     def _insert_free(self, start: int, num_pages: int) -> None:
         self._free_start_to_pages[start] = num_pages

@@ -22,6 +22,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
 
@@ -33,8 +35,11 @@ class BlockState(enum.IntEnum):
     FAILED = 4
 
 
-@dataclass(slots=True, eq=False)
-class Block:
+class Block(msgspec.Struct, gc=False, eq=False):
+    """One block of the index.  Never tracked by the garbage collector (it refers to no
+    object that could refer back to it): with millions held, each full collection would
+    otherwise visit every one, a stall on the event loop that grows with the index."""
+
     key: bytes
     offset: int
     size: int

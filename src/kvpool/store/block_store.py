@@ -38,8 +38,10 @@ Rules (each has a test in tests/store/test_pool.py):
 
 from __future__ import annotations
 
+import itertools
+import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import takewhile
 
 from kvpool.config import page_bytes
@@ -70,6 +72,8 @@ from kvpool.store.quotas import Quotas
 from kvpool.store.space import Space
 
 Clock = Callable[[], float]
+_BLOCK_BYTES = sys.getsizeof(Block(b"", 0, 0))
+_INT_BYTES = sys.getsizeof(1 << 62)  # an offset or checksum past the small ints
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
 Checksums = Sequence[int | None]  # per block (None: drop it)
 
@@ -107,14 +111,17 @@ class BlockStore:
         self.counters = StoreCounters()
         self.namespaces = NamespaceTable()
         self.on_change = on_change
-        self._index: dict[bytes, Block] = {}  # every block in the index, pending or committed
-        self._committed: dict[bytes, Block] = {}  # only the committed ones: the fast path
+        # The index: committed blocks, and pending ones (reserved, not committed yet); a
+        # key is in one of them at most.  One entry per block: they are millions.
+        self._committed: dict[bytes, Block] = {}
+        self._pending: dict[bytes, Block] = {}
         self._reservations: LeaseBook[Reservation] = self.ledger.open_book(
             LeaseKind.RESERVATION, self._end_reservation
         )
         self._pins: LeaseBook[Pin] = self.ledger.open_book(LeaseKind.PIN, self._end_pin)
         self.reserved_bytes = 0
         self.committed_bytes = 0
+        self._key_bytes = 0  # the heap the keys of committed blocks take (metadata_bytes)
         self.num_committed = 0
         self.journal = journal or NoJournal()
         self.directory = directory if directory is not None else NoDirectory()
@@ -133,24 +140,35 @@ class BlockStore:
             self.quotas = None
         else:
             self.quotas = Quotas()
-            self.quotas.recount(limits, ((b.key, b.size) for b in self._index.values()))
+            held = itertools.chain(self._committed.values(), self._pending.values())
+            self.quotas.recount(limits, ((b.key, b.size) for b in held))
         self.space.quotas = self.quotas
+        # One LRU list per tenant (a reload visits every block once; requests never do).
+        self.eviction.regroup(None if self.quotas is None else self.quotas.group_of)
 
     def _adopt(self) -> None:
         """Take over the blocks a replayed journal describes (a warm restart)."""
+        # In bulk, with no call per block: a restart adopts millions.  Adopted blocks are
+        # not sealed (nothing to list in the directory) and were announced when stored.
         replayed = self.journal.replayed
-        hashed = [e for e in replayed.entries if e.checksum is not None]  # see seal_replayed
-        entries = [e for e in hashed if page_bytes(e.size) <= self.capacity]
+        capacity = self.capacity
+        entries = [  # hashed (see seal_replayed) and small enough for this arena
+            e for e in replayed.entries if e.checksum is not None and e.size <= capacity
+        ]
         taken = self.allocator.adopt([(e.offset, e.size) for e in entries])
-        dropped = []
-        for entry, ok in zip(entries, taken, strict=True):
-            if not ok:
-                dropped.append(entry.key)
-                continue
-            checksum = entry.checksum or 0
-            block = Block(entry.key, entry.offset, entry.size, BlockState.COMMITTED, checksum)
-            self._index[block.key] = block
-            self._insert_committed(block)
+        committed = BlockState.COMMITTED
+        blocks = [
+            Block(e.key, e.offset, e.size, committed, e.checksum or 0)
+            for e, ok in zip(entries, taken, strict=True)
+            if ok
+        ]
+        dropped = [e.key for e, ok in zip(entries, taken, strict=True) if not ok]
+        self._committed.update({b.key: b for b in blocks})
+        self.committed_bytes += sum(b.size for b in blocks)
+        self._key_bytes += sum(sys.getsizeof(b.key) for b in blocks)
+        self.num_committed += len(blocks)
+        self.eviction.adopt([b.key for b in blocks])
+        self.namespaces.adopted((b.key, b.size) for b in blocks)
         for namespace_id, label in replayed.labels.items():
             self.describe(namespace_id, label, journal=False)
         self.counters.adopted = self.num_committed
@@ -215,12 +233,11 @@ class BlockStore:
         wanted: list[int] = []
         seen: set[bytes] = set()
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            existing = self._index.get(key)
             if key in seen:
                 statuses.append(Status.PENDING)  # named twice: the first is being written
-            elif existing is not None and existing.state is BlockState.RESERVED:
+            elif key in self._pending:
                 statuses.append(Status.PENDING)
-            elif existing is not None:
+            elif key in self._committed:
                 statuses.append(Status.EXISTS)
             elif page_bytes(size) > self.capacity:
                 statuses.append(Status.REFUSED)
@@ -251,7 +268,7 @@ class BlockStore:
                     self.quotas.removed(keys[i], sizes[i])
                 continue
             block = Block(keys[i], offset, sizes[i])
-            self._index[keys[i]] = block
+            self._pending[keys[i]] = block
             self.reserved_bytes += block.size
             blocks[i] = block
         return blocks
@@ -292,8 +309,7 @@ class BlockStore:
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
         self.space.trim()
-        if self.journal.needs_compaction(self.num_committed):
-            self.journal.compact(self._entries_oldest_first(), self.namespaces.labels())
+        self._compact_journal()
         self._changed()
         return result
 
@@ -311,6 +327,8 @@ class BlockStore:
         self._changed()
 
     def _commit(self, block: Block, checksum: int) -> None:
+        if self._pending.get(block.key) is block:
+            del self._pending[block.key]
         block.state = BlockState.COMMITTED
         block.checksum = checksum
         block.sealed = True
@@ -328,6 +346,7 @@ class BlockStore:
         if block.sealed:
             self.directory.list(block.key, block.offset, block.size)
         self._committed[block.key] = block
+        self._key_bytes += sys.getsizeof(block.key)
         self.committed_bytes += block.size
         self.num_committed += 1
         self.eviction.touch(block.key)
@@ -341,8 +360,8 @@ class BlockStore:
         self.reserved_bytes -= block.size
         if self.quotas is not None:
             self.quotas.removed(block.key, block.size)
-        if self._index.get(block.key) is block:
-            del self._index[block.key]
+        if self._pending.get(block.key) is block:
+            del self._pending[block.key]
         self.allocator.free(block.offset)
 
     # -- reads ----------------------------------------------------------------------------
@@ -350,7 +369,7 @@ class BlockStore:
     def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> tuple[int, bool]:
         """The length of the longest committed prefix, and whether the next key is pending."""
         num_prefix = len(list(takewhile(self._committed.__contains__, keys)))
-        pending = num_prefix < len(keys) and keys[num_prefix] in self._index
+        pending = num_prefix < len(keys) and keys[num_prefix] in self._pending
         if count:
             self.record_lookup(keys, num_prefix)
         return num_prefix, pending
@@ -366,8 +385,8 @@ class BlockStore:
 
     def pending_mask(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is being written (reserved, not committed yet)."""
-        index, committed = self._index, self._committed
-        return [k in index and k not in committed for k in keys]
+        pending = self._pending
+        return [k in pending for k in keys]
 
     def record_lookup(self, keys: Sequence[bytes], num_prefix: int) -> None:
         """Count a lookup of ``keys`` that found ``num_prefix`` leading blocks (for a lookup
@@ -390,9 +409,10 @@ class BlockStore:
             if block is None or past_a_miss:
                 found.append(None)
                 continue
+            if not block.num_pins:
+                self.eviction.remove(key)  # out of the LRU while pinned: eviction never visits it
             block.num_pins += 1
             block.num_reads += 1
-            self.eviction.touch(key)
             found.append(block)
             pinned.append(block)
         self.counters.get_hits += len(pinned)
@@ -411,7 +431,8 @@ class BlockStore:
             block = self._committed.get(key)
             if block is not None:
                 block.num_reads += 1
-                self.eviction.touch(key)
+                if not block.num_pins:
+                    self.eviction.touch(key)
                 blocks.append(block)
         self.counters.get_hits += len(blocks)
         return blocks
@@ -428,15 +449,19 @@ class BlockStore:
         with its last pin (rule 4)."""
         for block in pin.blocks:
             block.num_pins -= 1
-            if block.num_pins == 0 and block.state is BlockState.REMOVED:
+            if block.num_pins:
+                continue
+            if block.state is BlockState.REMOVED:
                 self.allocator.free(block.offset)
+            else:
+                self.eviction.touch(block.key)  # evictable again, as recent as its last read
 
     def get_block(self, key: bytes) -> Block | None:
         return self._committed.get(key)
 
     def evictable(self, key: bytes) -> Block | None:
         """The block ``key`` names, if eviction may take it now (for :class:`Space`)."""
-        block = self._index.get(key)
+        block = self._committed.get(key)
         if block is None or not block.is_evictable:
             return None
         return block
@@ -449,16 +474,19 @@ class BlockStore:
         """Every committed block, oldest commit first."""
         return list(self._committed.values())
 
+    def committed_keys(self) -> list[bytes]:
+        """The keys of every committed block, oldest commit first (a list that does not
+        keep the blocks themselves alive once they leave)."""
+        return list(self._committed)
+
     # -- removal --------------------------------------------------------------------------
 
     def delete(self, keys: Sequence[bytes]) -> list[Status]:
         statuses = []
         for key in keys:
-            block = self._index.get(key)
+            block = self._committed.get(key)
             if block is None:
-                statuses.append(Status.NOT_FOUND)
-            elif block.state is BlockState.RESERVED:
-                statuses.append(Status.PENDING)
+                statuses.append(Status.PENDING if key in self._pending else Status.NOT_FOUND)
             else:
                 self._remove(block)
                 statuses.append(Status.OK)
@@ -470,8 +498,8 @@ class BlockStore:
         return self.delete(keys)
 
     def _remove(self, block: Block, *, evicted: bool = False) -> None:
-        del self._index[block.key]
         del self._committed[block.key]
+        self._key_bytes -= sys.getsizeof(block.key)
         self.eviction.remove(block.key)
         self.directory.withdraw(block.key)  # both before the memory can be handed out again
         self.journal.removed([block.key])
@@ -515,11 +543,38 @@ class BlockStore:
         if self.namespaces.label(namespace_id, label) and journal:
             self.journal.labelled(namespace_id, label)
 
-    def _entries_oldest_first(self) -> Iterator[Entry]:
-        ordered = [k for k in self.eviction.victims() if k in self._committed]
-        unordered = self._committed.keys() - set(ordered)  # what the policy does not order
-        for block in (self._committed[k] for k in [*ordered, *unordered]):
-            yield Entry(block.key, block.offset, block.size, block.checksum)
+    def _compact_journal(self) -> None:
+        """Start a compaction of the journal when it needs one, and advance the one under
+        way by a step (a bounded number of records per commit: see :meth:`Journal.compact_step`)."""
+        journal = self.journal
+        if not journal.compacting and journal.needs_compaction(self.num_committed):
+            # Commit order, as the journal itself has it (rule 5 of the journal); a copy of
+            # the keys only, a few milliseconds for a million blocks.
+            journal.start_compaction(list(self._committed), self.namespaces.labels())
+        if journal.compacting:
+            journal.compact_step(self._entry)
+
+    def _entry(self, key: bytes) -> Entry | None:
+        """The journal entry of a committed block (None: not committed now)."""
+        block = self._committed.get(key)
+        if block is None:
+            return None
+        return Entry(block.key, block.offset, block.size, block.checksum)
+
+    def metadata_bytes(self) -> int:
+        """The heap the index takes now, estimated in O(1) (for status and metrics): its
+        dicts and the LRU as allocated (over-allocation included), the allocator's tables,
+        and per committed block its :class:`Block`, its key and its two large ints (offset
+        and checksum).  Pending blocks and leases are few and not counted."""
+        per_block = _BLOCK_BYTES + 2 * _INT_BYTES
+        return (
+            sys.getsizeof(self._committed)
+            + sys.getsizeof(self._pending)
+            + sys.getsizeof(self.eviction)
+            + sys.getsizeof(self.allocator)
+            + self.num_committed * per_block
+            + self._key_bytes
+        )
 
     @property
     def num_pinned(self) -> int:

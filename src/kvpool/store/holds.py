@@ -24,10 +24,11 @@ Synchronous, touched from one thread (the daemon's event loop), as the store is.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvpool.store.eviction import EvictionPolicy
+from kvpool.store.eviction import Allowed, EvictionPolicy, GroupOf
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 
 
@@ -133,6 +134,16 @@ class QueueAwareEviction:
     def remove(self, key: bytes) -> None:
         self.inner.remove(key)
 
-    def victims(self) -> Iterator[bytes]:
+    def victims(self, allowed: Allowed | None = None) -> Iterator[bytes]:
+        # A held key skipped here is moved behind the others by the inner policy.
         is_held = self.holds.is_held
-        return (key for key in self.inner.victims() if not is_held(key))
+        return (key for key in self.inner.victims(allowed) if not is_held(key))
+
+    def regroup(self, group_of: GroupOf | None) -> None:
+        self.inner.regroup(group_of)
+
+    def __sizeof__(self) -> int:
+        return object.__sizeof__(self) + sys.getsizeof(self.inner)
+
+    def adopt(self, keys: list[bytes]) -> None:
+        self.inner.adopt(keys)

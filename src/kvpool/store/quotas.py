@@ -58,14 +58,20 @@ class Quotas:
         limit = self.limits.get(tag)
         return 0 if limit is None else max(0, self.used[tag] + self.cost(size) - limit)
 
-    def same_tenant(self, a: bytes, b: bytes) -> bool:
-        return a[:TAG_BYTES] == b[:TAG_BYTES] and a[:TAG_BYTES] in self.limits
+    def group_of(self, key: bytes) -> bytes | None:
+        """The eviction group of a key: its tenant's tag, None for nobody's (the store keeps
+        one LRU list per group, so a tenant's eviction never walks another's blocks)."""
+        tag = key[:TAG_BYTES]
+        return tag if tag in self.limits else None
 
     def may_evict(self, victim: bytes, for_key: bytes | None) -> bool:
         """Whether a write of ``for_key`` (None: the store's own watermark) may evict
         ``victim``: the writer's own blocks, nobody's, or a tenant's past its quota."""
-        tag = victim[:TAG_BYTES]
-        limit = self.limits.get(tag)
-        if limit is None or (for_key is not None and for_key[:TAG_BYTES] == tag):
+        return self.may_evict_group(self.group_of(victim), for_key)
+
+    def may_evict_group(self, group: object, for_key: bytes | None) -> bool:
+        """:meth:`may_evict` for every block of an eviction group (:meth:`group_of`)."""
+        if group is None or (for_key is not None and self.group_of(for_key) == group):
             return True
-        return self.used[tag] > limit
+        assert isinstance(group, bytes)
+        return self.used[group] > self.limits[group]

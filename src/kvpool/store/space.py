@@ -14,8 +14,11 @@ from typing import Protocol
 from kvpool.config import page_bytes
 from kvpool.store.allocator import Allocator
 from kvpool.store.block import Block
-from kvpool.store.eviction import EvictionPolicy
+from kvpool.store.eviction import Allowed, EvictionPolicy, Group
 from kvpool.store.quotas import Quotas
+
+# Blocks a watermark trim evicts per call at most (a few milliseconds of work).
+TRIM_STEP = 512
 
 
 class Evictee(Protocol):
@@ -43,6 +46,7 @@ class Space:
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.quotas: Quotas | None = None  # the store's, when it has tenants
+        self._trimming = False  # past the high watermark, not yet back to the low one
 
     def allocate_batch(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[int | None]:
         """One contiguous extent for the whole batch if there is one, else block by block
@@ -60,34 +64,37 @@ class Space:
         quotas = self.quotas
         if quotas is None or not quotas.room(key, size):
             return True
-        return self._evict(
-            lambda victim: quotas.same_tenant(victim, key), lambda: not quotas.room(key, size)
-        )
+        own = quotas.group_of(key)
+        return self._evict(lambda group: group == own, lambda: not quotas.room(key, size))[0]
 
     def trim(self) -> None:
-        """Past the high watermark, evict down to the low one."""
+        """Past the high watermark, evict down to the low one, at most ``TRIM_STEP`` blocks
+        a call: the gap between the watermarks is a share of the whole arena (100,000
+        blocks of 4 KiB in 8 GiB), too many for one request; later calls go on until the
+        low watermark is reached (allocation still evicts on demand meanwhile)."""
         capacity = self.allocator.capacity
-        if self.allocator.used <= self.high_watermark * capacity:
+        if not self._trimming and self.allocator.used <= self.high_watermark * capacity:
             return
         target = self.low_watermark * capacity
         quotas = self.quotas
 
-        def allowed(victim: bytes) -> bool:
-            return quotas is None or quotas.may_evict(victim, None)
+        def allowed(group: Group) -> bool:
+            return quotas is None or quotas.may_evict_group(group, None)
 
         def low_enough() -> bool:
             return self.allocator.used <= target
 
-        self._evict(allowed, low_enough)
+        reached, num_evicted = self._evict(allowed, low_enough, TRIM_STEP)
+        self._trimming = not reached and num_evicted == TRIM_STEP  # else: nothing more to take
 
     def _allocate(self, key: bytes, num_bytes: int) -> int | None:
         """Room for one block, evicting what this key's writer may evict until it fits."""
         offsets: list[int] = []
         quotas = self.quotas
 
-        def allowed(victim: bytes) -> bool:
+        def allowed(group: Group) -> bool:
             # Another tenant's block, within its share, stays.
-            return quotas is None or quotas.may_evict(victim, key)
+            return quotas is None or quotas.may_evict_group(group, key)
 
         def allocated() -> bool:
             if not offsets:
@@ -101,12 +108,23 @@ class Space:
             return None
         return offsets[0]
 
-    def _evict(self, allowed: Callable[[bytes], bool], done: Callable[[], bool]) -> bool:
-        """Evict LRU blocks that ``allowed`` admits until ``done()``; whether it got there."""
-        for victim in self.eviction.victims():
-            if done():
-                return True
+    def _evict(
+        self, allowed: Allowed, done: Callable[[], bool], limit: int | None = None
+    ) -> tuple[bool, int]:
+        """Evict LRU blocks of the groups (tenants) ``allowed`` admits until ``done()`` (or
+        ``limit`` blocks are evicted); whether it got there, and how many it evicted.  The
+        policy lists only evictable blocks (pinned ones leave it while pinned) and only the
+        groups allowed, so this visits O(blocks evicted)."""
+        num_evicted = 0
+        if done():
+            return True, 0
+        for victim in self.eviction.victims(allowed):
             block = self.blocks.evictable(victim)
-            if block is not None and allowed(victim):
+            if block is not None:
                 self.blocks.evict(block)
-        return done()
+                num_evicted += 1
+            if done():
+                return True, num_evicted
+            if num_evicted == limit:
+                break
+        return False, num_evicted
