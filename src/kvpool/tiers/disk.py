@@ -519,8 +519,9 @@ class DiskTier(KeyIndex[Location]):
         quotas = self.quotas
         sealed = [s for s in self._segments.values() if s.sealed]
         if quotas is not None and for_key is not None:
+            group = quotas.group_of(for_key)
             own = sorted(
-                (s for s in sealed if quotas.same_tenant(s.first_key, for_key)),
+                (s for s in sealed if group is not None and quotas.group_of(s.first_key) == group),
                 key=lambda s: s.last_used,
             )
             while own and quotas.room(for_key, num_bytes):
