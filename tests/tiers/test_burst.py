@@ -59,6 +59,8 @@ def test_a_burst_larger_than_dram_is_kept_on_disk_also_after_sigkill(start_node,
             client.put(batch, [values[k] for k in batch])
         wait_idle(client)
         kept = readable(client, keys)
+        disk = next(t for t in client.stats().tiers if t.name == "disk")
+        assert disk.slowed > 0  # the writers were held: the operator sees it
         wait_idle(client)  # the reads promoted blocks: what they evicted goes to disk too
     assert kept >= 0.94 * NUM_BLOCKS, f"{kept} of {NUM_BLOCKS} kept"
 
