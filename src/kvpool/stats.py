@@ -40,6 +40,7 @@ class TierStats(_Record):
     writes: int = 0  # blocks written into it (for lower tiers: write-backs)
     refused: int = 0  # write-backs its admission policy turned down
     dropped: int = 0  # write-backs dropped because the queue was full
+    slowed: int = 0  # writes held (backpressure) until the write-back caught up
     promotions: int = 0  # blocks copied from it back into DRAM
     evictions: int = 0
     corrupt: int = 0  # blocks found not to match their checksum (never served)

@@ -91,6 +91,7 @@ TIER_COUNTER_COLUMNS = (
     ("writes", "writes"),
     ("refused", "refused"),
     ("dropped", "dropped"),
+    ("slowed", "slowed"),
     ("promotions", "promotions"),
     ("evictions", "evictions"),
     ("corrupt", "corrupt"),

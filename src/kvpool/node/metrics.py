@@ -88,6 +88,7 @@ TIER_METRICS = (
     ("counter", "writes", "Blocks written into the tier.", "writes"),
     ("counter", "refused", "Write-backs the admission policy refused.", "refused"),
     ("counter", "dropped", "Write-backs dropped: the queue was full.", "dropped"),
+    ("counter", "slowed", "Writes held until the write-back caught up (backpressure).", "slowed"),
     ("counter", "promotions", "Blocks copied from the tier back into DRAM.", "promotions"),
     ("counter", "evictions", "Blocks evicted from the tier.", "evictions"),
     ("counter", "corrupt", "Blocks of the tier found corrupt (never served).", "corrupt"),

@@ -65,6 +65,7 @@ from kvpool.stats import TIER_DRAM
 from kvpool.store.block import Area, Block
 from kvpool.store.block_store import PinResult
 from kvpool.tenants import Credential, Tenant
+from kvpool.tiers.writeback import MAX_BACKPRESSURE_S
 
 log = logging.getLogger("kvpool.node")
 
@@ -389,6 +390,7 @@ class Session:
     async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):
             raise BadRequest("keys and sizes differ in length")
+        await self._writeback_room(req.sizes)
         result = self.store.reserve(req.keys, req.sizes, self.owner, req.lease_ms / 1000)
         response = msg.ReserveResponse(
             reservation_id=result.reservation_id,
@@ -398,7 +400,16 @@ class Session:
         )
         await self._reply(header, Op.RESERVE, response)
 
+    async def _writeback_room(self, sizes: list[int]) -> None:
+        """A write that may evict waits (bounded) while the disk's write-back is behind, so
+        that what it evicts is written to disk rather than refused (issue 29, point 6)."""
+        writeback = self.tiers.lower.writeback
+        if writeback is not None:
+            deadline = asyncio.get_running_loop().time() + MAX_BACKPRESSURE_S
+            await writeback.wait_for_room(sum(sizes), deadline)
+
     async def _area(self, header: FrameHeader, req: msg.AreaRequest) -> None:
+        await self._writeback_room([req.num_bytes])
         area = self.store.reserve_area(req.num_bytes, self.owner, req.lease_ms / 1000)
         response = _area_response(area)
         if response is None:
@@ -431,6 +442,7 @@ class Session:
         if problem:
             await self._skip(header.payload_len)
             raise BadRequest(problem)
+        await self._writeback_room(req.sizes)
         result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)
         async with self._within_lease(result.lease_s, "receiving a PUT payload"):

@@ -515,6 +515,7 @@ class Tiers:
             if writeback is not None and tier is writeback.disk:
                 stats.refused = writeback.num_refused
                 stats.dropped = writeback.num_dropped
+                stats.slowed = writeback.num_waits
             tiers.append(stats)
         return tiers
 

@@ -8,6 +8,7 @@ block: DRAM never waits for the disk.  The disk reports the blocks it writes as 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections import deque
@@ -16,13 +17,20 @@ from collections.abc import Sequence
 from kvpool.keys import BlockOrigin
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block
-from kvpool.tiers.admission import AdmissionPolicy, ReusedFirst
+from kvpool.tiers.admission import PRESSURE_FILL, AdmissionPolicy, ReusedFirst
 from kvpool.tiers.disk import DiskTier
 
 log = logging.getLogger("kvpool.node")
 
 WRITE_BATCH_BYTES = 64 << 20
 MAX_WRITEBACK_BYTES = 1 << 30
+# The staging floor: a burst of writes of up to half of it is staged whole once the writers
+# wait for the disk (see ``wait_for_room``), however small the arena.
+MIN_WRITEBACK_BYTES = 64 << 20
+# The longest a writer waits for the disk before its write evicts anyway (and what the queue
+# cannot take is refused and counted): under the clients' usual timeouts.
+MAX_BACKPRESSURE_S = 2.0
+BACKPRESSURE_POLL_S = 0.005
 
 
 class WriteBack:
@@ -34,11 +42,12 @@ class WriteBack:
         self.disk = disk
         self.arena = arena
         self.admission = admission or ReusedFirst()
-        self.budget_bytes = min(MAX_WRITEBACK_BYTES, max(arena.num_bytes // 4, 16 << 20))
+        self.budget_bytes = min(MAX_WRITEBACK_BYTES, max(arena.num_bytes // 4, MIN_WRITEBACK_BYTES))
         self.num_queued = 0
         self.num_refused = 0
         self.num_dropped = 0
         self.num_present = 0  # already on disk: nothing to write
+        self.num_waits = 0  # writes slowed until the disk caught up (backpressure)
         self._queue: deque[tuple[bytes, memoryview, int]] = deque()
         self._unwritten_bytes = 0  # staged and not written yet (the disk's backlog)
         self._spare: dict[int, list[bytearray]] = {}  # staging buffers to reuse, by size
@@ -79,6 +88,23 @@ class WriteBack:
             self.num_queued += 1
             self._cond.notify()
         return True
+
+    def has_room(self, num_bytes: int) -> bool:
+        """Whether the blocks a write of ``num_bytes`` may evict would all be admitted: the
+        backlog stays under the admission's pressure point, or there is none."""
+        unwritten = self._unwritten_bytes
+        return unwritten == 0 or unwritten + num_bytes <= PRESSURE_FILL * self.budget_bytes
+
+    async def wait_for_room(self, num_bytes: int, loop_time_deadline: float) -> None:
+        """Backpressure (on the event loop, before a write reserves memory): while the disk
+        is behind, hold the writer, up to the deadline, instead of evicting blocks the
+        queue would refuse.  Costs nothing when the disk keeps up."""
+        if self._thread is None or self.has_room(num_bytes):
+            return
+        self.num_waits += 1
+        loop = asyncio.get_running_loop()
+        while not self.has_room(num_bytes) and loop.time() < loop_time_deadline:
+            await asyncio.sleep(BACKPRESSURE_POLL_S)
 
     def _take_buffer(self, size: int) -> bytearray:
         spare = self._spare.get(size)

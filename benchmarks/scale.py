@@ -1,0 +1,268 @@
+"""A node at scale: many small blocks held, and many clients at once (issue 29).
+
+1. ``fill``: a real ``kvpool serve`` filled with ``--blocks`` 4 KiB blocks through the SDK
+   over shared memory, 256 keys per put.  Reports the daemon's heap per block held (growth
+   of RssAnon in /proc/PID/status over the blocks held), the put rate per ``--step``
+   blocks, the worst put while filling, ``--evicting`` puts once the arena is full (every
+   one evicts: p50, p99, max and each call over 300 ms with when it came), the restart
+   after SIGKILL until the node answers with the share of a sample of held keys found
+   after it, and a 1,000-key lookup's latency on the empty and on the full node.
+2. ``clients``: 1..32 client processes (``--clients``), each looping over a lookup of 64
+   keys, a put and a get of 4 x 64 KiB, for ``--seconds`` per step against one node:
+   calls/s, lookup and put p50/p99, errors and wrong bytes.
+
+    .venv/bin/python -m benchmarks.scale [fill|clients|all] [--blocks 200000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from kvpool import Client, Namespace, Status
+from kvpool.harness.process import NodeProcess
+
+BLOCK = 4096
+BATCH = 256
+SLOW_S = 0.300
+LOOKUP_KEYS = 1000
+LOOKUP_ROUNDS = 200
+SAMPLE = 10_000
+STORED = (Status.OK, Status.EXISTS)
+
+LOOP_KEYS = 64
+LOOP_BLOCKS = 4
+LOOP_BLOCK = 64 << 10
+
+
+def rss_anon(pid: int) -> int:
+    """The process's anonymous resident memory (its heap, not the shared arena), bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/PID/status")
+
+
+def pct(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)) * 1000, 2) if values else 0.0
+
+
+def _lookup_ms(client: Client, keys: list[bytes]) -> dict[str, float]:
+    took = []
+    for _ in range(LOOKUP_ROUNDS):
+        started = time.perf_counter()
+        client.lookup(keys)
+        took.append(time.perf_counter() - started)
+    return {"p50_ms": pct(took, 50), "p99_ms": pct(took, 99)}
+
+
+def fill(blocks: int, evicting: int, step: int) -> dict[str, Any]:
+    """Fill, evict, kill -9 and restart one node; see the module's docstring."""
+    run_dir = tempfile.mkdtemp(prefix="kvpool-scale-", dir="/dev/shm")
+    ns = Namespace(model="scale")
+    # The arena holds about ``blocks`` blocks; the puts past it all evict.
+    memory = blocks * BLOCK
+    payload = np.random.default_rng(0).integers(0, 256, BLOCK, dtype=np.uint8)
+    values = [payload] * BATCH
+    try:
+        node = NodeProcess.private("scale", memory, run_dir=run_dir).start()
+        with Client(node.unix_address, timeout=60) as client:
+            absent = ns.keys(b"absent-%d" % i for i in range(LOOKUP_KEYS))
+            lookup_empty = _lookup_ms(client, absent)
+            heap_empty = rss_anon(node.pid)
+
+            def put(index: int) -> tuple[list[bytes], float]:
+                keys = ns.keys(b"%d" % (index + i) for i in range(BATCH))
+                started = time.perf_counter()
+                result = client.put(keys, values)
+                took = time.perf_counter() - started
+                ok = [k for k, s in zip(keys, result.statuses, strict=True) if s in STORED]
+                return ok, took
+
+            began = time.perf_counter()
+            rates: list[dict[str, Any]] = []
+            worst_fill = 0.0
+            step_began, step_done = began, 0
+            written = 0
+            while written < blocks:
+                _, took = put(written)
+                worst_fill = max(worst_fill, took)
+                written += BATCH
+                if written - step_done >= step:
+                    now = time.perf_counter()
+                    rates.append(
+                        {
+                            "upto": written,
+                            "blocks_per_s": round((written - step_done) / (now - step_began)),
+                        }
+                    )
+                    step_began, step_done = now, written
+            stats = client.stats()
+            held_full = stats.num_blocks
+            heap_full = rss_anon(node.pid)
+
+            evict_took: list[float] = []
+            slow: list[dict[str, float]] = []
+            evictions_before = stats.evictions
+            recent: list[bytes] = []
+            for _ in range(evicting):
+                ok, took = put(written)
+                written += BATCH
+                evict_took.append(took)
+                recent += ok
+                if took > SLOW_S:
+                    slow.append(
+                        {"at_s": round(time.perf_counter() - began, 2), "ms": round(took * 1000)}
+                    )
+            stats = client.stats()
+            held = stats.num_blocks
+            heap_held = rss_anon(node.pid)
+            # The newest blocks are those still held: the lookup and the restart's sample.
+            present = recent[-min(len(recent), held) :]
+            lookup_full = _lookup_ms(client, present[-LOOKUP_KEYS:])
+            rng = np.random.default_rng(1)
+            sample = [
+                present[i]
+                for i in rng.choice(len(present), min(SAMPLE, len(present)), replace=False)
+            ]
+            before = client.exists(sample).count(True)
+        node.kill()
+        launched = time.perf_counter()
+        again = NodeProcess.private("scale", memory, run_dir=run_dir).start()
+        ready_s = time.perf_counter() - launched
+        with Client(again.unix_address, timeout=60) as client:
+            client.health()
+            answers_s = time.perf_counter() - launched
+            after = client.exists(sample).count(True)
+        again.stop()
+        return {
+            "blocks_requested": blocks,
+            "blocks_held_full": held_full,
+            "heap_per_block_bytes": round((heap_full - heap_empty) / max(held_full, 1)),
+            "heap_per_block_after_eviction_bytes": round((heap_held - heap_empty) / max(held, 1)),
+            "fill_rate": rates,
+            "fill_worst_put_ms": round(worst_fill * 1000, 1),
+            "evicting_puts": len(evict_took),
+            "evicted_blocks": stats.evictions - evictions_before,
+            "evicting_put_ms": {
+                "p50": pct(evict_took, 50),
+                "p99": pct(evict_took, 99),
+                "max": round(max(evict_took, default=0.0) * 1000, 1),
+            },
+            "calls_over_300ms": slow,
+            "restart_ready_s": round(ready_s, 3),
+            "restart_answers_s": round(answers_s, 3),
+            "restart_found_share": round(after / max(before, 1), 4),
+            "lookup_1000_empty_ms": lookup_empty,
+            "lookup_1000_full_ms": lookup_full,
+        }
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _client_loop(address: str, worker: int, seconds: float, start_at: float, out: Any) -> None:
+    """One client process: lookup 64 keys, put 4 x 64 KiB, get them back and compare."""
+    ns = Namespace(model="scale-clients")
+    rng = np.random.default_rng(worker)
+    lookups: list[float] = []
+    puts: list[float] = []
+    calls = errors = wrong = 0
+    with Client(address, timeout=30) as client:
+        blocks = [rng.integers(0, 256, LOOP_BLOCK, dtype=np.uint8) for _ in range(LOOP_BLOCKS)]
+        into = [np.empty(LOOP_BLOCK, np.uint8) for _ in range(LOOP_BLOCKS)]
+        while time.time() < start_at:
+            time.sleep(0.001)
+        n = 0
+        while time.time() < start_at + seconds:
+            base = b"w%d-%d" % (worker, n)
+            keys = ns.keys(base + b"-%d" % i for i in range(LOOP_BLOCKS))
+            probe = ns.keys(base + b"-p%d" % i for i in range(LOOP_KEYS))
+            try:
+                t0 = time.perf_counter()
+                client.lookup(probe)
+                t1 = time.perf_counter()
+                client.put(keys, blocks)
+                t2 = time.perf_counter()
+                got = client.get(keys, into)
+                lookups.append(t1 - t0)
+                puts.append(t2 - t1)
+                calls += 3
+                for i, found in enumerate(got.found):
+                    if found and not np.array_equal(into[i], blocks[i]):
+                        wrong += 1
+            except Exception:
+                errors += 1
+            n += 1
+    out.put({"calls": calls, "lookups": lookups, "puts": puts, "errors": errors, "wrong": wrong})
+
+
+def clients(counts: list[int], seconds: float) -> list[dict[str, Any]]:
+    """The concurrency table: one fresh node, each client count in turn."""
+    run_dir = tempfile.mkdtemp(prefix="kvpool-scale-c-", dir="/dev/shm")
+    rows = []
+    ctx = mp.get_context("spawn")
+    try:
+        with NodeProcess.private("scale-c", 1 << 30, run_dir=run_dir).start() as node:
+            for count in counts:
+                out = ctx.Queue()
+                start_at = time.time() + 2.0 + 0.2 * count  # every process up before the clock
+                procs = [
+                    ctx.Process(
+                        target=_client_loop, args=(node.unix_address, w, seconds, start_at, out)
+                    )
+                    for w in range(count)
+                ]
+                for p in procs:
+                    p.start()
+                results = [out.get(timeout=seconds + 120) for _ in procs]
+                for p in procs:
+                    p.join()
+                lookups = [x for r in results for x in r["lookups"]]
+                puts = [x for r in results for x in r["puts"]]
+                rows.append(
+                    {
+                        "clients": count,
+                        "calls_per_s": round(sum(r["calls"] for r in results) / seconds),
+                        "lookup_p50_ms": pct(lookups, 50),
+                        "lookup_p99_ms": pct(lookups, 99),
+                        "put_p50_ms": pct(puts, 50),
+                        "put_p99_ms": pct(puts, 99),
+                        "errors": sum(r["errors"] for r in results),
+                        "wrong_bytes": sum(r["wrong"] for r in results),
+                    }
+                )
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", default="all", choices=["fill", "clients", "all"])
+    parser.add_argument("--blocks", type=int, default=200_000, help="blocks the arena holds")
+    parser.add_argument("--evicting", type=int, default=2000, help="puts once full")
+    parser.add_argument("--step", type=int, default=250_000, help="blocks per fill-rate row")
+    parser.add_argument("--clients", default="1,4,16,32")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"cpus": os.cpu_count()}
+    if args.what in ("fill", "all"):
+        report["fill"] = fill(args.blocks, args.evicting, min(args.step, args.blocks))
+    if args.what in ("clients", "all"):
+        report["clients"] = clients([int(c) for c in args.clients.split(",")], args.seconds)
+    sys.stdout.write(json.dumps(report, indent=None if args.json else 2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
