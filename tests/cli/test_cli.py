@@ -36,6 +36,8 @@ def test_status_shows_the_node_and_its_namespaces(node):
     assert (
         "tiny-llama bfloat16 cpu" in table.stdout and "83.3%" in table.stdout
     )  # 5 of 6 blocks hit
+    assert "memory" in table.stdout and "per block" in table.stdout  # what the index costs
+    assert stats["metadata_bytes"] > 0 and stats["heap_bytes"] > 0
 
 
 def test_status_of_a_node_that_is_not_there_is_a_clear_error(run_dir):

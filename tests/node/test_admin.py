@@ -69,3 +69,31 @@ def test_a_keyed_node_asks_for_its_key_on_the_admin_http_too(start_node):
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
         assert msgspec.json.decode(response.read(), type=NodeStats).node_id == "keyed-admin"
+
+
+def _gauge(metrics: str, name: str) -> float:
+    (line,) = [line for line in metrics.splitlines() if line.startswith(name + "{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_memory_per_block_and_per_connection_in_status_and_metrics(node, client):
+    """The operator sees what the node's bookkeeping costs: the index's heap per block held
+    (it grows with the blocks), the connections' receive buffers, and the daemon's heap."""
+    base = node.admin_url
+    empty = msgspec.json.decode(fetch(base + "/v1/status")[2], type=NodeStats)
+    keys = [key(i) for i in range(2000)]
+    for start in range(0, len(keys), 250):
+        batch = keys[start : start + 250]
+        assert client.put(batch, [content(k, 64) for k in batch]).all_stored
+    stats = msgspec.json.decode(fetch(base + "/v1/status")[2], type=NodeStats)
+    assert stats.num_blocks == 2000
+    grown = stats.metadata_bytes - empty.metadata_bytes
+    assert 2000 * 50 < grown < 2000 * 2000, grown  # tens to hundreds of bytes a block
+    assert stats.heap_bytes > stats.metadata_bytes > 0
+    assert stats.num_connections >= 1
+    assert stats.connection_buffer_bytes >= 4096 * stats.num_connections
+    _, _, metrics = fetch(base + "/metrics")
+    per_block = _gauge(metrics, "kvpool_metadata_bytes_per_block")
+    assert 50 < per_block < 2000, per_block
+    assert _gauge(metrics, "kvpool_connection_buffer_bytes_per_connection") >= 4096
+    assert _gauge(metrics, "kvpool_heap_bytes") > 0

@@ -119,6 +119,29 @@ def tier_table(stats: list[NodeStats]) -> Table:
     return table
 
 
+def memory_table(stats: list[NodeStats]) -> Table:
+    """Per node: what its bookkeeping costs, per block held and per connection open."""
+    table = Table(title="memory")
+    table.add_column("node")
+    for column in ("index", "per block", "conn buffers", "per conn", "heap", "heap per block"):
+        table.add_column(column, justify="right")
+    for node in stats:
+        blocks = max(node.num_blocks, 1)
+        connections = max(node.num_connections, 1)
+        table.add_row(
+            node.node_id,
+            format_size(node.metadata_bytes),
+            f"{node.metadata_bytes / blocks:.0f} B" if node.num_blocks else "-",
+            format_size(node.connection_buffer_bytes),
+            format_size(node.connection_buffer_bytes // connections)
+            if node.num_connections
+            else "-",
+            format_size(node.heap_bytes),
+            f"{node.heap_bytes / blocks:.0f} B" if node.num_blocks else "-",
+        )
+    return table
+
+
 def namespace_table(stats: list[NodeStats]) -> Table:
     table = Table(title="namespaces")
     for column in ("namespace", "node", "blocks", "used", "hits", "misses", "hit rate"):
@@ -166,6 +189,8 @@ def show_status(
     console = Console(width=max(Console().width, 180))
     console.print(node_table(rows))
     up = [s for _, s in rows if s is not None]
+    if any(s.heap_bytes for s in up):
+        console.print(memory_table(up))
     if any(s.tiers for s in up):
         console.print(tier_table(up))
     if any(s.prefetch for s in up):

@@ -52,6 +52,10 @@ class Connection(Protocol):
     @property
     def credential(self) -> Credential | None: ...
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The memory its receive buffer takes now."""
+
     def close(self) -> None: ...
 
 
@@ -144,6 +148,10 @@ class SessionRegistry:
         self.sessions.discard(session)
         if session.tenant is not None:
             self._tenant_to_sessions.get(session.tenant.name, set()).discard(session)
+
+    def buffer_bytes(self) -> int:
+        """The receive buffers of every open connection: O(connections), for statistics."""
+        return sum(session.buffer_bytes for session in self.sessions)
 
     def num_of(self, tenant: Tenant) -> int:
         return len(self._tenant_to_sessions.get(tenant.name, ()))

@@ -140,6 +140,10 @@ class Session:
         self.task: asyncio.Task[None] | None = None
         self.is_welcomed = False  # the handshake is done
 
+    @property
+    def buffer_bytes(self) -> int:
+        return self.channel.rbuf.capacity
+
     def close(self) -> None:
         """End the session (from outside it: a revoked key, the node stopping)."""
         if self.task is not None:

@@ -157,6 +157,11 @@ class RecvBuffer:
         self._end = 0
 
     @property
+    def capacity(self) -> int:
+        """The bytes the buffer holds allocated (what a connection costs the reader)."""
+        return len(self._buf)
+
+    @property
     def num_buffered(self) -> int:
         return self._end - self._start
 

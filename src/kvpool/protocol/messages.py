@@ -366,6 +366,12 @@ class NodeStats(Message):
     area_bytes: int = 0  # free memory same-host writers hold as write areas
     tiers: Annotated[list[TierStats], msgspec.Meta(max_length=MAX_TIERS)] = []
     prefetch: PrefetchStats | None = None
+    # What the node's bookkeeping costs (node-wide; 0 in a tenant's view): the index's heap,
+    # estimated in O(1); the receive buffers of the open connections; the daemon's anonymous
+    # resident memory as the kernel counts it (everything, index included).
+    metadata_bytes: int = 0
+    connection_buffer_bytes: int = 0
+    heap_bytes: int = 0
 
 
 class Health(Message):
