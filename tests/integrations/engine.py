@@ -139,3 +139,33 @@ def flip_one_byte(node: Any, namespace_label: str = "", *, newest: bool = False)
                 f.write(bytes([byte ^ 0x5A]))
             return entry.key
     raise AssertionError(f"no stored block in a namespace labelled *{namespace_label}*")
+
+
+def loaded_by_vllm(
+    model: str, prompt_list: list[str], max_tokens: int, engine: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """What the engine answers each prompt (one at a time) when vLLM's own reference
+    connector (``ExampleConnector``, KV in safetensors files) loads the prompt's prefix: the
+    reference for a pool load where the engine keeps no prefix cache of its own (vLLM's
+    reference MLA kernels), since continuing a loaded prefix computes the rest in another
+    split than a fresh prefill, and near-ties can flip.  One result per prompt."""
+    with tempfile.TemporaryDirectory() as storage:
+        steps: list[dict[str, Any]] = []
+        for i, prompt in enumerate(prompt_list):
+            ask = {"op": "generate", "prompts": [prompt], "max_tokens": max_tokens}
+            steps += [{**ask, "name": f"save{i}"}, {"op": "reset_prefix_cache"}]
+            steps += [{**ask, "name": f"load{i}"}]
+        config = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": storage},
+        }
+        results = run_engine(model, steps, connector_config=config, engine=engine)
+    loads = [r for r in results if r.get("name", "").startswith("load")]
+    assert all(r["num_cached_tokens"][0] > 0 for r in loads), "vLLM's connector loaded nothing"
+    return loads
+
+
+def kept_own_prefix(results: list[dict[str, Any]]) -> bool:
+    """Whether the engine answered these requests from its own prefix cache."""
+    return all(r["num_cached_tokens"][0] > 0 for r in results)
