@@ -80,13 +80,15 @@ def reference_answers(model: str) -> dict[str, Any]:
         steps += [generate(f"fresh{i}", [prompt]), generate(f"again{i}", [prompt])]
     results = {r["name"]: r for r in run_engine(model, steps, engine=ENGINE)}
     again = [results[f"again{i}"] for i in range(len(PROMPTS))]
-    if not kept_own_prefix(again):  # its reference kernels: no prefix cache of its own
+    own_prefix = kept_own_prefix(again)
+    if not own_prefix:  # its reference kernels: no prefix cache of its own
         again = loaded_by_vllm(model, PROMPTS, MAX_TOKENS, ENGINE)
     return {
         "fresh": [results[f"fresh{i}"]["token_ids"][0] for i in range(len(PROMPTS))],
         "again": [r["token_ids"][0] for r in again],
         "again_texts": [r["texts"][0] for r in again],
         "prompt_tokens": [r["prompt_tokens"][0] for r in again],
+        "own_prefix": own_prefix,  # whether vLLM keeps an MLA prefix cache of its own here
     }
 
 

@@ -146,6 +146,9 @@ def test_cache_aware_routing_and_an_engine_killed_mid_run(model):
         engines = [f"{s.url},node={h.tcp_address}" for s, h in zip(servers, hosts, strict=True)]
         router = RouterProc(
             engines,
+            # The engines sit on other (namespaced) hosts of the test fabric, reached in
+            # plaintext: the router refuses that unless told.
+            "--insecure",
             "--policy",
             "cache_aware",
             "--tokenizer",
