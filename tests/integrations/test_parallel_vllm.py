@@ -38,6 +38,7 @@ from tests.integrations.engine import (
     prompts,
     run_engine,
 )
+from tests.integrations.mla import reference_answers
 from tests.integrations.vllm_server import ENGINE_ARGS, VllmServer, connector_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.extended]
@@ -171,7 +172,7 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(
         hits_after = per_engine(server, "vllm:external_prefix_cache_hits_total")
     finally:
         server.stop()
-    if reference == "cached" and not request.getfixturevalue("mla_reference")["own_prefix"]:
+    if reference == "cached" and not reference_answers(model)["own_prefix"]:
         # No MLA prefix cache of vLLM's own on this host (its reference kernels): the
         # reference for a load is a load by vLLM's own connector, on one engine like a rank.
         for name, batch in (("P", P), ("Q", Q)):
@@ -222,7 +223,9 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
     saved = run_engine(mla_model, one_by_one("P", P), engine=TP2, connector_config=config)
     # vLLM's reference MLA kernels (hosts without AMX) force blocks of 16 tokens.
     block_size = saved[0]["block_size"]
-    num_blocks = loadable_tokens([r["prompt_tokens"][0] for r in saved], block_size) // block_size
+    prompt_tokens = [r["prompt_tokens"][0] for r in saved]
+    num_blocks = sum(n // block_size for n in prompt_tokens)  # every full block is saved
+    num_loadable = loadable_tokens(prompt_tokens, block_size) // block_size
     assert outputs(saved, "P") == outputs(reference, "fresh")
     with Client(node.unix_address) as client:
         stats = client.stats()
@@ -233,5 +236,5 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
     loaded = run_engine(mla_model, one_by_one("P", P), engine=TP2, connector_config=config)
     assert outputs(loaded, "P") == [r["token_ids"][0] for r in cached]
     assert hits(loaded[-1]) == loadable_tokens([r["prompt_tokens"][0] for r in loaded], block_size)
-    assert loaded[-1]["counters"]["kvpool_blocks_loaded"] == 2 * num_blocks  # into both ranks
+    assert loaded[-1]["counters"]["kvpool_blocks_loaded"] == 2 * num_loadable  # both ranks
     assert loaded[-1]["counters"]["kvpool_load_errors"] == 0
