@@ -181,7 +181,9 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(
     assert loaded_p == runs[reference]["P"]
     assert loaded_q == runs[reference]["Q"]
     assert sorted(hits_after) == ["0", "1"], hits_after
-    assert hits_before.get("0", 0) == 0 and hits_before.get("1", 0) == 0, hits_before
+    if reference == "computed" or reference_answers(model)["own_prefix"]:
+        # The second ask came from the rank's own prefix cache (without one, from the pool).
+        assert hits_before.get("0", 0) == 0 and hits_before.get("1", 0) == 0, hits_before
     # Each rank loaded nearly every full block of the prompts it was sent (~63 per prompt).
     min_tokens = 60 * BLOCK_SIZE
     assert hits_after["1"] >= len(P) * min_tokens, hits_after
