@@ -56,6 +56,6 @@ def test_blocks_copied_out_are_written_later_and_present_ones_count(client):
     expected = [block(src, b) for b in (2, 4, 7)]
     for tensor in src.values():
         tensor.zero_()  # the engine reuses its blocks at once
-    assert put_batch(cache, client, wanted, blocks, timeout=5.0) == (3, "")
+    assert put_batch(cache, client, wanted, blocks, timeout=5.0) == (3, "", 0)
     for got, want in zip(stored(client, wanted), expected, strict=True):
         assert torch.equal(got, want)

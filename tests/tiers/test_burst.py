@@ -71,3 +71,44 @@ def test_a_burst_larger_than_dram_is_kept_on_disk_also_after_sigkill(start_node,
     with Client(again.unix_address, timeout=30) as client:
         after = readable(client, keys)
     assert after >= 0.94 * NUM_BLOCKS, f"{after} of {NUM_BLOCKS} kept after SIGKILL"
+
+
+def not_kept(client):
+    """What the node's stats say it did not keep: evicted blocks the disk's write-back
+    refused or dropped."""
+    disk = next(t for t in client.stats().tiers if t.name == "disk")
+    return disk.refused + disk.dropped
+
+
+def test_the_writer_is_told_how_many_blocks_its_puts_evictions_lost(start_node, tmp_path):
+    """Puts whose evictions the disk takes report 0; puts larger than the write-back's
+    pressure point (each evicts more than the staging queue admits at once) report what the
+    write-back turned away, over both write paths (RESERVE/COMMIT in the arena, and a TCP
+    PUT), and the sum the writers were told is what the node counted."""
+    node = start_node(name="told", memory="128MiB", extra=disk_args(tmp_path / "disk"))
+    keys = [key(f"told-{i}") for i in range(384)]
+    with (
+        Client(node.unix_address, timeout=30) as local,
+        Client(node.tcp_address, use_shm=False, timeout=30) as remote,
+    ):
+        calm = []  # 128 blocks, 8 at a time, the write-back idle before each put
+        for start in range(0, 128, 8):
+            batch = keys[start : start + 8]
+            calm.append(local.put(batch, [content(k, BLOCK) for k in batch]))
+            wait_idle(local)
+        assert all(r.all_stored for r in calm)
+        assert local.stats().evictions > 0  # the watermark evicted, and the disk took them
+        assert [r.num_not_kept for r in calm] == [0] * len(calm)
+        assert not_kept(local) == 0
+
+        told = 0
+        for i, start in enumerate(range(128, 384, 64)):  # 64 MiB a put, as fast as they go
+            writer = local if i % 2 == 0 else remote
+            batch = keys[start : start + 64]
+            result = writer.put(batch, [content(k, BLOCK) for k in batch])
+            assert result.all_stored
+            told += result.num_not_kept
+        wait_idle(local)
+        counted = not_kept(local)
+    assert counted > 0  # the burst lost blocks: the write-back turned some away
+    assert told == counted, f"writers told of {told} lost blocks, the node counted {counted}"

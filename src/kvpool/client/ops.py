@@ -59,6 +59,7 @@ from kvpool.protocol.messages import (
     PrefetchRequest,
     PrefetchResponse,
     PutRequest,
+    PutResponse,
     ShutdownRequest,
     StatusResponse,
     UnpinRequest,
@@ -124,9 +125,14 @@ Op_ = Generator[Effect, Any, T]
 @dataclass(slots=True)
 class PutResult:
     """Per-key outcome of a put: OK (written), EXISTS (already stored), PENDING (someone
-    else is writing it), or why it was not stored."""
+    else is writing it), or why it was not stored.  ``num_not_kept``: blocks the node
+    evicted from DRAM to make room for this put that no lower tier took (the disk's
+    write-back refused or dropped them): other blocks, now gone from the pool, which the
+    node's stats count as refused and dropped.  0 when the lower tiers took every block
+    evicted, or nothing was."""
 
     statuses: list[Status]
+    num_not_kept: int = 0
 
     @property
     def num_stored(self) -> int:
@@ -302,9 +308,9 @@ def put_stream(
     for view in views:
         digest = yield Compute(partial(ck.checksum, view), len(view))
         yield Send([digest.to_bytes(CHECKSUM_BYTES, "little"), view])
-    response, _ = yield Recv(Op.PUT, StatusResponse)
+    response, _ = yield Recv(Op.PUT, PutResponse)
     check_len("statuses", response.statuses, len(keys))
-    return PutResult(statuses_of(response.statuses))
+    return PutResult(statuses_of(response.statuses), response.num_not_kept)
 
 
 # -- reads --------------------------------------------------------------------------------

@@ -178,11 +178,12 @@ class ClusterClient:
             )
             for node_id, indices in groups.items()
         }
-        statuses = [Status.UNAVAILABLE] * len(keys)
+        result = PutResult([Status.UNAVAILABLE] * len(keys))
         for member, home_result in self.view.answers(calls, deadline):
             for i, status in zip(groups[member.node_id], home_result.statuses, strict=True):
-                statuses[i] = status
-        return PutResult(statuses)
+                result.statuses[i] = status
+            result.num_not_kept += home_result.num_not_kept
+        return result
 
     # -- reads ----------------------------------------------------------------------------
 

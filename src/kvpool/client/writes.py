@@ -175,7 +175,7 @@ def commit_slots(
     for i, status in enumerate(statuses_of(response.statuses)):
         if statuses[i] is Status.OK:
             statuses[i] = status
-    return PutResult(statuses)
+    return PutResult(statuses, response.num_not_kept)
 
 
 class Backing(enum.Enum):
@@ -387,7 +387,7 @@ def commit_reply(sent: SentCommit, area: WriteArea, arena_bytes: int) -> Op_[Put
             raise ProtocolError("the node moved a write area it was told to keep")
         if area.area_id == held.area_id:  # renewed when the node read the COMMIT
             area.held_until = max(area.held_until, sent.sent + held.lease_ms / 1000)
-    return PutResult(statuses_of(response.statuses))
+    return PutResult(statuses_of(response.statuses), response.num_not_kept)
 
 
 def _copy_in(

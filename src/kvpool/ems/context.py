@@ -65,8 +65,13 @@ Ints = Sequence[int]
 
 @dataclass
 class CcResult:
+    """``success`` of ``total`` blocks; a save's ``num_not_kept``: blocks the pool evicted
+    to make room for it that no lower tier took, now gone (kvpool's own; the EMS SDK's two
+    fields are as they were)."""
+
     success: int = 0
     total: int = 0
+    num_not_kept: int = 0
 
 
 class CcFuture:
@@ -256,10 +261,10 @@ class ContextCaching:
         self, client: Client, keys: list[bytes], blocks: CopiedBlocks, timeout: float
     ) -> CcResult:
         assert self.cache is not None
-        stored, reason = put_batch(self.cache, client, keys, blocks, timeout)
-        if reason:
-            log.info("kvpool EMS save of %d blocks: %s", len(keys), reason)
-        return CcResult(stored, len(keys))
+        saved = put_batch(self.cache, client, keys, blocks, timeout)
+        if saved.reason:
+            log.info("kvpool EMS save of %d blocks: %s", len(keys), saved.reason)
+        return CcResult(saved.num_stored, len(keys), saved.num_not_kept)
 
 
 def _done(result: CcResult) -> CcFuture:

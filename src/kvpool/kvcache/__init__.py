@@ -39,9 +39,10 @@ from kvpool.kvcache.guard import Outcome, PoolGuard
 from kvpool.kvcache.layouts import PagedLayout, Plane, dense_plane
 from kvpool.kvcache.loads import Load, load_into
 from kvpool.kvcache.ranks import writes_blocks
-from kvpool.kvcache.saves import CopiedBlocks, Save, put_batch, save_from
+from kvpool.kvcache.saves import BatchSaved, CopiedBlocks, Save, put_batch, save_from
 
 __all__ = [
+    "BatchSaved",
     "CopiedBlocks",
     "Copies",
     "HostCopies",

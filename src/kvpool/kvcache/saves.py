@@ -22,13 +22,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvpool.client.client import Client
 from kvpool.client.ops import PutResult
 from kvpool.client.transactions import WriteTransaction
-from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
 
 from .cache import PagedCache
@@ -165,15 +165,24 @@ def save_from(cache: PagedCache, block_ids: Sequence[int]) -> CopiedBlocks:
     return CopiedBlocks(batch, copied)
 
 
+class BatchSaved(NamedTuple):
+    """What :func:`put_batch` did: how many blocks the pool holds now (stored, or there
+    already), the reason when none is, and the blocks its evictions lost
+    (:attr:`PutResult.num_not_kept <kvpool.client.ops.PutResult.num_not_kept>`)."""
+
+    num_stored: int
+    reason: str
+    num_not_kept: int = 0
+
+
 def put_batch(
     cache: PagedCache, client: Client, keys: Sequence[bytes], blocks: CopiedBlocks, timeout: float
-) -> tuple[int, str]:
-    """Write blocks copied out by :func:`save_from` into the pool (on a pool thread); how
-    many the pool holds now (stored, or there already), and the reason when none is."""
+) -> BatchSaved:
+    """Write blocks copied out by :func:`save_from` into the pool (on a pool thread)."""
     cache.copies.settle(blocks.copied)
     rows = blocks.batch.view(torch.uint8).numpy()
     with cache.guard.call("save") as outcome:
         result = client.put(keys, list(rows), timeout=timeout)
     if outcome.failed:
-        return 0, outcome.reason
-    return sum(s in (Status.OK, Status.EXISTS) for s in result.statuses), ""
+        return BatchSaved(0, outcome.reason)
+    return BatchSaved(result.num_stored, "", result.num_not_kept)

@@ -5,7 +5,8 @@
   of its write area (AREA: see :mod:`kvpool.store.areas`), then sends COMMIT.  A PUT
   carries the blocks, which are received straight into reserved slots, verified against
   their checksums piece by piece as they arrive, and committed the same way.  A mismatch
-  is never committed.
+  is never committed.  Each PUT's or COMMIT's reply says how many blocks the connection's
+  writes evicted that no lower tier took (:meth:`Session._evicting`).
 - Reads have one path: the store's pin → unpin.  A PIN hands the offsets to a same-host
   client, which verifies and copies, then sends UNPIN; a GET sends the pinned blocks with
   scatter-gather ``sendmsg`` and unpins.
@@ -28,7 +29,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -139,6 +140,9 @@ class Session:
         self.tenant: Tenant | None = None  # whose keys this connection names
         self.task: asyncio.Task[None] | None = None
         self.is_welcomed = False  # the handshake is done
+        # Blocks this connection's writes evicted that no lower tier took, not yet told
+        # (see _evicting).
+        self._num_not_kept = 0
 
     @property
     def buffer_bytes(self) -> int:
@@ -391,11 +395,29 @@ class Session:
 
     # -- the write path: reserve -> (fill) -> commit ----------------------------------------
 
+    @contextlib.contextmanager
+    def _evicting(self) -> Iterator[None]:
+        """Around the synchronous store calls of a write (never an await inside): the
+        blocks their evictions lost, which no lower tier took, are this connection's, and
+        its next put reply (PUT or COMMIT) tells the writer (:meth:`_take_not_kept`).  The
+        store is synchronous and the lower tiers count on the event loop, so nobody else's
+        evictions fall in between."""
+        before = self.tiers.num_not_kept
+        try:
+            yield
+        finally:
+            self._num_not_kept += self.tiers.num_not_kept - before
+
+    def _take_not_kept(self) -> int:
+        num_not_kept, self._num_not_kept = self._num_not_kept, 0
+        return num_not_kept
+
     async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):
             raise BadRequest("keys and sizes differ in length")
         await self._writeback_room(req.sizes)
-        result = self.store.reserve(req.keys, req.sizes, self.owner, req.lease_ms / 1000)
+        with self._evicting():
+            result = self.store.reserve(req.keys, req.sizes, self.owner, req.lease_ms / 1000)
         response = msg.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=[int(s) for s in result.statuses],
@@ -422,19 +444,21 @@ class Session:
 
     async def _commit(self, header: FrameHeader, req: msg.CommitRequest) -> None:
         area: msg.AreaResponse | None = None
-        if req.area_id:
-            placed = self.store.place(req.area_id, req.keys, req.sizes, self.owner, req.keep_area)
-            blocks, statuses = placed.blocks, placed.statuses
-            area = _area_response(self.store.areas.held_by(self.owner))
-        else:
-            blocks = self.store.take(req.reservation_id, self.owner)
-            statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
-        problem = _per_block_mismatch(req, len(blocks))
-        if problem:
-            self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
-            raise BadRequest(problem)
-        self.services.sealer.seal(blocks, req.replicate, req.origins, req.checksums)
-        response = msg.CommitResponse([int(s) for s in statuses], area)
+        with self._evicting():  # a publish trims down to the low watermark
+            if req.area_id:
+                store = self.store
+                placed = store.place(req.area_id, req.keys, req.sizes, self.owner, req.keep_area)
+                blocks, statuses = placed.blocks, placed.statuses
+                area = _area_response(store.areas.held_by(self.owner))
+            else:
+                blocks = self.store.take(req.reservation_id, self.owner)
+                statuses = [Status.OK if b is not None else Status.NOT_FOUND for b in blocks]
+            problem = _per_block_mismatch(req, len(blocks))
+            if problem:
+                self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
+                raise BadRequest(problem)
+            self.services.sealer.seal(blocks, req.replicate, req.origins, req.checksums)
+        response = msg.CommitResponse([int(s) for s in statuses], area, self._take_not_kept())
         await self._reply(header, Op.COMMIT, response)
 
     async def _abort(self, header: FrameHeader, req: msg.AbortRequest) -> None:
@@ -447,14 +471,19 @@ class Session:
             await self._skip(header.payload_len)
             raise BadRequest(problem)
         await self._writeback_room(req.sizes)
-        result = self.store.reserve(req.keys, req.sizes, self.owner)
+        with self._evicting():
+            result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)
         async with self._within_lease(result.lease_s, "receiving a PUT payload"):
             checksums = await self._receive_blocks(result.blocks, req.sizes, statuses)
         if result.reservation_id:
-            committed = self.store.commit(result.reservation_id, checksums, self.owner, req.origins)
+            with self._evicting():
+                committed = self.store.commit(
+                    result.reservation_id, checksums, self.owner, req.origins
+                )
             self.services.traffic.published(committed, req.replicate)
-        await self._reply(header, Op.PUT, _statuses(statuses))
+        response = msg.PutResponse([int(s) for s in statuses], self._take_not_kept())
+        await self._reply(header, Op.PUT, response)
 
     async def _receive_blocks(
         self, blocks: Sequence[Block | None], sizes: Sequence[int], statuses: list[Status]

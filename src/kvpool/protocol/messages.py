@@ -12,13 +12,13 @@ op             request                                   response (+ raw payload
 CHALLENGE      (server speaks first on accept)           -
 HELLO          version, access id, nonce, HMAC proof     Welcome: node identity, arena, limits
 LOOKUP         ordered keys, optional bounded wait        longest present prefix (or mask)
-PUT            keys, sizes + payload (checksum, block)*   status per key
+PUT            keys, sizes + payload (checksum, block)*   status per key; blocks not kept (1)
 GET            keys                                       status, size, checksum per key
                                                           + payload of the found blocks
 RESERVE        keys, sizes (same-node writers)            status and arena offset per key
 AREA           bytes wanted (same-node writers)           write area: id, arena offset, size
-COMMIT         reservation id (or area id, keys, sizes);  status per key (+ the area held now)
-               the writer's checksum per key, if it
+COMMIT         reservation id (or area id, keys, sizes);  status per key (+ the area held now);
+               the writer's checksum per key, if it       blocks not kept (1)
                hashed the blocks as it copied them
 ABORT          reservation id                             -
 PIN            keys (same-node readers)                   pin id, offset, size, checksum per key
@@ -30,6 +30,9 @@ STATS          -                                          NodeStats
 HEALTH         -                                          Health
 SHUTDOWN       the node's id; whether to drain (empty it) - (then the node stops)
 =============  ========================================  =====================================
+
+(1) How many blocks the write's evictions lost: evicted from DRAM to make room for it, and
+taken by no lower tier (see :class:`PutResponse`).
 """
 
 from __future__ import annotations
@@ -205,6 +208,14 @@ class StatusResponse(Message):
     statuses: Statuses
 
 
+class PutResponse(StatusResponse):
+    """A PUT's statuses, and how many blocks the put's evictions lost: blocks it evicted
+    from DRAM that no lower tier took (the disk's write-back refused or dropped them), so
+    they are gone (0 where the lower tiers took every one, or nothing was evicted)."""
+
+    num_not_kept: int = 0
+
+
 class GetRequest(Message):
     keys: Keys
     prefix: bool = False  # stop at the first miss
@@ -267,6 +278,8 @@ class CommitResponse(Message):
 
     statuses: Statuses
     area: AreaResponse | None = None
+    # As PutResponse's, for this commit and the RESERVE or AREA before it on the connection.
+    num_not_kept: int = 0
 
 
 class AbortRequest(Message):
@@ -405,7 +418,7 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.CHALLENGE: Challenge,
     Op.HELLO: Welcome,
     Op.LOOKUP: LookupResponse,
-    Op.PUT: StatusResponse,
+    Op.PUT: PutResponse,
     Op.GET: GetResponse,
     Op.RESERVE: ReserveResponse,
     Op.COMMIT: CommitResponse,

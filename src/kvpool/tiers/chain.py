@@ -487,6 +487,15 @@ class Tiers:
         )
         return sum(counts)
 
+    @property
+    def num_not_kept(self) -> int:
+        """Blocks evicted from DRAM that no lower tier took, since the node started: they
+        are gone.  Counted on the event loop only, as the store evicts, so what it grows by
+        over a synchronous store call is that call's doing.  A node without lower tiers
+        counts none: there, eviction is all the cache does."""
+        writeback = self.lower.writeback
+        return writeback.num_not_kept if writeback is not None else 0
+
     # -- status ---------------------------------------------------------------------------
 
     def stats(self) -> list[TierStats]:

@@ -89,6 +89,11 @@ class WriteBack:
             self._cond.notify()
         return True
 
+    @property
+    def num_not_kept(self) -> int:
+        """Evicted blocks it turned away (refused or dropped): gone, since no tier holds them."""
+        return self.num_refused + self.num_dropped
+
     def has_room(self, num_bytes: int) -> bool:
         """Whether the blocks a write of ``num_bytes`` may evict would all be admitted: the
         backlog stays under the admission's pressure point, or there is none."""
