@@ -80,11 +80,24 @@ def not_kept(client):
     return disk.refused + disk.dropped
 
 
+def put_in_place(client, keys, values):
+    """A zero-copy write: views filled in place and committed without checksums, so the node
+    hashes the blocks after its reply (their publish then evicts, behind the writer); the
+    lookup waits for that seal, so the connection's next put reply carries what it lost."""
+    transaction = client.begin_write(keys, [BLOCK] * len(keys))
+    for view, value in zip(transaction.views, values, strict=True):
+        view[:] = value.tobytes()
+    result = transaction.commit()
+    assert client.lookup(keys) == len(keys)
+    return result
+
+
 def test_the_writer_is_told_how_many_blocks_its_puts_evictions_lost(start_node, tmp_path):
     """Puts whose evictions the disk takes report 0; puts larger than the write-back's
     pressure point (each evicts more than the staging queue admits at once) report what the
-    write-back turned away, over both write paths (RESERVE/COMMIT in the arena, and a TCP
-    PUT), and the sum the writers were told is what the node counted."""
+    write-back turned away, over every write path (RESERVE/COMMIT in the arena, a zero-copy
+    commit the node seals after its reply, a TCP PUT), and the sum the writers were told is
+    what the node counted."""
     node = start_node(name="told", memory="128MiB", extra=disk_args(tmp_path / "disk"))
     keys = [key(f"told-{i}") for i in range(384)]
     with (
@@ -103,9 +116,14 @@ def test_the_writer_is_told_how_many_blocks_its_puts_evictions_lost(start_node, 
 
         told = 0
         for i, start in enumerate(range(128, 384, 64)):  # 64 MiB a put, as fast as they go
-            writer = local if i % 2 == 0 else remote
             batch = keys[start : start + 64]
-            result = writer.put(batch, [content(k, BLOCK) for k in batch])
+            values = [content(k, BLOCK) for k in batch]
+            if i == 1:
+                result = remote.put(batch, values)  # a PUT, over TCP
+            elif i == 2:
+                result = put_in_place(local, batch, values)
+            else:
+                result = local.put(batch, values)  # RESERVE or AREA, then COMMIT
             assert result.all_stored
             told += result.num_not_kept
         wait_idle(local)

@@ -25,8 +25,10 @@ and the scrub of what the node holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from kvpool import checksum as ck
 from kvpool.keys import BlockOrigin
@@ -73,10 +75,13 @@ class Sealer:
         replicate: bool,
         origins: Sequence[BlockOrigin | None] | None,
         checksums: Sequence[int] | None = None,
+        evicting: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         """Publish ``blocks`` (taken from their reservation, or placed in a write area) with
         the ``checksums`` their writer computed as it copied them in, or else hash them
-        first, behind the caller; reads of their keys wait meanwhile."""
+        first, behind the caller; reads of their keys wait meanwhile.  A publish behind
+        the caller runs within ``evicting()``, the writer's count of what the evictions of
+        its publish lost (see :meth:`kvpool.node.session.Session._evicting`)."""
         if checksums is not None:
             self._publish(blocks, list(checksums), replicate, origins)
             return
@@ -99,7 +104,8 @@ class Sealer:
             elif not task.cancelled():
                 log.error("sealing %d blocks failed: %s", len(keys), task.exception())
             try:
-                self._publish(blocks, checksums, replicate, origins)
+                with evicting():
+                    self._publish(blocks, checksums, replicate, origins)
             except Exception:
                 log.exception("publishing %d sealed blocks failed", len(keys))
             finally:

@@ -399,9 +399,10 @@ class Session:
     def _evicting(self) -> Iterator[None]:
         """Around the synchronous store calls of a write (never an await inside): the
         blocks their evictions lost, which no lower tier took, are this connection's, and
-        its next put reply (PUT or COMMIT) tells the writer (:meth:`_take_not_kept`).  The
-        store is synchronous and the lower tiers count on the event loop, so nobody else's
-        evictions fall in between."""
+        its next put reply (PUT or COMMIT) tells the writer (:meth:`_take_not_kept`); a
+        commit that the node seals after its reply counts its publish here too, for the
+        reply after.  The store is synchronous and the lower tiers count on the event loop,
+        so nobody else's evictions fall in between."""
         before = self.tiers.num_not_kept
         try:
             yield
@@ -457,7 +458,8 @@ class Session:
             if problem:
                 self.store.publish(blocks, [None] * len(blocks))  # dropped, never left pending
                 raise BadRequest(problem)
-            self.services.sealer.seal(blocks, req.replicate, req.origins, req.checksums)
+            sealer = self.services.sealer
+            sealer.seal(blocks, req.replicate, req.origins, req.checksums, self._evicting)
         response = msg.CommitResponse([int(s) for s in statuses], area, self._take_not_kept())
         await self._reply(header, Op.COMMIT, response)
 
