@@ -3,39 +3,13 @@
 import os
 import signal
 import stat
-import subprocess
-import sys
 
 import pytest
 
 from kvpool.client.client import Client
 from kvpool.harness.process import NodeProcess
+from tests.commands import serve
 from tests.helpers import content, key
-
-
-def serve(run_dir, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``kvpool serve`` in the foreground on any free ports, for a start that must fail."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "serve",
-            "--run-dir",
-            str(run_dir),
-            *args,
-            "--memory",
-            "8MiB",
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def test_arena_and_socket_are_private_to_user_and_group(node):
@@ -82,27 +56,7 @@ def test_second_daemon_in_the_same_directory_is_refused(node, run_dir):
 def test_a_size_it_cannot_get_is_refused_with_a_clear_message(run_dir):
     free = os.statvfs("/dev/shm")
     too_much = free.f_bavail * free.f_frsize + (1 << 30)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "serve",
-            "--name",
-            "big",
-            "--run-dir",
-            str(run_dir),
-            "--memory",
-            str(too_much),
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = serve(run_dir, "--name", "big", "--memory", str(too_much))
     assert proc.returncode == 2
     assert "cannot get a" in proc.stderr and "Lower --memory" in proc.stderr
     assert not (run_dir / "big" / "arena").exists()

@@ -4,68 +4,20 @@ from disk, a host that lost /dev/shm, corrupted and truncated segments, a full d
 import json
 import os
 import random
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 
 from kvpool import Client, Status
 from kvpool.stats import TIER_DISK, TIER_DRAM
+from tests.commands import run_kvpool
 from tests.helpers import content, key
-
-BLOCK = 256 << 10
+from tests.tiered import BLOCK, check_all, disk_node, fill, tier, wait_written
 
 
 @pytest.fixture
 def disk_dir(tmp_path):
     return tmp_path / "disk"
-
-
-def disk_node(start_node, disk_dir, name="tiered", memory="8MiB", disk="64MiB", extra=()):
-    return start_node(
-        name=name, memory=memory, extra=["--disk", str(disk_dir), "--disk-size", disk, *extra]
-    )
-
-
-def fill(client, tag, num_blocks):
-    """Put blocks in small batches, giving the disk writer time to keep up."""
-    keys = [key(f"{tag}-{i}") for i in range(num_blocks)]
-    for start in range(0, num_blocks, 4):
-        batch = keys[start : start + 4]
-        assert client.put(batch, [content(k, BLOCK) for k in batch]).all_stored
-        time.sleep(0.01)
-    return keys
-
-
-def tier(stats, name):
-    return next(t for t in stats.tiers if t.name == name)
-
-
-def wait_written(client, expected, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        disk = tier(client.stats(), "disk")
-        if disk.writes + disk.dropped + disk.refused >= expected:
-            return disk
-        time.sleep(0.05)
-    return tier(client.stats(), "disk")
-
-
-def check_all(client, keys):
-    """Every block that is found has exactly its bytes; how many were found.  Read 8 at a
-    time, as an engine loads a request's blocks (a read is promoted into DRAM first, and a
-    read of most of a small arena at once would evict its own first blocks)."""
-    num_found = 0
-    for start in range(0, len(keys), 8):
-        batch = keys[start : start + 8]
-        got = client.get(batch)
-        for k, value in zip(batch, got.values, strict=True):
-            if value is not None:
-                assert bytes(value) == content(k, BLOCK).tobytes(), "a wrong block was served"
-        num_found += got.num_found
-    return num_found
 
 
 def test_a_working_set_larger_than_dram_is_served_from_disk(start_node, disk_dir):
@@ -154,32 +106,17 @@ def test_tiers_show_in_status_metrics_and_drain_empties_the_disk(start_node, dis
     with Client(node.unix_address, timeout=10) as client:
         fill(client, "st", 64)
         wait_written(client, client.stats().evictions)
-    status = subprocess.run(
-        [sys.executable, "-m", "kvpool", "status", "--address", node.unix_address, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = run_kvpool("status", "--address", node.unix_address, "--json")
     (row,) = json.loads(status.stdout)["nodes"]
     tiers = {t["name"]: t for t in row["tiers"]}
     assert tiers["disk"]["num_blocks"] > 0 and tiers["dram"]["capacity_bytes"] == 8 << 20
-    table = subprocess.run(
-        [sys.executable, "-m", "kvpool", "status", "--address", node.unix_address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    table = run_kvpool("status", "--address", node.unix_address).stdout
     assert "tiers" in table and "disk" in table and "promotions" in table
     with urllib.request.urlopen(node.admin_url + "/metrics", timeout=10) as response:
         metrics = response.read().decode()
     assert 'kvpool_tier_blocks{node="seen",tier="disk"}' in metrics
     assert 'kvpool_tier_writes_total{node="seen",tier="disk"}' in metrics
-    drained = subprocess.run(
-        [sys.executable, "-m", "kvpool", "drain", "--address", node.unix_address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    drained = run_kvpool("drain", "--address", node.unix_address)
     assert drained.returncode == 0, drained.stderr
     assert node.proc.wait(30) == 0
     assert not list(disk_dir.glob("seg-*.kvs"))

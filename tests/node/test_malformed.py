@@ -13,39 +13,10 @@ from hypothesis import strategies as st
 from kvpool import Client, Status
 from kvpool.errors import BadRequest
 from kvpool.protocol import frames
-from kvpool.protocol.frames import HEADER, HEADER_BYTES, MAGIC, parse_header
-from kvpool.protocol.messages import PROTOCOL_VERSION, Hello, Op
+from kvpool.protocol.frames import HEADER, MAGIC
+from kvpool.protocol.messages import PROTOCOL_VERSION, Op
 from tests.helpers import key, rss_anon_kib
-
-
-def connect(node):
-    sock = socket.socket(socket.AF_UNIX)
-    sock.settimeout(5)
-    sock.connect(node.info["unix"])
-    challenge = _read_frame(sock)
-    assert challenge[0].op == Op.CHALLENGE
-    hello = Hello(version=PROTOCOL_VERSION, access_id="kvpool", nonce=b"n" * 32)
-    sock.sendall(frames.encode_frame(Op.HELLO, hello, request_id=1))
-    header, _ = _read_frame(sock)
-    assert header.status == 0
-    return sock
-
-
-def _recv_exact(sock, n):
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
-def _read_frame(sock):
-    header = parse_header(_recv_exact(sock, HEADER_BYTES))
-    meta = _recv_exact(sock, header.meta_len)
-    _recv_exact(sock, header.payload_len)
-    return header, meta
+from tests.wire import connect, header, read_frame
 
 
 def still_serving(node):
@@ -54,43 +25,39 @@ def still_serving(node):
         return c.get([key("alive")]).values[0] == b"yes"
 
 
-def header(op, meta_len=0, payload_len=0, magic=MAGIC, version=PROTOCOL_VERSION):
-    return HEADER.pack(magic, version, op, 0, 0, 9, meta_len, payload_len)
-
-
 def test_bad_message_body_gets_an_error_reply_and_the_connection_lives_on(node):
     sock = connect(node)
     bad = b"\xc1\xc1\xc1"  # not msgpack
     sock.sendall(header(Op.LOOKUP, len(bad)) + bad)
-    reply, meta = _read_frame(sock)
+    reply, meta = read_frame(sock)
     assert reply.status == Status.BAD_REQUEST and b"malformed" in meta
     wrong_type = msgspec.msgpack.encode({"keys": "not a list"})
     sock.sendall(header(Op.LOOKUP, len(wrong_type)) + wrong_type)
-    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    assert read_frame(sock)[0].status == Status.BAD_REQUEST
     too_many = msgspec.msgpack.encode({"keys": [key(i) for i in range(20000)]})
     sock.sendall(header(Op.LOOKUP, len(too_many)) + too_many)
-    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    assert read_frame(sock)[0].status == Status.BAD_REQUEST
     # A PUT whose sizes do not add up: the payload is skipped and the frame refused.
     meta = msgspec.msgpack.encode({"keys": [key(1)], "sizes": [10]})
     sock.sendall(header(Op.PUT, len(meta), 5) + meta + b"12345")
-    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    assert read_frame(sock)[0].status == Status.BAD_REQUEST
     # A payload on an op that takes none.
     meta = msgspec.msgpack.encode({"keys": [key(1)]})
     sock.sendall(header(Op.GET, len(meta), 3) + meta + b"abc")
-    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    assert read_frame(sock)[0].status == Status.BAD_REQUEST
     # A corrupted payload never becomes a block.
     meta = msgspec.msgpack.encode({"keys": [key("c")], "sizes": [4]})
     sock.sendall(header(Op.PUT, len(meta), 12) + meta + (12345).to_bytes(8, "little") + b"data")
-    reply, meta = _read_frame(sock)
+    reply, meta = read_frame(sock)
     assert msgspec.msgpack.decode(meta)["statuses"] == [Status.CHECKSUM_MISMATCH]
     with Client(node.unix_address) as c:
         assert c.lookup([key("c")]) == 0
     # Unknown op.
     sock.sendall(header(77))
-    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    assert read_frame(sock)[0].status == Status.BAD_REQUEST
     # After all that, the same connection still serves a valid request.
     sock.sendall(frames.encode_frame(Op.HEALTH, None))
-    assert _read_frame(sock)[0].status == 0
+    assert read_frame(sock)[0].status == 0
     sock.close()
     assert still_serving(node)
 
@@ -101,7 +68,7 @@ def test_write_areas_refuse_bad_sizes_and_strangers_and_lose_nothing(node):
     def ask(op, message):
         meta = msgspec.msgpack.encode(message)
         sock.sendall(header(op, len(meta)) + meta)
-        reply, body = _read_frame(sock)
+        reply, body = read_frame(sock)
         return reply.status, msgspec.msgpack.decode(body)
 
     assert ask(Op.AREA, {"num_bytes": 0})[0] == Status.BAD_REQUEST
@@ -141,12 +108,12 @@ def test_a_commit_with_the_wrong_number_of_origins_or_checksums_leaves_nothing_p
     sock = connect(node)
     meta = msgspec.msgpack.encode({"keys": [key("orphan")], "sizes": [4096]})
     sock.sendall(header(Op.RESERVE, len(meta)) + meta)
-    reply, body = _read_frame(sock)
+    reply, body = read_frame(sock)
     assert reply.status == 0
     reservation_id = msgspec.msgpack.decode(body)["reservation_id"]
     meta = msgspec.msgpack.encode({"reservation_id": reservation_id, **listed})
     sock.sendall(header(Op.COMMIT, len(meta)) + meta)
-    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    assert read_frame(sock)[0].status == Status.BAD_REQUEST
     with Client(node.unix_address) as c:  # dropped: neither stored nor stuck pending
         assert c.lookup_state([key("orphan")]).is_next_pending is False
         assert c.put([key("orphan")], [b"o" * 4096]).statuses == [Status.OK]
@@ -166,10 +133,10 @@ def test_a_commit_with_the_wrong_number_of_origins_or_checksums_leaves_nothing_p
 def test_bad_frame_headers_close_the_connection(node, raw):
     sock = connect(node)
     sock.sendall(raw)
-    reply, _meta = _read_frame(sock)
+    reply, _meta = read_frame(sock)
     assert reply.status in (Status.BAD_REQUEST, Status.TOO_LARGE, Status.UNSUPPORTED_VERSION)
     with pytest.raises((ConnectionError, OSError)):
-        _read_frame(sock)
+        read_frame(sock)
     sock.close()
     assert still_serving(node)
 
@@ -202,9 +169,9 @@ def test_handshake_is_required_and_bounded(node):
     sock = socket.socket(socket.AF_UNIX)
     sock.settimeout(5)
     sock.connect(node.info["unix"])
-    _read_frame(sock)
+    read_frame(sock)
     sock.sendall(frames.encode_frame(Op.LOOKUP, None))  # skipping HELLO
-    assert _read_frame(sock)[0].status == Status.BAD_REQUEST
+    assert read_frame(sock)[0].status == Status.BAD_REQUEST
     sock.close()
     assert still_serving(node)
 
@@ -254,7 +221,7 @@ def test_unauthenticated_peers_cost_the_node_little_memory(start_node):
         for _ in range(100):
             sock = socket.create_connection((host, int(port)), timeout=5)
             socks.append(sock)
-            assert _read_frame(sock)[0].op == Op.CHALLENGE
+            assert read_frame(sock)[0].op == Op.CHALLENGE
             sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.HELLO, 0, 0, 1, 4 << 20, 0))
         time.sleep(0.5)
         grown_kib = rss_anon_kib(node.pid) - before
@@ -292,7 +259,7 @@ def test_remote_peers_cannot_take_the_local_engines_connection_slots(start_node)
     try:
         for _ in range(MAX_CONNECTIONS - LOCAL_RESERVED_CONNECTIONS):
             socks.append(socket.create_connection((host, int(port)), timeout=5))
-        assert _read_frame(socks[-1])[0].op == Op.CHALLENGE  # the last one has a session
+        assert read_frame(socks[-1])[0].op == Op.CHALLENGE  # the last one has a session
         extra = socket.create_connection((host, int(port)), timeout=5)
         socks.append(extra)
         assert _closed_by_peer(extra)  # past the remote share: closed before any session

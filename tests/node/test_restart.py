@@ -2,14 +2,13 @@
 
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from kvpool import Client, KVPoolError, Status
+from tests.commands import run_kvpool
 from tests.helpers import content, key, size_of
 
 
@@ -145,12 +144,7 @@ def test_a_new_size_or_fresh_starts_empty_and_drain_empties(start_node, run_dir)
     with Client(bigger.unix_address) as client, pytest.raises(BadRequest, match="sent to"):
         client.local.call(lambda _: ops.shutdown("another-node", True), 5)  # nothing by chance
     assert bigger.is_running and os.path.exists(arena)
-    drained = subprocess.run(
-        [sys.executable, "-m", "kvpool", "drain", "--address", bigger.unix_address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    drained = run_kvpool("drain", "--address", bigger.unix_address)
     assert drained.returncode == 0, drained.stderr
     assert bigger.proc.wait(30) == 0
     assert not os.path.exists(arena) and not os.path.exists(os.path.dirname(arena) + "/index")

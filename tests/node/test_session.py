@@ -14,7 +14,7 @@ from kvpool.node.session import HANDLERS
 from kvpool.protocol import frames
 from kvpool.protocol.messages import PROTOCOL_VERSION, Hello, Op, Welcome
 from tests.helpers import key
-from tests.node.test_malformed import _read_frame, connect, header
+from tests.wire import connect, header, read_frame
 
 
 def frame(op: Op, message: dict) -> bytes:
@@ -27,16 +27,16 @@ def test_a_reserve_sent_right_behind_a_commit_finds_the_key_stored(node, with_ch
     k = key(f"behind-{with_checksums}")
     sock = connect(node)
     sock.sendall(frame(Op.RESERVE, {"keys": [k], "sizes": [4096]}))
-    reply, body = _read_frame(sock)
+    reply, body = read_frame(sock)
     assert reply.status == 0
     commit = {"reservation_id": msgspec.msgpack.decode(body)["reservation_id"]}
     if with_checksums:
         commit["checksums"] = [12345]
     # One write: the RESERVE is in the socket before the node has served the COMMIT.
     sock.sendall(frame(Op.COMMIT, commit) + frame(Op.RESERVE, {"keys": [k], "sizes": [4096]}))
-    reply, body = _read_frame(sock)
+    reply, body = read_frame(sock)
     assert reply.status == 0 and msgspec.msgpack.decode(body)["statuses"] == [Status.OK]
-    reply, body = _read_frame(sock)
+    reply, body = read_frame(sock)
     assert reply.status == 0
     assert msgspec.msgpack.decode(body)["statuses"] == [Status.EXISTS]
     sock.close()
@@ -47,10 +47,10 @@ def test_the_welcome_announces_the_limits_the_node_clamps_to(start_node):
     sock = socket.socket(socket.AF_UNIX)
     sock.settimeout(5)
     sock.connect(node.info["unix"])
-    _read_frame(sock)  # the CHALLENGE
+    read_frame(sock)  # the CHALLENGE
     hello = Hello(version=PROTOCOL_VERSION, access_id="kvpool", nonce=b"n" * 32)
     sock.sendall(frames.encode_frame(Op.HELLO, hello, request_id=1))
-    reply, body = _read_frame(sock)
+    reply, body = read_frame(sock)
     assert reply.status == 0
     limits = msgspec.msgpack.decode(body, type=Welcome).limits
     assert limits is not None
@@ -58,7 +58,7 @@ def test_the_welcome_announces_the_limits_the_node_clamps_to(start_node):
     assert (limits.hold_ms, limits.wait_ms) == (int(MAX_HOLD_S * 1000), int(MAX_WAIT_S * 1000))
     # A client that asks for more than the limit gets the limit.
     sock.sendall(frame(Op.RESERVE, {"keys": [key("long")], "sizes": [4096], "lease_ms": 600_000}))
-    reply, body = _read_frame(sock)
+    reply, body = read_frame(sock)
     assert reply.status == 0 and msgspec.msgpack.decode(body)["lease_ms"] == 7000
     sock.close()
 

@@ -11,8 +11,6 @@ daemons: what a stranger, or another tenant, can read from the node's event sock
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import zmq
 import zmq.auth
 
 from kvpool.keys import BlockOrigin, Namespace, chained_hashes
+from tests.commands import said, serve
 from tests.conftest import NodeFactory
 from tests.security.tenants import TenantsFile, client
 
@@ -52,18 +51,6 @@ def blocks(seed: int, num_blocks: int = 3):
 
 def stored_hashes(events: list[dict]) -> set[int]:
     return {h for e in events if e.get("type") == "BlockStored" for h in e["block_hashes"]}
-
-
-def serve(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvpool", "serve", "--run-dir", str(run_dir), "--memory", "8MiB",
-         "--port", "0", "--admin-port", "0", *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-
-
-def said(done: subprocess.CompletedProcess[str]) -> str:
-    return " ".join(done.stderr.split())
 
 
 def replay(endpoint: str, keys: tuple[bytes, bytes, bytes] | None = None) -> list[bytes]:

@@ -42,26 +42,10 @@ from kvpool.protocol.messages import (
 from tests.conftest import NodeFactory
 from tests.helpers import rss_anon_kib
 from tests.security.tenants import TenantsFile, send
+from tests.wire import read_frame, read_raw_frame
 
 KEY = "a-key-of-sixteen-chars-or-more"
 NS = Namespace(model="attack")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
-def _read_frame(sock: socket.socket) -> tuple[bytes, bytes]:
-    """One frame: its raw header bytes and its metadata (no frame here has a payload)."""
-    raw = _recv_exact(sock, HEADER_BYTES)
-    header = parse_header(raw)
-    return raw, _recv_exact(sock, header.meta_len)
 
 
 class Relay:
@@ -91,11 +75,11 @@ class Relay:
             node = self.connect()
             node.settimeout(10)
             self.node_side = node
-            raw, meta = _read_frame(node)  # CHALLENGE
+            raw, meta = read_raw_frame(node)  # CHALLENGE
             victim.sendall(raw + meta)
-            raw, meta = _read_frame(victim)  # HELLO, with the victim's proof
+            raw, meta = read_raw_frame(victim)  # HELLO, with the victim's proof
             node.sendall(raw + meta)
-            raw, meta = _read_frame(node)  # the Welcome (or the refusal)
+            raw, meta = read_raw_frame(node)  # the Welcome (or the refusal)
             header = parse_header(raw)
             if self.rewrite is not None and header.status == 0:
                 welcome = self.rewrite(msgspec.msgpack.decode(meta, type=Welcome))
@@ -128,10 +112,10 @@ def _stats_on(sock: socket.socket) -> NodeStats | None:
     the node closed it or refused)."""
     try:
         sock.sendall(encode_frame(Op.STATS, Empty(), request_id=7))
-        raw, meta = _read_frame(sock)
+        reply, meta = read_frame(sock)
     except OSError:
         return None
-    if parse_header(raw).status != 0:
+    if reply.status != 0:
         return None
     return msgspec.msgpack.decode(meta, type=NodeStats)
 
@@ -242,7 +226,7 @@ def test_refused_handshakes_cannot_flood_the_log(start_node: NodeFactory) -> Non
     for i in range(200):
         with socket.create_connection((address.host, address.port)) as sock:
             sock.settimeout(10)
-            _read_frame(sock)  # CHALLENGE
+            read_frame(sock)  # CHALLENGE
             if i % 2:
                 sock.sendall(b"XX" + b"\0" * (HEADER_BYTES - 2))  # not a frame
             else:  # a HELLO announcing 1 MiB of metadata
@@ -378,11 +362,11 @@ def test_a_peer_that_stalls_a_refused_payload_or_never_reads_is_cut(
     def connect() -> socket.socket:
         sock = socket.create_connection((address.host, address.port))
         sock.settimeout(10)
-        _read_frame(sock)  # CHALLENGE
+        read_frame(sock)  # CHALLENGE
         hello = Hello(version=PROTOCOL_VERSION, access_id="kvpool", nonce=b"n" * 32)
         sock.sendall(encode_frame(Op.HELLO, hello, request_id=1))
-        raw, _ = _read_frame(sock)
-        assert parse_header(raw).status == 0
+        welcome, _ = read_frame(sock)
+        assert welcome.status == 0
         return sock
 
     stalled = connect()

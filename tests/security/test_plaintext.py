@@ -11,52 +11,22 @@ start unless ``--insecure`` says so, as for what it serves (issue 28, low items)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
 
+from tests.commands import run_kvpool, said, serve
 from tests.router.servers import FakeEngine, RouterProc
 
 OFF_LOOPBACK = "192.0.2.1"
 
 
-def run_kvpool(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """A kvpool command that should stop at start: its exit status and what it said (on
-    one line: the console wraps long messages)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "kvpool", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
-    return done.returncode, " ".join((done.stdout + done.stderr).split())
-
-
-def serve(tmp_path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    return run_kvpool(
-        "serve",
-        "--memory",
-        "8MiB",
-        "--port",
-        "0",
-        "--admin-port",
-        "0",
-        "--run-dir",
-        str(tmp_path / "run"),
-        *args,
-        env=env,
-    )
-
-
 def test_the_router_refuses_a_plaintext_engine_off_loopback():
     engine = f"http://{OFF_LOOPBACK}:8000"
-    status, output = run_kvpool("router", "--engine", engine)
-    assert status == 2, output
+    done = run_kvpool("router", "--engine", engine)
+    output = said(done)
+    assert done.returncode == 2, output
     assert f"refusing to reach an engine at {engine} in plaintext" in output
     assert "--insecure" in output and "https://" in output
 
@@ -100,8 +70,9 @@ def test_the_router_takes_loopback_https_or_insecure_engines_and_refuses_plainte
 
 @pytest.mark.parametrize("endpoint", [f"http://{OFF_LOOPBACK}:2379", f"{OFF_LOOPBACK}:2379"])
 def test_the_node_refuses_plaintext_etcd_off_loopback(tmp_path, endpoint):
-    status, output = serve(tmp_path, "--etcd", endpoint)
-    assert status == 2, output
+    done = serve(tmp_path / "run", "--etcd", endpoint)
+    output = said(done)
+    assert done.returncode == 2, output
     assert f"refusing to reach etcd (--etcd) at {endpoint} in plaintext" in output
     assert "--insecure" in output
 
@@ -124,18 +95,20 @@ def test_the_node_refuses_a_plaintext_object_store_off_loopback(tmp_path):
         (["--object-store-endpoint", endpoint], None),
         ([], {"AWS_ENDPOINT_URL": endpoint}),  # as AWS's own clients read it
     ):
-        status, output = serve(tmp_path, *tier, *args, env=env)
-        assert status == 2, output
+        done = serve(tmp_path / "run", *tier, *args, env=env)
+        output = said(done)
+        assert done.returncode == 2, output
         assert (
             f"refusing to reach the object store (--object-store-endpoint) at {endpoint}" in output
         )
     # On loopback the check lets it by: the node goes on to reach the bucket (none listens
     # here; tests/node/test_object_tier.py runs the tier against a loopback radosgw).
-    status, output = serve(
-        tmp_path,
+    done = serve(
+        tmp_path / "run",
         *tier,
         "--object-store-endpoint",
         "http://127.0.0.1:9",
         env={"AWS_ENDPOINT_URL": ""},
     )
+    output = said(done)
     assert "plaintext" not in output and "object store" in output, output

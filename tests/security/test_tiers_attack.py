@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 import xxhash
@@ -22,39 +21,17 @@ from kvpool import Client
 from kvpool.errors import ConfigError
 from kvpool.stats import TIER_DISK
 from kvpool.tiers.disk import DiskTier
-from tests.conftest import NodeFactory
+from tests.commands import said, serve
 from tests.helpers import content, key
-from tests.node.test_daemon import serve
-
-BLOCK = 256 << 10
-
-
-def disk_node(start_node: NodeFactory, disk: Path, name: str = "tiered", extra=()):
-    return start_node(
-        name=name, memory="8MiB", extra=["--disk", str(disk), "--disk-size", "64MiB", *extra]
-    )
+from tests.tiered import BLOCK, disk_node, fill, wait_written
 
 
 def fill_to_disk(client: Client, tag: str, num_blocks: int = 64) -> list[bytes]:
     """Put ``num_blocks`` blocks through an 8 MiB arena; the keys that ended up on disk only."""
-    keys = [key(f"{tag}-{i}") for i in range(num_blocks)]
-    for start in range(0, num_blocks, 4):
-        batch = keys[start : start + 4]
-        assert client.put(batch, [content(k, BLOCK) for k in batch]).all_stored
-        time.sleep(0.01)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        disk = next(t for t in client.stats().tiers if t.name == "disk")
-        if disk.writes + disk.dropped + disk.refused >= client.stats().evictions:
-            break
-        time.sleep(0.05)
+    keys = fill(client, tag, num_blocks)
+    wait_written(client, client.stats().evictions, timeout=30)
     tiers = client.lookup_state(keys).tiers
     return [k for k, t in zip(keys, tiers, strict=True) if t == TIER_DISK]
-
-
-def said(process) -> str:
-    """What a refused start printed, its lines joined (the CLI wraps them)."""
-    return " ".join(process.stderr.split())
 
 
 # -- deletes last ---------------------------------------------------------------------------
@@ -184,11 +161,12 @@ def test_a_deleted_block_is_not_read_from_the_object_store_by_another_node(
     start_node, s3_server, s3_bucket, s3_env, tmp_path
 ):
     from kvpool.stats import TIER_OBJECT
-    from tests.node.test_object_tier import fill, start_host, wait_for, written_to_bucket
+    from tests.node.test_object_tier import fill as fill_hosts
+    from tests.node.test_object_tier import start_host, wait_for, written_to_bucket
 
     a = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "a")
     with Client(a.tcp_address, use_shm=False, timeout=10) as c:
-        prefix = fill(c, "gone", 12)
+        prefix = fill_hosts(c, "gone", 12)
     written_to_bucket(a, prefix)
     b = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "b")
     with Client(b.tcp_address, use_shm=False, timeout=10) as reader:
@@ -250,25 +228,17 @@ def test_a_tenant_churning_within_its_quota_never_evicts_anothers_disk_blocks(st
                "--disk-size", "32MiB"],  # 16 MiB each: the quotas' shares
     )  # fmt: skip
 
-    def put_all(pool: Client, tag: str, num_blocks: int) -> list[bytes]:
-        keys = [key(f"{tag}-{i}") for i in range(num_blocks)]
-        for start in range(0, num_blocks, 4):
-            batch = keys[start : start + 4]
-            assert pool.put(batch, [content(k, BLOCK) for k in batch]).all_stored
-            time.sleep(0.02)
-        return keys
-
     def on_disk(pool: Client, keys: list[bytes]) -> list[bytes]:
         return [k for k in keys if pool.lookup_state([k]).tiers == bytes([TIER_DISK])]
 
     with client(node.tcp_address, beta) as victim, client(node.tcp_address, alpha) as churner:
-        held = put_all(victim, "beta", 40)  # 10 MiB past a 4 MiB quota: ~6 MiB to disk
+        held = fill(victim, "beta", 40, pause=0.02)  # 10 MiB past a 4 MiB quota: ~6 MiB to disk
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(on_disk(victim, held)) < 16:
             time.sleep(0.1)
         before = on_disk(victim, held)
         assert len(before) >= 16
-        churned = put_all(churner, "alpha", 240)  # 60 MiB through alpha's 4 MiB quota
+        churned = fill(churner, "alpha", 240, pause=0.02)  # 60 MiB through alpha's 4 MiB quota
         time.sleep(2)  # the write-back settles
         after = on_disk(victim, before)
         assert len(after) == len(before), (

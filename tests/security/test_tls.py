@@ -8,8 +8,6 @@ import http.client
 import shutil
 import socket
 import ssl
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import Client, ConnectError, KVPoolError
+from tests.commands import run_kvpool, serve
 from tests.conftest import NodeFactory
 from tests.router.servers import FakeEngine, RouterProc
 from tests.security.pki import Authority
@@ -132,50 +131,15 @@ def served_serial_mtls(address: str, pki) -> int:
     return x509.load_der_x509_certificate(der).serial_number
 
 
-def serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "serve",
-            "--memory",
-            "8MiB",
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_plaintext_is_refused_off_loopback(tmp_path, pki):
-    key = ["--access-key", "a-key-of-sixteen-chars", "--run-dir", str(tmp_path)]
-    refused = serve("--host", "0.0.0.0", *key)
+    key = ["--access-key", "a-key-of-sixteen-chars"]
+    refused = serve(tmp_path, "--host", "0.0.0.0", *key)
     assert refused.returncode == 2
     assert "refusing to serve the data port on 0.0.0.0 in plaintext" in refused.stderr
     assert "--tls-cert" in refused.stderr and "--insecure" in refused.stderr
-    refused = serve("--admin-host", "0.0.0.0", *key)
+    refused = serve(tmp_path, "--admin-host", "0.0.0.0", *key)
     assert refused.returncode == 2 and "admin HTTP on 0.0.0.0 in plaintext" in refused.stderr
-    router = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpool",
-            "router",
-            "--host",
-            "0.0.0.0",
-            "--engine",
-            "http://127.0.0.1:1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    router = run_kvpool("router", "--host", "0.0.0.0", "--engine", "http://127.0.0.1:1")
     assert router.returncode != 0 and "router on 0.0.0.0 in plaintext" in router.stderr
 
 

@@ -8,28 +8,11 @@ import time
 
 from kvpool import Client
 from tests.helpers import content, key
+from tests.tiered import check_all, disk_node, tier
 
 BLOCK = 1 << 20
 BATCH = 16
 NUM_BLOCKS = 96  # 96 MiB through a 16 MiB arena
-
-
-def disk_args(disk_dir):
-    return ["--disk", str(disk_dir), "--disk-size", "512MiB"]
-
-
-def readable(client, keys):
-    """How many blocks come back with exactly their bytes (none may come back wrong); read
-    8 at a time, as an engine loads a request's blocks."""
-    found = 0
-    for start in range(0, len(keys), 8):
-        batch = keys[start : start + 8]
-        got = client.get(batch)
-        for k, value in zip(batch, got.values, strict=True):
-            if value is not None:
-                assert bytes(value) == content(k, BLOCK).tobytes(), "a wrong block was served"
-        found += got.num_found
-    return found
 
 
 def wait_idle(client, timeout=60):
@@ -38,7 +21,7 @@ def wait_idle(client, timeout=60):
     deadline = time.monotonic() + timeout
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
-        disk = next(t for t in client.stats().tiers if t.name == "disk")
+        disk = tier(client.stats(), "disk")
         now = (disk.writes, disk.dropped, disk.refused)
         if now != last:
             last, since = now, time.monotonic()
@@ -50,7 +33,7 @@ def wait_idle(client, timeout=60):
 
 def test_a_burst_larger_than_dram_is_kept_on_disk_also_after_sigkill(start_node, run_dir, tmp_path):
     disk_dir = tmp_path / "disk"
-    node = start_node(name="burst", memory="16MiB", extra=disk_args(disk_dir))
+    node = disk_node(start_node, disk_dir, name="burst", memory="16MiB", disk="512MiB")
     keys = [key(f"burst-{i}") for i in range(NUM_BLOCKS)]
     values = {k: content(k, BLOCK) for k in keys}
     with Client(node.unix_address, timeout=30) as client:
@@ -58,8 +41,8 @@ def test_a_burst_larger_than_dram_is_kept_on_disk_also_after_sigkill(start_node,
             batch = keys[start : start + BATCH]
             client.put(batch, [values[k] for k in batch])
         wait_idle(client)
-        kept = readable(client, keys)
-        disk = next(t for t in client.stats().tiers if t.name == "disk")
+        kept = check_all(client, keys, BLOCK)
+        disk = tier(client.stats(), "disk")
         assert disk.slowed > 0  # the writers were held: the operator sees it
         wait_idle(client)  # the reads promoted blocks: what they evicted goes to disk too
     assert kept >= 0.94 * NUM_BLOCKS, f"{kept} of {NUM_BLOCKS} kept"
@@ -67,16 +50,16 @@ def test_a_burst_larger_than_dram_is_kept_on_disk_also_after_sigkill(start_node,
     node.kill()
     shutil.rmtree(run_dir)  # a reboot: /dev/shm is empty, the disk is not
     run_dir.mkdir(mode=0o770)
-    again = start_node(name="burst", memory="16MiB", extra=disk_args(disk_dir))
+    again = disk_node(start_node, disk_dir, name="burst", memory="16MiB", disk="512MiB")
     with Client(again.unix_address, timeout=30) as client:
-        after = readable(client, keys)
+        after = check_all(client, keys, BLOCK)
     assert after >= 0.94 * NUM_BLOCKS, f"{after} of {NUM_BLOCKS} kept after SIGKILL"
 
 
 def not_kept(client):
     """What the node's stats say it did not keep: evicted blocks the disk's write-back
     refused or dropped."""
-    disk = next(t for t in client.stats().tiers if t.name == "disk")
+    disk = tier(client.stats(), "disk")
     return disk.refused + disk.dropped
 
 
@@ -98,7 +81,7 @@ def test_the_writer_is_told_how_many_blocks_its_puts_evictions_lost(start_node, 
     write-back turned away, over every write path (RESERVE/COMMIT in the arena, a zero-copy
     commit the node seals after its reply, a TCP PUT), and the sum the writers were told is
     what the node counted."""
-    node = start_node(name="told", memory="128MiB", extra=disk_args(tmp_path / "disk"))
+    node = disk_node(start_node, tmp_path / "disk", name="told", memory="128MiB", disk="512MiB")
     keys = [key(f"told-{i}") for i in range(384)]
     with (
         Client(node.unix_address, timeout=30) as local,
