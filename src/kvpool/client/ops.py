@@ -196,29 +196,20 @@ def handshake(
     challenge, _ = yield Recv(Op.CHALLENGE, Challenge)
     if PROTOCOL_VERSION not in challenge.versions:
         raise UnsupportedVersion(f"node speaks versions {challenge.versions}")
-    nonce = auth.new_nonce()
-    proof = b""
-    if access_key:
-        proof = auth.proof(access_key, "client", access_id, challenge.nonce, nonce, binding)
+    handshake = auth.Handshake(access_id, challenge.nonce, auth.new_nonce(), binding)
+    proof = handshake.proof(access_key, "client") if access_key else b""
     hello = Hello(
         version=PROTOCOL_VERSION,
         access_id=access_id,
-        nonce=nonce,
+        nonce=handshake.client_nonce,
         proof=proof,
         host_id=host_id,
         client_name=client_name,
     )
     yield Request(Op.HELLO, hello)
     welcome, _ = yield Recv(Op.HELLO, Welcome)
-    if access_key and not auth.verify(
-        access_key,
-        "node",
-        access_id,
-        challenge.nonce,
-        nonce,
-        welcome.proof,
-        binding,
-        auth.welcome_digest(welcome),
+    if access_key and not handshake.verify(
+        access_key, "node", welcome.proof, auth.welcome_digest(welcome)
     ):
         raise AuthenticationError("node could not prove it knows the access key")
     return welcome

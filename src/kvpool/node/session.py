@@ -201,19 +201,12 @@ class Session:
     async def _handshake(self) -> None:
         server_nonce = auth.new_nonce()
         header, hello = await self._challenge(server_nonce)
-        credential = self._authenticate(hello, server_nonce)
+        handshake = auth.Handshake(hello.access_id, server_nonce, hello.nonce, self.binding)
+        credential = self._authenticate(hello, handshake)
         self.channel.rbuf.grow(RecvBuffer.INITIAL_BYTES)  # authenticated: the usual read-ahead
         welcome = self._welcome()
         if credential is not None:  # the node's proof covers the Welcome it sends
-            welcome.proof = auth.proof(
-                credential.key,
-                "node",
-                hello.access_id,
-                server_nonce,
-                hello.nonce,
-                self.binding,
-                auth.welcome_digest(welcome),
-            )
+            welcome.proof = handshake.proof(credential.key, "node", auth.welcome_digest(welcome))
         await self._reply(header, Op.HELLO, welcome)
         self.is_welcomed = True
 
@@ -238,7 +231,7 @@ class Session:
             raise UnsupportedVersion(f"client speaks version {hello.version}")
         return header, hello
 
-    def _authenticate(self, hello: msg.Hello, server_nonce: bytes) -> Credential | None:
+    def _authenticate(self, hello: msg.Hello, handshake: auth.Handshake) -> Credential | None:
         """Check the client's proof, if the node knows its access id; who it proved to be
         (None: the node needs no key and the client gave none it knows)."""
         credentials = self.services.credentials
@@ -248,16 +241,7 @@ class Session:
                 self.services.refusals.note("unknown access id", self.peer)
                 raise AuthenticationError("access id or key refused")
             return None
-        ok = auth.verify(
-            credential.key,
-            "client",
-            hello.access_id,
-            server_nonce,
-            hello.nonce,
-            hello.proof,
-            self.binding,
-        )
-        if not ok:
+        if not handshake.verify(credential.key, "client", hello.proof):
             self.services.refusals.note("authentication failed", self.peer)
             raise AuthenticationError("access id or key refused")
         self.credential = credential

@@ -33,6 +33,7 @@ import os
 import secrets
 import socket
 import struct
+from dataclasses import dataclass
 
 import msgspec
 
@@ -45,33 +46,33 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def proof(
-    key: str,
-    role: str,
-    access_id: str,
-    server_nonce: bytes,
-    client_nonce: bytes,
-    binding: bytes = b"",
-    welcome_digest: bytes = b"",
-) -> bytes:
-    """``role``'s proof (``"client"`` or ``"node"``); the node's also covers its Welcome."""
-    parts = (role.encode(), access_id.encode(), server_nonce, client_nonce, binding, welcome_digest)
-    message = b"|".join(_length_prefixed(part) for part in parts)
-    return hmac.new(key.encode(), message, hashlib.sha256).digest()
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """One handshake's transcript, which both proofs cover: the access id the client
+    names, both nonces and the connection's binding (as this side sees it)."""
 
+    access_id: str
+    server_nonce: bytes
+    client_nonce: bytes
+    binding: bytes = b""
 
-def verify(
-    key: str,
-    role: str,
-    access_id: str,
-    server_nonce: bytes,
-    client_nonce: bytes,
-    received: bytes,
-    binding: bytes = b"",
-    welcome_digest: bytes = b"",
-) -> bool:
-    expected = proof(key, role, access_id, server_nonce, client_nonce, binding, welcome_digest)
-    return hmac.compare_digest(expected, received)
+    def proof(self, key: str, role: str, welcome_digest: bytes = b"") -> bytes:
+        """``role``'s proof (``"client"`` or ``"node"``); the node's also covers its
+        Welcome (:func:`welcome_digest`)."""
+        parts = (
+            role.encode(),
+            self.access_id.encode(),
+            self.server_nonce,
+            self.client_nonce,
+            self.binding,
+            welcome_digest,
+        )
+        message = b"|".join(_length_prefixed(part) for part in parts)
+        return hmac.new(key.encode(), message, hashlib.sha256).digest()
+
+    def verify(self, key: str, role: str, received: bytes, welcome_digest: bytes = b"") -> bool:
+        """Whether ``received`` is ``role``'s proof (compared in constant time)."""
+        return hmac.compare_digest(self.proof(key, role, welcome_digest), received)
 
 
 def welcome_digest(welcome: Welcome) -> bytes:
