@@ -13,8 +13,14 @@ whose working set is four times the DRAM arena.
    tier, the pool with one.  Reports median TTFT, the pool's hit rate, and the share of
    the blocks saved in earlier turns that were loaded (or found in the engine's own cache)
    instead of recomputed.
+3. ``burst``: issue 29's burst larger than DRAM: 256 blocks of 1 MiB put 16 at a time, as
+   fast as the SDK goes, into a node with a 64 MiB arena and a 1 GiB disk tier; every block
+   read back (8 at a time), then SIGKILL, the run directory wiped, and every block read
+   again from a new daemon.  Reports how many came back (and none wrong), what the disk's
+   write-back refused or dropped, and what the writer was told it lost
+   (``PutResult.num_not_kept``), which must be the same.
 
-    .venv/bin/python -m benchmarks.disk_tier [throughput|vllm|all] [--json]
+    .venv/bin/python -m benchmarks.disk_tier [throughput|vllm|burst|all] [--batch N] [--json]
 """
 
 from __future__ import annotations
@@ -221,10 +227,73 @@ def vllm(arena: str = "14MiB", disk: str = "256MiB") -> dict[str, Any]:
     return out
 
 
+BURST_BLOCK = 1 << 20
+
+
+def burst(
+    num_blocks: int = 256, batch: int = 16, arena: str = "64MiB", disk: str = "1GiB"
+) -> dict[str, Any]:
+    from kvpool import Client, Namespace
+
+    namespace = Namespace(model="burst")
+    keys = namespace.keys([i.to_bytes(8, "little") for i in range(num_blocks)])
+    rng = np.random.default_rng(29)
+    values = {k: rng.integers(0, 256, BURST_BLOCK, dtype=np.uint8) for k in keys}
+    run_dir = tempfile.mkdtemp(prefix="kvpool-burst-", dir="/dev/shm")
+    disk_dir = tempfile.mkdtemp(prefix="kvpool-burst-")
+    extra = ["--disk", disk_dir, "--disk-size", disk]
+    out: dict[str, Any] = {"blocks": num_blocks, "batch": batch, "arena": arena, "disk": disk}
+
+    def read_back(client: Client) -> tuple[int, int]:
+        found = wrong = 0
+        for start in range(0, num_blocks, 8):
+            got = client.get(keys[start : start + 8])
+            for k, value in zip(keys[start : start + 8], got.values, strict=True):
+                if value is not None:
+                    found += 1
+                    wrong += bytes(value) != values[k].tobytes()
+        return found, wrong
+
+    try:
+        node = NodeProcess.private("burst", arena, run_dir=run_dir, extra=extra).start()
+        with Client(node.unix_address, timeout=30) as client:
+            told, slowest = 0, 0.0
+            started = time.perf_counter()
+            for start in range(0, num_blocks, batch):
+                chunk = keys[start : start + batch]
+                put_started = time.perf_counter()
+                result = client.put(chunk, [values[k] for k in chunk])
+                slowest = max(slowest, time.perf_counter() - put_started)
+                told += result.num_not_kept
+            out["burst_s"] = round(time.perf_counter() - started, 3)
+            out["worst_put_ms"] = round(slowest * 1000, 1)
+            time.sleep(2)  # the write-back catches up
+            disk_tier = next(t for t in client.stats().tiers if t.name == "disk")
+            out["refused_and_dropped"] = disk_tier.refused + disk_tier.dropped
+            out["writer_told_not_kept"] = told
+            out["slowed"] = disk_tier.slowed
+            out["read_back"], out["wrong"] = read_back(client)
+        node.kill()
+        shutil.rmtree(run_dir)  # a reboot: /dev/shm is empty, the disk is not
+        os.mkdir(run_dir, 0o770)
+        again = NodeProcess.private("burst", arena, run_dir=run_dir, extra=extra).start()
+        with Client(again.unix_address, timeout=30) as client:
+            out["after_sigkill"], wrong = read_back(client)
+            out["wrong"] += wrong
+        again.stop()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", default="all", choices=["throughput", "vllm", "all"])
+    parser.add_argument(
+        "what", nargs="?", default="all", choices=["throughput", "vllm", "burst", "all"]
+    )
     parser.add_argument("--dir", default=None, help="where the throughput files go (default: /tmp)")
+    parser.add_argument("--batch", type=int, default=16, help="blocks a put in the burst")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result: dict[str, Any] = {"machine": {"cores": os.cpu_count()}}
@@ -232,6 +301,8 @@ def main() -> None:
         result["throughput"] = throughput(args.dir)
     if args.what in ("vllm", "all"):
         result["vllm"] = vllm()
+    if args.what in ("burst", "all"):
+        result["burst"] = burst(batch=args.batch)
     sys.stdout.write(json.dumps(result, indent=None if args.json else 2) + "\n")
 
 
