@@ -592,14 +592,15 @@ class BlockStore:
     def _recency_order(self) -> np.ndarray:
         """Every live slot, least recently used first (the order a restart's LRU takes up
         from the journal: rule 5 of the journal), to a 65,536th of the span of recency: a
-        16-bit key sorts in one radix pass, ~40 ms for a million blocks, where an exact
-        sort of 64-bit stamps takes several times that on the event loop."""
+        16-bit key sorts in one radix pass (~50 ms for 2M blocks, on the event loop), where
+        an exact sort of the 64-bit stamps takes several times that."""
         slots = self.index.live_slots()
         if not len(slots):
             return slots
-        stamps = self.eviction.recency(slots).astype(np.float64)
-        low, high = stamps.min(), stamps.max()
-        coarse = ((stamps - low) * (0xFFFF / max(1.0, high - low))).astype(np.uint16)
+        stamps = self.eviction.recency(slots)
+        low = int(stamps.min())
+        shift = max(0, (int(stamps.max()) - low).bit_length() - 16)
+        coarse = ((stamps - np.uint64(low)) >> np.uint64(shift)).astype(np.uint16)
         return slots[np.argsort(coarse, kind="stable")]
 
     def _entry(self, slot: int) -> Entry | None:
