@@ -17,8 +17,9 @@ and the scrub of what the node holds.
 - Reads of a key being sealed wait for its seal (a few milliseconds at most), so a write
   that returned is seen by every later read, on any connection.
 - **Scrubbing.** Memory can still be damaged in place (a stray write by a process that maps
-  the arena).  The scrubber re-hashes committed blocks, oldest commit first, at a bounded rate, and
-  drops, and counts, any that no longer match: they become misses and are recomputed.
+  the arena).  The scrubber re-hashes committed blocks, a step of the index at a time, at
+  a bounded rate, and drops, and counts, any that no longer match: they become misses and
+  are recomputed.
   Adopted blocks that pass become sealed.
 """
 
@@ -33,7 +34,7 @@ from contextlib import AbstractContextManager
 from kvpool import checksum as ck
 from kvpool.keys import BlockOrigin
 from kvpool.store.arena import Arena
-from kvpool.store.block import Block, BlockState, CommitResult
+from kvpool.store.block import Block, CommitResult
 from kvpool.store.block_store import BlockStore
 from kvpool.store.journal import Entry, Replay
 
@@ -144,24 +145,24 @@ class Sealer:
     # -- scrubbing ------------------------------------------------------------------------
 
     async def scrub(self, rate_bytes_s: float) -> None:
-        """Re-hash committed blocks, oldest commit first, at most ``rate_bytes_s`` on average."""
+        """Re-hash committed blocks, a walk over the index at a time, at most
+        ``rate_bytes_s`` on average."""
+        cursor = 0
         while True:
-            # Keys, not blocks: a pass takes minutes, and a list of the blocks would keep
-            # every block evicted meanwhile in memory until the pass ends.
-            keys = self.store.committed_keys()
-            if not keys:
+            # A bounded step of the index at a time: a pass takes minutes, and the index
+            # changes meanwhile (a block evicted since is skipped, one added is met later).
+            batch, num_bytes = [], 0
+            while num_bytes < SCRUB_STEP_BYTES:
+                blocks, cursor = self.store.walk(cursor)
+                batch += blocks
+                num_bytes += sum(b.size for b in blocks)
+                if not cursor:
+                    break
+            if batch:
+                await self.scrub_blocks(batch)
+                await asyncio.sleep(num_bytes / rate_bytes_s)
+            if not cursor and not batch:
                 await asyncio.sleep(1.0)
-            batch: list[Block] = []
-            num_bytes = 0
-            for i, key in enumerate(keys):
-                block = self.store.get_block(key)  # None: gone since
-                if block is not None:
-                    batch.append(block)
-                    num_bytes += block.size
-                if num_bytes >= SCRUB_STEP_BYTES or i == len(keys) - 1:
-                    await self.scrub_blocks(batch)
-                    await asyncio.sleep(num_bytes / rate_bytes_s)
-                    batch, num_bytes = [], 0
 
     async def scrub_blocks(self, blocks: list[Block]) -> int:
         """Verify ``blocks`` against their checksums, drop those that fail; how many did.
@@ -169,11 +170,11 @@ class Sealer:
         A block still committed after its hash kept its memory throughout (memory returns
         only once a block is removed), so a mismatch is damage; a block removed meanwhile
         is skipped, whatever its memory held."""
-        blocks = [b for b in blocks if b.state is BlockState.COMMITTED]
+        blocks = [b for b in blocks if self.store.is_current(b)]
         checksums = await asyncio.to_thread(self._hash, blocks)
         bad = []
         for block, checksum in zip(blocks, checksums, strict=True):
-            if block.state is not BlockState.COMMITTED:
+            if not self.store.is_current(block):
                 continue
             if checksum == block.checksum:
                 self.store.seal(block)

@@ -11,6 +11,10 @@
 - COMMITTED: visible, atomically, with its checksum.  Readers pin it under a lease;
   eviction skips pinned blocks.
 - REMOVED: gone from the index; its memory returns to the allocator when ``num_pins`` is 0.
+
+A committed block lives as a row of the store's index (:mod:`kvpool.store.index`), not as
+an object: a :class:`Block` is a pending block, or a copy of a committed one handed out in
+flight (to a reader, a spill, an event).
 - An evicted block may first be copied out to a lower tier (``BlockStore.spill``), before
   its memory returns to the allocator.
 - FAILED: an aborted write; its memory returned at once (nobody could have pinned it).
@@ -88,11 +92,12 @@ class Area:
 
 @dataclass(slots=True, eq=False)
 class Pin:
-    """Blocks one reader is copying, protected from eviction until ``deadline``."""
+    """Blocks one reader is copying (slots of the store's index), protected from eviction
+    until ``deadline``."""
 
     pin_id: int
     owner: int
-    blocks: list[Block]
+    slots: list[int]
     deadline: float
 
 

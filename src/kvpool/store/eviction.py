@@ -1,158 +1,234 @@
 """Eviction policies.
 
-The interface (:class:`EvictionPolicy`): ``touch(key)`` when a block becomes evictable
-(committed, or its last pin dropped) or is read, ``remove(key)`` when it leaves the store or
-stops being evictable (pinned), and ``victims()`` yields candidate keys, the best victim
-first.  The caller touches only stored keys and removes each key it touched.  A candidate
-the caller neither removes nor touches before asking for the next one (a block a queued
-request holds) is moved behind the others, so that no pass, and no later one, visits it
-again before the rest: an eviction of k blocks visits O(k) entries, never the whole index.
+The interface (:class:`EvictionPolicy`) speaks of *slots*, the rows of the store's index
+(:mod:`kvpool.store.index`): ``bind(num_slots, key_of)`` once, before use; ``touch(slot)``
+when a block becomes evictable (committed, or its last pin dropped) or is read,
+``remove(slot)`` when it leaves the store or stops being evictable (pinned), and
+``victims()`` yields candidate slots, the best victim first.  The caller touches only live
+slots and removes each slot it touched before the slot is reused.  A candidate the caller
+neither removes nor touches before asking for the next one (a block a queued request holds)
+is moved behind the others, so that no pass, and no later one, visits it again before the
+rest: an eviction of k blocks visits O(k) entries, never the whole index.
 
 Blocks fall into *groups* (a tenant's keys, when the store has quotas: ``regroup``), each
 its own LRU list, so that a pass limited to some groups (``victims(allowed)``, e.g. one
 tenant's own blocks) never walks another group's entries.  An implementation yields every
-key of the allowed groups at most once per ``victims()`` pass and tolerates ``remove`` and
+slot of the allowed groups at most once per ``victims()`` pass and tolerates ``remove`` and
 ``touch`` during that pass.
 """
 
 from __future__ import annotations
 
-import heapq
-import sys
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Protocol
 
+import numpy as np
+
+from kvpool.store.index import Reserved
+
 Group = Hashable
-GroupOf = Callable[[bytes], Group]
+GroupOf = Callable[[int], Group]  # the group of a slot's block
 Allowed = Callable[[Group], bool]  # whether a pass may take blocks of a group now
+KeyOf = Callable[[int], bytes]
+NONE = -1  # no slot (the end of a list)
 
 
 class EvictionPolicy(Protocol):
-    def touch(self, key: bytes) -> None: ...
+    def bind(self, num_slots: int, key_of: KeyOf) -> None: ...
 
-    def remove(self, key: bytes) -> None: ...
+    def touch(self, slot: int) -> None: ...
 
-    def victims(self, allowed: Allowed | None = None) -> Iterator[bytes]: ...
+    def remove(self, slot: int) -> None: ...
+
+    def victims(self, allowed: Allowed | None = None) -> Iterator[int]: ...
 
     def regroup(self, group_of: GroupOf | None) -> None: ...
 
-    def adopt(self, keys: list[bytes]) -> None: ...
+    def adopt(self, slots: np.ndarray) -> None: ...
+
+    def recency(self, slots: np.ndarray) -> np.ndarray: ...
 
 
-def _one_group(key: bytes) -> Group:
+def _one_group(slot: int) -> Group:
     return None
 
 
 class LRUPolicy:
-    """Least recently used first, one LRU list per group, merged by recency."""
+    """Least recently used first: one doubly linked list per group, through columns by slot
+    (no Python object per block), merged by recency (a clock stamped at each touch)."""
 
     def __init__(self) -> None:
         self._group_of: GroupOf = _one_group
-        self._grouped = False  # more than one group: entries carry their recency (a number)
-        self._groups: dict[Group, OrderedDict[bytes, int | None]] = {None: OrderedDict()}
+        # Per group: its number (0 is the group of keys of no tenant), its list's ends.
+        self._numbers: dict[Group, int] = {None: 0}
+        self._groups: list[Group] = [None]
+        self._heads: list[int] = [NONE]
+        self._tails: list[int] = [NONE]
         self._clock = 0
+        self._size = 0
         self.num_visited = 0  # candidates yielded, ever (what an eviction costs)
+        self.bind(0, bytes)
+
+    def bind(self, num_slots: int, key_of: KeyOf) -> None:
+        """Columns for ``num_slots`` slots (the store's index)."""
+        space = Reserved(num_slots)
+        self._prev_column, self._prev = space.column(np.int32)
+        self._next_column, self._next = space.column(np.int32)
+        self._stamps, self._stamp = space.column(np.uint64)
+        # Per slot: its group's number + 1 while it is listed, else 0.
+        self._listed_column, self._listed = space.column(np.int16)
 
     def __len__(self) -> int:
-        return sum(len(order) for order in self._groups.values())
+        return self._size
 
-    def __sizeof__(self) -> int:
-        return object.__sizeof__(self) + sum(map(sys.getsizeof, self._groups.values()))
+    def nbytes(self, num_slots: int) -> int:
+        return num_slots * (4 + 4 + 8 + 2)
 
-    def touch(self, key: bytes) -> None:
-        group = self._group_of(key)
-        order = self._groups.get(group)
-        if order is None:
-            order = self._groups[group] = OrderedDict()
-        if self._grouped:
-            self._clock += 1
-            order[key] = self._clock
+    def touch(self, slot: int) -> None:
+        listed = self._listed[slot]
+        if listed:
+            number = listed - 1
+            self._unlink(slot, number)
         else:
-            order[key] = None
-        order.move_to_end(key)
+            number = self._number(self._group_of(slot))
+        self._clock += 1
+        self._stamp[slot] = self._clock
+        self._append(slot, number)
 
-    def remove(self, key: bytes) -> None:
-        order = self._groups.get(self._group_of(key))
-        if order is not None:
-            order.pop(key, None)
+    def remove(self, slot: int) -> None:
+        listed = self._listed[slot]
+        if listed:
+            self._unlink(slot, listed - 1)
 
-    def adopt(self, keys: list[bytes]) -> None:
-        """Touch ``keys`` in order (the blocks of a warm restart, oldest first), in bulk."""
-        if self._grouped:
-            for key in keys:
-                self.touch(key)
+    def _number(self, group: Group) -> int:
+        number = self._numbers.get(group)
+        if number is None:
+            number = self._numbers[group] = len(self._groups)
+            self._groups.append(group)
+            self._heads.append(NONE)
+            self._tails.append(NONE)
+        return number
+
+    def _append(self, slot: int, number: int) -> None:
+        tail = self._tails[number]
+        self._prev[slot] = tail
+        self._next[slot] = NONE
+        if tail == NONE:
+            self._heads[number] = slot
         else:
-            for key in keys:
-                self._groups[None].pop(key, None)
-            self._groups[None].update(dict.fromkeys(keys))
+            self._next[tail] = slot
+        self._tails[number] = slot
+        self._listed[slot] = number + 1
+        self._size += 1
+
+    def _unlink(self, slot: int, number: int) -> None:
+        before, after = self._prev[slot], self._next[slot]
+        if before == NONE:
+            self._heads[number] = after
+        else:
+            self._next[before] = after
+        if after == NONE:
+            self._tails[number] = before
+        else:
+            self._prev[after] = before
+        self._listed[slot] = 0
+        self._size -= 1
+
+    def adopt(self, slots: np.ndarray) -> None:
+        """Touch ``slots`` in order (the blocks of a warm restart, oldest first), in bulk."""
+        if not len(slots):
+            return
+        if self._size or len(self._groups) > 1:
+            for slot in slots.tolist():
+                self.touch(slot)
+            return
+        self._link_in_order(slots, 0)
+
+    def _link_in_order(self, slots: np.ndarray, number: int) -> None:
+        """List ``slots`` (none listed now), in order, as group ``number``'s whole list."""
+        n = len(slots)
+        self._prev_column[slots[1:]] = slots[:-1]
+        self._prev_column[slots[0]] = NONE
+        self._next_column[slots[:-1]] = slots[1:]
+        self._next_column[slots[-1]] = NONE
+        self._stamps[slots] = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.uint64)
+        self._clock += n
+        self._listed_column[slots] = number + 1
+        self._heads[number], self._tails[number] = int(slots[0]), int(slots[-1])
+        self._size += n
 
     def regroup(self, group_of: GroupOf | None) -> None:
-        """Sort the entries into new groups, keeping their order (at a reload of the
-        tenants, not on the request path: it visits every entry once)."""
-        keys = self.ordered_keys()
+        """Sort the listed slots into new groups, keeping their order (at a reload of the
+        tenants, not on the request path: it visits every listed slot once)."""
+        listed = np.flatnonzero(self._listed_column)
+        order = listed[np.argsort(self._stamps[listed], kind="stable")]
+        self._listed_column[order] = 0
         self._group_of = group_of or _one_group
-        self._grouped = group_of is not None
-        self._groups = {None: OrderedDict()}
-        self._clock = 0
-        for key in keys:
-            self.touch(key)
+        self._numbers, self._groups = {None: 0}, [None]
+        self._heads, self._tails = [NONE], [NONE]
+        self._size = 0
+        if group_of is None:
+            if len(order):
+                self._link_in_order(order, 0)
+            return
+        for slot in order.tolist():
+            self._append(slot, self._number(group_of(slot)))
 
-    def ordered_keys(self) -> list[bytes]:
-        """Every key, least recent first."""
-        if not self._grouped:
-            return list(self._groups[None])
-        merged = heapq.merge(*(order.items() for order in self._groups.values()), key=_recency)
-        return [key for key, _ in merged]
+    def recency(self, slots: np.ndarray) -> np.ndarray:
+        """When each slot was last touched (larger: more recent)."""
+        return self._stamps[slots]
 
-    def _head(self, allowed: Allowed | None) -> tuple[bytes, OrderedDict[bytes, int | None]] | None:
-        """The least recent key of the groups ``allowed`` admits now, and its list."""
-        best: tuple[bytes, OrderedDict[bytes, int | None]] | None = None
-        best_recency = 0
-        for group, order in self._groups.items():
-            if not order or (allowed is not None and not allowed(group)):
+    def _head(self, allowed: Allowed | None) -> tuple[int, int]:
+        """The least recent slot of the groups ``allowed`` admits now, and its group's
+        number (NONE, NONE: none)."""
+        best, best_number, best_stamp = NONE, NONE, 0
+        stamp = self._stamp
+        for number, head in enumerate(self._heads):
+            if head == NONE or (allowed is not None and not allowed(self._groups[number])):
                 continue
-            key = next(iter(order))
-            recency = order[key] or 0
-            if best is None or recency < best_recency:
-                best, best_recency = (key, order), recency
-        return best
+            if best == NONE or stamp[head] < best_stamp:
+                best, best_number, best_stamp = head, number, stamp[head]
+        return best, best_number
 
-    def victims(self, allowed: Allowed | None = None) -> Iterator[bytes]:
+    def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         # Always the head of a list: the caller removes it (evicted) or it is moved behind
         # the others (kept), so no pass rescans what it skipped.  At most one visit per
         # entry held at the start, so that a pass over blocks all kept ends.
-        budget = len(self)
+        budget = self._size
         while budget > 0:
-            head = self._head(allowed)
-            if head is None:
+            slot, number = self._head(allowed)
+            if slot == NONE:
                 return
-            key, order = head
             budget -= 1
             self.num_visited += 1
-            yield key
-            if key in order and next(iter(order)) == key:
-                self.touch(key)  # kept: behind the others
-
-
-def _recency(item: tuple[bytes, int | None]) -> int:
-    return item[1] or 0
+            yield slot
+            if self._heads[number] == slot:
+                self.touch(slot)  # kept: behind the others
 
 
 class NoEviction:
     """Never evicts: a full store refuses new blocks (for tests and pinned-memory modes)."""
 
-    def touch(self, key: bytes) -> None:
+    def __init__(self) -> None:
+        self._stamps = np.zeros(0, dtype=np.uint64)
+
+    def bind(self, num_slots: int, key_of: KeyOf) -> None:
+        self._stamps = np.zeros(0, dtype=np.uint64)
+
+    def touch(self, slot: int) -> None:
         pass
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, slot: int) -> None:
         pass
 
-    def victims(self, allowed: Allowed | None = None) -> Iterator[bytes]:
+    def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         return iter(())
 
     def regroup(self, group_of: GroupOf | None) -> None:
         pass
 
-    def adopt(self, keys: list[bytes]) -> None:
+    def adopt(self, slots: np.ndarray) -> None:
         pass
+
+    def recency(self, slots: np.ndarray) -> np.ndarray:
+        return np.zeros(len(slots), dtype=np.uint64)

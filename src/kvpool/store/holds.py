@@ -24,11 +24,12 @@ Synchronous, touched from one thread (the daemon's event loop), as the store is.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvpool.store.eviction import Allowed, EvictionPolicy, GroupOf
+import numpy as np
+
+from kvpool.store.eviction import Allowed, EvictionPolicy, GroupOf, KeyOf
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 
 
@@ -127,23 +128,36 @@ class QueueAwareEviction:
     def __init__(self, inner: EvictionPolicy, holds: Holds) -> None:
         self.inner = inner
         self.holds = holds
+        self._key_of: KeyOf = bytes
 
-    def touch(self, key: bytes) -> None:
-        self.inner.touch(key)
+    def bind(self, num_slots: int, key_of: KeyOf) -> None:
+        self._key_of = key_of
+        self.inner.bind(num_slots, key_of)
 
-    def remove(self, key: bytes) -> None:
-        self.inner.remove(key)
+    def touch(self, slot: int) -> None:
+        self.inner.touch(slot)
 
-    def victims(self, allowed: Allowed | None = None) -> Iterator[bytes]:
-        # A held key skipped here is moved behind the others by the inner policy.
-        is_held = self.holds.is_held
-        return (key for key in self.inner.victims(allowed) if not is_held(key))
+    def remove(self, slot: int) -> None:
+        self.inner.remove(slot)
+
+    def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
+        # A held block skipped here is moved behind the others by the inner policy.
+        is_held, key_of = self.holds.is_held, self._key_of
+        if not self.holds:
+            return self.inner.victims(allowed)
+        return (slot for slot in self.inner.victims(allowed) if not is_held(key_of(slot)))
 
     def regroup(self, group_of: GroupOf | None) -> None:
         self.inner.regroup(group_of)
 
-    def __sizeof__(self) -> int:
-        return object.__sizeof__(self) + sys.getsizeof(self.inner)
+    def adopt(self, slots: np.ndarray) -> None:
+        self.inner.adopt(slots)
 
-    def adopt(self, keys: list[bytes]) -> None:
-        self.inner.adopt(keys)
+    def recency(self, slots: np.ndarray) -> np.ndarray:
+        return self.inner.recency(slots)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def nbytes(self, num_slots: int) -> int:
+        return self.inner.nbytes(num_slots)  # type: ignore[attr-defined]

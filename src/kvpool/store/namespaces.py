@@ -55,19 +55,11 @@ class NamespaceTable:
         usage.used_bytes += size
         usage.puts += 1
 
-    def adopted(self, blocks: Iterable[tuple[bytes, int]]) -> None:
-        """Count the ``(key, size)`` of blocks adopted at a warm restart (as :meth:`added`,
-        with no puts), summed per namespace first: they are millions, the rows few."""
-        totals: dict[bytes, list[int]] = {}
-        for key, size in blocks:
-            ns = namespace_of(key)
-            total = totals.get(ns)
-            if total is None:
-                totals[ns] = [1, size]
-            else:
-                total[0] += 1
-                total[1] += size
-        for ns, (num_blocks, num_bytes) in totals.items():
+    def adopted(self, totals: Iterable[tuple[bytes, tuple[int, int]]]) -> None:
+        """Count the blocks adopted at a warm restart (as :meth:`added`, with no puts), as
+        ``(namespace id, (blocks, bytes))`` summed per namespace: they are millions, the
+        rows few."""
+        for ns, (num_blocks, num_bytes) in totals:
             usage = self._row(ns)
             usage.num_blocks += num_blocks
             usage.used_bytes += num_bytes

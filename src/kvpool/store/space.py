@@ -2,7 +2,7 @@
 on demand, and down to the low watermark once usage passes the high one, within tenants'
 quotas (rules 6 and 11 of :mod:`kvpool.store.block_store`, which owns the blocks it evicts).
 
-It asks the store, through :class:`Evictee`, which block a key names and whether it may be
+It asks the store, through :class:`Evictee`, whether the block of a slot of its index may be
 evicted now, and has the store evict it; it never sees the store's index.
 """
 
@@ -13,7 +13,6 @@ from typing import Protocol
 
 from kvpool.config import page_bytes
 from kvpool.store.allocator import Allocator
-from kvpool.store.block import Block
 from kvpool.store.eviction import Allowed, EvictionPolicy, Group
 from kvpool.store.quotas import Quotas
 
@@ -24,11 +23,11 @@ TRIM_STEP = 512
 class Evictee(Protocol):
     """The owner of the blocks (the store), as eviction sees it."""
 
-    def evictable(self, key: bytes) -> Block | None:
-        """The block ``key`` names, if it may be evicted now (committed and unpinned)."""
+    def evictable(self, slot: int) -> bool:
+        """Whether the block of ``slot`` may be evicted now (committed and unpinned)."""
 
-    def evict(self, block: Block) -> None:
-        """Remove the block, as evicted (offered to a lower tier first)."""
+    def evict(self, slot: int) -> None:
+        """Remove the slot's block, as evicted (offered to a lower tier first)."""
 
 
 class Space:
@@ -119,9 +118,8 @@ class Space:
         if done():
             return True, 0
         for victim in self.eviction.victims(allowed):
-            block = self.blocks.evictable(victim)
-            if block is not None:
-                self.blocks.evict(block)
+            if self.blocks.evictable(victim):
+                self.blocks.evict(victim)
                 num_evicted += 1
             if done():
                 return True, num_evicted
