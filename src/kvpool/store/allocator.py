@@ -97,7 +97,7 @@ class SegregatedFitAllocator:
         self._page_table = np.zeros(self.capacity // PAGE_BYTES, dtype=np.uint8)
         # The same bytes, read and written a page at a time: a memoryview indexes at
         # dict speed (numpy's scalar indexing costs 3 times as much).
-        self._start_to_pages = memoryview(self._page_table)
+        self._start_to_pages = self._page_table.data
         self._long_start_to_pages: dict[int, int] = {}
         self._bins: list[dict[int, None]] = [{} for _ in range(_bin_of(1 << 62) + 1)]
         self._bitmap = 0
