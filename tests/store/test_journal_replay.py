@@ -1,7 +1,7 @@
 """Replay as columns (kvpool.store.journal's ``Replay``), against a model of its rules, with
 real journal files: the order of the live blocks, removals, re-commits, FILLED blocks not
 hashed yet, a torn or garbled record inside a long run, keys of several lengths, and
-fingerprints that collide."""
+keys whose fingerprints collide."""
 
 import numpy as np
 import pytest
@@ -105,21 +105,6 @@ def test_a_torn_tail_is_cut_off(tmp_path):
     assert replay.keys == [key(i) for i in range(9)] and replay.num_torn_bytes > 0
 
 
-def test_fingerprints_that_collide_are_told_apart(tmp_path, monkeypatch):
-    """Keys are the clients' to choose: equal fingerprints of different keys fall back to
-    comparing the keys themselves, with the same result."""
-    journal = open_journal(tmp_path / "j")
-    journal.committed(Entry(key(i), i * PAGE_BYTES, PAGE_BYTES, i) for i in range(50))
-    journal.removed([key(10)])
-    journal.committed([Entry(key(3), 60 * PAGE_BYTES, PAGE_BYTES, 3)])
-    expected = columns(read_journal(tmp_path / "j"))
-    monkeypatch.setattr(
-        journal_module, "_fingerprints", lambda matrix: np.zeros(len(matrix), np.uint64)
-    )
-    assert columns(read_journal(tmp_path / "j")) == expected
-    assert len(expected) == 49 and expected[-1][0] == key(3)
-
-
 def test_seal_replayed_hashes_filled_blocks_inside_the_arena(tmp_path):
     arena = Arena(tmp_path / "arena", 8 * PAGE_BYTES)
     try:
@@ -186,8 +171,28 @@ def write(path, ops):
     journal.close()
 
 
-@pytest.mark.parametrize("keys", [same_length_keys, any_length_keys], ids=["one", "several"])
-def test_replay_follows_the_rules_for_any_sequence(tmp_path_factory, keys):
+def colliding(num_groups):
+    """A fingerprint that puts keys in ``num_groups`` groups (0: the real one)."""
+    if not num_groups:
+        return journal_module._fingerprints
+
+    def fingerprints(matrix):
+        group = matrix.astype(np.uint64).sum(axis=1) % np.uint64(num_groups)
+        return group << np.uint64(60)  # above the bits that carry the record's index
+
+    return fingerprints
+
+
+@pytest.mark.parametrize(
+    ("keys", "num_groups"),
+    [(same_length_keys, 0), (same_length_keys, 1), (same_length_keys, 3), (any_length_keys, 0)],
+    ids=["one-length", "all-collide", "some-collide", "several-lengths"],
+)
+def test_replay_follows_the_rules_for_any_sequence(tmp_path_factory, monkeypatch, keys, num_groups):
+    """Keys are the clients' to choose: keys that share a fingerprint replay as if they
+    did not."""
+    monkeypatch.setattr(journal_module, "_fingerprints", colliding(num_groups))
+
     @settings(max_examples=150, deadline=None)
     @given(ops_of(keys))
     def check(ops):

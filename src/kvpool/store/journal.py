@@ -172,11 +172,13 @@ def _parse_run(data: bytes, position: int, key_len: int) -> np.ndarray:
         count = int(np.argmin(fits))
     if count < 2:
         return records[:0]
-    # One call per record: the hash of ~100 bytes costs less than any way to batch it.
-    body = dtype.itemsize - RECORD_CHECKSUM.size
-    view, hash_ = memoryview(data), xxhash.xxh3_64_intdigest
-    starts = range(position, position + count * dtype.itemsize, dtype.itemsize)
-    digests = np.fromiter((hash_(view[p : p + body]) for p in starts), np.uint64, count)
+    # One call per record, mapped over the rows of the records' bytes (each a buffer,
+    # though numpy's stubs do not say so): 30% less than slicing the journal per record,
+    # and ~100 numpy operations of a vectorised xxh3 would cost more.
+    bodies = records[:count].view(np.uint8).reshape(count, dtype.itemsize)
+    bodies = bodies[:, : dtype.itemsize - RECORD_CHECKSUM.size]
+    hash_ = xxhash.xxh3_64_intdigest
+    digests = np.fromiter(map(hash_, bodies), np.uint64, count)  # type: ignore[arg-type]
     intact = digests == records["crc"][:count]
     if not intact.all():
         count = int(np.argmin(intact))
@@ -300,21 +302,36 @@ def _replay_records(data: bytes) -> tuple[Replay, int]:
 
 
 def _live_by_fingerprint(matrix: np.ndarray, kinds: np.ndarray) -> np.ndarray | None:
-    """Records whose keys are the rows of ``matrix``: sorted by a 64-bit fingerprint of
-    their key, in numpy (half what a dict of a million keys costs); records that share a
-    fingerprint are compared whole, and if two keys merely collide, a dict decides."""
-    fingerprints = _fingerprints(matrix)
-    order = np.argsort(fingerprints, kind="stable")  # a key's records stay in file order
-    ordered = fingerprints[order]
-    same = ordered[1:] == ordered[:-1]
+    """Records whose keys are the rows of ``matrix``, found in numpy (a dict of a million
+    keys costs twice as much): sorted by a fingerprint of their key with their index in
+    its low bits, a key's records lie together, in file order; those that share a
+    fingerprint are compared whole."""
+    num_records = len(kinds)
+    bits = max(1, (num_records - 1).bit_length())
+    index_mask = np.uint64((1 << bits) - 1)
+    # One plain sort of one array: two thirds of what an argsort costs.
+    packed = (_fingerprints(matrix) & ~index_mask) | np.arange(num_records, dtype=np.uint64)
+    packed.sort()
+    order = (packed & index_mask).astype(np.intp)
+    fingerprints = packed >> np.uint64(bits)
+    same = fingerprints[1:] == fingerprints[:-1]
     earlier, later = order[:-1][same], order[1:][same]
-    if not (matrix[earlier] == matrix[later]).all():
-        return _live_by_dict(_rows_as_bytes(matrix), kinds)
+    equal = (matrix[earlier] == matrix[later]).all(axis=1)
     removed = kinds == REMOVE
     if not len(earlier) and not removed.any():
         return None  # each key once, nothing removed: a journal just compacted
     is_live = ~removed
-    is_live[earlier] = False  # a later record of its key follows
+    is_live[earlier[equal]] = False  # a later record of its key follows
+    if not equal.all():
+        # Keys that merely share a fingerprint (rare, or chosen to: keys are the clients'):
+        # their groups are decided by a dict of their records.
+        group = np.cumsum(np.concatenate(([True], ~same)))
+        colliding = np.flatnonzero(np.isin(group, group[1:][same][~equal]))
+        records = np.sort(order[colliding])
+        last = dict(zip(_rows_as_bytes(matrix[records]), records.tolist(), strict=True))
+        winners = np.fromiter(last.values(), dtype=np.intp, count=len(last))
+        is_live[records] = False
+        is_live[winners] = ~removed[winners]
     return np.flatnonzero(is_live)
 
 
