@@ -123,8 +123,16 @@ def test_long_extents_are_handed_out_carved_freed_and_adopted():
         alloc.free(offset)
     assert alloc.used == 0 and alloc.largest_free() == alloc.capacity
     adopted = SegregatedFitAllocator(4 * LONG * PAGE_BYTES)
-    taken = adopted.adopt([(PAGE_BYTES, 3 * LONG * PAGE_BYTES), (0, PAGE_BYTES)])
-    assert taken.tolist() == [True, True]
+    taken = adopted.adopt(
+        np.array(
+            [
+                (PAGE_BYTES, 3 * LONG * PAGE_BYTES),
+                (0, PAGE_BYTES),
+                ((3 * LONG + 2) * PAGE_BYTES, -1),
+            ]
+        )
+    )
+    assert taken.tolist() == [True, True, False]  # a negative size (a journal's 2**64 - 1)
     adopted.free(PAGE_BYTES)
     assert adopted.largest_free() == (4 * LONG - 1) * PAGE_BYTES  # coalesced with the rest
 

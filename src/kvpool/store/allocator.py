@@ -210,8 +210,9 @@ class SegregatedFitAllocator:
     def adopt(self, extents: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
         """Mark ``(offset, num_bytes)`` extents (pairs, or an array of two columns) as
         allocated, on an allocator that has handed out nothing yet; an extent that is
-        misaligned, outside the arena or overlaps an earlier one is refused (``False`` in
-        the boolean array returned), the others are taken (``True``)."""
+        misaligned, outside the arena, of a negative size or overlaps an earlier one is
+        refused (``False`` in the boolean array returned), the others are taken
+        (``True``)."""
         if self.used:
             raise ValueError("adopt needs an allocator that has handed out nothing")
         total = self.capacity // PAGE_BYTES
@@ -230,6 +231,7 @@ class SegregatedFitAllocator:
         num_pages = np.maximum(1, -(-columns[order, 1] // PAGE_BYTES))
         ends = starts + num_pages
         fits = (offsets % PAGE_BYTES == 0) & (offsets >= 0) & (num_pages <= total - starts)
+        fits &= columns[order, 1] >= 0
         before = np.concatenate(([0], np.maximum.accumulate(np.where(fits, ends, 0))[:-1]))
         ok = fits & (starts >= before)
         if not (ok == fits).all():

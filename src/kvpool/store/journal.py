@@ -281,7 +281,7 @@ def _replay(data: Data) -> tuple[Replay, int]:
 def _replay_records(data: Data) -> tuple[Replay, int]:
     records, labels, num_records, valid_bytes = _parse(data)
     kinds, offsets, sizes, checksums = records.fields()
-    # Offsets and sizes past 2**63 fit no arena: never adopted, as negative numbers.
+    # Offsets and sizes past 2**63 fit no arena: negative here, never sealed nor adopted.
     offsets, sizes = offsets.view(np.int64), sizes.view(np.int64)
     key_lengths = {run.shape[1] for run in records.key_runs}
     if len(key_lengths) == 1 and min(key_lengths) > 0:  # keys of one length: a node's are
@@ -369,8 +369,7 @@ FINGERPRINT_MULTIPLIER = np.uint64(0xFF51AFD7ED558CCD)
 
 def _fingerprints(matrix: np.ndarray) -> np.ndarray:
     """A 64-bit fingerprint of each row of ``matrix`` (whole 64-bit words): each word mixed
-    into the state by a xor, an odd multiplier and a xor-shift (each step a bijection, so
-    keys that differ in their last word only never collide)."""
+    into the state by a xor, an odd multiplier and a xor-shift."""
     state = np.full(len(matrix), FINGERPRINT_SEED, dtype=np.uint64)
     shift = np.uint64(32)
     for word in matrix.view("<u8").T:
