@@ -190,13 +190,16 @@ def _parse_run(data: Data, position: int, key_len: int) -> np.ndarray:
     return records[:count]
 
 
+FIELDS = ("kind", "offset", "size", "checksum")
+
+
 class _Records:
     """The block records of a journal decoded so far, in file order: their keys, a matrix
     of bytes per run of one key length, and their kind, offset, size and checksum."""
 
     def __init__(self) -> None:
         self.key_runs: list[np.ndarray] = []  # (records, key length) of uint8, per run
-        self._field_runs: list[np.ndarray] = []  # kind, offset, size, checksum: 4 rows
+        self._field_runs: list[tuple[np.ndarray, ...]] = []  # kind, offset, size, checksum
         self._singles: list[tuple[bytes, int, int, int, int]] = []  # decoded one by one
 
     def add_run(self, records: np.ndarray) -> None:
@@ -204,8 +207,7 @@ class _Records:
         # The keys' bytes where they lie in the journal's: copied once, by _key_matrix.
         raw = records.view(np.uint8).reshape(len(records), records.itemsize)
         self.key_runs.append(raw[:, RECORD.size : RECORD.size + records.dtype["key"].itemsize])
-        fields = ("kind", "offset", "size", "checksum")
-        self._field_runs.append(np.stack([records[f].astype(np.uint64) for f in fields]))
+        self._field_runs.append(tuple(records[f] for f in FIELDS))  # views, copied by fields()
 
     def add(self, kind: int, key: bytes, offset: int, size: int, checksum: int) -> None:
         if self._singles and len(self._singles[-1][0]) != len(key):
@@ -217,16 +219,19 @@ class _Records:
             keys = b"".join(single[0] for single in self._singles)
             matrix = np.frombuffer(keys, np.uint8).reshape(len(self._singles), -1)
             self.key_runs.append(matrix)
-            fields = [single[1:] for single in self._singles]
-            self._field_runs.append(np.array(fields, dtype=np.uint64).reshape(-1, 4).T)
+            fields = np.array([single[1:] for single in self._singles], dtype=np.uint64)
+            self._field_runs.append(tuple(fields.reshape(-1, len(FIELDS)).T))
             self._singles = []
 
-    def fields(self) -> np.ndarray:
-        """Kind, offset, size and checksum of every record: 4 rows of uint64."""
+    def fields(self) -> list[np.ndarray]:
+        """Kind, offset, size and checksum of every record, a uint64 array each."""
         self._flush()
-        if not self._field_runs:
-            return np.zeros((4, 0), dtype=np.uint64)
-        return np.concatenate(self._field_runs, axis=1)
+        return [
+            np.concatenate([run[i] for run in self._field_runs], dtype=np.uint64)
+            if self._field_runs
+            else np.zeros(0, dtype=np.uint64)
+            for i in range(len(FIELDS))
+        ]
 
 
 def _parse(data: Data) -> tuple[_Records, dict[bytes, str], int, int]:
