@@ -158,9 +158,9 @@ class SegregatedFitAllocator:
     def _release(self, offset: int) -> tuple[int, int]:
         """The start page and length of the extent handed out at ``offset``, which is
         handed out no more; a ``ValueError`` if none was."""
-        start, misaligned = divmod(offset, PAGE_BYTES)
-        if misaligned or not 0 <= start < len(self._start_to_pages):
+        if offset % PAGE_BYTES or not 0 <= offset < self.capacity:
             raise ValueError(f"offset {offset} was not handed out")
+        start = offset // PAGE_BYTES
         num_pages = self._start_to_pages[start]
         if not num_pages:
             raise ValueError(f"offset {offset} was not handed out")
