@@ -154,7 +154,7 @@ def test_allocator_adopts_extents_and_refuses_overlaps():
     taken = allocator.adopt(
         [(4 * PAGE_BYTES, PAGE_BYTES), (0, 2 * PAGE_BYTES), (PAGE_BYTES, PAGE_BYTES), (100, 10)]
     )
-    assert taken == [True, True, False, False]  # overlapping, misaligned: refused
+    assert taken.tolist() == [True, True, False, False]  # overlapping, misaligned: refused
     assert allocator.used == 3 * PAGE_BYTES
     got = {allocator.allocate(PAGE_BYTES) for _ in range(13)}
     assert len(got) == 13 and not got & {0, PAGE_BYTES, 4 * PAGE_BYTES}

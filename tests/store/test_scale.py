@@ -209,7 +209,7 @@ def test_adopting_in_bulk_takes_what_one_extent_at_a_time_takes():
         if offset % PAGE_BYTES == 0 and start >= cursor and start + num_pages <= total_pages:
             expected[i], cursor = True, start + num_pages
     allocator = SegregatedFitAllocator(total_pages * PAGE_BYTES)
-    assert allocator.adopt(extents) == expected
+    assert allocator.adopt(extents).tolist() == expected
     adopted = [size for (_, size), ok in zip(extents, expected, strict=True) if ok]
     held = sum(max(1, -(-size // PAGE_BYTES)) for size in adopted)
     assert allocator.used == held * PAGE_BYTES

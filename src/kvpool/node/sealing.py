@@ -31,6 +31,8 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
+import numpy as np
+
 from kvpool import checksum as ck
 from kvpool.keys import BlockOrigin
 from kvpool.store.arena import Arena
@@ -190,11 +192,12 @@ class Sealer:
 
 def seal_replayed(replay: Replay, arena: Arena) -> int:
     """Hash the blocks a journal says were filled but not yet hashed when the last daemon
-    stopped (their writers had finished them), so that they can be adopted; how many."""
-    num = 0
-    for i, entry in enumerate(replay.entries):
-        if entry.checksum is None and 0 <= entry.offset <= arena.num_bytes - entry.size:
-            checksum = ck.checksum(arena.slice(entry.offset, entry.size))
-            replay.entries[i] = Entry(entry.key, entry.offset, entry.size, checksum)
-            num += 1
-    return num
+    stopped (their writers had finished them), so that they can be adopted; how many.
+    Those that do not lie inside ``arena`` stay unhashed (and are not adopted)."""
+    offsets, sizes = replay.offsets, replay.sizes
+    inside = (offsets >= 0) & (sizes >= 0) & (offsets <= arena.num_bytes - sizes)
+    unhashed = np.flatnonzero(~replay.hashed & inside).tolist()
+    for i in unhashed:
+        replay.checksums[i] = ck.checksum(arena.slice(int(offsets[i]), int(sizes[i])))
+    replay.hashed[unhashed] = True
+    return len(unhashed)

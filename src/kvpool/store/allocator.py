@@ -4,19 +4,23 @@ The interface (:class:`Allocator`): ``allocate(num_bytes) -> offset | None`` and
 ``free(offset)``; ``carve(offset, sizes)`` splits one allocated extent into separately
 freeable pieces, so that the blocks of one batch sit contiguously in the arena and move as
 one large copy; ``adopt(extents)``, on an allocator that has handed out nothing yet, marks
-extents found in a surviving arena as allocated (a warm restart).  The caller guarantees it
-frees only offsets it was given or adopted, once.  Every offset and size is a multiple of
-the page size.
+extents found in a surviving arena as allocated (a warm restart), and says which it took.
+The caller guarantees it frees only offsets it was given or adopted, once (the segregated
+fit allocator checks it: any other free raises ``ValueError``).  Every offset and size is a
+multiple of the page size.
 
 :class:`SegregatedFitAllocator` is a two-level segregated fit (TLSF) allocator: free
 extents live in bins indexed by (power of two, 8 linear sub-ranges); a bitmap finds the
-first bin that can hold a request in O(1); neighbours are coalesced on free in O(1).
+first bin that can hold a request in O(1); neighbours are coalesced on free in O(1).  Its
+memory does not grow with the extents it hands out: a byte per arena page says which are
+(a restart adopts millions of blocks, and a Python object per block is ~100 bytes).
 :class:`BumpAllocator` is the trivial implementation for tests: it never reuses memory.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -25,6 +29,8 @@ from kvpool.config import PAGE_BYTES, pages
 
 SL_BITS = 3  # 8 second-level bins per power of two
 SL_COUNT = 1 << SL_BITS
+# Extents of this many pages or more keep their length in a dict, not in their page's byte.
+LONG = 255
 
 
 __all__ = ["Allocator", "BumpAllocator", "SegregatedFitAllocator", "pages"]
@@ -42,7 +48,7 @@ class Allocator(Protocol):
 
     def largest_free(self) -> int: ...
 
-    def adopt(self, extents: list[tuple[int, int]]) -> list[bool]: ...
+    def adopt(self, extents: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray: ...
 
 
 def _bin_of(num_pages: int) -> int:
@@ -52,6 +58,15 @@ def _bin_of(num_pages: int) -> int:
     fl = num_pages.bit_length() - 1
     sl = (num_pages >> (fl - SL_BITS)) - SL_COUNT
     return (fl - SL_BITS + 1) * SL_COUNT + sl
+
+
+def _bins_of(num_pages: np.ndarray) -> np.ndarray:
+    """:func:`_bin_of` of each of an array of extent lengths."""
+    # frexp's exponent is the bit length, exactly (lengths are far below 2**53).
+    fl = np.frexp(num_pages.astype(np.float64))[1].astype(np.int64) - 1
+    shift = np.maximum(fl - SL_BITS, 0)
+    large = (fl - SL_BITS + 1) * SL_COUNT + (num_pages >> shift) - SL_COUNT
+    return np.where(num_pages < SL_COUNT, num_pages, large)
 
 
 def _bin_for_request(num_pages: int) -> int:
@@ -64,14 +79,26 @@ def _bin_for_request(num_pages: int) -> int:
 
 
 class SegregatedFitAllocator:
-    """O(1) allocation and free with coalescing, in units of pages."""
+    """O(1) allocation and free with coalescing, in units of pages.
+
+    What is handed out is kept in a byte per arena page, not an object per extent: the
+    length in pages of the extent that starts at that page (0: none starts there), or
+    ``LONG`` for an extent of ``LONG`` pages or more, whose length is in a dict (extents of
+    a megabyte or more: few, and large).  A byte per page is 0.02% of the arena (256 MiB
+    for a 1 TiB arena), allocated zeroed so that the kernel backs its pages only as the
+    arena's pages are first handed out.
+    """
 
     def __init__(self, capacity: int):
         self.capacity = capacity // PAGE_BYTES * PAGE_BYTES
         self.used = 0
         self._free_start_to_pages: dict[int, int] = {}
         self._free_end_to_start: dict[int, int] = {}
-        self._allocated_start_to_pages: dict[int, int] = {}
+        self._page_table = np.zeros(self.capacity // PAGE_BYTES, dtype=np.uint8)
+        # The same bytes, read and written a page at a time: a memoryview indexes at
+        # dict speed (numpy's scalar indexing costs 3 times as much).
+        self._start_to_pages = self._page_table.data
+        self._long_start_to_pages: dict[int, int] = {}
         self._bins: list[dict[int, None]] = [{} for _ in range(_bin_of(1 << 62) + 1)]
         self._bitmap = 0
         total = self.capacity // PAGE_BYTES
@@ -79,12 +106,17 @@ class SegregatedFitAllocator:
             self._insert_free(0, total)
 
     def __sizeof__(self) -> int:
-        allocated = self._allocated_start_to_pages
-        tables = (self._free_start_to_pages, self._free_end_to_start, allocated)
-        # The int keys of the allocated extents are the only per-block objects here.
-        ints = len(allocated) * sys.getsizeof(1 << 40)
+        tables = (self._free_start_to_pages, self._free_end_to_start, self._long_start_to_pages)
+        # The table of extents by page as allocated: its pages are resident once the arena's
+        # pages have all been handed out once (the steady state of a cache).  The dicts'
+        # int keys are per free or long extent: few, not counted.
         bins = sum(map(sys.getsizeof, self._bins))
-        return object.__sizeof__(self) + sum(map(sys.getsizeof, tables)) + bins + ints
+        return (
+            object.__sizeof__(self)
+            + self._page_table.nbytes
+            + sum(map(sys.getsizeof, tables))
+            + bins
+        )
 
     def allocate(self, num_bytes: int) -> int | None:
         want = pages(num_bytes)
@@ -112,12 +144,33 @@ class SegregatedFitAllocator:
         have = self._remove_free(start)
         if have > want:
             self._insert_free(start + want, have - want)
-        self._allocated_start_to_pages[start] = want
+        self._hold(start, want)
         self.used += want * PAGE_BYTES
 
-    def free(self, offset: int) -> None:
+    def _hold(self, start: int, num_pages: int) -> None:
+        """Record the extent of ``num_pages`` at page ``start`` as handed out."""
+        if num_pages < LONG:
+            self._start_to_pages[start] = num_pages
+        else:
+            self._start_to_pages[start] = LONG
+            self._long_start_to_pages[start] = num_pages
+
+    def _release(self, offset: int) -> tuple[int, int]:
+        """The start page and length of the extent handed out at ``offset``, which is
+        handed out no more; a ``ValueError`` if none was."""
+        if offset % PAGE_BYTES or not 0 <= offset < self.capacity:
+            raise ValueError(f"offset {offset} was not handed out")
         start = offset // PAGE_BYTES
-        num_pages = self._allocated_start_to_pages.pop(start)
+        num_pages = self._start_to_pages[start]
+        if not num_pages:
+            raise ValueError(f"offset {offset} was not handed out")
+        self._start_to_pages[start] = 0
+        if num_pages == LONG:
+            num_pages = self._long_start_to_pages.pop(start)
+        return start, num_pages
+
+    def free(self, offset: int) -> None:
+        start, num_pages = self._release(offset)
         self.used -= num_pages * PAGE_BYTES
         following = start + num_pages
         if following in self._free_start_to_pages:
@@ -131,20 +184,20 @@ class SegregatedFitAllocator:
     def carve(self, offset: int, sizes: list[int]) -> list[int]:
         """Split the allocated extent at ``offset`` into pieces of ``sizes`` (page-rounded,
         in order); the extent's tail beyond them is freed."""
-        start = offset // PAGE_BYTES
-        total = self._allocated_start_to_pages.pop(start)
+        start, total = self._release(offset)
+        piece_pages = [pages(size) for size in sizes]
+        if sum(piece_pages) > total:
+            self._hold(start, total)
+            raise ValueError("pieces exceed the extent")
         offsets: list[int] = []
         cursor = start
-        for size in sizes:
-            num_pages = pages(size)
-            self._allocated_start_to_pages[cursor] = num_pages
+        for num_pages in piece_pages:
+            self._hold(cursor, num_pages)
             offsets.append(cursor * PAGE_BYTES)
             cursor += num_pages
         leftover = start + total - cursor
-        if leftover < 0:
-            raise ValueError("pieces exceed the extent")
         if leftover:
-            self._allocated_start_to_pages[cursor] = leftover
+            self._hold(cursor, leftover)
             self.free(cursor * PAGE_BYTES)
         return offsets
 
@@ -154,28 +207,31 @@ class SegregatedFitAllocator:
         top = self._bitmap.bit_length() - 1
         return max(self._free_start_to_pages[s] for s in self._bins[top]) * PAGE_BYTES
 
-    def adopt(self, extents: list[tuple[int, int]]) -> list[bool]:
-        """Mark ``(offset, num_bytes)`` extents as allocated, on an allocator that has
-        handed out nothing yet; an extent that is misaligned, outside the arena or overlaps
-        an earlier one is refused (``False``), the others are taken (``True``)."""
-        if self._allocated_start_to_pages:
+    def adopt(self, extents: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
+        """Mark ``(offset, num_bytes)`` extents (pairs, or an array of two columns) as
+        allocated, on an allocator that has handed out nothing yet; an extent that is
+        misaligned, outside the arena, of a negative size or overlaps an earlier one is
+        refused (``False`` in the boolean array returned), the others are taken
+        (``True``)."""
+        if self.used:
             raise ValueError("adopt needs an allocator that has handed out nothing")
         total = self.capacity // PAGE_BYTES
+        columns = np.asarray(extents, dtype=np.int64).reshape(-1, 2)
         if total:
             self._remove_free(0)
-        if not extents:
+        if not len(columns):
             if total:
                 self._insert_free(0, total)
-            return []
+            return np.zeros(0, dtype=bool)
         # In bulk (a restart adopts millions): sorted by offset, each extent is taken if it
         # is aligned, inside the arena and starts at or after the end of the last one taken.
-        columns = np.array(extents, dtype=np.int64)
         order = np.argsort(columns[:, 0], kind="stable")
         offsets = columns[order, 0]
         starts = offsets // PAGE_BYTES
         num_pages = np.maximum(1, -(-columns[order, 1] // PAGE_BYTES))
         ends = starts + num_pages
-        fits = (offsets % PAGE_BYTES == 0) & (offsets >= 0) & (ends <= total)
+        fits = (offsets % PAGE_BYTES == 0) & (offsets >= 0) & (num_pages <= total - starts)
+        fits &= columns[order, 1] >= 0
         before = np.concatenate(([0], np.maximum.accumulate(np.where(fits, ends, 0))[:-1]))
         ok = fits & (starts >= before)
         if not (ok == fits).all():
@@ -187,17 +243,35 @@ class SegregatedFitAllocator:
                 if ok[i]:
                     cursor = int(ends[i])
         starts, num_pages, ends = starts[ok], num_pages[ok], ends[ok]
-        self._allocated_start_to_pages.update(zip(starts.tolist(), num_pages.tolist(), strict=True))
+        long = num_pages >= LONG
+        self._page_table[starts] = np.where(long, LONG, num_pages)
+        self._long_start_to_pages.update(
+            zip(starts[long].tolist(), num_pages[long].tolist(), strict=True)
+        )
         self.used += int(num_pages.sum()) * PAGE_BYTES
         gap_starts = np.concatenate(([0], ends))
         gap_pages = np.concatenate((starts, [total])) - gap_starts
-        for start, length in zip(
-            gap_starts[gap_pages > 0].tolist(), gap_pages[gap_pages > 0].tolist(), strict=True
-        ):
-            self._insert_free(start, length)
-        taken = np.zeros(len(extents), dtype=bool)
+        gaps = gap_pages > 0
+        self._insert_free_many(gap_starts[gaps], gap_pages[gaps])
+        taken = np.zeros(len(columns), dtype=bool)
         taken[order] = ok
-        return taken.tolist()
+        return taken
+
+    def _insert_free_many(self, starts: np.ndarray, num_pages: np.ndarray) -> None:
+        """:meth:`_insert_free` of many extents, a dict update per bin, not a call each."""
+        if not len(starts):
+            return
+        start_list = starts.tolist()
+        self._free_start_to_pages.update(zip(start_list, num_pages.tolist(), strict=True))
+        self._free_end_to_start.update(zip((starts + num_pages).tolist(), start_list, strict=True))
+        bin_of = _bins_of(num_pages)
+        order = np.argsort(bin_of, kind="stable")  # offset order within a bin, as one by one
+        bins = bin_of[order]
+        cuts = np.flatnonzero(np.diff(bins)) + 1
+        firsts = np.concatenate(([0], cuts))
+        for index, group in zip(bins[firsts].tolist(), np.split(starts[order], cuts), strict=True):
+            self._bins[index].update(dict.fromkeys(group.tolist()))
+            self._bitmap |= 1 << index
 
     def _insert_free(self, start: int, num_pages: int) -> None:
         self._free_start_to_pages[start] = num_pages
@@ -252,9 +326,10 @@ class BumpAllocator:
     def largest_free(self) -> int:
         return self.capacity - self._next
 
-    def adopt(self, extents: list[tuple[int, int]]) -> list[bool]:
+    def adopt(self, extents: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
+        pairs = [(o, n) for o, n in np.asarray(extents, dtype=np.int64).reshape(-1, 2).tolist()]
         taken = []
-        for offset, num_bytes in sorted(extents):
+        for offset, num_bytes in sorted(pairs):
             size = pages(num_bytes) * PAGE_BYTES
             ok = offset >= self._next and offset + size <= self.capacity
             if ok:
@@ -262,8 +337,7 @@ class BumpAllocator:
                 self.used += size
                 self._next = offset + size
             taken.append(ok)
-        order = sorted(range(len(extents)), key=lambda i: extents[i])
-        result = [False] * len(extents)
-        for rank, index in enumerate(order):
-            result[index] = taken[rank]
+        order = sorted(range(len(pairs)), key=lambda i: pairs[i])
+        result = np.zeros(len(pairs), dtype=bool)
+        result[order] = taken
         return result
