@@ -68,7 +68,7 @@ from kvpool.store.block import (
 )
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.index import BlockIndex, counted_prefixes
-from kvpool.store.journal import Entry, Journal, NoJournal, Replay
+from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
 from kvpool.store.namespaces import NamespaceTable
 from kvpool.store.quotas import Quotas
@@ -165,21 +165,24 @@ class BlockStore:
 
     def _adopt(self) -> None:
         """Take over the blocks a replayed journal describes (a warm restart)."""
-        # In bulk, with no call per block: a restart adopts millions.  Adopted blocks are
-        # not sealed (nothing to list in the directory) and were announced when stored.
+        # In bulk, with no statement per block: a restart adopts millions.  Adopted blocks
+        # are not sealed (nothing to list in the directory) and were announced when stored.
         replayed = self.journal.replayed
-        keys, offsets, sizes, checksums = _adoptable(replayed, self.capacity)
-        taken = np.asarray(
-            self.allocator.adopt(list(zip(offsets.tolist(), sizes.tolist(), strict=True))),
-            dtype=bool,
+        sizes = replayed.sizes
+        # Hashed (see seal_replayed) and small enough for this arena.
+        wanted = np.flatnonzero(replayed.hashed & (sizes >= 0) & (sizes <= self.capacity))
+        extents = np.stack([replayed.offsets[wanted], sizes[wanted]], axis=1)
+        taken = self.allocator.adopt(extents)
+        adopted, refused = wanted[taken], wanted[~taken]
+        keys = replayed.keys
+        if len(refused):
+            self.journal.removed([keys[i] for i in refused.tolist()])
+        if len(adopted) < len(keys):
+            keys = [keys[i] for i in adopted.tolist()]
+        sizes = sizes[adopted]
+        slots = self.index.adopt(
+            keys, replayed.offsets[adopted], sizes, replayed.checksums[adopted]
         )
-        if not taken.all():
-            self.journal.removed(
-                key for key, ok in zip(keys, taken.tolist(), strict=True) if not ok
-            )
-            keys = [key for key, ok in zip(keys, taken.tolist(), strict=True) if ok]
-            offsets, sizes, checksums = offsets[taken], sizes[taken], checksums[taken]
-        slots = self.index.adopt(keys, offsets, sizes, checksums)
         self.committed_bytes += int(sizes.sum())
         self.eviction.adopt(slots)
         self.namespaces.adopted(
@@ -190,6 +193,7 @@ class BlockStore:
         self.counters.adopted = len(slots)
         self.counters.puts = 0
         self.namespaces.reset_puts()
+        self.journal.forget_replay()  # its columns and keys: ~100 bytes a block, not needed now
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -641,16 +645,3 @@ class BlockStore:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
-
-
-def _adoptable(
-    replayed: Replay, capacity: int
-) -> tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray]:
-    """The blocks of a replayed journal that may be adopted (hashed, see ``seal_replayed``,
-    and small enough for this arena), as columns: keys, offsets, sizes, checksums."""
-    entries = [e for e in replayed.entries if e.checksum is not None and e.size <= capacity]
-    keys = [e.key for e in entries]
-    offsets = np.fromiter((e.offset for e in entries), np.int64, len(entries))
-    sizes = np.fromiter((e.size for e in entries), np.int64, len(entries))
-    checksums = np.fromiter((e.checksum or 0 for e in entries), np.uint64, len(entries))
-    return keys, offsets, sizes, checksums

@@ -48,7 +48,7 @@ import itertools
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, cast
@@ -411,7 +411,9 @@ class Journal:
         self._valid_bytes = 0
         self._filled: dict[bytes, Entry] = {}  # FILLED, not yet followed by COMMIT or REMOVE
         self._new_fd = -1  # the snapshot being written (a compaction under way), else -1
-        self._snapshot: list[bytes] = []  # keys the snapshot has still to write, oldest first
+        # What the snapshot has still to write, oldest first: the store's names for its
+        # blocks (slots of its index), each turned into an entry when its step comes.
+        self._snapshot: Sequence[int] | np.ndarray = []
         self._snapshot_at = 0  # how many of them it wrote
         self._new_records = 0
         Path(str(path) + ".new").unlink(missing_ok=True)  # a compaction a crash cut short
@@ -439,6 +441,13 @@ class Journal:
             return Replay.empty()  # another arena's, or a garbled header: start empty
         replayed, self._valid_bytes = _replay(data)
         return replayed
+
+    def forget_replay(self) -> None:
+        """Drop the blocks replay found, once the store adopted them (what it counted stays)."""
+        counted = self.replayed
+        self.replayed = Replay.empty()
+        self.replayed.num_records = counted.num_records
+        self.replayed.num_torn_bytes = counted.num_torn_bytes
 
     # -- appending ------------------------------------------------------------------------
 
@@ -480,9 +489,11 @@ class Journal:
     def compacting(self) -> bool:
         return self._new_fd >= 0
 
-    def start_compaction(self, keys: list[bytes], labels: dict[bytes, str]) -> None:
-        """Begin a snapshot of the blocks ``keys`` names (oldest first; the journal takes
-        the list) and of ``labels``; :meth:`compact_step` writes it."""
+    def start_compaction(
+        self, blocks: Sequence[int] | np.ndarray, labels: dict[bytes, str]
+    ) -> None:
+        """Begin a snapshot of ``blocks`` (the store's slots, oldest first; the journal
+        takes the sequence) and of ``labels``; :meth:`compact_step` writes it."""
         new = Path(str(self.path) + ".new")
         self._new_fd = self._create(new)
         records = [
@@ -493,13 +504,14 @@ class Journal:
         records += [_record(FILLED, e.key, e.offset, e.size) for e in self._filled.values()]
         _write_all(self._new_fd, b"".join(records))
         self._new_records = len(records)
-        self._snapshot, self._snapshot_at = keys, 0
+        self._snapshot, self._snapshot_at = blocks, 0
 
-    def compact_step(self, live: Callable[[bytes], Entry | None]) -> None:
-        """Write the next ``COMPACT_STEP`` keys of the snapshot that ``live`` says are
-        committed now; once all are written, the snapshot replaces the journal."""
+    def compact_step(self, live: Callable[[int], Entry | None]) -> None:
+        """Write the next ``COMPACT_STEP`` blocks of the snapshot that ``live`` says are
+        committed now (their entries now); once all are written, the snapshot replaces the
+        journal."""
         end = min(self._snapshot_at + COMPACT_STEP, len(self._snapshot))
-        entries = [e for k in self._snapshot[self._snapshot_at : end] if (e := live(k)) is not None]
+        entries = [e for b in self._snapshot[self._snapshot_at : end] if (e := live(b)) is not None]
         self._snapshot_at = end
         records = [_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries]
         try:
@@ -556,6 +568,9 @@ class NoJournal:
 
     replayed = Replay.empty()
 
+    def forget_replay(self) -> None:
+        pass
+
     def committed(self, entries: Iterable[Entry]) -> None:
         pass
 
@@ -573,10 +588,12 @@ class NoJournal:
 
     compacting = False
 
-    def start_compaction(self, keys: list[bytes], labels: dict[bytes, str]) -> None:
+    def start_compaction(
+        self, blocks: Sequence[int] | np.ndarray, labels: dict[bytes, str]
+    ) -> None:
         pass
 
-    def compact_step(self, live: Callable[[bytes], Entry | None]) -> None:
+    def compact_step(self, live: Callable[[int], Entry | None]) -> None:
         pass
 
     def close(self, *, remove: bool = False) -> None:
