@@ -171,7 +171,7 @@ def test_a_large_arena_is_mapped_at_once_and_populated_behind(start_node):
     page tables in; blocks written meanwhile round-trip, and the thread ends."""
     import gc
 
-    from kvpool.client import connection
+    from kvpool import mapping
 
     node = start_node(name="large", memory="3GiB")
     values = [bytes([i]) * (1 << 20) for i in range(8)]
@@ -188,4 +188,4 @@ def test_a_large_arena_is_mapped_at_once_and_populated_behind(start_node):
     for thread in threads:
         thread.join(30)  # done, or stopped once nobody maps the arena
         assert not thread.is_alive()
-    assert connection.SYNC_POPULATE_MAX_BYTES < 3 << 30
+    assert mapping.SYNC_POPULATE_MAX_BYTES < 3 << 30

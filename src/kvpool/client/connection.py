@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import functools
 import itertools
-import mmap
 import os
 import socket
 import ssl
-import threading
 import time
-import weakref
 from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
@@ -38,6 +34,7 @@ from kvpool.errors import (
     TransportError,
     error_for_status,
 )
+from kvpool.mapping import map_shared
 from kvpool.protocol import auth
 from kvpool.protocol.channel import SyncChannel
 from kvpool.protocol.frames import (
@@ -117,41 +114,6 @@ def tls_for(config: ClientConfig) -> ssl.SSLContext | None:
     return _tls_context(config.tls_ca, config.tls_cert, config.tls_key) if config.uses_tls else None
 
 
-# madvise(MADV_POPULATE_WRITE), Linux 5.14+: fault a range's page tables in, writable.
-MADV_POPULATE_WRITE = 23
-POPULATE_CHUNK_BYTES = 64 << 20
-SYNC_POPULATE_MAX_BYTES = 2 << 30  # arenas up to this size are populated as they are mapped
-
-
-def _populate(ref: weakref.ref[mmap.mmap]) -> None:
-    """Fault a fresh mapping's page tables in, a chunk at a time, through libc (ctypes
-    drops the GIL for the call, so the caller's threads run meanwhile); stop once nobody
-    uses the mapping any more.  Where the kernel cannot (before 5.14), pages fault on use."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return
-    start = 0
-    while True:
-        mapping = ref()
-        if mapping is None or mapping.closed or start >= len(mapping):
-            return
-        length = min(POPULATE_CHUNK_BYTES, len(mapping) - start)
-        try:
-            anchor = ctypes.c_char.from_buffer(mapping, start)
-        except (TypeError, ValueError, BufferError):
-            return
-        address = ctypes.addressof(anchor)
-        del mapping
-        result = libc.madvise(
-            ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE
-        )
-        del anchor  # the export ends: the mapping may be closed again
-        if result != 0:
-            return
-        start += length
-
-
 def map_arena(welcome: Welcome, config: ClientConfig) -> memoryview | None:
     """Map the node's arena if it is the very file on this host, else ``None`` (then the
     client streams over the socket)."""
@@ -167,21 +129,7 @@ def map_arena(welcome: Welcome, config: ClientConfig) -> memoryview | None:
             return None
         if stat.st_size < welcome.arena_bytes:
             return None
-        # Page tables populated up front: a first-touch fault per 4 KiB page would halve
-        # the speed of every first copy into a part of the arena.  That costs ~150 ms per
-        # GiB, so an arena past 2 GiB is populated behind the caller instead: a first call
-        # (an engine's first lookup) never waits seconds for it.
-        if welcome.arena_bytes <= SYNC_POPULATE_MAX_BYTES:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            return memoryview(mmap.mmap(fd, welcome.arena_bytes, flags))
-        mapping = mmap.mmap(fd, welcome.arena_bytes, mmap.MAP_SHARED)
-        threading.Thread(
-            target=_populate,
-            args=(weakref.ref(mapping),),
-            name="kvpool-arena-populate",
-            daemon=True,
-        ).start()
-        return memoryview(mapping)
+        return memoryview(map_shared(fd, welcome.arena_bytes))
     except OSError:
         return None
     finally:

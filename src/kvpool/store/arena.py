@@ -14,6 +14,8 @@ Rules:
   :mod:`kvpool.store.journal`); otherwise, or with ``fresh``, it is replaced.
 - The whole size is allocated up front (``posix_fallocate``): a size the host cannot give
   is refused at start with a clear message, never discovered later as a SIGBUS.
+- Its page tables are populated as it is mapped, or behind the daemon for an arena past
+  2 GiB (:mod:`kvpool.mapping`): a restart is ready before they are.
 - ``close()`` unmaps the arena; ``close(remove=True)`` also removes it (a drain).
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from kvpool.config import PAGE_BYTES, format_size
 from kvpool.dirs import DirLock, check_owned
 from kvpool.errors import ConfigError
+from kvpool.mapping import map_shared
 
 ARENA_MODE = 0o660
 DIR_MODE = 0o770
@@ -78,8 +81,7 @@ class Arena:
                         f"{path.parent}: {exc.strerror}. Lower --memory or grow /dev/shm."
                     ) from exc
                 raise
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(fd, self.num_bytes, flags)
+            self._mmap = map_shared(fd, self.num_bytes)
             if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
                 with contextlib.suppress(OSError):
                     self._mmap.madvise(mmap.MADV_HUGEPAGE)
