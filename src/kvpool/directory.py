@@ -55,6 +55,7 @@ HEADER_WORDS = HEADER_BYTES // 8
 ENTRY_WORDS = 4
 ENTRY_BYTES = ENTRY_WORDS * 8
 MAX_PROBE = 32  # an entry lies at most this many slots past its home
+FULL_SHARE = 8  # the table lists no more once all but this share of its slots are taken
 MIN_SLOTS = 1 << 12
 MAX_SLOTS = 1 << 26  # 2 GiB of table
 AVERAGE_BLOCK_BYTES = 32 << 10  # slots: twice the blocks of this size the arena holds
@@ -155,11 +156,20 @@ class DirectoryWriter:
             slot = (slot + 1) & mask
         return None
 
-    def list(self, key: bytes, offset: int, size: int) -> bool:
-        """List a sealed block; False if the table has no room near its home."""
+    def list(self, key: bytes, offset: int, size: int, *, replace: bool = True) -> bool:
+        """List a sealed block (in place of its key's entry, if ``replace``: the caller may
+        say it is not listed); False if the table has no room near its home, or is nearly
+        full (past that, probing for room costs every commit ``MAX_PROBE`` reads, mostly
+        in vain: blocks many times smaller than the table was sized for)."""
         low, high = digest(key)
-        self._withdraw(low, high)
-        if offset % PAGE_BYTES or offset // PAGE_BYTES >= MAX_OFFSET_PAGES or size > MAX_SIZE:
+        if replace:
+            self._withdraw(low, high)
+        if (
+            offset % PAGE_BYTES
+            or offset // PAGE_BYTES >= MAX_OFFSET_PAGES
+            or size > MAX_SIZE
+            or self._num_listed >= self.num_slots - self.num_slots // FULL_SHARE
+        ):
             self.num_unlisted += 1
             return False
         words = self._words
@@ -328,7 +338,7 @@ class NoDirectory:
     def __len__(self) -> int:
         return 0
 
-    def list(self, key: bytes, offset: int, size: int) -> bool:
+    def list(self, key: bytes, offset: int, size: int, *, replace: bool = True) -> bool:
         return False
 
     def withdraw(self, key: bytes) -> None:

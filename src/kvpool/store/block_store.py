@@ -352,8 +352,9 @@ class BlockStore:
         block.checksum = checksum
         block.sealed = True
         self.reserved_bytes -= block.size
-        self.directory.list(block.key, block.offset, block.size)
         slot = self.index.insert(block.key, block.offset, block.size, checksum, sealed=True)
+        if self.directory.list(block.key, block.offset, block.size, replace=False):
+            self.index.set_listed(slot)
         if block.origin is not None:
             self._origins[block.key] = block.origin
         self.committed_bytes += block.size
@@ -369,7 +370,8 @@ class BlockStore:
         slot = self._slot_of(block)
         if slot >= 0 and not self.index.is_sealed(slot):
             self.index.seal(slot)
-            self.directory.list(block.key, block.offset, block.size)
+            if self.directory.list(block.key, block.offset, block.size, replace=False):
+                self.index.set_listed(slot)
 
     def is_current(self, block: Block) -> bool:
         """Whether a copy of a committed block handed out earlier is still that block:
@@ -537,9 +539,10 @@ class BlockStore:
     def _remove(self, slot: int, *, evicted: bool = False) -> None:
         index = self.index
         key, offset, size = index.key(slot), index.offset(slot), index.size(slot)
+        if index.is_listed(slot):
+            self.directory.withdraw(key)  # before the memory can be handed out again
         index.unlink(slot)
         self.eviction.remove(slot)
-        self.directory.withdraw(key)  # both before the memory can be handed out again
         self.journal.removed([key])
         origin = self._origins.pop(key, None)
         spill = self.spill if evicted else None

@@ -35,6 +35,7 @@ from kvpool.store.block import Block, BlockState
 KEY_WIDTH = MAX_KEY_BYTES
 LIVE = 1  # committed: in the table, found by its key
 SEALED = 2  # its checksum was computed or verified over its arena bytes by the node
+LISTED = 4  # in the shared directory (kvpool.directory): withdrawn when it leaves
 # Bytes of columns per slot (key, length, hash, offset, size, checksum, pins, reads, flags).
 SLOT_BYTES = KEY_WIDTH + 1 + 8 + 8 + 8 + 8 + 4 + 4 + 1
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -190,6 +191,12 @@ class BlockIndex:
 
     def seal(self, slot: int) -> None:
         self._flags[slot] |= SEALED
+
+    def is_listed(self, slot: int) -> bool:
+        return bool(self._flags[slot] & LISTED)
+
+    def set_listed(self, slot: int) -> None:
+        self._flags[slot] |= LISTED
 
     def num_pins(self, slot: int) -> int:
         return self._pins[slot]
