@@ -10,14 +10,16 @@
 2. ``clients``: 1..32 client processes (``--clients``), each looping over a lookup of 64
    keys, a put and a get of 4 x 64 KiB, for ``--seconds`` per step against one node:
    calls/s, lookup and put p50/p99, errors and wrong bytes; and where the CPU went: the
-   daemon's CPU time per call (/proc/PID/stat) and its share of a core, the clients' CPU
+   daemon's CPU time per call (/proc/PID/stat) and its share of a core, how long it waited
+   for a CPU while it had work (/proc/PID/task/PID/schedstat), the clients' CPU
    per call, the daemon's context switches per call, the run queue, and the cores that
    other work on the machine took meanwhile.  Every client process connects first; the
    clock starts when all are ready.  ``--profile DIR`` records the daemon with py-spy
-   (when it is on the PATH) during each step.
+   (when it is on the PATH) during each step; ``--daemon-nice N`` runs the daemon at that
+   nice value (an experiment: what the daemon's share of the CPU is worth).
 
     .venv/bin/python -m benchmarks.scale [fill|clients|all] [--blocks 200000] [--json]
-        [--clients 1,4,16,32] [--seconds 8] [--profile DIR]
+        [--clients 1,4,16,32] [--seconds 8] [--profile DIR] [--daemon-nice N]
 """
 
 from __future__ import annotations
@@ -197,6 +199,13 @@ def _switches(pid: int) -> tuple[int, int]:
     return counts["voluntary_ctxt_switches"], counts["nonvoluntary_ctxt_switches"]
 
 
+def _runnable_wait_s(pid: int) -> float:
+    """How long a process's main thread (the daemon's event loop) has been runnable but
+    waiting for a CPU so far (/proc/PID/task/PID/schedstat), seconds."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 def _busy_s() -> float:
     """The machine's CPU time spent busy so far, all cores (/proc/stat), seconds."""
     with open("/proc/stat") as f:
@@ -281,7 +290,7 @@ def _profiler(pid: int, seconds: float, profile_dir: str | None, count: int) -> 
 
 
 def clients(
-    counts: list[int], seconds: float, profile_dir: str | None = None
+    counts: list[int], seconds: float, profile_dir: str | None = None, daemon_nice: int = 0
 ) -> list[dict[str, Any]]:
     """The concurrency table: one fresh node, each client count in turn.  Beside the
     latencies: the daemon's CPU time per call and its share of one core, the clients' CPU
@@ -292,6 +301,9 @@ def clients(
     ctx = mp.get_context("spawn")
     try:
         with NodeProcess.private("scale-c", 1 << 30, run_dir=run_dir) as node:
+            if daemon_nice:  # an experiment (needs the privilege to raise a priority)
+                for tid in os.listdir(f"/proc/{node.pid}/task"):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), daemon_nice)
             for count in counts:
                 ready, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
                 procs = [
@@ -309,7 +321,7 @@ def clients(
                     go.put(start_at)
                 time.sleep(max(start_at - time.time(), 0))
                 cpu_before, switches_before = _cpu_s(node.pid), _switches(node.pid)
-                busy_before = _busy_s()
+                busy_before, wait_before = _busy_s(), _runnable_wait_s(node.pid)
                 queue: list[int] = []
                 stop = threading.Event()
                 sampler = threading.Thread(target=_run_queue, args=(stop, queue), daemon=True)
@@ -318,6 +330,7 @@ def clients(
                 time.sleep(seconds)
                 daemon_cpu_s = _cpu_s(node.pid) - cpu_before
                 busy_s = _busy_s() - busy_before
+                daemon_wait_s = _runnable_wait_s(node.pid) - wait_before
                 switches = [
                     a - b for a, b in zip(_switches(node.pid), switches_before, strict=True)
                 ]
@@ -343,6 +356,9 @@ def clients(
                         "wrong_bytes": sum(r["wrong"] for r in results),
                         "daemon_cpu_us_per_call": round(daemon_cpu_s / num_calls * 1e6, 1),
                         "daemon_core_share": round(daemon_cpu_s / seconds, 2),
+                        # Runnable with work to do, but another process had the CPU.
+                        "daemon_cpu_wait_us_per_call": round(daemon_wait_s / num_calls * 1e6, 1),
+                        "daemon_cpu_wait_share": round(daemon_wait_s / seconds, 2),
                         "clients_cpu_us_per_call": round(clients_cpu_s / num_calls * 1e6, 1),
                         # What else ran on the machine meanwhile (other work, the kernel's
                         # own threads), in cores: the share the step did not have.
@@ -369,13 +385,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the daemon each clients step")
+    parser.add_argument(
+        "--daemon-nice", type=int, default=0, help="run the daemon at this nice value (experiment)"
+    )
     args = parser.parse_args()
     report: dict[str, Any] = {"cpus": os.cpu_count()}
     if args.what in ("fill", "all"):
         report["fill"] = fill(args.blocks, args.evicting, min(args.step, args.blocks))
     if args.what in ("clients", "all"):
         report["clients"] = clients(
-            [int(c) for c in args.clients.split(",")], args.seconds, args.profile
+            [int(c) for c in args.clients.split(",")], args.seconds, args.profile, args.daemon_nice
         )
     sys.stdout.write(json.dumps(report, indent=None if args.json else 2) + "\n")
 

@@ -137,6 +137,11 @@ class AsyncChannel:
         self.rbuf = RecvBuffer(buffer_bytes)
         self._fd = sock.fileno()
         self._tls = isinstance(sock, ssl.SSLSocket)
+        # The socket stays registered for reading from one request to the next (see
+        # _readable): a session that waits for each request costs no event-loop
+        # registration, and no poll handle made and closed, per request.
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._is_watching = False
 
     async def handshake(self) -> None:
         """Complete a TLS handshake (a no-op on a plain socket)."""
@@ -161,7 +166,33 @@ class AsyncChannel:
             await self._writable()
 
     async def _readable(self) -> None:
-        await self._ready(self.loop.add_reader, self.loop.remove_reader)
+        """Wait until the socket has something to read.  The reader is registered on the
+        first wait and left in place after it: a busy session waits for its next request
+        right after each reply, so registering and removing it each time would cost two
+        epoll changes and a poll handle per request.  Readiness that finds nobody waiting
+        (the session is busy elsewhere) removes it, so a level-triggered socket with
+        unread data never spins the loop."""
+        future = self.loop.create_future()
+        self._read_waiter = future
+        if not self._is_watching:
+            self.loop.add_reader(self._fd, self._on_readable)
+            self._is_watching = True
+        try:
+            await future
+        finally:
+            self._read_waiter = None
+
+    def _on_readable(self) -> None:
+        waiter = self._read_waiter
+        if waiter is None:
+            self._stop_watching()
+        elif not waiter.done():
+            waiter.set_result(None)
+
+    def _stop_watching(self) -> None:
+        if self._is_watching:
+            self._is_watching = False
+            self.loop.remove_reader(self._fd)
 
     async def _writable(self) -> None:
         await self._ready(self.loop.add_writer, self.loop.remove_writer)
@@ -242,6 +273,8 @@ class AsyncChannel:
         return views
 
     def close(self) -> None:
+        if not self.loop.is_closed():
+            self._stop_watching()  # before the fd number can be another socket's
         self.sock.close()
 
 
