@@ -17,8 +17,11 @@
    clock starts when all are ready.  ``--profile DIR`` records the daemon with py-spy
    (when it is on the PATH) during each step; ``--daemon-nice N`` runs the daemon at that
    nice value (an experiment: what the daemon's share of the CPU is worth).
+3. ``floor``: the same counts of processes, each timing a put's own CPU work on the
+   client (copy 4 x 64 KiB and checksum each) with no node at all: the latency that
+   waiting for a core adds at that count, under any daemon.
 
-    .venv/bin/python -m benchmarks.scale [fill|clients|all] [--blocks 200000] [--json]
+    .venv/bin/python -m benchmarks.scale [fill|clients|floor|all] [--blocks 200000] [--json]
         [--clients 1,4,16,32] [--seconds 8] [--profile DIR] [--daemon-nice N]
 """
 
@@ -39,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import Client, Namespace, Status
+from kvpool.checksum import checksum
 from kvpool.harness.process import NodeProcess
 
 BLOCK = 4096
@@ -52,6 +56,7 @@ STORED = (Status.OK, Status.EXISTS)
 LOOP_KEYS = 64
 LOOP_BLOCKS = 4
 LOOP_BLOCK = 64 << 10
+FLOOR_REPEATS = 5
 
 
 def rss_anon(pid: int) -> int:
@@ -375,9 +380,66 @@ def clients(
     return rows
 
 
+def _floor_loop(worker: int, seconds: float, ready: Any, go: Any, out: Any) -> None:
+    """One process of the floor step: time a call's worth of CPU work with no node (a put's
+    data work on the client, copy 4 x 64 KiB and checksum each, FLOOR_REPEATS times: about
+    the CPU a client spends per call, 0.1 ms), over and over."""
+    rng = np.random.default_rng(worker)
+    blocks = [rng.integers(0, 256, LOOP_BLOCK, dtype=np.uint8) for _ in range(LOOP_BLOCKS)]
+    into = [np.empty(LOOP_BLOCK, np.uint8) for _ in range(LOOP_BLOCKS)]
+    took: list[float] = []
+    ready.put(worker)
+    start_at = go.get()
+    while time.time() < start_at:
+        time.sleep(0.001)
+    while time.time() < start_at + seconds:
+        started = time.perf_counter()
+        for _ in range(FLOOR_REPEATS):
+            for block, dst in zip(blocks, into, strict=True):
+                np.copyto(dst, block)
+                checksum(dst)
+        took.append(time.perf_counter() - started)
+    out.put(took)
+
+
+def floor(counts: list[int], seconds: float) -> list[dict[str, Any]]:
+    """What the machine alone does to a call's latency: P processes each timing a put's own
+    CPU work (no node, no socket).  With more processes than cores, a process waits for a
+    core in turn, and a call that needs 0.1 ms of CPU takes what its wait for a core adds:
+    the latency floor under any daemon at that count."""
+    rows = []
+    ctx = mp.get_context("spawn")
+    for count in counts:
+        ready, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        procs = [
+            ctx.Process(target=_floor_loop, args=(w, seconds, ready, go, out)) for w in range(count)
+        ]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            ready.get(timeout=120)
+        start_at = time.time() + 0.5
+        for _ in procs:
+            go.put(start_at)
+        took = [x for _ in procs for x in out.get(timeout=seconds + 120)]
+        for p in procs:
+            p.join()
+        rows.append(
+            {
+                "processes": count,
+                "work_p50_ms": pct(took, 50),
+                "work_p99_ms": pct(took, 99),
+                "work_max_ms": round(max(took) * 1000, 2) if took else 0.0,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", default="all", choices=["fill", "clients", "all"])
+    parser.add_argument(
+        "what", nargs="?", default="all", choices=["fill", "clients", "floor", "all"]
+    )
     parser.add_argument("--blocks", type=int, default=200_000, help="blocks the arena holds")
     parser.add_argument("--evicting", type=int, default=2000, help="puts once full")
     parser.add_argument("--step", type=int, default=250_000, help="blocks per fill-rate row")
@@ -396,6 +458,8 @@ def main() -> None:
         report["clients"] = clients(
             [int(c) for c in args.clients.split(",")], args.seconds, args.profile, args.daemon_nice
         )
+    if args.what == "floor":
+        report["floor"] = floor([int(c) for c in args.clients.split(",")], args.seconds)
     sys.stdout.write(json.dumps(report, indent=None if args.json else 2) + "\n")
 
 
