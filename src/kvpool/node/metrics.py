@@ -172,3 +172,13 @@ class NodeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # The histogram of each op, looked up once (``labels`` takes a lock and builds a
+        # key on every call: a measurable share of a small request).
+        self._op_latency_of: dict[str, Histogram] = {}
+
+    def observe_op(self, op_name: str, seconds: float) -> None:
+        """Count one request of ``op_name`` (lower case) that took ``seconds``."""
+        histogram = self._op_latency_of.get(op_name)
+        if histogram is None:
+            histogram = self._op_latency_of[op_name] = self.op_latency.labels(op_name)
+        histogram.observe(seconds)

@@ -309,9 +309,7 @@ class Session:
             if header.wants_reply:
                 await self._reply_error(header.op, header.request_id, exc)
         finally:
-            self.services.metrics.op_latency.labels(op_name.lower()).observe(
-                time.perf_counter() - started
-            )
+            self.services.metrics.observe_op(op_name.lower(), time.perf_counter() - started)
 
     async def _recv_meta(self, header: FrameHeader) -> bytes:
         """A request's metadata, which a slow writer gets FRAME_TIMEOUT_S to finish."""
@@ -705,10 +703,11 @@ def _statuses(statuses: Sequence[Status]) -> msg.StatusResponse:
     return msg.StatusResponse(statuses=[int(s) for s in statuses])
 
 
+_OP_NAMES = {int(op): op.name for op in Op}
+
+
 def _op_name(op: int) -> str:
-    if op in Op._value2member_map_:
-        return Op(op).name
-    return "UNKNOWN"
+    return _OP_NAMES.get(op, "UNKNOWN")
 
 
 Handler = Callable[[Session, FrameHeader, Any], Awaitable[None]]
