@@ -1,9 +1,10 @@
 """A node at scale: many small blocks held, and many clients at once (issue 29).
 
 1. ``fill``: a real ``kvpool serve`` filled with ``--blocks`` 4 KiB blocks through the SDK
-   over shared memory, 256 keys per put.  Reports the daemon's heap per block held (growth
-   of RssAnon in /proc/PID/status over the blocks held), the put rate per ``--step``
-   blocks, the worst put while filling, ``--evicting`` puts once the arena is full (every
+   over shared memory, 256 keys per put, each key a namespace and a 32-byte block id (as an
+   engine's: vLLM's block hashes are SHA-256 digests).  Reports the daemon's heap per block
+   held (growth of RssAnon in /proc/PID/status over the blocks held), the put rate per
+   ``--step`` blocks, the worst put while filling, ``--evicting`` puts once the arena is full (every
    one evicts: p50, p99, max and each call over 300 ms with when it came), the restart
    after SIGKILL until the node answers with the share of a sample of held keys found
    after it, and a 1,000-key lookup's latency on the empty and on the full node.
@@ -28,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -68,6 +70,11 @@ def rss_anon(pid: int) -> int:
     raise RuntimeError("no RssAnon in /proc/PID/status")
 
 
+def block_id(i: int, kind: bytes = b"") -> bytes:
+    """A 32-byte block id, as an engine's are (vLLM's block hashes are SHA-256 digests)."""
+    return hashlib.sha256(kind + i.to_bytes(8, "big")).digest()
+
+
 def pct(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)) * 1000, 2) if values else 0.0
 
@@ -92,12 +99,12 @@ def fill(blocks: int, evicting: int, step: int) -> dict[str, Any]:
     try:
         node = NodeProcess.private("scale", memory, run_dir=run_dir).start()
         with Client(node.unix_address, timeout=60) as client:
-            absent = ns.keys(b"absent-%d" % i for i in range(LOOKUP_KEYS))
+            absent = ns.keys(block_id(i, b"absent") for i in range(LOOKUP_KEYS))
             lookup_empty = _lookup_ms(client, absent)
             heap_empty = rss_anon(node.pid)
 
             def put(index: int) -> tuple[list[bytes], float]:
-                keys = ns.keys(b"%d" % (index + i) for i in range(BATCH))
+                keys = ns.keys(block_id(index + i) for i in range(BATCH))
                 started = time.perf_counter()
                 result = client.put(keys, values)
                 took = time.perf_counter() - started
