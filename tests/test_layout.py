@@ -21,6 +21,7 @@ LAYERS = [
         "tenants",
         "tls",
         "dirs",
+        "mapping",
     },
     {"directory"},
     {"protocol"},
