@@ -73,7 +73,8 @@ class Arena:
         try:
             os.fchmod(fd, ARENA_MODE)
             try:
-                os.posix_fallocate(fd, 0, self.num_bytes)
+                if not self.is_kept or not _is_allocated(fd, self.num_bytes):
+                    os.posix_fallocate(fd, 0, self.num_bytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise ConfigError(
@@ -109,6 +110,13 @@ class Arena:
         self._fd = -1
         if remove:
             self.path.unlink(missing_ok=True)
+
+
+def _is_allocated(fd: int, num_bytes: int) -> bool:
+    """Whether every byte of the file is backed by memory already (an arena a daemon
+    allocated whole before): then a restart need not allocate it again (a quarter of a
+    second for 8 GiB)."""
+    return os.fstat(fd).st_blocks * 512 >= num_bytes
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -179,9 +179,11 @@ class BlockStore:
             self.journal.removed([keys[i] for i in refused.tolist()])
         if len(adopted) < len(keys):
             keys = [keys[i] for i in adopted.tolist()]
-        sizes = sizes[adopted]
+        sizes, rows = sizes[adopted], replayed.key_rows
+        if rows is not None and len(adopted) < len(rows):
+            rows = rows[adopted]
         slots = self.index.adopt(
-            keys, replayed.offsets[adopted], sizes, replayed.checksums[adopted]
+            keys, replayed.offsets[adopted], sizes, replayed.checksums[adopted], rows
         )
         self.committed_bytes += int(sizes.sum())
         self.eviction.adopt(slots)

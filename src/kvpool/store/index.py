@@ -254,9 +254,12 @@ class BlockIndex:
         offsets: np.ndarray,
         sizes: np.ndarray,
         checksums: np.ndarray,
+        rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """Live, unsealed slots for distinct ``keys`` (a warm restart's blocks, all at once,
-        on an index that holds nothing yet); their slots, in order."""
+        on an index that holds nothing yet); their slots, in order.  ``rows``: the same
+        keys as a matrix of bytes, where they are all of one length (the journal's replay
+        has them so)."""
         if self.high or self.count:
             raise ValueError("adopt needs an empty index")
         n = len(keys)
@@ -266,7 +269,9 @@ class BlockIndex:
         if not n:
             return slots
         lengths = np.fromiter(map(len, keys), np.int64, n)
-        for length in np.unique(lengths).tolist():
+        if rows is not None:
+            self.keys[:n, : rows.shape[1]] = rows
+        for length in [] if rows is not None else np.unique(lengths).tolist():
             rows = np.flatnonzero(lengths == length)
             same = keys if len(rows) == n else [keys[i] for i in rows.tolist()]
             data = np.frombuffer(b"".join(same), np.uint8).reshape(len(rows), length)

@@ -100,6 +100,9 @@ class Replay:
     labels: dict[bytes, str]
     num_records: int = 0
     num_torn_bytes: int = 0
+    # The keys again, a row of bytes each, where they are all of one length (a node's are):
+    # the store's index takes them as they are.
+    key_rows: np.ndarray | None = None
 
     @classmethod
     def empty(cls) -> Replay:
@@ -293,8 +296,10 @@ def _replay_records(data: Data) -> tuple[Replay, int]:
         key_len = min(key_lengths)
         matrix = _key_matrix(records.key_runs, key_len)
         live = _live_by_fingerprint(matrix, kinds)
-        keys = _rows_as_bytes(matrix[:, :key_len] if live is None else matrix[live, :key_len])
+        key_rows = matrix[:, :key_len] if live is None else matrix[live, :key_len]
+        keys = _rows_as_bytes(key_rows)
     else:
+        key_rows = None
         keys = list(itertools.chain.from_iterable(map(_rows_as_bytes, records.key_runs)))
         live = _live_by_dict(keys, kinds)
         if live is not None:
@@ -304,7 +309,8 @@ def _replay_records(data: Data) -> tuple[Replay, int]:
     hashed = kinds == COMMIT
     checksums[~hashed] = 0
     torn = len(data) - valid_bytes
-    return Replay(keys, offsets, sizes, checksums, hashed, labels, num_records, torn), valid_bytes
+    replay = Replay(keys, offsets, sizes, checksums, hashed, labels, num_records, torn, key_rows)
+    return replay, valid_bytes
 
 
 # Which records say what is live: the last of each key, unless a REMOVE, in file order (its
