@@ -159,3 +159,18 @@ def test_allocator_adopts_extents_and_refuses_overlaps():
     got = {allocator.allocate(PAGE_BYTES) for _ in range(13)}
     assert len(got) == 13 and not got & {0, PAGE_BYTES, 4 * PAGE_BYTES}
     assert allocator.allocate(PAGE_BYTES) is None
+
+
+def test_a_journal_naming_keys_longer_than_the_index_holds_is_adopted_without_them(tmp_path):
+    """A damaged journal may name keys of up to 255 bytes (its own bound): those blocks are
+    not adopted (the index holds keys of at most the protocol's 80 bytes), the rest are, and
+    no other block's key is overwritten; a store refuses such a key from any other path."""
+    too_long = b"k" * 200
+    store = store_on(tmp_path)
+    put(store, [key(1)])
+    store.journal.committed([Entry(too_long, 8 * PAGE_BYTES, PAGE_BYTES, 5)])
+    put(store, [key(2)])
+    again = store_on(tmp_path)
+    assert again.lookup([key(1), key(2)]) == (2, False) and again.lookup([too_long]) == (0, False)
+    assert again.get_block(key(1)).key == key(1) and again.get_block(key(2)).key == key(2)
+    assert again.reserve([too_long], [PAGE_BYTES], owner=1).statuses == [Status.REFUSED]

@@ -67,7 +67,7 @@ from kvpool.store.block import (
     StoreEvents,
 )
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
-from kvpool.store.index import BlockIndex, counted_prefixes
+from kvpool.store.index import KEY_WIDTH, BlockIndex, counted_prefixes
 from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
 from kvpool.store.namespaces import NamespaceTable
@@ -169,8 +169,13 @@ class BlockStore:
         # are not sealed (nothing to list in the directory) and were announced when stored.
         replayed = self.journal.replayed
         sizes = replayed.sizes
-        # Hashed (see seal_replayed) and small enough for this arena.
-        wanted = np.flatnonzero(replayed.hashed & (sizes >= 0) & (sizes <= self.capacity))
+        # Hashed (see seal_replayed), small enough for this arena, keys the index can hold
+        # (a journal's record may name up to 255 bytes: a damaged one).
+        if replayed.key_rows is not None:
+            fits = replayed.key_rows.shape[1] <= KEY_WIDTH
+        else:
+            fits = np.fromiter(map(len, replayed.keys), np.int64, len(replayed.keys)) <= KEY_WIDTH
+        wanted = np.flatnonzero(replayed.hashed & (sizes >= 0) & (sizes <= self.capacity) & fits)
         extents = np.stack([replayed.offsets[wanted], sizes[wanted]], axis=1)
         taken = self.allocator.adopt(extents)
         adopted, refused = wanted[taken], wanted[~taken]
@@ -259,8 +264,8 @@ class BlockStore:
                 statuses.append(Status.PENDING)
             elif self.index.find(key) >= 0:
                 statuses.append(Status.EXISTS)
-            elif page_bytes(size) > self.capacity:
-                statuses.append(Status.REFUSED)
+            elif page_bytes(size) > self.capacity or len(key) > KEY_WIDTH:
+                statuses.append(Status.REFUSED)  # the protocol bounds keys; other paths too
             elif self.quotas is not None and not self.space.fit_quota(key, size):
                 statuses.append(Status.OVER_QUOTA)
             else:
