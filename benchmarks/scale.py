@@ -301,6 +301,24 @@ def _profiler(pid: int, seconds: float, profile_dir: str | None, count: int) -> 
     )
 
 
+def _start_together(
+    ctx: Any, count: int, target: Any, args_of: Any
+) -> tuple[list[Any], Any, float]:
+    """``count`` processes of ``target(*args_of(worker), ready, go, out)``, each ready (its
+    imports done, connected) before any starts to measure: the processes, the queue they
+    report on, and the time they all start at."""
+    ready, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args_of(w), ready, go, out)) for w in range(count)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    start_at = time.time() + 0.5
+    for _ in procs:
+        go.put(start_at)
+    return procs, out, start_at
+
+
 def clients(
     counts: list[int], seconds: float, profile_dir: str | None = None, daemon_nice: int = 0
 ) -> list[dict[str, Any]]:
@@ -317,20 +335,9 @@ def clients(
                 for tid in os.listdir(f"/proc/{node.pid}/task"):
                     os.setpriority(os.PRIO_PROCESS, int(tid), daemon_nice)
             for count in counts:
-                ready, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-                procs = [
-                    ctx.Process(
-                        target=_client_loop, args=(node.unix_address, w, seconds, ready, go, out)
-                    )
-                    for w in range(count)
-                ]
-                for p in procs:
-                    p.start()
-                for _ in procs:
-                    ready.get(timeout=120)
-                start_at = time.time() + 0.5
-                for _ in procs:
-                    go.put(start_at)
+                procs, out, start_at = _start_together(
+                    ctx, count, _client_loop, lambda w: (node.unix_address, w, seconds)
+                )
                 time.sleep(max(start_at - time.time(), 0))
                 cpu_before, switches_before = _cpu_s(node.pid), _switches(node.pid)
                 busy_before, wait_before = _busy_s(), _runnable_wait_s(node.pid)
@@ -417,17 +424,7 @@ def floor(counts: list[int], seconds: float) -> list[dict[str, Any]]:
     rows = []
     ctx = mp.get_context("spawn")
     for count in counts:
-        ready, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        procs = [
-            ctx.Process(target=_floor_loop, args=(w, seconds, ready, go, out)) for w in range(count)
-        ]
-        for p in procs:
-            p.start()
-        for _ in procs:
-            ready.get(timeout=120)
-        start_at = time.time() + 0.5
-        for _ in procs:
-            go.put(start_at)
+        procs, out, _ = _start_together(ctx, count, _floor_loop, lambda w: (w, seconds))
         took = [x for _ in procs for x in out.get(timeout=seconds + 120)]
         for p in procs:
             p.join()

@@ -64,25 +64,22 @@ def test_round_trips_change_no_socket_timeout():
     assert sock.num_timeouts_set <= 1
 
 
-def test_a_silent_peer_times_out_at_the_deadline():
+@pytest.mark.parametrize(
+    "stuck",
+    [
+        pytest.param(lambda channel: channel.recv_header(), id="a-silent-peer"),
+        # More than any socket buffer holds, to a peer that never reads.
+        pytest.param(lambda channel: channel.send([bytes(64 << 20)]), id="a-peer-that-never-reads"),
+    ],
+)
+def test_a_call_on_a_stuck_peer_times_out_at_the_deadline(stuck):
     left, right = socket.socketpair()
     with left, right:
         channel = SyncChannel(left)
         channel.deadline = time.monotonic() + 0.2
         started = time.monotonic()
         with pytest.raises(TimeoutError):
-            channel.recv_header()
-        assert 0.15 <= time.monotonic() - started < 10
-
-
-def test_a_peer_that_never_reads_times_out_at_the_deadline():
-    left, right = socket.socketpair()
-    with left, right:
-        channel = SyncChannel(left)
-        channel.deadline = time.monotonic() + 0.2
-        started = time.monotonic()
-        with pytest.raises(TimeoutError):
-            channel.send([bytes(64 << 20)])  # more than any socket buffer holds
+            stuck(channel)
         assert 0.15 <= time.monotonic() - started < 10
 
 
