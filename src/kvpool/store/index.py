@@ -268,9 +268,11 @@ class BlockIndex:
         slots = np.arange(n, dtype=np.int64)
         if not n:
             return slots
-        lengths = np.fromiter(map(len, keys), np.int64, n)
         if rows is not None:
+            lengths = np.full(n, rows.shape[1], dtype=np.int64)
             self.keys[:n, : rows.shape[1]] = rows
+        else:
+            lengths = np.fromiter(map(len, keys), np.int64, n)
         for length in [] if rows is not None else np.unique(lengths).tolist():
             rows = np.flatnonzero(lengths == length)
             same = keys if len(rows) == n else [keys[i] for i in rows.tolist()]
