@@ -12,7 +12,9 @@ and :class:`BlockIndex` finds a key's slot through an open-addressed table of sl
   store is built, and never grow, so nothing ever rehashes or copies the index.
 - **Resident as used.** The columns are reserved address space (``MAP_NORESERVE``), made
   resident page by page as slots are used, lowest first (a freed slot is reused before a new
-  one): their cost follows the blocks held, ~120 bytes each.  The table (two buckets of 4
+  one): their cost follows the blocks held, ~120 bytes each.  (A host with strict
+  overcommit, ``vm.overcommit_memory=2``, counts the whole reservation against its commit
+  limit: ~140 bytes per arena page, 3.5 % of the arena.)  The table (two buckets of 4
   bytes per arena page, so at most half full) is touched at random, so it becomes resident
   whole as the arena fills: 8 bytes per 4 KiB page of arena, 0.2 % of it.
 - **Hash flooding.** Python's hash of bytes is SipHash with a per-process random key: a
