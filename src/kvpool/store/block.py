@@ -40,9 +40,9 @@ class BlockState(enum.IntEnum):
 
 
 class Block(msgspec.Struct, gc=False, eq=False):
-    """One block of the index.  Never tracked by the garbage collector (it refers to no
-    object that could refer back to it): with millions held, each full collection would
-    otherwise visit every one, a stall on the event loop that grows with the index."""
+    """A block in flight: pending, or a copy of a committed one (committed blocks are rows
+    of the index).  Never tracked by the garbage collector (it refers to no object that
+    could refer back to it)."""
 
     key: bytes
     offset: int
@@ -55,14 +55,6 @@ class Block(msgspec.Struct, gc=False, eq=False):
     num_pins: int = 0
     num_reads: int = 0  # pins since it was committed (the admission policy's evidence)
     origin: BlockOrigin | None = None  # what it was computed from, if its writer said (events)
-
-    @property
-    def is_readable(self) -> bool:
-        return self.state is BlockState.COMMITTED
-
-    @property
-    def is_evictable(self) -> bool:
-        return self.state is BlockState.COMMITTED and self.num_pins == 0
 
 
 @dataclass(slots=True, eq=False)

@@ -628,10 +628,9 @@ class BlockStore:
         """The memory the index takes now, in O(1) (for status and metrics): its columns
         for the slots in use and its key table, the LRU's columns, the allocator's tables,
         and the origins kept.  Pending blocks and leases are few and not counted."""
-        nbytes = getattr(self.eviction, "nbytes", None)
         return (
             self.index.nbytes()
-            + (nbytes(self.index.high) if nbytes is not None else 0)
+            + self.eviction.nbytes(self.index.high)
             + sys.getsizeof(self.allocator)
             + sys.getsizeof(self._pending)
             + sys.getsizeof(self._origins)

@@ -48,6 +48,10 @@ class EvictionPolicy(Protocol):
 
     def recency(self, slots: np.ndarray) -> np.ndarray: ...
 
+    def nbytes(self, num_slots: int) -> int: ...
+
+    def __len__(self) -> int: ...
+
 
 def _one_group(slot: int) -> Group:
     return None
@@ -232,3 +236,9 @@ class NoEviction:
 
     def recency(self, slots: np.ndarray) -> np.ndarray:
         return np.zeros(len(slots), dtype=np.uint64)
+
+    def nbytes(self, num_slots: int) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return 0

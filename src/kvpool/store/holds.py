@@ -157,7 +157,7 @@ class QueueAwareEviction:
         return self.inner.recency(slots)
 
     def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]
+        return len(self.inner)
 
     def nbytes(self, num_slots: int) -> int:
-        return self.inner.nbytes(num_slots)  # type: ignore[attr-defined]
+        return self.inner.nbytes(num_slots)

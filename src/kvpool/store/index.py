@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
-from kvpool.keys import MAX_KEY_BYTES
+from kvpool.keys import MAX_KEY_BYTES, BlockOrigin
 from kvpool.store.block import Block, BlockState
 
 KEY_WIDTH = MAX_KEY_BYTES
@@ -221,7 +222,7 @@ class BlockIndex:
         if reads < 0xFFFFFFFF:
             self._reads[slot] = reads + 1
 
-    def block(self, slot: int, origin: object = None) -> Block:
+    def block(self, slot: int, origin: BlockOrigin | None = None) -> Block:
         """The slot's block, as a :class:`Block` (a copy, for a block in flight: a pin's
         reader, a spill, an event)."""
         state = BlockState.COMMITTED if self._flags[slot] & LIVE else BlockState.REMOVED
@@ -234,7 +235,7 @@ class BlockIndex:
             bool(self._flags[slot] & SEALED),
             self._pins[slot],
             self._reads[slot],
-            origin,  # type: ignore[arg-type]
+            origin,
         )
 
     # -- in bulk ---------------------------------------------------------------------------
@@ -316,11 +317,12 @@ class BlockIndex:
         return self.count
 
 
-def tags_of(index: BlockIndex, slots: np.ndarray, num_bytes: int) -> list[bytes]:
-    """The first ``num_bytes`` of each slot's key (a tenant tag, a namespace), as bytes."""
-    rows = np.ascontiguousarray(index.keys[slots, :num_bytes])
-    data = rows.tobytes()
-    return [data[i : i + num_bytes] for i in range(0, len(data), num_bytes)]
+def rows_as_bytes(matrix: np.ndarray) -> list[bytes]:
+    """Each row of a matrix of bytes as a bytes object."""
+    rows = np.ascontiguousarray(matrix)
+    if not rows.shape[1]:
+        return [b""] * len(rows)
+    return cast(list[bytes], rows.view(np.dtype((np.void, rows.shape[1]))).ravel().tolist())
 
 
 def counted_prefixes(
@@ -337,7 +339,7 @@ def counted_prefixes(
         prefixes, return_index=True, return_inverse=True, return_counts=True
     )
     totals = np.bincount(inverse, weights=weights, minlength=len(unique))
-    names = tags_of(index, slots[first], num_bytes)
+    names = rows_as_bytes(index.keys[slots[first], :num_bytes])
     return {
         name: (int(count), int(total))
         for name, count, total in zip(names, counts.tolist(), totals.tolist(), strict=True)

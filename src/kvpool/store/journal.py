@@ -51,10 +51,12 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
+
+from kvpool.store.index import rows_as_bytes
 
 FILE_MAGIC = b"KVPOOLJ1"
 FILE_HEADER_BODY = struct.Struct("<8sQQQ")  # magic, dev, ino, arena bytes
@@ -297,10 +299,10 @@ def _replay_records(data: Data) -> tuple[Replay, int]:
         matrix = _key_matrix(records.key_runs, key_len)
         live = _live_by_fingerprint(matrix, kinds)
         key_rows = matrix[:, :key_len] if live is None else matrix[live, :key_len]
-        keys = _rows_as_bytes(key_rows)
+        keys = rows_as_bytes(key_rows)
     else:
         key_rows = None
-        keys = list(itertools.chain.from_iterable(map(_rows_as_bytes, records.key_runs)))
+        keys = list(itertools.chain.from_iterable(map(rows_as_bytes, records.key_runs)))
         live = _live_by_dict(keys, kinds)
         if live is not None:
             keys = [keys[i] for i in live.tolist()]
@@ -346,7 +348,7 @@ def _live_by_fingerprint(matrix: np.ndarray, kinds: np.ndarray) -> np.ndarray | 
         group = np.cumsum(np.concatenate(([True], ~same)))
         colliding = np.flatnonzero(np.isin(group, group[1:][same][~equal]))
         records = np.sort(order[colliding])
-        last = dict(zip(_rows_as_bytes(matrix[records]), records.tolist(), strict=True))
+        last = dict(zip(rows_as_bytes(matrix[records]), records.tolist(), strict=True))
         winners = np.fromiter(last.values(), dtype=np.intp, count=len(last))
         is_live[records] = False
         is_live[winners] = ~removed[winners]
@@ -390,14 +392,6 @@ def _fingerprints(matrix: np.ndarray) -> np.ndarray:
         state *= FINGERPRINT_MULTIPLIER
         state ^= state >> shift
     return state
-
-
-def _rows_as_bytes(matrix: np.ndarray) -> list[bytes]:
-    """Each row of a matrix of bytes as a bytes object."""
-    rows = np.ascontiguousarray(matrix)
-    if not rows.shape[1]:
-        return [b""] * len(rows)
-    return cast(list[bytes], rows.view(np.dtype((np.void, rows.shape[1]))).ravel().tolist())
 
 
 def read_journal(path: Path) -> Replay:
