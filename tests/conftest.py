@@ -19,6 +19,20 @@ from tests.s3server import S3Server
 SHM = Path("/dev/shm")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One ``VLLM_CACHE_ROOT`` for every engine of the session: vLLM inspects a model's
+    architecture once (6 s a start), and nothing is left in the machine's home."""
+    path = tmp_path_factory.mktemp("vllm-cache")
+    previous = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("VLLM_CACHE_ROOT", None)
+    else:
+        os.environ["VLLM_CACHE_ROOT"] = previous
+
+
 @pytest.fixture
 def run_dir() -> Iterator[Path]:
     path = SHM / f"kvpool-test-{os.getpid()}-{secrets.token_hex(4)}"

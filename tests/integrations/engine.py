@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.harness.runner import PAUSE_PREFIX, RESULT_PREFIX
+from kvpool.harness.engine import EngineProcess
 from kvpool.keys import NAMESPACE_ID_BYTES
 from kvpool.store.journal import read_journal
 
@@ -42,68 +40,88 @@ def run_engine(
     engine: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     command_prefix: list[str] | None = None,
+    multiprocessing: bool = False,
     timeout: float = 600,
 ) -> list[dict[str, Any]]:
-    """Run one engine process through ``steps``; returns one result per step (after the
-    'ready' result).  ``on_pause(tag)`` runs at each pause step."""
-    plan = {
-        "model": model,
-        "engine": {**ENGINE, **(engine or {})},
-        "connector": connector_config,
-        "steps": steps,
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_file = Path(tmp) / "plan.json"
-        plan_file.write_text(json.dumps(plan))
-        cache = Path(tmp) / "vllm-cache"
-        proc = subprocess.Popen(
-            [
-                *(command_prefix or []),
-                sys.executable,
-                "-m",
-                "kvpool.harness.runner",
-                str(plan_file),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "VLLM_CACHE_ROOT": str(cache), **(env or {})},
-        )
-        stderr: list[str] = []
-        import threading
+    """Run ``steps`` in a fresh engine process of its own, gone afterwards: for a test whose
+    point is a fresh engine (a cold start, another process, a hash seed of its own).  Returns
+    one result per step; ``on_pause(tag)`` runs at each pause step.  Tests that only need an
+    engine of some settings take one from the session's :class:`EnginePool` instead."""
+    with EngineProcess(
+        model,
+        engine={**ENGINE, **(engine or {})},
+        connector=connector_config,
+        env=env,
+        command_prefix=command_prefix or (),
+        multiprocessing=multiprocessing,
+    ) as process:
+        return process.run(steps, on_pause, timeout)
 
-        reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
-        reader.start()
-        results: list[dict[str, Any]] = []
-        stdout: list[str] = []
-        try:
-            for line in proc.stdout:
-                if line.startswith(RESULT_PREFIX):
-                    results.append(json.loads(line[len(RESULT_PREFIX) :]))
-                elif line.startswith(PAUSE_PREFIX):
-                    if on_pause is not None:
-                        on_pause(line[len(PAUSE_PREFIX) :].strip())
-                    proc.stdin.write("go\n")
-                    proc.stdin.flush()
-                else:
-                    stdout.append(line)  # vLLM logs to stdout
-            proc.wait(timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            reader.join(10)
-            proc.stdin.close()
-            proc.stdout.close()
-            proc.stderr.close()
-        if proc.returncode != 0:
-            raise AssertionError(f"engine failed ({proc.returncode}):\n{''.join(stderr[-80:])}")
-        assert results and results[0]["op"] == "ready"
-        engine_log = "".join(stdout) + "".join(stderr)
-        for result in results:
-            result["log"] = engine_log
-        return results[1:]
+
+class EnginePool:
+    """The engines of a pytest session, shared by every test that asks for the same
+    settings: one per (model, engine arguments, connector settings, environment, instance),
+    started on first use and kept until the session ends, at most ``max_alive`` at once (the
+    least recently used is closed first).  ``instance`` asks for a second engine of the same
+    settings (a saver and a loader that must be two processes).
+
+    Each plan runs as on a fresh engine: the runner empties the engine's own prefix cache and
+    counts from the plan's start (see :mod:`kvpool.harness.runner`).  What a shared engine
+    cannot forget is what it saved to the pool: tests that share an engine share its node, and
+    keep apart by their prompts (each module its own seeds, see :func:`prompts`)."""
+
+    def __init__(self, max_alive: int = 4) -> None:
+        self.max_alive = max_alive
+        self._alive: OrderedDict[str, EngineProcess] = OrderedDict()
+        self.num_started = 0
+
+    def get(
+        self,
+        model: str,
+        *,
+        engine: dict[str, Any] | None = None,
+        connector_config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        multiprocessing: bool = False,
+        instance: int = 0,
+    ) -> EngineProcess:
+        settings = {**ENGINE, **(engine or {})}
+        key = json.dumps(
+            [model, settings, connector_config, env, multiprocessing, instance], sort_keys=True
+        )
+        process = self._alive.get(key)
+        if process is not None and process.is_running:
+            self._alive.move_to_end(key)
+            return process
+        self._alive.pop(key, None)
+        while len(self._alive) >= self.max_alive:
+            self._alive.popitem(last=False)[1].close()
+        process = EngineProcess(
+            model,
+            engine=settings,
+            connector=connector_config,
+            env=env,
+            multiprocessing=multiprocessing,
+        ).start()
+        self.num_started += 1
+        self._alive[key] = process
+        return process
+
+    def run(
+        self,
+        model: str,
+        steps: list[dict[str, Any]],
+        *,
+        on_pause: Callable[[str], None] | None = None,
+        timeout: float = 600,
+        **settings: Any,
+    ) -> list[dict[str, Any]]:
+        """One plan on the shared engine of these ``settings`` (those of :meth:`get`)."""
+        return self.get(model, **settings).run(steps, on_pause, timeout)
+
+    def close(self) -> None:
+        while self._alive:
+            self._alive.popitem()[1].close()
 
 
 def hit_fraction(

@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 
-from kvpool.harness.runner import ENGINE_ENV
+from kvpool.harness.runner import engine_env
 from tests.cluster.fabric import free_port
 
 ENGINE_ARGS = [
@@ -57,7 +56,6 @@ class VllmServer:
     ):
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
-        self.cache = tempfile.mkdtemp(prefix="kvpool-vllm-cache-")
         command = [
             *(prefix or []),
             sys.executable,
@@ -77,7 +75,7 @@ class VllmServer:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**ENGINE_ENV, **os.environ, "VLLM_CACHE_ROOT": self.cache, **(env or {})},
+            env={**engine_env(), **os.environ, **(env or {})},
             start_new_session=True,
         )
         self.log: list[str] = []

@@ -1,21 +1,38 @@
-"""Run a vLLM engine (offline ``LLM``) through a plan of steps and report each as one JSON
-line: the engine side of ``kvpool demo``, the benchmarks and the tests.
+"""Run a vLLM engine (offline ``LLM``) and drive it plan by plan, reporting each step as one
+JSON line: the engine side of ``kvpool demo``, the benchmarks and the tests.
 
-    python -m kvpool.harness.runner plan.json
+    python -m kvpool.harness.runner engine.json
 
-The plan::
+``engine.json`` says which engine to build::
 
     {"model": "<dir>", "engine": {...LLM keyword arguments...},
      "connector": null | {"kv_connector": ..., "kv_role": ..., ...},
-     "steps": [{"op": "generate", "name": "...", "prompts": [...], "max_tokens": 16},
+     "multiprocessing": false}
+
+Once it is built the runner prints ``KVPOOL_RESULT {"op": "ready", ...}`` and reads plans from
+stdin, one JSON line each, until stdin closes::
+
+    {"steps": [{"op": "generate", "name": "...", "prompts": [...], "max_tokens": 16},
                {"op": "chat", "name": "...", "conversations": [[user turns], ...],
                 "max_tokens": 16, "system": "..."},
                {"op": "reset_prefix_cache"},
                {"op": "pause", "tag": "..."}]}
 
-Each step prints ``KVPOOL_RESULT {json}``; ``pause`` prints ``KVPOOL_PAUSE tag`` and waits
-for a line on stdin (so a test can kill or corrupt the pool between steps).  Every result
-carries the external prefix-cache counters vLLM keeps (tokens queried / hit in the pool).
+Each step prints ``KVPOOL_RESULT {json}`` and the plan ends with ``KVPOOL_DONE``; ``pause``
+prints ``KVPOOL_PAUSE tag`` and waits for a line on stdin (so that a test can kill or corrupt
+the pool between steps).  Every plan starts as a fresh engine would: with an empty prefix
+cache of the engine's own, and counters (the external prefix-cache counters vLLM keeps, the
+connector's blocks loaded and saved) that count from the plan's start.  So one engine serves
+many plans, as a long-lived engine serves many users, and each plan reads as if it had the
+engine to itself.
+
+One process.  A one-rank engine runs its engine core and its worker in the runner's own
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vLLM's default spawns two more processes, each
+importing torch and vLLM again, and takes three times as long to start (27 s against 8 s on
+2 cores).  Its worker computes on as many threads as vLLM's own worker process would be
+given (:func:`engine_cpus`), so its greedy outputs are the same either way.  ``"multiprocessing":
+true`` keeps vLLM's processes, for runs that must cross them (the scheduler's metadata
+serialized to the worker); engines of more than one rank always have them.
 """
 
 from __future__ import annotations
@@ -24,10 +41,11 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import IO, Any
 
 RESULT_PREFIX = "KVPOOL_RESULT "
 PAUSE_PREFIX = "KVPOOL_PAUSE "
+DONE_LINE = "KVPOOL_DONE"
 
 ENGINE_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
@@ -36,32 +54,47 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    # vLLM reserves one more CPU core when a KV connector is configured; on a small machine
-    # that changes the worker's thread count, and with it the floating-point reduction order
-    # and greedy outputs.  Reserving one core either way keeps runs comparable.
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
 }
 
 
+def engine_cpus() -> list[int]:
+    """The CPUs a one-rank engine computes on: this process's, less one left to the engine's
+    scheduler, the pool and the caller (as vLLM's automatic binding reserves one); at least
+    one.  Given to every one-rank engine, in vLLM's processes or in one, so that they all
+    reduce in the same thread count (greedy outputs follow the floating-point order)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[1:] or cpus
+
+
 def omp_binding(num_ranks: int) -> dict[str, str]:
-    """The environment that lets ``num_ranks`` vllm-cpu workers (tensor, pipeline or data
-    parallel ranks) share one NUMA node.
+    """The environment that binds each of ``num_ranks`` vllm-cpu workers (tensor, pipeline or
+    data parallel ranks) to CPUs of its own.
 
     vllm-cpu binds each rank's OpenMP threads to a NUMA node of its own and refuses to
     start more ranks than the machine has nodes ("Not enough allowed NUMA nodes to bind
     threads of 2 local CPUWorkers").  Given explicit CPU lists it binds rank ``i`` to the
-    ``i``-th: here, an equal share of this process's CPUs each (ranks share CPUs when there
-    are fewer CPUs than ranks).  ``VLLM_CPU_NUM_OF_RESERVED_CPU`` only applies to automatic
-    binding, so it has no effect then.
+    ``i``-th: one rank gets :func:`engine_cpus`; several get an equal share of this process's
+    CPUs each (ranks share CPUs when there are fewer CPUs than ranks).
     """
+    if num_ranks == 1:
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, engine_cpus()))}
     cpus = sorted(os.sched_getaffinity(0))
     per_rank = max(len(cpus) // num_ranks, 1)
     shares = [cpus[(rank * per_rank) % len(cpus) :][:per_rank] for rank in range(num_ranks)]
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, s)) for s in shares)}
 
 
-def _emit(prefix: str, payload: Any) -> None:
-    sys.stdout.write(prefix + (payload if isinstance(payload, str) else json.dumps(payload)) + "\n")
+def engine_env(num_ranks: int = 1, *, in_process: bool = False) -> dict[str, str]:
+    """Everything an engine of ``num_ranks`` ranks is started with: offline, quiet, and bound
+    to :func:`engine_cpus` (in vLLM's worker processes, or in this one)."""
+    if in_process:
+        threads = {"OMP_NUM_THREADS": str(len(engine_cpus()))}
+        return {**ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}
+    return {**ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **omp_binding(num_ranks)}
+
+
+def _emit(line: str) -> None:
+    sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
 
@@ -149,27 +182,35 @@ def _chat(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     return {"turns": turns}
 
 
-def run(plan: dict[str, Any]) -> None:
+def build(config: dict[str, Any]) -> Any:
+    """The engine ``config`` describes (see the module docstring), built in this process."""
     engine: dict[str, Any] = {
         "enforce_eager": True,
         "disable_log_stats": False,
         "seed": 0,
-        **plan.get("engine", {}),
+        **config.get("engine", {}),
     }
     num_ranks = int(engine.get("tensor_parallel_size", 1)) * int(
         engine.get("pipeline_parallel_size", 1)
     )
-    binding = omp_binding(num_ranks) if num_ranks > 1 else {}
-    for key, value in {**ENGINE_ENV, **binding}.items():
+    in_process = num_ranks == 1 and not config.get("multiprocessing", False)
+    env = engine_env(num_ranks, in_process=in_process)
+    # How the engine runs is the config's to say; the rest a caller may set otherwise.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    for key, value in env.items():
         os.environ.setdefault(key, value)
     from vllm import LLM
 
-    if plan.get("connector"):
-        engine["kv_transfer_config"] = plan["connector"]
-    started = time.perf_counter()
-    llm = LLM(model=plan["model"], **engine)
-    _emit(RESULT_PREFIX, {"op": "ready", "seconds": round(time.perf_counter() - started, 3)})
-    for step in plan["steps"]:
+    if config.get("connector"):
+        engine["kv_transfer_config"] = config["connector"]
+    return LLM(model=config["model"], **engine)
+
+
+def run_plan(llm: Any, steps: list[dict[str, Any]], stdin: IO[str]) -> None:
+    """Run one plan's steps on ``llm`` as a fresh engine would (module docstring)."""
+    llm.reset_prefix_cache()
+    base = _counters(llm)
+    for step in steps:
         op = step["op"]
         result: dict[str, Any] = {"op": op, "name": step.get("name", op)}
         if op == "generate":
@@ -179,20 +220,28 @@ def run(plan: dict[str, Any]) -> None:
         elif op == "reset_prefix_cache":
             result["ok"] = bool(llm.reset_prefix_cache())
         elif op == "pause":
-            _emit(PAUSE_PREFIX, str(step.get("tag", "")))
-            sys.stdin.readline()
+            _emit(PAUSE_PREFIX + str(step.get("tag", "")))
+            stdin.readline()
         elif op == "sleep":
             time.sleep(float(step.get("seconds", 1)))
         else:
             raise ValueError(f"unknown step {op!r}")
-        result["counters"] = _counters(llm)
-        _emit(RESULT_PREFIX, result)
+        now = _counters(llm)
+        result["counters"] = {name: now[name] - base[name] for name in now}
+        _emit(RESULT_PREFIX + json.dumps(result))
+    _emit(DONE_LINE)
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
-        plan = json.load(f)
-    run(plan)
+        config = json.load(f)
+    started = time.perf_counter()
+    llm = build(config)
+    ready = {"op": "ready", "seconds": round(time.perf_counter() - started, 3)}
+    _emit(RESULT_PREFIX + json.dumps(ready))
+    for line in sys.stdin:
+        if line.strip():
+            run_plan(llm, json.loads(line)["steps"], sys.stdin)
 
 
 if __name__ == "__main__":

@@ -10,20 +10,14 @@ own prefix cache by the time its next turn comes — the situation the pool is f
 from __future__ import annotations
 
 import builtins
-import json
 import keyword
-import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .runner import RESULT_PREFIX
+from .engine import EngineFailed, EngineProcess
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 3072
@@ -179,51 +173,31 @@ def run_workload(
     timeout: float = 1800,
 ) -> RunResult:
     system, conversations = workload.conversations()
-    plan = {
-        "model": model,
-        "engine": {
-            "block_size": BLOCK_SIZE,
-            "max_model_len": MAX_MODEL_LEN,
-            "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES,
-            "dtype": ENGINE_DTYPE,
-            **(engine or {}),
-        },
-        "connector": connector,
-        "steps": [
-            *([{"op": "sleep", "seconds": warmup_s}] if warmup_s else []),
-            {
-                "op": "chat",
-                "name": name,
-                "system": system,
-                "conversations": conversations,
-                "max_tokens": workload.reply_tokens,
-            },
-        ],
+    engine_args = {
+        "block_size": BLOCK_SIZE,
+        "max_model_len": MAX_MODEL_LEN,
+        "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES,
+        "dtype": ENGINE_DTYPE,
+        **(engine or {}),
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_file = Path(tmp) / "plan.json"
-        plan_file.write_text(json.dumps(plan))
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm-cache"), **(env or {})}
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvpool.harness.runner", str(plan_file)],
-            capture_output=True,
-            check=False,
-            text=True,
-            env=env,
-            timeout=timeout,
-        )
-    results = [
-        json.loads(line[len(RESULT_PREFIX) :])
-        for line in proc.stdout.splitlines()
-        if line.startswith(RESULT_PREFIX)
+    steps = [
+        *([{"op": "sleep", "seconds": warmup_s}] if warmup_s else []),
+        {
+            "op": "chat",
+            "name": name,
+            "system": system,
+            "conversations": conversations,
+            "max_tokens": workload.reply_tokens,
+        },
     ]
-    if proc.returncode != 0 or len(results) < 2:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"the {name} engine failed (exit {proc.returncode}):\n{tail}")
-    ready, chat = results[0], next(r for r in results if r["op"] == "chat")
-    return RunResult(
-        name, chat["turns"], chat["counters"], ready["seconds"], proc.stdout + proc.stderr
-    )
+    try:
+        with EngineProcess(model, engine=engine_args, connector=connector, env=env) as process:
+            results = process.run(steps, timeout=timeout)
+            log = "".join(process.log)
+    except EngineFailed as exc:
+        raise RuntimeError(f"the {name} engine failed: {exc}") from exc
+    chat = next(r for r in results if r["op"] == "chat")
+    return RunResult(name, chat["turns"], chat["counters"], process.ready["seconds"], log)
 
 
 def compare(
