@@ -14,6 +14,7 @@ import pytest
 
 from kvpool.client.client import Client
 from kvpool.harness.process import NodeProcess
+from tests.integrations.engine import EnginePool
 from tests.s3server import S3Server
 
 SHM = Path("/dev/shm")
@@ -81,6 +82,15 @@ def client(node: NodeProcess) -> Iterator[Client]:
 def tcp_client(node: NodeProcess) -> Iterator[Client]:
     with Client(node.tcp_address, use_shm=False, timeout=10) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def engines(vllm_cache: Path) -> Iterator[EnginePool]:
+    """The session's shared vLLM engines (:class:`~tests.integrations.engine.EnginePool`):
+    one per model and settings, started on first use."""
+    pool = EnginePool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvpool.ems.install import install
-from tests.integrations.engine import prompts, run_engine
+from kvpool.harness.engine import EngineProcess
+from tests.integrations.engine import ENGINE as BASE_ENGINE
+from tests.integrations.engine import prompts
 from tests.integrations.mla import GUIDE_ENGINE, PROMPTS, one_at_a_time, token_ids
 from tests.thirdparty import third_party
 
@@ -28,8 +30,12 @@ SEED_SHA256 = {
     "ems_store_connector.py": "90f20f9e717802e78d94051e68aee098f1942a9ce0fbca2d7c9a3c5e0706ec8d",
 }
 ENGINE = {"dtype": "float32", "enable_prefix_caching": False}
-# The files' health loop needs 3 good checks 10 s apart before EMS counts as healthy.
-HEALTHY_AFTER_S = 22
+# What the files log once their health loop (3 good checks, 10 s apart) counts EMS healthy:
+# an engine that loads or saves before it gets misses.
+HEALTHY = "EMS health status changing: False -> True"
+CHECKED_OK = "EMS health status is ok"  # each good check of the loop, every 10 s
+# A failed call, or a failed check: the loop then needs three good checks.
+DOWN = ("health status reset to False", "health status changing: True -> False")
 P1 = prompts(21, 3)  # ~1,000-token prompts
 P2 = prompts(22, 2)
 
@@ -77,8 +83,8 @@ def gen(name, batch):
 
 
 @pytest.fixture(scope="module")
-def reference(model) -> dict[str, list[list[int]]]:
-    results = run_engine(model, [gen("P1", P1), gen("P2", P2)], engine=ENGINE)
+def reference(model, engines) -> dict[str, list[list[int]]]:
+    results = engines.run(model, [gen("P1", P1), gen("P2", P2)], engine=ENGINE)
     return {r["name"]: r["token_ids"] for r in results}
 
 
@@ -90,36 +96,64 @@ def loaded(before, after) -> float:
     return after["counters"]["external_hits"] - before["counters"]["external_hits"]
 
 
+def ems_engine(model: str, site: Path, address: str, **env: str) -> EngineProcess:
+    """An engine with the guide's connector files on the node at ``address``, launched (see
+    :func:`healthy`)."""
+    return EngineProcess(
+        model,
+        engine={**BASE_ENGINE, **ENGINE},
+        connector=EMS_CONNECTOR,
+        env=ems_env(site, address, **env),
+    ).launch()
+
+
+def healthy(*engines: EngineProcess) -> None:
+    """Wait until each launched engine is built and its files count EMS healthy: side by
+    side, since the files' health loop takes 20 s whatever the machine does."""
+    for engine in engines:
+        engine.wait_ready()
+    for engine in engines:
+        engine.wait_for_log(HEALTHY, timeout=90)
+
+
+def pool_back(engine: EngineProcess, *, since: int, outage: int) -> None:
+    """Wait until the files' health loop has checked the pool after ``since`` (a log mark
+    after the node came back) and counts EMS healthy: if a failed call during the outage
+    (since ``outage``) made them count it down, until they count it healthy again."""
+    engine.wait_for_log(CHECKED_OK, since=since, timeout=30)
+    if any(down in line for line in engine.log[outage:] for down in DOWN):
+        engine.wait_for_log(HEALTHY, since=outage, timeout=90)
+
+
 def test_the_guides_connector_runs_unchanged_on_kvpool(model, reference, ems_site, start_node):
     node = start_node(name="ems", memory="256MiB")
     state = {"node": node}
 
     def on_pause(tag: str) -> None:
         if tag == "kill":
+            state["mark"] = engine.log_mark()
             state["node"].kill()
         elif tag == "restart":
             state["node"] = start_node(name="ems", memory="256MiB")
+            pool_back(engine, since=engine.log_mark(), outage=state["mark"])
 
     steps = [
-        {"op": "sleep", "seconds": HEALTHY_AFTER_S},
         gen("first", P1),
         {"op": "reset_prefix_cache"},
         gen("again", P1),
         {"op": "pause", "tag": "kill"},
         gen("down", P2),
         {"op": "pause", "tag": "restart"},
-        {"op": "sleep", "seconds": 35},  # the files' health loop sees the pool back
         gen("save_after", P2),
         gen("load_after", P2),
     ]
-    results = run_engine(
-        model,
-        steps,
-        connector_config=EMS_CONNECTOR,
-        engine=ENGINE,
-        env=ems_env(ems_site, node.unix_address),
-        on_pause=on_pause,
-    )
+    # Its own engine and node: the node is killed and restarted under the engine.
+    engine = ems_engine(model, ems_site, node.unix_address)
+    try:
+        healthy(engine)
+        results = engine.run(steps, on_pause)
+    finally:
+        engine.close()
     by_name = {r["name"]: r for r in results if r["op"] == "generate"}
     log = results[0]["log"]
     assert "[EMS][Init] EmsConnector init succeed" in log
@@ -141,22 +175,18 @@ def test_a_second_engine_with_another_hash_seed_gets_the_hits(
     model, reference, ems_site, start_node
 ):
     node = start_node(name="ems2", memory="256MiB")
-    first = run_engine(
-        model,
-        [{"op": "sleep", "seconds": HEALTHY_AFTER_S}, gen("save", P1)],
-        connector_config=EMS_CONNECTOR,
-        engine=ENGINE,
-        env=ems_env(ems_site, node.unix_address, PYTHONHASHSEED="1"),
+    # Two engine processes of their own: each its own hash seed.
+    saver, loader = (
+        ems_engine(model, ems_site, node.unix_address, PYTHONHASHSEED=seed)
+        for seed in ("1", "12345")
     )
-    second = run_engine(
-        model,
-        [{"op": "sleep", "seconds": HEALTHY_AFTER_S}, gen("load", P1)],
-        connector_config=EMS_CONNECTOR,
-        engine=ENGINE,
-        env=ems_env(ems_site, node.unix_address, PYTHONHASHSEED="12345"),
-    )
-    (saved,) = (r for r in first if r["op"] == "generate")
-    (got,) = (r for r in second if r["op"] == "generate")
+    try:
+        healthy(saver, loader)
+        (saved,) = saver.run([gen("save", P1)])
+        (got,) = loader.run([gen("load", P1)])
+    finally:
+        saver.close()
+        loader.close()
     assert saved["token_ids"] == got["token_ids"] == reference["P1"]
     assert got["counters"]["external_hits"] >= 0.9 * full_blocks(got)
 
@@ -167,17 +197,22 @@ def test_the_guides_connector_on_the_mla_model(mla_model, mla_reference, ems_sit
     saver answers as an engine without a connector does fresh, the loader as that engine
     does from its own prefix cache (see tests/integrations/mla.py)."""
     node = start_node(name="ems-mla", memory="256MiB")
-    steps = [{"op": "sleep", "seconds": HEALTHY_AFTER_S}, *one_at_a_time(PROMPTS)]
-    saver, loader = (
-        run_engine(
+    # A saver and a fresh loader: two engine processes.
+    engines = [
+        EngineProcess(
             mla_model,
-            steps,
-            connector_config=EMS_CONNECTOR,
-            engine=GUIDE_ENGINE,
+            engine={**BASE_ENGINE, **GUIDE_ENGINE},
+            connector=EMS_CONNECTOR,
             env=ems_env(ems_site, node.unix_address),
-        )
+        ).launch()
         for _ in range(2)
-    )
+    ]
+    try:
+        healthy(*engines)
+        saver, loader = (engine.run(one_at_a_time(PROMPTS)) for engine in engines)
+    finally:
+        for engine in engines:
+            engine.close()
     # The files saw an MLA model and one latent page per block per layer.
     assert "is_mla=True, kvcache_dim=1" in saver[0]["log"]
     assert token_ids(saver) == mla_reference["fresh"]

@@ -124,6 +124,24 @@ class EnginePool:
             self._alive.popitem()[1].close()
 
 
+# The connector's two health monitors (tests/client/test_health.py), by the name they log.
+MONITORS = ("kvpool (scheduler)", "kvpool (worker)")
+
+
+def restart_node(engine: EngineProcess, kill: Callable[[], None], start: Callable[[], Any]) -> Any:
+    """Kill the engine's node and start it again, waiting on what the engine's connector sees:
+    both its health monitors find the node down, then (the node started again) healthy, so
+    that the engine's next request uses the pool.  Returns what ``start`` returned."""
+    mark = engine.log_mark()
+    kill()
+    for name in MONITORS:
+        engine.wait_for_log(f"{name} unhealthy", since=mark)
+    node = start()
+    for name in MONITORS:
+        engine.wait_for_log(f"{name} healthy again", since=mark)
+    return node
+
+
 def hit_fraction(
     before: dict[str, float], after: dict[str, float], prompt_token_counts: list[int]
 ) -> float:

@@ -24,12 +24,15 @@ from typing import Any
 
 import pytest
 
+from kvpool.harness.engine import EngineProcess
 from tests.integrations.engine import (
+    ENGINE,
     connector,
     flip_one_byte,
     kept_own_prefix,
     loaded_by_vllm,
     prompts,
+    restart_node,
     run_engine,
 )
 
@@ -86,11 +89,12 @@ EXTENDED = {"deepseek-v3/reference-kernels", "deepseek-v3-moe"}
     "case",
     [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in FAMILIES],
 )
-def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, start_node):
+def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, start_node, engines):
     family = case.split("/")[0]
     model = family_model(family)
     engine = FAMILIES[case]
-    plain = run_engine(model, [*_steps("fresh"), *_steps("again")], engine=engine)
+    # The engine alone: a shared one (the hybrid tests ask it too).
+    plain = engines.run(model, [*_steps("fresh"), *_steps("again")], engine=engine)
     fresh, again = _outputs(plain, "fresh"), _outputs(plain, "again")
     if family not in HYBRIDS and not kept_own_prefix(
         [r for r in plain if r["name"].startswith("again")]
@@ -111,8 +115,11 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
 
     def on_pause(tag: str) -> None:
         if tag == "restart":
-            state["node"].kill()
-            state["node"] = start_node(name=name, memory="256MiB", extra=NO_SCRUB)
+            state["node"] = restart_node(
+                consumer,
+                state["node"].kill,
+                lambda: start_node(name=name, memory="256MiB", extra=NO_SCRUB),
+            )
         elif tag == "corrupt":
             # A damaged block is recomputed from its start: a hybrid model's whole request
             # (a block of one of its groups cannot be told apart), another model's from that
@@ -123,7 +130,6 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
     steps = [
         *_steps("load"),
         {"op": "pause", "tag": "restart"},
-        {"op": "sleep", "seconds": 3},
         {"op": "reset_prefix_cache"},
         *_steps("adopted"),
         {"op": "pause", "tag": "corrupt"},
@@ -132,7 +138,7 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
     ]
     # verify_reads: the engine hashes even sealed blocks, so the byte flipped in place is
     # found at load time (the node's scrubber, off here, would otherwise drop it first).
-    consumer = connector(
+    consumer_config = connector(
         address,
         "kv_consumer",
         verify_reads=True,
@@ -140,7 +146,9 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
         health_interval=0.5,
         health_recover_after=2,
     )
-    results = run_engine(model, steps, engine=engine, connector_config=consumer, on_pause=on_pause)
+    # Its own consumer: the node it loads from restarts under it.
+    with EngineProcess(model, engine={**ENGINE, **engine}, connector=consumer_config) as consumer:
+        results = consumer.run(steps, on_pause)
     log = results[0]["log"]
 
     for tag in ("load", "adopted"):

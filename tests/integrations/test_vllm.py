@@ -17,10 +17,18 @@ import time
 import pytest
 
 from kvpool import Client
+from kvpool.harness.engine import EngineProcess
 from kvpool.protocol.frames import HEADER, MAGIC
 from kvpool.protocol.messages import PROTOCOL_VERSION, Op
 from tests.helpers import rss_anon_kib
-from tests.integrations.engine import connector, hit_fraction, prompts, run_engine
+from tests.integrations.engine import (
+    ENGINE,
+    MONITORS,
+    connector,
+    hit_fraction,
+    prompts,
+    run_engine,
+)
 from tests.security.tenants import TenantsFile
 
 pytestmark = pytest.mark.vllm
@@ -32,7 +40,7 @@ S4 = prompts(4, 2)
 
 
 @pytest.fixture(scope="session")
-def reference(model) -> dict[str, list[list[int]]]:
+def reference(model, engines) -> dict[str, list[list[int]]]:
     """Greedy outputs with no connector at all.  ``S4_prefix``: S4 again, its prefix from the
     engine's own prefix cache.  On some CPUs (an AVX-512 host) the tiny model's greedy
     outputs differ between a computed prefix and a reused one, in vLLM alone: a prefix
@@ -41,7 +49,7 @@ def reference(model) -> dict[str, list[list[int]]]:
         {"op": "generate", "name": name, "prompts": p, "max_tokens": 12}
         for name, p in (("S1", S1), ("S2", S2), ("S3", S3), ("S4", S4), ("S4_prefix", S4))
     ]
-    results = run_engine(model, steps)
+    results = engines.run(model, steps)
     return {r["name"]: r["token_ids"] for r in results}
 
 
@@ -64,9 +72,16 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
                 assert stats.num_blocks >= 3 * 9, stats  # every full block of every prompt
                 assert stats.namespaces and "tiny-llama" in stats.namespaces[0].label
         elif tag == "kill":
+            state["mark"] = engine.log_mark()
             current.kill()
         elif tag == "restart":
+            # The engine's requests went on while the node was down (pool_down): both its
+            # health monitors saw it down; once the node is back, both see it healthy.
+            for name in MONITORS:
+                engine.wait_for_log(f"{name} unhealthy", since=state["mark"])
             state["node"] = start_node(name="engine", memory="256MiB", extra=no_scrub)
+            for name in MONITORS:
+                engine.wait_for_log(f"{name} healthy again", since=state["mark"])
         elif tag == "corrupt":
             with Client(state["node"].unix_address) as c:
                 assert c.stats().num_blocks > 0
@@ -86,7 +101,6 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
         {"op": "reset_prefix_cache"},
         gen("pool_down", S1),
         {"op": "pause", "tag": "restart"},
-        {"op": "sleep", "seconds": 3},
         {"op": "reset_prefix_cache"},
         gen("adopted", S1),
         gen("save_again", S2),
@@ -105,9 +119,10 @@ def test_store_load_outage_restart_and_corruption(model, reference, start_node):
         "timeout": 1.0,
         "verify_reads": True,
     }
-    results = run_engine(
-        model, steps, connector_config=connector(node.unix_address, **extra), on_pause=on_pause
-    )
+    # Its own engine and node: the node is killed and restarted under the engine.
+    config = connector(node.unix_address, **extra)
+    with EngineProcess(model, engine=ENGINE, connector=config) as engine:
+        results = engine.run(steps, on_pause)
     by_name = {r["name"]: r for r in results if r["op"] == "generate"}
     log = results[0]["log"]
 

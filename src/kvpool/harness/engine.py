@@ -74,6 +74,12 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
 
     def start(self, timeout: float = START_TIMEOUT_S) -> EngineProcess:
+        """Start the engine and wait until it is built."""
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> EngineProcess:
+        """Start the engine's process, without waiting for it (see :meth:`wait_ready`): engines
+        that take long to become usable can start side by side."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-engine-")
         config_file = Path(self._tmp.name) / "engine.json"
         config_file.write_text(json.dumps(self.config))
@@ -88,6 +94,10 @@ class EngineProcess:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> EngineProcess:
+        """Wait until the launched engine is built."""
         kind, payload = self._next_event(time.monotonic() + timeout, "to start")
         if kind != "result" or json.loads(payload).get("op") != "ready":
             self.kill()
