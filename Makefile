@@ -11,6 +11,10 @@ LEAN_PACKAGES := prometheus ceph-mon ceph-osd radosgw ceph-common
 
 .PHONY: demo test check lint pytest system-deps bench clean
 
+# Two workers: every test that runs vLLM on one (in order, sharing its engines), the rest of
+# the suite on the other (tests/conftest.py, docs/testing.md).
+PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup
+
 demo: $(STAMP)
 	$(BIN)/kvpool demo
 
@@ -19,7 +23,7 @@ test: system-deps $(STAMP) lint pytest
 # The developer's loop: the whole suite less the tests marked `extended` (about a third of
 # its time on a 2-core machine; CI runs them through `make test`).
 check: system-deps $(STAMP) lint
-	$(BIN)/python -m pytest -m "not extended"
+	$(PYTEST) -m "not extended"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
@@ -27,7 +31,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 bench: $(STAMP)
 	$(BIN)/kvpool bench

@@ -18,6 +18,17 @@ from tests.integrations.engine import EnginePool
 from tests.s3server import S3Server
 
 SHM = Path("/dev/shm")
+ENGINE_GROUP = "engines"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``pytest -n 2 --dist loadgroup`` (``make test``), every test that runs vLLM goes
+    to one worker, in order, with the session's shared engines (:class:`EnginePool`): the
+    other worker runs the rest of the suite beside it."""
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
 
 
 @pytest.fixture(scope="session", autouse=True)

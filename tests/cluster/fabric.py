@@ -9,6 +9,7 @@ loopback and differ by port and host identity only.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -127,18 +128,38 @@ class Host:
         }
 
 
+# Fabrics of processes that run at once (two pytest workers, two developers) take their
+# subnets under this lock, each one no bridge of the machine has yet.
+SUBNET_LOCK = Path("/dev/shm/kvpool-fabric-subnets.lock")
+
+
+def _free_subnet() -> str:
+    """A /24 of 10.77.0.0 .. 10.92.249.0 that no interface of this machine is on."""
+    used = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show"], check=True, capture_output=True, text=True
+    ).stdout
+    while True:
+        subnet = f"10.{77 + secrets.randbelow(16)}.{secrets.randbelow(250)}"
+        if f" {subnet}." not in used:
+            return subnet
+
+
 class Fabric:
     def __init__(self) -> None:
         self.use_netns = netns_available()
         self.tag = secrets.token_hex(2)
         self.bridge = f"kvbr{self.tag}"
-        self.subnet = f"10.{77 + int(self.tag[:1], 16)}.{int(self.tag[1:], 16) % 250}"
-        self.gateway = f"{self.subnet}.1" if self.use_netns else "127.0.0.1"
         self.hosts: list[Host] = []
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"kvpool-fabric-{self.tag}-", dir="/dev/shm"))
+        self.subnet = ""
+        self.gateway = "127.0.0.1"
         if self.use_netns:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            with open(SUBNET_LOCK, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self.subnet = _free_subnet()
+                self.gateway = f"{self.subnet}.1"
+                _ip("link", "add", self.bridge, "type", "bridge")
+                _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
 
     def add_host(self, name: str) -> Host:

@@ -46,9 +46,9 @@ def mla_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def mla_reference(mla_model) -> dict:
+def mla_reference(mla_model, engines) -> dict:
     """The MLA model's answers without a connector, one prompt at a time, fresh and from
     its own prefix cache (see tests/integrations/mla.py)."""
     from tests.integrations.mla import reference_answers
 
-    return reference_answers(mla_model)
+    return reference_answers(mla_model, engines)

@@ -23,15 +23,14 @@ by vLLM's connector and by kvpool alike (the same tokens), than fresh.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from tests.integrations.engine import (
     BLOCK_SIZE,
+    EnginePool,
     kept_own_prefix,
     loaded_by_vllm,
     prompts,
-    run_engine,
 )
 
 PROMPTS = prompts(9, 2, words=250)
@@ -71,14 +70,14 @@ def token_ids(results: list[dict[str, Any]]) -> list[list[int]]:
     return [r["token_ids"][0] for r in results if r["op"] == "generate"]
 
 
-@functools.cache  # once per session, for every directory's fixture
-def reference_answers(model: str) -> dict[str, Any]:
-    """Per prompt of :data:`PROMPTS`, asked one at a time by one engine without a connector:
-    ``fresh`` and ``again`` (token ids), ``again_texts``, and ``prompt_tokens``."""
+def reference_answers(model: str, engines: EnginePool) -> dict[str, Any]:
+    """Per prompt of :data:`PROMPTS`, asked one at a time by one engine without a connector
+    (the session's shared one): ``fresh`` and ``again`` (token ids), ``again_texts``, and
+    ``prompt_tokens``."""
     steps = []
     for i, prompt in enumerate(PROMPTS):
         steps += [generate(f"fresh{i}", [prompt]), generate(f"again{i}", [prompt])]
-    results = {r["name"]: r for r in run_engine(model, steps, engine=ENGINE)}
+    results = {r["name"]: r for r in engines.run(model, steps, engine=ENGINE)}
     again = [results[f"again{i}"] for i in range(len(PROMPTS))]
     own_prefix = kept_own_prefix(again)
     if not own_prefix:  # its reference kernels: no prefix cache of its own

@@ -92,13 +92,13 @@ def saved_and_loaded(model, node, cfg, reference, corrupt_group, block_size):
     return saved, loaded
 
 
-def test_gemma3_groups_load_what_the_engine_reads(family_model, start_node):
+def test_gemma3_groups_load_what_the_engine_reads(family_model, start_node, engines):
     """Sliding window (128 tokens) and full attention, each its own group: a fresh engine
     loads every full-attention block and only the sliding window's last blocks, with the
     outputs of an engine alone; a byte flipped in a loaded sliding-window block is refused;
     an engine without the hybrid allocator neither reads those blocks nor fails."""
     model = family_model("gemma3")
-    (reference,) = run_engine(model, [gen("reference")])
+    (reference,) = engines.run(model, [gen("reference")])  # the engine alone, shared
     node = start_node(name="gemma3", memory="256MiB", extra=NO_SCRUB)
     cfg = connector(node.unix_address, verify_reads=True)
     saved, loaded = saved_and_loaded(model, node, cfg, reference, "0:sliding128", BLOCK_SIZE)
@@ -127,14 +127,16 @@ def test_gemma3_groups_load_what_the_engine_reads(family_model, start_node):
     assert "hybrid allocator" not in first["log"]
 
 
-def test_qwen3_next_loads_full_attention_and_the_linear_attention_state(family_model, start_node):
+def test_qwen3_next_loads_full_attention_and_the_linear_attention_state(
+    family_model, start_node, engines
+):
     """Gated delta net and full attention: vLLM makes the attention blocks as large as a
     linear-attention state (160 tokens here) and keeps the state at block boundaries; a
     fresh engine loads every full-attention block and, per linear-attention group, the one
     state at the prefix's end, with the outputs of an engine alone; a byte flipped in a
     loaded state is refused."""
     model = family_model("qwen3-next")
-    (reference,) = run_engine(model, [gen("reference")])
+    (reference,) = engines.run(model, [gen("reference")])  # the engine alone, shared
     block_size = int(
         re.findall(r"Setting attention block size to (\d+) tokens", reference["log"])[0]
     )

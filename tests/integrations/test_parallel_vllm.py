@@ -22,14 +22,12 @@ engines across every check it makes.
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 
 import pytest
 
 from kvpool import Client
 from kvpool.harness.runner import omp_binding
-from kvpool.harness.tiny_model import build_tiny_model
 from tests.integrations.engine import (
     BLOCK_SIZE,
     connector,
@@ -38,7 +36,6 @@ from tests.integrations.engine import (
     prompts,
     run_engine,
 )
-from tests.integrations.mla import reference_answers
 from tests.integrations.vllm_server import ENGINE_ARGS, VllmServer, connector_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.extended]
@@ -50,18 +47,6 @@ MAX_TOKENS = 12
 # engine drops a save rather than wait 0.2 s past its step for the pool's reservation).
 SAVE_ROOM = {"lookup_timeout": 2.0}
 TP2 = {"tensor_parallel_size": 2}
-
-
-@pytest.fixture(scope="module")
-def mla_model(tmp_path_factory) -> str:
-    """The tiny DeepSeek-V3 (MLA) model, built once (or found in KVPOOL_CACHE_DIR)."""
-    cache = os.environ.get("KVPOOL_CACHE_DIR")
-    target = (
-        os.path.join(cache, "tiny-deepseek-v3")
-        if cache
-        else str(tmp_path_factory.mktemp("model") / "tiny-deepseek-v3")
-    )
-    return str(build_tiny_model(target, family="deepseek-v3"))
 
 
 def gen(name: str, batch: list[str]) -> dict[str, object]:
@@ -172,7 +157,9 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(
         hits_after = per_engine(server, "vllm:external_prefix_cache_hits_total")
     finally:
         server.stop()
-    if reference == "cached" and not reference_answers(model)["own_prefix"]:
+    # Whether vLLM keeps an MLA prefix cache of its own on this host (its AMX kernels do).
+    own_prefix = reference == "cached" and request.getfixturevalue("mla_reference")["own_prefix"]
+    if reference == "cached" and not own_prefix:
         # No MLA prefix cache of vLLM's own on this host (its reference kernels): the
         # reference for a load is a load by vLLM's own connector, on one engine like a rank.
         for name, batch in (("P", P), ("Q", Q)):
@@ -181,7 +168,7 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(
     assert loaded_p == runs[reference]["P"]
     assert loaded_q == runs[reference]["Q"]
     assert sorted(hits_after) == ["0", "1"], hits_after
-    if reference == "computed" or reference_answers(model)["own_prefix"]:
+    if reference == "computed" or own_prefix:
         # The second ask came from the rank's own prefix cache (without one, from the pool).
         assert hits_before.get("0", 0) == 0 and hits_before.get("1", 0) == 0, hits_before
     # Each rank loaded nearly every full block of the prompts it was sent (~63 per prompt).
