@@ -29,7 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import runner
 from .runner import DONE_LINE, PAUSE_PREFIX, RESULT_PREFIX
+
+# The runner is run as this release's file, whatever ``kvpool`` the engine's environment puts
+# first (it imports nothing of kvpool's): an engine of an earlier release (its connector)
+# runs under the same runner (tests/integrations/test_upgrade_vllm.py).
+RUNNER = runner.__file__
 
 START_TIMEOUT_S = 600.0
 PLAN_TIMEOUT_S = 600.0
@@ -84,7 +90,7 @@ class EngineProcess:
         config_file = Path(self._tmp.name) / "engine.json"
         config_file.write_text(json.dumps(self.config))
         self._proc = subprocess.Popen(
-            [*self.command_prefix, sys.executable, "-m", "kvpool.harness.runner", str(config_file)],
+            [*self.command_prefix, sys.executable, "-P", RUNNER, str(config_file)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
