@@ -142,6 +142,19 @@ def memory_table(stats: list[NodeStats]) -> Table:
     return table
 
 
+def format_table(stats: list[NodeStats]) -> Table:
+    """Per node: its release, and each persistent format it writes and what it found at
+    start (the previous release's files, adopted and migrated in place)."""
+    table = Table(title="formats")
+    for column in ("node", "release", "format", "version", "written by", "found at start"):
+        table.add_column(column, justify="right" if column == "version" else "left")
+    for node in stats:
+        for row in node.formats:
+            found = row.found or "-"
+            table.add_row(node.node_id, node.release, row.name, str(row.version), row.writer, found)
+    return table
+
+
 def namespace_table(stats: list[NodeStats]) -> Table:
     table = Table(title="namespaces")
     for column in ("namespace", "node", "blocks", "used", "hits", "misses", "hit rate"):
@@ -195,6 +208,8 @@ def show_status(
         console.print(tier_table(up))
     if any(s.prefetch for s in up):
         console.print(prefetch_table(up))
+    if any(s.formats for s in up):
+        console.print(format_table(up))
     if any(s.namespaces for s in up):
         console.print(namespace_table(up))
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvpool.config import NodeConfig
+from kvpool.formats import ARENA, DISK_SEGMENT, DISK_TIER, JOURNAL, RELEASE, Format, Stamp
 from kvpool.limits import EXPIRE_INTERVAL_S
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
@@ -39,6 +40,7 @@ from kvpool.node.services import (
 from kvpool.node.session import Session
 from kvpool.protocol import auth
 from kvpool.protocol.messages import NodeStats
+from kvpool.stats import FormatStats
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant
@@ -308,7 +310,34 @@ class NodeServer:
             metadata_bytes=store.metadata_bytes(),
             connection_buffer_bytes=self.registry.buffer_bytes(),
             heap_bytes=_heap_bytes(),
+            release=RELEASE,
+            formats=self.formats(),
         )
+
+    def formats(self) -> list[FormatStats]:
+        """The node's persistent formats: what it writes, and what its start found."""
+        found: list[tuple[Format, Stamp | None]] = [
+            (ARENA, self.arena.found),
+            (JOURNAL, self.store.journal.found),
+        ]
+        disk = self.tiers.lower.disk
+        if disk is not None:
+            found.append((DISK_TIER, disk.found))
+        rows = [
+            FormatStats(fmt.name, fmt.version, RELEASE, stamp.describe() if stamp else "")
+            for fmt, stamp in found
+        ]
+        if disk is not None:
+            older = {v: n for v, n in disk.segment_versions().items() if v != DISK_SEGMENT.version}
+            rows.append(
+                FormatStats(
+                    DISK_SEGMENT.name,
+                    DISK_SEGMENT.version,
+                    RELEASE,
+                    ", ".join(f"{n} of format {v}" for v, n in sorted(older.items())),
+                )
+            )
+        return rows
 
     def _tenant_stats(self, tenant: Tenant) -> NodeStats:
         rows = [

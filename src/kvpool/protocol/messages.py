@@ -44,7 +44,7 @@ import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
-from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
+from kvpool.stats import FormatStats, NamespaceStats, PrefetchStats, TierStats
 
 PROTOCOL_VERSION = 3  # 2: sealed commits; 3: proofs bound to the connection and Welcome
 SUPPORTED_VERSIONS = (3,)
@@ -385,6 +385,8 @@ class NodeStats(Message):
     metadata_bytes: int = 0
     connection_buffer_bytes: int = 0
     heap_bytes: int = 0
+    release: str = ""  # the node's kvpool release ("": 0.1.0, before it was announced)
+    formats: Annotated[list[FormatStats], msgspec.Meta(max_length=16)] = []
 
 
 class Health(Message):
