@@ -48,6 +48,8 @@ from kvpool.protocol.messages import (
     Empty,
     GetRequest,
     GetResponse,
+    HandoffRequest,
+    HandoffResponse,
     Health,
     Hello,
     KeysRequest,
@@ -433,6 +435,22 @@ def stats() -> Op_[NodeStats]:
 def shutdown(node_id: str, drain: bool) -> Op_[None]:
     yield Request(Op.SHUTDOWN, ShutdownRequest(node_id=node_id, drain=drain))
     yield Recv(Op.SHUTDOWN, Empty)
+
+
+def handoff(
+    node_id: str, targets: Sequence[str], rate_bytes: int, deadline_s: float
+) -> Op_[HandoffResponse]:
+    """Ask the node to hand its blocks to ``targets`` (an operator's call); its answer
+    comes when the handoff is done, at its deadline at the latest."""
+    request = HandoffRequest(
+        node_id=node_id,
+        targets=list(targets),
+        rate_bytes=rate_bytes,
+        deadline_ms=max(1, int(deadline_s * 1000)),
+    )
+    yield Request(Op.HANDOFF, request)
+    response, _ = yield Recv(Op.HANDOFF, HandoffResponse)
+    return response
 
 
 def health() -> Op_[Health]:
