@@ -38,6 +38,11 @@ def _router(peers) -> Client:
     return Client(address="", peers=peers, access_key=ACCESS_KEY, timeout=10)
 
 
+def _on_c_only(hosts) -> Client:
+    """A client on c's host whose blocks stay on c (no write-through to their homes)."""
+    return Client(**hosts[2].client_options(write_rcache=False), timeout=10)
+
+
 def _handoff(host, targets, rate=256 << 20, deadline=30.0):
     with Client(host.tcp_address, use_shm=False, access_key=ACCESS_KEY, timeout=10) as client:
         node = client._require_local()
@@ -89,7 +94,7 @@ def test_the_hottest_blocks_go_first_and_the_rate_bounds_it(cluster) -> None:
     """Rules 1 and 3: at 1 MiB/s, a 1 s deadline hands one batch, of the blocks used last;
     the rest is left, and the handoff does not outlast its deadline."""
     hosts, peers = cluster
-    with Client(**hosts[2].client_options(), timeout=10) as local:  # all on c, none elsewhere
+    with _on_c_only(hosts) as local:
         keys = [key(f"hot{i}") for i in range(600)]
         for start in range(0, len(keys), 100):
             assert local.put(
@@ -108,7 +113,7 @@ def test_the_hottest_blocks_go_first_and_the_rate_bounds_it(cluster) -> None:
 def test_a_target_that_is_down_fails_its_share_only(cluster) -> None:
     """Rule 4: the blocks of a target that does not answer fail; the others are handed."""
     hosts, peers = cluster
-    with Client(**hosts[2].client_options(), timeout=10) as local:
+    with _on_c_only(hosts) as local:
         keys = [key(f"down{i}") for i in range(60)]
         assert local.put(keys, [content(k, 4096) for k in keys]).all_stored
     hosts[1].nodes[-1].kill()
