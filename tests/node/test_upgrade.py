@@ -14,6 +14,8 @@ from kvpool import Client, Status
 from kvpool.formats import RELEASE, UNSTAMPED_RELEASE
 from kvpool.harness.process import NodeProcess
 from kvpool.harness.releases import PREVIOUS, release_env
+from kvpool.store import journal as journal_module
+from tests.commands import serve
 from tests.helpers import key
 from tests.releases import block, previous_src, previous_version, run_previous_client
 
@@ -126,3 +128,32 @@ def test_previous_release_files_adopted(previous: Path, run_dir: Path, tmp_path:
     finally:
         again.stop()
     assert os.path.exists(run_dir / "up" / "arena")
+
+
+def test_a_node_of_a_format_it_does_not_read_is_refused_at_start(run_dir: Path) -> None:
+    """A journal of a later format (a downgrade) stops the start with a message naming both
+    versions and how to empty the node; nothing is emptied silently, and --fresh starts."""
+    node = NodeProcess.private("later", "8MiB", run_dir=str(run_dir)).start()
+    with Client(node.unix_address, timeout=10) as client:
+        assert client.put([key("later")], [b"x" * 4096]).all_stored
+    assert node.stop() == 0
+    journal = run_dir / "later" / "index"
+    data = journal.read_bytes()
+    header = journal_module.read_header(data, journal)
+    assert header is not None
+    later = journal_module._header(header.dev, header.ino, header.arena_bytes, version=7)
+    journal.write_bytes(later + data[len(later) :])
+
+    refused = serve(run_dir, "--name", "later")
+    assert refused.returncode == 2
+    message = " ".join(refused.stderr.split())
+    assert "journal format 7" in message and RELEASE in message, message
+    assert "--fresh" in message, message
+    assert journal.read_bytes()[: len(later)] == later  # left as it was
+
+    fresh = NodeProcess.private("later", "8MiB", run_dir=str(run_dir), extra=["--fresh"]).start()
+    try:
+        with Client(fresh.unix_address, timeout=10) as client:
+            assert client.lookup([key("later")]) == 0
+    finally:
+        fresh.stop()
