@@ -34,6 +34,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     UsageError,
 )
+from kvpool.formats import RELEASE
 from kvpool.keys import BlockOrigin
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
@@ -197,7 +198,10 @@ def handshake(
     proved it knows the key and that the Welcome is its own."""
     challenge, _ = yield Recv(Op.CHALLENGE, Challenge)
     if PROTOCOL_VERSION not in challenge.versions:
-        raise UnsupportedVersion(f"node speaks versions {challenge.versions}")
+        raise UnsupportedVersion(
+            f"the node speaks kvpool protocol {challenge.versions}, this client "
+            f"{RELEASE} speaks {PROTOCOL_VERSION}: upgrade the older side"
+        )
     handshake = auth.Handshake(access_id, challenge.nonce, auth.new_nonce(), binding)
     proof = handshake.proof(access_key, "client") if access_key else b""
     hello = Hello(
