@@ -93,11 +93,17 @@ def test_an_arena_of_the_previous_format_is_kept_and_migrated(tmp_path: Path) ->
     arena = Arena(path, ARENA_BYTES)
     try:
         assert arena.is_kept and arena.found == Stamp(1, "")
+        assert _arena_found(path) == Stamp(1, "")  # nothing written before stamp()
+        arena.stamp()
         assert bytes(arena.slice(0, 4)) == b"\xab" * 4  # the blocks did not move
     finally:
         arena.close()
     assert path.stat().st_size == ARENA_BYTES + PAGE_BYTES
     assert _arena(path).found == Stamp(ARENA.version, RELEASE)
+
+
+def _arena_found(path: Path) -> Stamp:
+    return arena_module._read_stamp(path, ARENA_BYTES)
 
 
 def test_an_arena_whose_header_page_was_added_but_not_written_is_the_previous_format(
@@ -162,6 +168,8 @@ def test_a_journal_of_the_previous_format_is_replayed_and_migrated_in_place(
     store = BlockStore(IDENTITY[2], journal=Journal(path, *IDENTITY))
     assert store.counters.adopted == 2
     assert store.journal.found == Stamp(1, "")
+    assert path.read_bytes()[:8] == b"KVPOOLJ1"  # nothing written before stamp()
+    store.journal.stamp()
     data = path.read_bytes()
     assert data[:8] == b"KVPOOLJ2"  # the header rewritten, the records where they were
     assert read_journal(path).writer == RELEASE
@@ -169,6 +177,7 @@ def test_a_journal_of_the_previous_format_is_replayed_and_migrated_in_place(
     assert again.found == Stamp(JOURNAL.version, RELEASE)
     assert len(again.replayed) == 2
     size = path.stat().st_size
+    again.stamp()
     again.close()
     Journal(path, *IDENTITY).close()
     assert path.stat().st_size == size  # a start of the same release appends nothing
@@ -261,6 +270,7 @@ def test_a_disk_tier_of_the_previous_format_is_adopted_and_migrated(tmp_path: Pa
     disk = _disk(path)
     try:
         assert disk.found == Stamp(1, "")
+        disk.stamp()
         assert all(_read(disk, k) == bytes(d) for k, d, _ in old)
         assert disk.segment_versions() == {1: 1}
         new = [_block(i) for i in range(3, 6)]

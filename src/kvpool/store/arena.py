@@ -14,10 +14,11 @@ Rules:
   :mod:`kvpool.store.journal`); otherwise, or with ``fresh``, it is replaced.
 - The file carries its format (:mod:`kvpool.formats`): a header page past the blocks, at
   the file's end, so that the blocks' offsets are those of an arena without one.  It names
-  the format version, the release that wrote it and the arena's size.  An arena of the
-  previous format (0.1.0's, no header page) is migrated in place: the page is added and
-  written, nothing else moves.  A header of a version this release does not read, or one
-  that fails its checksum, is refused at start (:class:`~kvpool.errors.FormatError`).
+  the format version, the release that wrote it and the arena's size.  A header of a
+  version this release does not read, or one that fails its checksum, is refused at start
+  (:class:`~kvpool.errors.FormatError`), before a byte changes.  An arena of the previous
+  format (0.1.0's, no header page) is migrated in place by :meth:`Arena.stamp`, once every
+  other file of the node was accepted too: the page is written, nothing else moves.
 - The whole size is allocated up front (``posix_fallocate``): a size the host cannot give
   is refused at start with a clear message, never discovered later as a SIGBUS.
 - Its page tables are populated as it is mapped, or behind the daemon for an arena past
@@ -98,7 +99,7 @@ class Arena:
                         f"{path.parent}: {exc.strerror}. Lower --memory or grow /dev/shm."
                     ) from exc
                 raise
-            if self.found != Stamp(ARENA.version, RELEASE):
+            if self.found is None:
                 _write_header(fd, self.num_bytes)
             self._mmap = map_shared(fd, self.num_bytes)
             if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -113,6 +114,11 @@ class Arena:
             raise
         self._fd = fd
         self.view = memoryview(self._mmap)
+
+    def stamp(self) -> None:
+        """Stamp a kept arena with this release's format (migrating it in place, O(1))."""
+        if self.found is not None and self.found != Stamp(ARENA.version, RELEASE):
+            _write_header(self._fd, self.num_bytes)
 
     def slice(self, offset: int, num_bytes: int) -> memoryview:
         return self.view[offset : offset + num_bytes]

@@ -39,7 +39,8 @@ Rules (each has a test in tests/store/test_journal.py):
 8. The header's eighth byte is the format version (:data:`kvpool.formats.JOURNAL`): the
    ``1`` of 0.1.0's ``KVPOOLJ1``, the ``2`` of this release's ``KVPOOLJ2``, which adds the
    STAMP record.  A journal of format 1 is adopted as it is and migrated in place (a STAMP
-   appended, then the header rewritten: O(1)); a format this release does not read, or a
+   appended, then the header rewritten: O(1); :meth:`Journal.stamp`); a format this
+   release does not read, or a
    header that fails its checksum, is refused at start (:class:`~kvpool.errors.FormatError`),
    never replayed in part nor replaced by an empty one.
 
@@ -474,7 +475,6 @@ class Journal:
             os.ftruncate(self._fd, self._valid_bytes)  # drop a torn tail: append after it
             os.lseek(self._fd, 0, os.SEEK_END)
             self.num_records = self.replayed.num_records
-            self._migrate()
         else:
             self._fd = self._create(path)
             self.num_records = 1
@@ -497,10 +497,11 @@ class Journal:
         self.found = Stamp(header.version, replayed.writer)
         return replayed
 
-    def _migrate(self) -> None:
+    def stamp(self) -> None:
         """Bring the journal this daemon adopted to this release's format, in place (rule
-        8): a STAMP naming this release, then, for format 1, the header.  A crash between
-        the two leaves a format-1 header before a STAMP, which replay reads as well."""
+        8; the node calls it once every other file was accepted too): a STAMP naming this
+        release, then, for format 1, the header.  A crash between the two leaves a format-1
+        header before a STAMP, which replay reads as well."""
         found = self.found
         if found is None or found == Stamp(JOURNAL.version, RELEASE):
             return
@@ -637,6 +638,9 @@ class NoJournal:
     found = None
 
     def forget_replay(self) -> None:
+        pass
+
+    def stamp(self) -> None:
         pass
 
     def committed(self, entries: Iterable[Entry]) -> None:

@@ -215,6 +215,7 @@ class DiskTier(KeyIndex[Location]):
         self._last_segment_id = 0  # segment ids are never reused
         # The tier's format and the release that opened it last, as found (None: new).
         self.found: Stamp | None = None
+        self._tier_id = ""
         self._dir_lock = lock_disk_dir(self.path)
         try:
             if fresh:
@@ -244,9 +245,17 @@ class DiskTier(KeyIndex[Location]):
             tier_id = secrets.token_hex(16)
         else:
             self.found, tier_id = parse_identity(text, marker)
+        self._tier_id = tier_id
+        if self.found is None:
+            self.stamp()
+
+    def stamp(self) -> None:
+        """Stamp the identity file with this release's format (migrating the tier in place;
+        the node calls it once every other file was accepted too)."""
         if self.found != Stamp(DISK_TIER.version, RELEASE):
+            marker = self.path / ID_FILE
             temporary = marker.with_name(ID_FILE + ".new")
-            temporary.write_text(identity_line(tier_id) + "\n")
+            temporary.write_text(identity_line(self._tier_id) + "\n")
             os.replace(temporary, marker)
 
     def _recover(self) -> None:
