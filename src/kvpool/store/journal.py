@@ -39,10 +39,10 @@ Rules (each has a test in tests/store/test_journal.py):
 8. The header's eighth byte is the format version (:data:`kvpool.formats.JOURNAL`): the
    ``1`` of 0.1.0's ``KVPOOLJ1``, the ``2`` of this release's ``KVPOOLJ2``, which adds the
    STAMP record.  A journal of format 1 is adopted as it is and migrated in place (a STAMP
-   appended, then the header rewritten: O(1); :meth:`Journal.stamp`); a format this
-   release does not read, or a
-   header that fails its checksum, is refused at start (:class:`~kvpool.errors.FormatError`),
-   never replayed in part nor replaced by an empty one.
+   appended, then the header rewritten: O(1); :meth:`Journal.stamp`).  A format this
+   release does not read, or a header that fails its checksum, is refused at start
+   (:class:`~kvpool.errors.FormatError`): never replayed in part, never replaced by an
+   empty journal.
 
 Writes go to tmpfs (page cache): they outlive the process at once, with no fsync; a host
 reboot loses the arena and the journal together.  Adopted blocks are verified before they
