@@ -47,7 +47,7 @@ def run_previous_client(src: Path, address: str, script: str, **params: object) 
             "import json, sys",
             "import kvpool",
             BLOCK_SCRIPT,
-            "params = json.loads(sys.argv[1])",
+            "params = json.loads(sys.stdin.read())",
             "globals().update(params)",
             "def emit(obj): print(json.dumps(obj), flush=True)",
             "with kvpool.Client(address, timeout=10) as client:",
@@ -55,7 +55,8 @@ def run_previous_client(src: Path, address: str, script: str, **params: object) 
         ]
     )
     result = subprocess.run(
-        [sys.executable, "-c", program, json.dumps({"address": address, **params})],
+        [sys.executable, "-c", program],
+        input=json.dumps({"address": address, **params}),
         capture_output=True,
         text=True,
         timeout=120,
