@@ -9,11 +9,12 @@ Rules (each has a test in tests/cluster/test_handoff.py):
 2. Each block goes to its home among the targets: rendezvous placement over the targets, as
    every client places keys once this node has left, so that the engines' reads find it
    where they look first (their lookups ask every node besides).
-3. Bounded: at most ``rate_bytes`` a second over the whole handoff, and no batch started
-   after the deadline.  A batch is pinned while it is sent (the store's pin lease bounds
-   the pin, the write-through timeout the send), and the node serves on meanwhile: DRAM
-   blocks only, read where they lie, the node's own copies untouched (a drain empties the
-   node afterwards).
+3. Bounded: a batch starts only once the bytes sent before it are within ``rate_bytes`` a
+   second since the start (the first goes at once), and none at the deadline or after.  A
+   batch is pinned while it is sent (the store's pin lease bounds the pin, the
+   write-through timeout the send), and the node serves on meanwhile: DRAM blocks only,
+   read where they lie, the node's own copies untouched (a drain empties the node
+   afterwards).
 4. Best effort: a target that refuses a batch or does not answer in time is skipped for a
    while (as the write-through skips a home that failed), and its blocks are counted failed;
    the handoff goes on with the others.
@@ -83,22 +84,19 @@ class Handoff:
         sent_bytes = 0
         try:
             for start in range(0, len(slots), BATCH_KEYS):
-                if time.monotonic() >= end:
+                # The bytes sent so far may not pass the rate: wait for the next batch's
+                # turn, unless it comes at the deadline or later.
+                turn = started + sent_bytes / rate_bytes
+                if max(turn, time.monotonic()) >= end:
                     result.num_left = len(slots) - start
                     break
+                await asyncio.sleep(max(turn - time.monotonic(), 0.0))
                 batch = [self.store.entry(int(slot)) for slot in slots[start : start + BATCH_KEYS]]
                 keys = [entry.key for entry in batch if entry is not None]
                 sent_bytes += sum(entry.size for entry in batch if entry is not None)
                 groups = self._placement.group(keys)
-                await asyncio.gather(
-                    *(
-                        self._send(node_id, [keys[i] for i in ix], end)
-                        for node_id, ix in groups.items()
-                    )
-                )
-                ahead = sent_bytes / rate_bytes - (time.monotonic() - started)
-                if ahead > 0:
-                    await asyncio.sleep(min(ahead, max(end - time.monotonic(), 0.0)))
+                sends = [self._send(n, [keys[i] for i in ix], end) for n, ix in groups.items()]
+                await asyncio.gather(*sends)
         finally:
             for client in self._clients.values():
                 await client.close()
