@@ -62,6 +62,7 @@ def _measure(node: NodeProcess, ready_s: float, sample: list[bytes], payload: by
         stats = client.stats()
     return {
         "ready_s": round(ready_s, 3),
+        "daemon_started_in_s": node.info.get("started_in_s", 0.0),  # less the interpreter's
         "found_share": round(found / len(sample), 4),
         "first_request_ms": round(first_ms, 1),
         "release": stats.release or "0.1.0",

@@ -90,7 +90,11 @@ class Arena:
         try:
             os.fchmod(fd, ARENA_MODE)
             try:
-                if not self.is_kept or not _is_allocated(fd, file_bytes):
+                if self.is_kept and _is_allocated(fd, self.num_bytes):
+                    # Its blocks' memory is there (the previous format's arena lacks only
+                    # its header page): the page alone, not a walk over every page.
+                    os.posix_fallocate(fd, self.num_bytes, HEADER_BYTES)
+                elif not self.is_kept or not _is_allocated(fd, file_bytes):
                     os.posix_fallocate(fd, 0, file_bytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
