@@ -15,7 +15,7 @@ from kvpool.formats import RELEASE, UNSTAMPED_RELEASE
 from kvpool.harness.process import NodeProcess, wait_until
 from kvpool.harness.releases import PREVIOUS, release_env
 from kvpool.store import journal as journal_module
-from tests.commands import serve
+from tests.commands import run_kvpool, serve
 from tests.helpers import key
 from tests.releases import block, previous_src, previous_version, run_previous_client
 
@@ -119,6 +119,8 @@ def test_previous_release_files_adopted(previous: Path, run_dir: Path, tmp_path:
                 _read_verified(client, held[start : start + 4000])
             assert not any(client.exists(deleted))  # a delete of 0.1.0's lasts
             assert client.stats().corrupt_reports == 0
+        status = run_kvpool("status", "--address", new.unix_address, env={"COLUMNS": "200"})
+        assert "formats" in status.stdout and UNSTAMPED_RELEASE in status.stdout, status.stdout
         # The previous release's client reads from this release's node.
         checked = run_previous_client(
             previous,
