@@ -122,11 +122,13 @@ def test_rolling_upgrade_under_traffic(model: str, run_dir: Path, tmp_path: Path
     assert base > 0.8, hits
     loaded = rounds["base-0"]
     for name in NAMES:
-        good = [i for i in range(ROUNDS) if hits[f"{name}-{i}"] >= 0.9 * base]
         seen = [round(hits[f"{name}-{i}"], 2) for i in range(ROUNDS)]
-        assert good, (name, seen)
-        assert good == list(range(good[0], ROUNDS)), (name, seen)  # back, and it stays back
-        took = ended[f"{name}-{good[0]}"] - replaced[name]
+        # Back for good: the rounds after the last that missed (a round may still hit
+        # before the node's SIGTERM lands).
+        missed = [i for i in range(ROUNDS) if hits[f"{name}-{i}"] < 0.9 * base]
+        back = missed[-1] + 1 if missed else 0
+        assert back < ROUNDS, (name, seen)
+        took = ended[f"{name}-{back}"] - replaced[name]
         assert took < RECOVERY_S, (name, took, seen)
         print(f"replaced {name}: hits back after {took:.1f} s")
         for i in range(ROUNDS):
