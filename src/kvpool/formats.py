@@ -18,6 +18,11 @@ format                  where                                      its stamp
                                                                    ``kvpool_version``
 ======================  =========================================  ===========================
 
+Not listed, as nothing adopts them: the shared directory beside the arena
+(:mod:`kvpool.directory`, its own ``VERSION``: each daemon makes a new one, and a client
+that does not know its version reads through the node), the Unix socket, and the cluster's
+membership records in etcd (they live as long as a lease; JSON, unknown fields ignored).
+
 Version 1 of each is what kvpool 0.1.0 wrote: no stamp beyond the journal's ``KVPOOLJ1``
 and the bucket objects' ``version`` field.  A file without a stamp is read as version 1,
 written by 0.1.0 or earlier.
