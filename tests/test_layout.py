@@ -22,6 +22,7 @@ LAYERS = [
         "tls",
         "dirs",
         "mapping",
+        "formats",
     },
     {"directory"},
     {"protocol"},

@@ -14,6 +14,7 @@ from kvpool.errors import (
     ConfigError,
     ConnectError,
     Forbidden,
+    FormatError,
     InternalError,
     KVPoolError,
     LeaseExpired,
@@ -29,9 +30,10 @@ from kvpool.errors import (
     UnsupportedVersion,
     UsageError,
 )
+from kvpool.formats import RELEASE
 from kvpool.keys import Namespace, block_key, chained_hashes
 
-__version__ = "0.1.0"
+__version__ = RELEASE
 
 __all__ = [
     "AsyncClient",
@@ -43,6 +45,7 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "Forbidden",
+    "FormatError",
     "GetResult",
     "InternalError",
     "KVPoolError",

@@ -4,6 +4,7 @@
 
     KVPoolError
     ├── ConfigError                  bad configuration, refused at start
+    │   └── FormatError              a file of a format this release does not read
     ├── ProtocolError                a peer broke the wire protocol
     │   ├── UnsupportedVersion       handshake: no common protocol version
     │   ├── AuthenticationError      handshake: wrong access id or key
@@ -48,6 +49,11 @@ class KVPoolError(Exception):
 
 class ConfigError(KVPoolError):
     """A configuration value is invalid; raised before anything starts."""
+
+
+class FormatError(ConfigError):
+    """A node's file is of a format version this release does not read, or its version
+    stamp is damaged: refused at start (:mod:`kvpool.formats`)."""
 
 
 class ProtocolError(KVPoolError):

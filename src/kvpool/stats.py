@@ -48,6 +48,16 @@ class TierStats(_Record):
     errors: int = 0  # requests to the tier that failed or ran out of time
 
 
+class FormatStats(_Record):
+    """One of a node's persistent formats (:mod:`kvpool.formats`): the version it writes,
+    the release writing it, and what the start found there ("": a new file)."""
+
+    name: str
+    version: int
+    writer: str
+    found: str = ""  # e.g. "1 (kvpool 0.1.0 or earlier)": adopted, and migrated in place
+
+
 class PrefetchStats(_Record):
     """A node's prefetches: what was asked, what came up into DRAM, and whether it paid."""
 

@@ -1,11 +1,15 @@
 """The Kubernetes manifests: every Kustomize overlay renders with the real ``kubectl
 kustomize``, validates in strict mode (``kubernetes-validate`` for the built-in kinds, the
-pinned Kthena CRD for ModelServing), and agrees with the code it deploys.  No cluster runs
-here: this checks what can be checked without one."""
+pinned Kthena CRD for ModelServing), and agrees with the code it deploys.  The Helm chart
+lints with the real ``helm`` and renders, from each overlay's values file, exactly the
+overlay's objects (so every check here holds for it too), validated the same way.  No
+cluster runs here: this checks what can be checked without one."""
 
 from __future__ import annotations
 
 import functools
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +26,7 @@ from tests.thirdparty import third_party
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
+CHART = ROOT / "deploy" / "helm" / "kvpool"
 OVERLAYS = ("single-node", "cluster-etcd", "1p1d")
 KUBERNETES_VERSION = "1.32"
 # Kthena's ModelServing CRD, pinned (see the README beside it), read from the third-party
@@ -104,7 +109,10 @@ def modelserving_validator() -> jsonschema.Draft4Validator:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_overlay_renders_and_validates_strictly(overlay):
-    text, docs = rendered(overlay)
+    validate_strictly(*rendered(overlay))
+
+
+def validate_strictly(text: str, docs: list[dict]) -> None:
     done = subprocess.run(
         [
             sys.executable,
@@ -135,6 +143,72 @@ def test_every_overlay_renders_and_validates_strictly(overlay):
             assert not errors, errors
             names = [r["name"] for r in doc["spec"]["template"]["roles"]]
             assert len(names) == len(set(names))  # a CEL rule the schema cannot check
+
+
+def helm() -> str:
+    """The helm binary (``make`` installs it beside the virtual environment's Python)."""
+    found = shutil.which("helm") or str(Path(sys.executable).parent / "helm")
+    if not os.access(found, os.X_OK):
+        message = "helm not found: `make` installs it (deploy/helm/install_helm.py)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
+
+
+@functools.cache
+def helm_rendered(overlay: str) -> tuple[str, list[dict]]:
+    values = CHART / f"values-{overlay}.yaml"
+    lint = subprocess.run(
+        [helm(), "lint", "--strict", str(CHART), "-f", str(values)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    done = subprocess.run(
+        [helm(), "template", "kvpool", str(CHART), "-f", str(values)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout, [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def by_identity(docs: list[dict]) -> dict[tuple[str, str, str], dict]:
+    """Objects by kind, namespace and name; Kustomize's generated ConfigMap under its plain
+    name (Kustomize adds a hash of its content to it, and to the references to it)."""
+    text = yaml.safe_dump_all(docs)
+    docs = list(yaml.safe_load_all(re.sub(r"\b(kvpool-router)-[a-z0-9]{10}\b", r"\1", text)))
+    return {(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]): d for d in docs}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_helm_chart_renders_each_overlays_objects(overlay):
+    text, docs = helm_rendered(overlay)
+    chart, kustomize = by_identity(docs), by_identity(documents(overlay))
+    assert sorted(chart) == sorted(kustomize)
+    for identity, doc in kustomize.items():
+        assert chart[identity] == doc, identity
+    validate_strictly(text, docs)
+
+
+def test_the_helm_chart_follows_its_values():
+    """A value changes what it names, and only that (a check that the comparison above
+    compares: the chart is no copy of one rendering)."""
+    values = CHART / "values-cluster-etcd.yaml"
+    done = subprocess.run(
+        [helm(), "template", "kvpool", str(CHART), "-f", str(values), "--set", "node.memory=8GiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    docs = by_identity([d for d in yaml.safe_load_all(done.stdout) if d])
+    node = containers(docs[("DaemonSet", "kvpool", "kvpool-node")])[0]
+    assert env_of(node)["KVPOOL_MEMORY"] == "8GiB"
+    assert env_of(node)["KVPOOL_ETCD"] == "http://kvpool-etcd.kvpool.svc:2379"
 
 
 def test_the_modelserving_validator_catches_what_it_should():

@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import BadRequest, ProtocolError, TooLarge, UnsupportedVersion
+from kvpool.formats import RELEASE
 from kvpool.protocol.frames import (
     HEADER,
     HEADER_BYTES,
@@ -102,3 +103,15 @@ def test_recv_buffer_preserves_the_byte_stream(chunks, want):
     rest = bytearray(buffer.num_buffered)
     buffer.drain_into(memoryview(rest))
     assert bytes(out + rest) == stream
+
+
+def test_a_peer_outside_the_protocol_window_is_refused_with_what_to_do():
+    """A client of the protocol before the window (kvpool before 0.1.0 spoke 2) is told which
+    versions each side speaks and that the older side needs upgrading."""
+    with pytest.raises(UnsupportedVersion) as excinfo:
+        parse_header(HEADER.pack(MAGIC, 2, Op.HELLO, 0, 0, 0, 0, 0))
+    message = str(excinfo.value)
+    assert "protocol 2" in message and RELEASE in message and "upgrade" in message
+    assert (
+        parse_header(HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.HELLO, 0, 0, 0, 0, 0)).op == Op.HELLO
+    )

@@ -57,7 +57,8 @@ def test_live_blocks_in_commit_order_with_removals_and_recommits(tmp_path):
         (key(0), 40 * PAGE_BYTES, 2 * PAGE_BYTES, 7),
         (key(4), 44 * PAGE_BYTES, PAGE_BYTES, 8),
     ]
-    assert replay.num_records == 6 + 2 + 1 + 1 + 1 and replay.num_torn_bytes == 0
+    # The block records, and the STAMP that names the release that wrote them.
+    assert replay.num_records == 1 + 6 + 2 + 1 + 1 + 1 and replay.num_torn_bytes == 0
 
 
 def test_filled_blocks_are_not_hashed_until_committed(tmp_path):
@@ -79,15 +80,17 @@ def test_a_garbled_record_inside_a_long_run_ends_the_replay_there(tmp_path):
     journal = open_journal(path)
     journal.committed(Entry(key(f"{i:04d}"), i * PAGE_BYTES, PAGE_BYTES, i) for i in range(1000))
     journal.close()
-    record_bytes = (path.stat().st_size - journal_module.FILE_HEADER_BYTES) // 1000
+    # The records begin after the header and the STAMP naming the release that wrote them.
+    start = journal_module.FILE_HEADER_BYTES + len(journal_module._stamp_record())
+    record_bytes = (path.stat().st_size - start) // 1000
     with open(path, "r+b") as f:  # flip a byte of record 700's offset
-        f.seek(journal_module.FILE_HEADER_BYTES + 700 * record_bytes + 10)
+        f.seek(start + 700 * record_bytes + 10)
         byte = f.read(1)[0]
         f.seek(-1, 1)
         f.write(bytes([byte ^ 1]))
     replay = read_journal(path)
     check_columns(replay)
-    assert replay.keys == [key(f"{i:04d}") for i in range(700)] and replay.num_records == 700
+    assert replay.keys == [key(f"{i:04d}") for i in range(700)] and replay.num_records == 701
     assert replay.num_torn_bytes == 300 * record_bytes
     journal = open_journal(path)  # the journal goes on after the last intact record
     journal.committed([Entry(key("after"), 0, PAGE_BYTES, 1)])
@@ -201,7 +204,8 @@ def test_replay_follows_the_rules_for_any_sequence(tmp_path_factory, monkeypatch
         replay = read_journal(path)
         check_columns(replay)
         assert columns(replay) == model(ops)
-        assert replay.num_records == len(ops) + 1 and replay.labels == {b"n" * 16: "model"}
+        # Its records, the label, and the STAMP that names the release that wrote them.
+        assert replay.num_records == len(ops) + 2 and replay.labels == {b"n" * 16: "model"}
 
     check()
 

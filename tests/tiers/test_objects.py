@@ -9,12 +9,24 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import obstore
 import pytest
 import xxhash
 
 from kvpool.errors import ConfigError
-from kvpool.tiers.bucket import INDEXES, PACKS, ObjectStoreConfig, open_store
+from kvpool.formats import DELETE_OBJECT, DISK_SEGMENT, OBJECT_INDEX, RELEASE
+from kvpool.tiers.bucket import (
+    DELETES,
+    INDEXES,
+    PACKS,
+    DeleteList,
+    ObjectStoreConfig,
+    decode_deletes,
+    decode_index,
+    index_name,
+    open_store,
+)
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.objects import ObjectTier
 from tests.s3server import S3Server
@@ -187,3 +199,82 @@ def test_a_bucket_that_refuses_us_is_a_config_error(
     tier = ObjectTier(config(s3_server, "no-such-bucket"), tmp_path / "out", "a")
     with pytest.raises(ConfigError, match="no such bucket"):
         tier.start()
+
+
+# -- formats (kvpool.formats): what each node reads of another release's objects -----------
+
+
+def _uploaded(tiers: tuple, seed: int) -> list[tuple[bytes, bytes]]:
+    disk, _writer, reader = tiers
+    first = blocks(14, seed)
+    write(disk, first)
+    write(disk, blocks(30, seed + 1))
+    wait_for(lambda: all(reader.contains([k for k, _ in first])))
+    return first
+
+
+def test_objects_carry_their_format_and_writer(
+    tiers: tuple, s3_server: S3Server, s3_bucket: str
+) -> None:
+    """An index names its format, its pack's (a segment's) and the release that wrote it;
+    a delete object its format and writer; and an index of the previous release (no such
+    fields) is read as format 1."""
+    first = _uploaded(tiers, 20)
+    _disk, writer, reader = tiers
+    store = open_store(config(s3_server, s3_bucket), timeout_s=5, retries=0)
+    location = reader.location(first[0][0])
+    assert location is not None
+    raw = obstore.get(store, INDEXES + index_name(location.pack)).bytes()
+    index = decode_index(memoryview(raw))
+    assert (index.version, index.pack_format, index.kvpool_version) == (
+        OBJECT_INDEX.version,
+        DISK_SEGMENT.version,
+        RELEASE,
+    )
+    previous = msgspec.msgpack.decode(raw)
+    del previous["kvpool_version"], previous["pack_format"]
+    assert decode_index(msgspec.msgpack.encode(previous)).pack_format == 1  # 0.1.0's
+    writer.delete([first[1][0]])
+    wait_for(lambda: writer.counters.deletes_sent == 1)
+    (listed,) = [m for c in obstore.list(store, DELETES) for m in c]
+    deletes = decode_deletes(memoryview(obstore.get(store, listed["path"]).bytes()))
+    assert (deletes.version, deletes.kvpool_version) == (DELETE_OBJECT.version, RELEASE)
+
+
+@pytest.mark.parametrize("field", ["version", "pack_format"])
+def test_an_index_of_a_format_it_does_not_read_is_not_read(
+    tiers: tuple, s3_server: S3Server, s3_bucket: str, field: str, tmp_path: Path
+) -> None:
+    first = _uploaded(tiers, 22)
+    _disk, _writer, reader = tiers
+    store = open_store(config(s3_server, s3_bucket), timeout_s=5, retries=0)
+    location = reader.location(first[0][0])
+    assert location is not None
+    index = msgspec.msgpack.decode(obstore.get(store, INDEXES + index_name(location.pack)).bytes())
+    index[field] = 9  # a later release's
+    index["pack"] = "zz-later.kvs"
+    obstore.put(store, PACKS + "zz-later.kvs", obstore.get(store, PACKS + location.pack).bytes())
+    obstore.put(store, INDEXES + "zz-later.idx", msgspec.msgpack.encode(index))
+    fresh = ObjectTier(config(s3_server, s3_bucket), tmp_path / "c-outgoing", "c")
+    try:
+        fresh.refresh()
+        assert fresh.counters.unreadable == 1
+        assert fresh.location(first[0][0]).pack == location.pack  # never the later one's
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize("damage", ["version", "garbled"])
+def test_a_delete_object_it_cannot_read_hides_the_packs_before_it(
+    tiers: tuple, s3_server: S3Server, s3_bucket: str, damage: str
+) -> None:
+    """It may name any key: no block of a pack written before it is served."""
+    first = _uploaded(tiers, 24)
+    _disk, _writer, reader = tiers
+    store = open_store(config(s3_server, s3_bucket), timeout_s=5, retries=0)
+    later = DeleteList(version=9, written_at=time.time(), writer="zz", keys=[b"k" * 20])
+    data = msgspec.msgpack.encode(later) if damage == "version" else b"\x93garbage"
+    obstore.put(store, DELETES + "zz-later-00000001.del", data)
+    wait_for(lambda: reader.counters.unreadable >= 1)  # its refresher reads the listing
+    assert not any(reader.contains([k for k, _ in first]))
+    assert read(reader, first[:1]) == [None]

@@ -82,10 +82,28 @@ def drain(
     keep: Annotated[
         bool, typer.Option("--keep", help="Stop the node but keep its contents (as SIGTERM).")
     ] = False,
+    to: Annotated[
+        str | None,
+        typer.Option(
+            "--to",
+            help="First hand the node's blocks, hottest first, to their homes among these "
+            "nodes (host:port,...): the nodes that stay when this one leaves the cluster.",
+        ),
+    ] = None,
+    rate: Annotated[
+        str, typer.Option(help="With --to: at most this many bytes a second.")
+    ] = "256MiB",
+    deadline: Annotated[
+        float, typer.Option(help="With --to: seconds the handoff may take at most.")
+    ] = 60.0,
 ) -> None:
-    """Stop a node and empty it: its arena, journal and disk tier go."""
-    from kvpool.cli.status import stop_node
+    """Stop a node and empty it: its arena, journal and disk tier go.  With --to, it first
+    hands its blocks to the nodes that stay (a node leaving the cluster: decommission)."""
+    from kvpool.cli.status import hand_off, stop_node
 
+    if to:
+        targets = [t.strip() for t in to.split(",") if t.strip()]
+        hand_off(address, targets, parse_size(rate), deadline)
     stop_node(address, drain=not keep)
 
 

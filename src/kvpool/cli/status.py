@@ -12,6 +12,7 @@ from rich.table import Table
 
 from kvpool.client.client import Client
 from kvpool.config import client_config_from, format_size
+from kvpool.limits import WRITE_THROUGH_TIMEOUT_S
 from kvpool.protocol.messages import NodeStats
 
 
@@ -142,6 +143,19 @@ def memory_table(stats: list[NodeStats]) -> Table:
     return table
 
 
+def format_table(stats: list[NodeStats]) -> Table:
+    """Per node: its release, and each persistent format it writes and what it found at
+    start (the previous release's files, adopted and migrated in place)."""
+    table = Table(title="formats")
+    for column in ("node", "release", "format", "version", "written by", "found at start"):
+        table.add_column(column, justify="right" if column == "version" else "left")
+    for node in stats:
+        for row in node.formats:
+            found = row.found or "-"
+            table.add_row(node.node_id, node.release, row.name, str(row.version), row.writer, found)
+    return table
+
+
 def namespace_table(stats: list[NodeStats]) -> Table:
     table = Table(title="namespaces")
     for column in ("namespace", "node", "blocks", "used", "hits", "misses", "hit rate"):
@@ -195,8 +209,31 @@ def show_status(
         console.print(tier_table(up))
     if any(s.prefetch for s in up):
         console.print(prefetch_table(up))
+    if any(s.formats for s in up):
+        console.print(format_table(up))
     if any(s.namespaces for s in up):
         console.print(namespace_table(up))
+
+
+def hand_off(address: str | None, targets: list[str], rate_bytes: int, deadline_s: float) -> None:
+    """Ask a node to hand its blocks to ``targets`` and wait until it has (or its deadline
+    passed); say what moved."""
+    from kvpool.client import ops
+
+    options: dict[str, Any] = {} if address is None else {"address": address}
+    config = client_config_from(options)
+    with Client(config=config) as client:
+        node = client._require_local()
+        node_id = node.welcome.node_id
+        result = node.call(
+            lambda _: ops.handoff(node_id, targets, rate_bytes, deadline_s),
+            deadline_s + config.timeout_s + WRITE_THROUGH_TIMEOUT_S,
+        )
+    Console(stderr=True).print(
+        f"handed {result.num_blocks} blocks ({format_size(result.num_bytes)}) to "
+        f"{len(targets)} node(s) in {result.elapsed_ms / 1000:.1f} s; "
+        f"{result.num_failed} failed, {result.num_left} left at the deadline"
+    )
 
 
 def stop_node(address: str | None, *, drain: bool) -> None:

@@ -34,6 +34,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     UsageError,
 )
+from kvpool.formats import RELEASE
 from kvpool.keys import BlockOrigin
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
@@ -48,6 +49,8 @@ from kvpool.protocol.messages import (
     Empty,
     GetRequest,
     GetResponse,
+    HandoffRequest,
+    HandoffResponse,
     Health,
     Hello,
     KeysRequest,
@@ -195,7 +198,10 @@ def handshake(
     proved it knows the key and that the Welcome is its own."""
     challenge, _ = yield Recv(Op.CHALLENGE, Challenge)
     if PROTOCOL_VERSION not in challenge.versions:
-        raise UnsupportedVersion(f"node speaks versions {challenge.versions}")
+        raise UnsupportedVersion(
+            f"the node speaks kvpool protocol {challenge.versions}, this client "
+            f"{RELEASE} speaks {PROTOCOL_VERSION}: upgrade the older side"
+        )
     handshake = auth.Handshake(access_id, challenge.nonce, auth.new_nonce(), binding)
     proof = handshake.proof(access_key, "client") if access_key else b""
     hello = Hello(
@@ -433,6 +439,22 @@ def stats() -> Op_[NodeStats]:
 def shutdown(node_id: str, drain: bool) -> Op_[None]:
     yield Request(Op.SHUTDOWN, ShutdownRequest(node_id=node_id, drain=drain))
     yield Recv(Op.SHUTDOWN, Empty)
+
+
+def handoff(
+    node_id: str, targets: Sequence[str], rate_bytes: int, deadline_s: float
+) -> Op_[HandoffResponse]:
+    """Ask the node to hand its blocks to ``targets`` (an operator's call); its answer
+    comes when the handoff is done, at its deadline at the latest."""
+    request = HandoffRequest(
+        node_id=node_id,
+        targets=list(targets),
+        rate_bytes=rate_bytes,
+        deadline_ms=max(1, int(deadline_s * 1000)),
+    )
+    yield Request(Op.HANDOFF, request)
+    response, _ = yield Recv(Op.HANDOFF, HandoffResponse)
+    return response
 
 
 def health() -> Op_[Health]:

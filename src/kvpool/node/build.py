@@ -132,6 +132,12 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             undo.callback(events.close)
         lower = await open_lower_tiers(config, arena, events)
         undo.callback(lower.close)
+        # Every file's format was read and accepted: each is migrated in place now, so that
+        # a refusal leaves every file as it was (kvpool.formats).
+        arena.stamp()
+        journal.stamp()
+        if lower.disk is not None:
+            lower.disk.stamp()
         # One lease ledger for every hold: the store's reservations, pins and write areas,
         # and the prefetch holds.
         ledger = LeaseLedger(config.leases)

@@ -36,6 +36,26 @@ BATCH_KEYS = 256
 FETCH_TIMEOUT_S = 5.0  # a prefetch's read from another node
 
 
+def peer_client_config(config: NodeConfig) -> ClientConfig:
+    """How a node reaches other nodes (write-through, prefetch, handoff): over TCP, as the
+    node's own identity (the cluster's, with tenants), with their TLS."""
+    return ClientConfig(
+        address="",
+        access_id=config.access_id,
+        access_key=config.access_key,
+        timeout_s=WRITE_THROUGH_TIMEOUT_S,
+        use_shm=False,
+        host_id=config.host_id,
+        write_rcache=False,  # a home does not write through again
+        max_connections=2,
+        # Other nodes' TLS: verified against --tls-ca; this node's certificate presented.
+        tls=bool(config.tls.cert or config.tls.ca),
+        tls_ca=config.tls.ca,
+        tls_cert=config.tls.cert,
+        tls_key=config.tls.key,
+    )
+
+
 class NodeAgent:
     """Built before the node's server (which it is handed to as its cluster hooks); joins
     the cluster once the server listens (:meth:`start`)."""
@@ -50,21 +70,7 @@ class NodeAgent:
             raise ConfigError("a node joins a cluster only with --peers or --etcd")
         self.membership: Membership = membership
         self.member = Member(node_id="", tcp_address="")
-        self.client_config = ClientConfig(
-            address="",
-            access_id=config.access_id,
-            access_key=config.access_key,
-            timeout_s=WRITE_THROUGH_TIMEOUT_S,
-            use_shm=False,
-            host_id=config.host_id,
-            write_rcache=False,  # a home does not write through again
-            max_connections=2,
-            # Other nodes' TLS: verified against --tls-ca; this node's certificate presented.
-            tls=bool(config.tls.cert or config.tls.ca),
-            tls_ca=config.tls.ca,
-            tls_cert=config.tls.cert,
-            tls_key=config.tls.key,
-        )
+        self.client_config = peer_client_config(config)
         self._peers: dict[str, AsyncClient] = {}
         self._queue: deque[bytes] = deque(maxlen=MAX_QUEUED_KEYS)
         self._wakeup = asyncio.Event()
@@ -92,6 +98,9 @@ class NodeAgent:
 
     def peer_ids(self) -> list[str]:
         return [m.node_id for m in self.membership.members()]
+
+    def members(self) -> list[Member]:
+        return self.membership.members()
 
     async def start(self, tcp_address: str, admin_port: int) -> None:
         """Join the cluster as the node serving at ``tcp_address``."""

@@ -20,11 +20,14 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from kvpool.config import NodeConfig
+from kvpool.cluster.membership import Member
+from kvpool.config import Address, NodeConfig
+from kvpool.errors import BadRequest, ConfigError
+from kvpool.formats import ARENA, DISK_SEGMENT, DISK_TIER, JOURNAL, RELEASE, Format, Stamp
 from kvpool.limits import EXPIRE_INTERVAL_S
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
@@ -39,11 +42,15 @@ from kvpool.node.services import (
 from kvpool.node.session import Session
 from kvpool.protocol import auth
 from kvpool.protocol.messages import NodeStats
+from kvpool.stats import FormatStats
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant
 from kvpool.tiers.chain import Tiers
 from kvpool.tls import CertFiles
+
+if TYPE_CHECKING:
+    from kvpool.node.handoff import HandoffResult
 
 log = logging.getLogger("kvpool.node")
 
@@ -67,6 +74,9 @@ class ClusterHooks(Protocol):
 
     def peer_ids(self) -> list[str]:
         """The members of the cluster, for status."""
+
+    def members(self) -> list[Member]:
+        """The members of the cluster (a handoff places blocks as they do)."""
 
 
 class NodeServer:
@@ -105,6 +115,7 @@ class NodeServer:
         self.changes = changes
         self.credentials = Credentials(config, tenants)
         self._owner_ids = itertools.count(1)  # connection numbers: lease owners >= 1
+        self._handing_off = False
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.sealer = Sealer(store, arena, self.traffic.published)
@@ -122,6 +133,7 @@ class NodeServer:
             changes=self.changes,
             stats=self.stats,
             shutdown=self._shutdown_requested,
+            handoff=self.handoff,
         )
         self._apply_quotas()
 
@@ -308,7 +320,61 @@ class NodeServer:
             metadata_bytes=store.metadata_bytes(),
             connection_buffer_bytes=self.registry.buffer_bytes(),
             heap_bytes=_heap_bytes(),
+            release=RELEASE,
+            formats=self.formats(),
         )
+
+    async def handoff(
+        self, targets: list[str], rate_bytes: int, deadline_s: float
+    ) -> HandoffResult:
+        """Hand this node's blocks to ``targets`` (:mod:`kvpool.node.handoff`), one handoff
+        at a time."""
+        from kvpool.node.handoff import Handoff  # the client's code: only when asked
+        from kvpool.node.peers import peer_client_config
+
+        if self._handing_off:
+            raise BadRequest("a handoff is under way on this node")
+        known = {m.tcp_address: m for m in self.cluster.members()} if self.cluster else {}
+        members = []
+        for target in targets:
+            try:
+                address = str(Address.parse(target))
+            except ConfigError as exc:
+                raise BadRequest(f"handoff target {target!r}: {exc}") from exc
+            if address == self.tcp_address or address.startswith("unix:"):
+                raise BadRequest(f"handoff target {target!r}: another node's TCP address")
+            members.append(known.get(address) or Member(node_id=address, tcp_address=address))
+        handoff = Handoff(self.store, self.arena, peer_client_config(self.config), members)
+        self._handing_off = True
+        try:
+            return await handoff.run(rate_bytes, deadline_s)
+        finally:
+            self._handing_off = False
+
+    def formats(self) -> list[FormatStats]:
+        """The node's persistent formats: what it writes, and what its start found."""
+        found: list[tuple[Format, Stamp | None]] = [
+            (ARENA, self.arena.found),
+            (JOURNAL, self.store.journal.found),
+        ]
+        disk = self.tiers.lower.disk
+        if disk is not None:
+            found.append((DISK_TIER, disk.found))
+        rows = [
+            FormatStats(fmt.name, fmt.version, RELEASE, stamp.describe() if stamp else "")
+            for fmt, stamp in found
+        ]
+        if disk is not None:
+            older = {v: n for v, n in disk.segment_versions().items() if v != DISK_SEGMENT.version}
+            rows.append(
+                FormatStats(
+                    DISK_SEGMENT.name,
+                    DISK_SEGMENT.version,
+                    RELEASE,
+                    ", ".join(f"{n} of format {v}" for v, n in sorted(older.items())),
+                )
+            )
+        return rows
 
     def _tenant_stats(self, tenant: Tenant) -> NodeStats:
         rows = [

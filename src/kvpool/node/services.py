@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpool.config import NodeConfig
 from kvpool.errors import NodeUnavailable
@@ -37,6 +37,9 @@ from kvpool.store.block import CommitResult
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Credential, Registry, Tenant, authenticate
 from kvpool.tiers.chain import Tiers
+
+if TYPE_CHECKING:
+    from kvpool.node.handoff import HandoffResult
 
 log = logging.getLogger("kvpool.node")
 
@@ -254,6 +257,8 @@ class SessionServices:
     changes: StoreChanges
     stats: Callable[[Tenant | None], NodeStats]  # the node's (or a tenant's) statistics
     shutdown: Callable[[bool], None]  # a client asked the node to stop (True: drain it)
+    # An operator asked the node to hand its blocks to other nodes (targets, rate, deadline).
+    handoff: Callable[[list[str], int, float], Awaitable[HandoffResult]]
     refusals: Refusals = field(default_factory=Refusals)
 
     @property

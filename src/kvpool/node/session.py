@@ -105,7 +105,7 @@ ORIGIN_BYTES_PER_TOKEN = 256
 # What only the node's operators may do: a keyless node's TCP listener does not offer it
 # (the Unix socket does, in the node's directory that only the daemon's user and group may
 # enter), so that any local user who reaches the loopback port cannot stop or drain it.
-ADMIN_OPS = frozenset({Op.SHUTDOWN})
+ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.HANDOFF})
 
 
 # What need not wait for the seals in flight (every other request sees them done).
@@ -629,6 +629,23 @@ class Session:
         await self._reply(header, Op.SHUTDOWN, msg.Empty())
         self.services.shutdown(req.drain)
 
+    async def _handoff(self, header: FrameHeader, req: msg.HandoffRequest) -> None:
+        node_id = self.services.identity.node_id
+        if req.node_id != node_id:
+            raise BadRequest(f"handoff of node {req.node_id!r} sent to {node_id!r}")
+        log.warning("handoff to %s requested by %s", ",".join(req.targets), self.peer)
+        result = await self.services.handoff(
+            list(req.targets), req.rate_bytes, req.deadline_ms / 1000
+        )
+        response = msg.HandoffResponse(
+            num_blocks=result.num_blocks,
+            num_bytes=result.num_bytes,
+            num_failed=result.num_failed,
+            num_left=result.num_left,
+            elapsed_ms=int(result.elapsed_s * 1000),
+        )
+        await self._reply(header, Op.HANDOFF, response)
+
 
 @contextlib.asynccontextmanager
 async def _unleased_transfer(num_bytes: int, what: str) -> Any:
@@ -729,6 +746,7 @@ HANDLERS: dict[int, Handler] = {
     Op.STATS: Session._stats,
     Op.HEALTH: Session._health,
     Op.SHUTDOWN: Session._shutdown,
+    Op.HANDOFF: Session._handoff,
     Op.PREFETCH: Session._prefetch,
     Op.TOUCH: Session._touch,
     Op.AREA: Session._area,

@@ -27,10 +27,12 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvpool.errors import BadRequest, Status, TooLarge, UnsupportedVersion
+from kvpool.formats import RELEASE
 from kvpool.protocol.messages import (
     PROTOCOL_VERSION,
     REQUEST_TYPES,
     RESPONSE_TYPES,
+    SUPPORTED_VERSIONS,
     ErrorResponse,
     Message,
     Op,
@@ -94,8 +96,12 @@ def parse_header(data: bytes | memoryview) -> FrameHeader:
     magic, version, op, flags, status, request_id, meta_len, payload_len = HEADER.unpack(data)
     if magic != MAGIC:
         raise BadRequest(f"bad frame magic {bytes(magic)!r}")
-    if version != PROTOCOL_VERSION:
-        raise UnsupportedVersion(f"frame version {version}, this side speaks {PROTOCOL_VERSION}")
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(
+            f"the peer speaks kvpool protocol {version}, this kvpool {RELEASE} speaks "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}: a release talks to the release before "
+            "it and after it; upgrade the older side"
+        )
     if meta_len > MAX_META_BYTES:
         raise TooLarge(f"message header of {meta_len} bytes exceeds {MAX_META_BYTES}")
     if payload_len > MAX_PAYLOAD_BYTES:

@@ -29,10 +29,19 @@ DESCRIBE       namespace id and label                     -
 STATS          -                                          NodeStats
 HEALTH         -                                          Health
 SHUTDOWN       the node's id; whether to drain (empty it) - (then the node stops)
+HANDOFF        the node's id; the nodes to hand its       blocks handed, failed, left; when
+               blocks to; a rate and a deadline           it is done (or at the deadline)
 =============  ========================================  =====================================
 
 (1) How many blocks the write's evictions lost: evicted from DRAM to make room for it, and
 taken by no lower tier (see :class:`PutResponse`).
+
+Compatibility (:mod:`kvpool.formats` rule 5 for the wire): a release speaks its own version
+and the previous release's.  A new op or a new field with a default is no new version (a
+node of the previous release answers an op it does not know with ``BadRequest``, and
+msgpack readers skip fields they do not know), except in a Welcome: both proofs cover a
+digest of the Welcome as each side decodes it again, so a field an older client drops would
+fail its proof.  A Welcome that grows is a new protocol version.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
-from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
+from kvpool.stats import FormatStats, NamespaceStats, PrefetchStats, TierStats
 
 PROTOCOL_VERSION = 3  # 2: sealed commits; 3: proofs bound to the connection and Welcome
 SUPPORTED_VERSIONS = (3,)
@@ -101,6 +110,7 @@ class Op(enum.IntEnum):
     PREFETCH = 17
     TOUCH = 18  # no reply: blocks a same-host client read through the shared directory
     AREA = 19  # a write area for a same-host client (see kvpool.store.areas)
+    HANDOFF = 20  # hand this node's blocks to other nodes (a node leaving the cluster)
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
@@ -354,6 +364,24 @@ class ShutdownRequest(Message):
     drain: bool = False  # empty the node (every tier) as it stops
 
 
+class HandoffRequest(Message):
+    """Hand the node's blocks, hottest first, each to its home among ``targets`` (TCP
+    addresses of other nodes), at most ``rate_bytes`` a second, until ``deadline_ms``."""
+
+    node_id: Name  # the node meant (as its Welcome said)
+    targets: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=64)]
+    rate_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=1 << 40)] = 256 << 20
+    deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 60_000
+
+
+class HandoffResponse(Message):
+    num_blocks: int  # stored at their homes (or already there)
+    num_bytes: int
+    num_failed: int  # a target refused them or did not answer in time
+    num_left: int  # not tried: the deadline came first
+    elapsed_ms: int
+
+
 class NodeStats(Message):
     node_id: str
     host_id: str
@@ -385,6 +413,8 @@ class NodeStats(Message):
     metadata_bytes: int = 0
     connection_buffer_bytes: int = 0
     heap_bytes: int = 0
+    release: str = ""  # the node's kvpool release ("": 0.1.0, before it was announced)
+    formats: Annotated[list[FormatStats], msgspec.Meta(max_length=16)] = []
 
 
 class Health(Message):
@@ -409,6 +439,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.STATS: Empty,
     Op.HEALTH: Empty,
     Op.SHUTDOWN: ShutdownRequest,
+    Op.HANDOFF: HandoffRequest,
     Op.PREFETCH: PrefetchRequest,
     Op.TOUCH: KeysRequest,
     Op.AREA: AreaRequest,
@@ -431,6 +462,7 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.STATS: NodeStats,
     Op.HEALTH: Health,
     Op.SHUTDOWN: Empty,
+    Op.HANDOFF: HandoffResponse,
     Op.PREFETCH: PrefetchResponse,
     Op.TOUCH: Empty,
     Op.AREA: AreaResponse,

@@ -12,6 +12,13 @@ Rules:
 - An arena left by an earlier daemon (a crash, ``kill -9``, an upgrade) is kept and mapped
   again if it has the size asked for, so that its blocks can be adopted (see
   :mod:`kvpool.store.journal`); otherwise, or with ``fresh``, it is replaced.
+- The file carries its format (:mod:`kvpool.formats`): a header page past the blocks, at
+  the file's end, so that the blocks' offsets are those of an arena without one.  It names
+  the format version, the release that wrote it and the arena's size.  A header of a
+  version this release does not read, or one that fails its checksum, is refused at start
+  (:class:`~kvpool.errors.FormatError`), before a byte changes.  An arena of the previous
+  format (0.1.0's, no header page) is migrated in place by :meth:`Arena.stamp`, once every
+  other file of the node was accepted too: the page is written, nothing else moves.
 - The whole size is allocated up front (``posix_fallocate``): a size the host cannot give
   is refused at start with a clear message, never discovered later as a SIGBUS.
 - Its page tables are populated as it is mapped, or behind the daemon for an arena past
@@ -26,15 +33,20 @@ import errno
 import mmap
 import os
 import secrets
+import struct
 from pathlib import Path
 
 from kvpool.config import PAGE_BYTES, format_size
 from kvpool.dirs import DirLock, check_owned
 from kvpool.errors import ConfigError
+from kvpool.formats import ARENA, RELEASE, STAMP_BYTES, Stamp, pack_stamp, unpack_stamp
 from kvpool.mapping import map_shared
 
 ARENA_MODE = 0o660
 DIR_MODE = 0o770
+HEADER_MAGIC = b"KVPOOLA\0"
+HEADER_BYTES = PAGE_BYTES  # the last page of the file
+HEADER_SIZE = struct.Struct("<Q")  # after the stamp: the arena's bytes (without the header)
 
 
 class NodeDirLock:
@@ -62,19 +74,28 @@ class Arena:
         self.path = path
         self.num_bytes = round_up(num_bytes, PAGE_BYTES)
         self.arena_id = secrets.token_bytes(16)
-        self.is_kept = False
+        file_bytes = self.num_bytes + HEADER_BYTES
         # The caller holds the node directory lock: what is here was left by an earlier daemon.
-        if path.exists() and (fresh or path.stat().st_size != self.num_bytes):
+        kept_bytes = path.stat().st_size if path.exists() else 0
+        if kept_bytes and (fresh or kept_bytes not in (self.num_bytes, file_bytes)):
             path.unlink()
-        self.is_kept = path.exists()
+            kept_bytes = 0
+        self.is_kept = bool(kept_bytes)
+        # What the header said (checked before a byte changes: a refused arena stays whole);
+        # None for a new arena.
+        self.found = _read_stamp(path, self.num_bytes) if self.is_kept else None
         if not self.is_kept:
-            _check_free_space(path.parent, self.num_bytes)
+            _check_free_space(path.parent, file_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, ARENA_MODE)
         try:
             os.fchmod(fd, ARENA_MODE)
             try:
-                if not self.is_kept or not _is_allocated(fd, self.num_bytes):
-                    os.posix_fallocate(fd, 0, self.num_bytes)
+                if self.is_kept and _is_allocated(fd, self.num_bytes):
+                    # Its blocks' memory is there (the previous format's arena lacks only
+                    # its header page): the page alone, not a walk over every page.
+                    os.posix_fallocate(fd, self.num_bytes, HEADER_BYTES)
+                elif not self.is_kept or not _is_allocated(fd, file_bytes):
+                    os.posix_fallocate(fd, 0, file_bytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise ConfigError(
@@ -82,6 +103,8 @@ class Arena:
                         f"{path.parent}: {exc.strerror}. Lower --memory or grow /dev/shm."
                     ) from exc
                 raise
+            if self.found is None:
+                _write_header(fd, self.num_bytes)
             self._mmap = map_shared(fd, self.num_bytes)
             if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
                 with contextlib.suppress(OSError):
@@ -95,6 +118,11 @@ class Arena:
             raise
         self._fd = fd
         self.view = memoryview(self._mmap)
+
+    def stamp(self) -> None:
+        """Stamp a kept arena with this release's format (migrating it in place, O(1))."""
+        if self.found is not None and self.found != Stamp(ARENA.version, RELEASE):
+            _write_header(self._fd, self.num_bytes)
 
     def slice(self, offset: int, num_bytes: int) -> memoryview:
         return self.view[offset : offset + num_bytes]
@@ -110,6 +138,28 @@ class Arena:
         self._fd = -1
         if remove:
             self.path.unlink(missing_ok=True)
+
+
+def _read_stamp(path: Path, num_bytes: int) -> Stamp:
+    """The format of the arena at ``path`` (of ``num_bytes`` without its header): the
+    header page's, or the previous format's where there is none (the file is exactly
+    ``num_bytes``, or its header page was added and not yet written: all zeros)."""
+    with open(path, "rb") as f:
+        f.seek(num_bytes)
+        header = f.read(STAMP_BYTES + HEADER_SIZE.size)
+    if len(header) < STAMP_BYTES + HEADER_SIZE.size or not any(header):
+        return Stamp(1, "")  # the previous format's: no header
+    stamp = unpack_stamp(header, HEADER_MAGIC, ARENA, path)
+    (size,) = HEADER_SIZE.unpack_from(header, STAMP_BYTES)
+    if size != num_bytes:
+        raise ARENA.damaged(path, f"header (it says {size} bytes, the file holds {num_bytes})")
+    return stamp
+
+
+def _write_header(fd: int, num_bytes: int) -> None:
+    """Stamp the arena (its last page) with this release's format."""
+    header = pack_stamp(HEADER_MAGIC, ARENA.version) + HEADER_SIZE.pack(num_bytes)
+    os.pwrite(fd, header, num_bytes)
 
 
 def _is_allocated(fd: int, num_bytes: int) -> bool:

@@ -617,6 +617,15 @@ class BlockStore:
         coarse = ((stamps - np.uint64(low)) >> np.uint64(shift)).astype(np.uint16)
         return slots[np.argsort(coarse, kind="stable")]
 
+    def hottest_first(self) -> np.ndarray:
+        """Every live slot, most recently used first (to the precision of the compaction's
+        order): what a node leaving the cluster hands over first."""
+        return self._recency_order()[::-1]
+
+    def entry(self, slot: int) -> Entry | None:
+        """The block a slot holds now (None: none committed there now)."""
+        return self._entry(slot)
+
     def _entry(self, slot: int) -> Entry | None:
         """The journal entry of a slot's committed block (None: not committed now)."""
         index = self.index

@@ -10,7 +10,9 @@ those bytes are committed blocks.  Records:
   Replay yields it with no checksum, and the restarted daemon hashes it before adopting it;
 - REMOVE(key): it left (deleted, evicted, dropped as corrupt);
 - LABEL(namespace id, label): a namespace's human-readable label (routers find namespaces
-  by it).
+  by it);
+- STAMP(release): the kvpool release that wrote the records after it (one per daemon that
+  took the journal over, and one at the front of each compaction's snapshot).
 
 Rules (each has a test in tests/store/test_journal.py):
 1. A COMMIT or a FILLED is written before the commit is acknowledged: every block a writer
@@ -34,6 +36,13 @@ Rules (each has a test in tests/store/test_journal.py):
    describes what the old one does when it replaces it.
 7. The header names the arena (device, inode, size): a journal of another arena is
    discarded at start.
+8. The header's eighth byte is the format version (:data:`kvpool.formats.JOURNAL`): the
+   ``1`` of 0.1.0's ``KVPOOLJ1``, the ``2`` of this release's ``KVPOOLJ2``, which adds the
+   STAMP record.  A journal of format 1 is adopted as it is and migrated in place (a STAMP
+   appended, then the header rewritten: O(1); :meth:`Journal.stamp`).  A format this
+   release does not read, or a header that fails its checksum, is refused at start
+   (:class:`~kvpool.errors.FormatError`): never replayed in part, never replaced by an
+   empty journal.
 
 Writes go to tmpfs (page cache): they outlive the process at once, with no fsync; a host
 reboot loses the arena and the journal together.  Adopted blocks are verified before they
@@ -56,9 +65,10 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from kvpool.formats import JOURNAL, RELEASE, Stamp
 from kvpool.store.index import rows_as_bytes
 
-FILE_MAGIC = b"KVPOOLJ1"
+FILE_MAGIC_PREFIX = b"KVPOOLJ"  # and the format version, as an ASCII digit from "1" on
 FILE_HEADER_BODY = struct.Struct("<8sQQQ")  # magic, dev, ino, arena bytes
 FILE_HEADER_BYTES = FILE_HEADER_BODY.size + 8  # and the body's checksum
 RECORD_MAGIC = b"KVJR"
@@ -66,7 +76,7 @@ RECORD = struct.Struct("<4sBBHQQQ")  # magic, kind, key length, label length, of
 RECORD_CHECKSUM = struct.Struct("<Q")
 MAX_KEY_BYTES = 255
 MAX_LABEL_BYTES = 1024
-COMMIT, REMOVE, LABEL, FILLED = 1, 2, 3, 4
+COMMIT, REMOVE, LABEL, FILLED, STAMP = 1, 2, 3, 4, 5
 # Compact when the journal holds this many times the live records (and is not tiny): what
 # a restart replays.  Cheap, now that a compaction is written a step per commit.
 COMPACT_RATIO = 2
@@ -100,6 +110,8 @@ class Replay:
     checksums: np.ndarray  # uint64; 0 where not hashed
     hashed: np.ndarray  # bool: False where the block was FILLED and not hashed yet
     labels: dict[bytes, str]
+    # The release that wrote the last records (its STAMP), "" where none says (format 1).
+    writer: str = ""
     num_records: int = 0
     num_torn_bytes: int = 0
     # The keys again, a row of bytes each, where they are all of one length (a node's are):
@@ -142,9 +154,40 @@ def _record(
     return body + RECORD_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def _header(dev: int, ino: int, arena_bytes: int) -> bytes:
-    body = FILE_HEADER_BODY.pack(FILE_MAGIC, dev, ino, arena_bytes)
+def _header(dev: int, ino: int, arena_bytes: int, version: int = JOURNAL.version) -> bytes:
+    magic = FILE_MAGIC_PREFIX + bytes([ord("0") + version])
+    body = FILE_HEADER_BODY.pack(magic, dev, ino, arena_bytes)
     return body + RECORD_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _stamp_record() -> bytes:
+    return _record(STAMP, b"", label=RELEASE.encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A journal's header: its format version and the arena it describes."""
+
+    version: int
+    dev: int
+    ino: int
+    arena_bytes: int
+
+
+def read_header(data: Data, where: object) -> Header | None:
+    """The header at the start of ``data`` (None: too short to hold one, a journal cut off
+    as it was created); a damaged one, or one of a format this release does not read, is
+    refused (rule 8)."""
+    if len(data) < FILE_HEADER_BYTES:
+        return None
+    body = bytes(data[: FILE_HEADER_BODY.size])
+    (expected,) = RECORD_CHECKSUM.unpack_from(data, FILE_HEADER_BODY.size)
+    magic, dev, ino, arena_bytes = FILE_HEADER_BODY.unpack(body)
+    if magic[:7] != FILE_MAGIC_PREFIX or xxhash.xxh3_64_intdigest(body) != expected:
+        raise JOURNAL.damaged(where, "header")
+    version = magic[7] - ord("0")
+    JOURNAL.check(version, "", where)
+    return Header(version, dev, ino, arena_bytes)
 
 
 def _run_dtype(key_len: int) -> np.dtype:
@@ -239,11 +282,12 @@ class _Records:
         ]
 
 
-def _parse(data: Data) -> tuple[_Records, dict[bytes, str], int, int]:
+def _parse(data: Data) -> tuple[_Records, dict[bytes, str], str, int, int]:
     """The block records of a journal's intact records, its labels, how many records there
     are and where they end."""
     records = _Records()
     labels: dict[bytes, str] = {}
+    writer = ""
     num_records = 0
     position = FILE_HEADER_BYTES
     while position + RECORD.size + RECORD_CHECKSUM.size <= len(data):
@@ -258,7 +302,7 @@ def _parse(data: Data) -> tuple[_Records, dict[bytes, str], int, int]:
         end = position + RECORD.size + key_len + label_len
         if (
             magic != RECORD_MAGIC
-            or kind not in (COMMIT, REMOVE, LABEL, FILLED)
+            or kind not in (COMMIT, REMOVE, LABEL, FILLED, STAMP)
             or end + 8 > len(data)
         ):
             break
@@ -266,13 +310,16 @@ def _parse(data: Data) -> tuple[_Records, dict[bytes, str], int, int]:
         if xxhash.xxh3_64_intdigest(data[position:end]) != expected:
             break
         key = data[position + RECORD.size : position + RECORD.size + key_len]
+        text = data[position + RECORD.size + key_len : end]
         if kind == LABEL:
-            labels[key] = data[position + RECORD.size + key_len : end].decode("utf-8", "replace")
+            labels[key] = text.decode("utf-8", "replace")
+        elif kind == STAMP:
+            writer = text.decode("ascii", "replace")
         else:
             records.add(kind, key, offset, size, checksum)
         num_records += 1
         position = end + RECORD_CHECKSUM.size
-    return records, labels, num_records, position
+    return records, labels, writer, num_records, position
 
 
 def _replay(data: Data) -> tuple[Replay, int]:
@@ -289,7 +336,7 @@ def _replay(data: Data) -> tuple[Replay, int]:
 
 
 def _replay_records(data: Data) -> tuple[Replay, int]:
-    records, labels, num_records, valid_bytes = _parse(data)
+    records, labels, writer, num_records, valid_bytes = _parse(data)
     kinds, offsets, sizes, checksums = records.fields()
     # Offsets and sizes past 2**63 fit no arena: negative here, never sealed nor adopted.
     offsets, sizes = offsets.view(np.int64), sizes.view(np.int64)
@@ -311,7 +358,9 @@ def _replay_records(data: Data) -> tuple[Replay, int]:
     hashed = kinds == COMMIT
     checksums[~hashed] = 0
     torn = len(data) - valid_bytes
-    replay = Replay(keys, offsets, sizes, checksums, hashed, labels, num_records, torn, key_rows)
+    replay = Replay(
+        keys, offsets, sizes, checksums, hashed, labels, writer, num_records, torn, key_rows
+    )
     return replay, valid_bytes
 
 
@@ -416,6 +465,8 @@ class Journal:
         self._snapshot: Sequence[int] | np.ndarray = []
         self._snapshot_at = 0  # how many of them it wrote
         self._new_records = 0
+        # The format the journal had and the release that wrote it last (None: a new one).
+        self.found: Stamp | None = None
         Path(str(path) + ".new").unlink(missing_ok=True)  # a compaction a crash cut short
         if not fresh:
             self.replayed = self._replay()
@@ -426,10 +477,12 @@ class Journal:
             self.num_records = self.replayed.num_records
         else:
             self._fd = self._create(path)
+            self.num_records = 1
 
     def _create(self, path: Path) -> int:
+        """A new journal file: its header, then a STAMP naming this release."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
-        os.write(fd, _header(*self._identity))
+        _write_all(fd, _header(*self._identity) + _stamp_record())
         return fd
 
     def _replay(self) -> Replay:
@@ -437,15 +490,30 @@ class Journal:
             data = _map(self.path)
         except FileNotFoundError:
             return Replay.empty()
-        if data[:FILE_HEADER_BYTES] != _header(*self._identity):
-            return Replay.empty()  # another arena's, or a garbled header: start empty
+        header = read_header(data, self.path)  # a damaged or unknown format: refused
+        if header is None or (header.dev, header.ino, header.arena_bytes) != self._identity:
+            return Replay.empty()  # cut off as it was created, or another arena's
         replayed, self._valid_bytes = _replay(data)
+        self.found = Stamp(header.version, replayed.writer)
         return replayed
+
+    def stamp(self) -> None:
+        """Bring the journal this daemon adopted to this release's format, in place (rule
+        8; the node calls it once every other file was accepted too): a STAMP naming this
+        release, then, for format 1, the header.  A crash between the two leaves a format-1
+        header before a STAMP, which replay reads as well."""
+        found = self.found
+        if found is None or found == Stamp(JOURNAL.version, RELEASE):
+            return
+        self._write([_stamp_record()])
+        if found.version != JOURNAL.version:
+            os.pwrite(self._fd, _header(*self._identity), 0)
 
     def forget_replay(self) -> None:
         """Drop the blocks replay found, once the store adopted them (what it counted stays)."""
         counted = self.replayed
         self.replayed = Replay.empty()
+        self.replayed.writer = counted.writer
         self.replayed.num_records = counted.num_records
         self.replayed.num_torn_bytes = counted.num_torn_bytes
 
@@ -503,7 +571,7 @@ class Journal:
         # Blocks still being sealed: their writers were told they are stored.
         records += [_record(FILLED, e.key, e.offset, e.size) for e in self._filled.values()]
         _write_all(self._new_fd, b"".join(records))
-        self._new_records = len(records)
+        self._new_records = 1 + len(records)  # and the STAMP _create wrote
         self._snapshot, self._snapshot_at = blocks, 0
 
     def compact_step(self, live: Callable[[int], Entry | None]) -> None:
@@ -567,8 +635,12 @@ class NoJournal:
     """Memory only: nothing outlives the process (tests, and ``--fresh`` of nothing)."""
 
     replayed = Replay.empty()
+    found = None
 
     def forget_replay(self) -> None:
+        pass
+
+    def stamp(self) -> None:
         pass
 
     def committed(self, entries: Iterable[Entry]) -> None:

@@ -6,12 +6,20 @@ disk wrote it, and ``index/<writer>-<segment>.idx`` its :class:`PackIndex` (msgp
 size bounded): the blocks it holds, where, and their checksums.  ``deletes/<writer>-<n>.del``
 is a :class:`DeleteList`: keys deleted, hidden in the packs uploaded before it.
 
+Formats (:mod:`kvpool.formats`): an index and a delete object carry their format version
+(``version``) and the release that wrote them (``kvpool_version``); an index also names its
+pack's format (a disk segment's, ``pack_format``).  Fields added since format 1 have
+defaults, so that 0.1.0's objects read as format 1 and 0.1.0 reads this release's.  An
+object of a format this release does not read is not read (:meth:`PackIndex.check`,
+:meth:`DeleteList.check`).
+
 obstore raises its own exception classes and Python's (``FileNotFoundError``,
 ``TimeoutError``...); ``STORE_ERRORS``, ``NOT_FOUND`` and ``REFUSED`` name them in one place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Annotated, Any
 from urllib.parse import urlparse
@@ -22,13 +30,14 @@ from obstore.exceptions import NotFoundError, PermissionDeniedError, Unauthentic
 from obstore.store import S3Store
 
 from kvpool.config import ObjectStoreConfig
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, FormatError
+from kvpool.formats import DELETE_OBJECT, DISK_SEGMENT, OBJECT_INDEX
 
 STORE_ERRORS = (ObjectStoreError, OSError)
 NOT_FOUND = (NotFoundError, FileNotFoundError)
 REFUSED = (PermissionDeniedError, UnauthenticatedError, PermissionError)
 
-INDEX_VERSION = 1
+INDEX_VERSION = OBJECT_INDEX.version
 PACKS = "packs/"
 INDEXES = "index/"
 DELETES = "deletes/"
@@ -52,11 +61,15 @@ class PackIndex(msgspec.Struct, forbid_unknown_fields=False):
     offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
     sizes: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
     checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_PACK_BLOCKS)]
+    kvpool_version: Annotated[str, msgspec.Meta(max_length=32)] = ""  # "": 0.1.0 or earlier
+    pack_format: int = 1  # the pack's: a disk segment's format
 
     def check(self) -> None:
+        """Refuse (``ValueError``) an index this release cannot read, or that names blocks
+        outside its pack."""
         n = len(self.keys)
-        if self.version != INDEX_VERSION:
-            raise ValueError(f"index version {self.version}")
+        _check_format(OBJECT_INDEX.check, self.version, self.kvpool_version, self.pack)
+        _check_format(DISK_SEGMENT.check, self.pack_format, self.kvpool_version, self.pack)
         if not (len(self.offsets) == len(self.sizes) == len(self.checksums) == n):
             raise ValueError("index columns of different lengths")
         for offset, size in zip(self.offsets, self.sizes, strict=True):
@@ -75,6 +88,20 @@ class DeleteList(msgspec.Struct, forbid_unknown_fields=False):
         list[Annotated[bytes, msgspec.Meta(max_length=MAX_OBJECT_KEY_BYTES)]],
         msgspec.Meta(max_length=MAX_PACK_BLOCKS),
     ]
+    kvpool_version: Annotated[str, msgspec.Meta(max_length=32)] = ""
+
+    def check(self) -> None:
+        """Refuse (``ValueError``) a delete object this release cannot read."""
+        _check_format(DELETE_OBJECT.check, self.version, self.kvpool_version, self.writer)
+
+
+def _check_format(
+    check: Callable[[int, str, object], None], version: int, writer: str, where: str
+) -> None:
+    try:
+        check(version, writer, where)
+    except FormatError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 decode_deletes = msgspec.msgpack.Decoder(DeleteList).decode

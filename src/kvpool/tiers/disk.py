@@ -3,8 +3,10 @@
 Layout (log-structured, as caches on flash are: large sequential writes, no per-block
 files, no in-place updates)::
 
-    PATH/kvpool-disk.id          the tier's identity (so that a wrong PATH is refused)
+    PATH/kvpool-disk.id          the tier's identity (so that a wrong PATH is refused) and
+                                 format, and the release that opened it last
     PATH/seg-00000001.kvs        segment files, up to ``segment_bytes`` each:
+        stamp                    the segment's format and the release that wrote it
         record*                  header (key, size, checksum, header checksum) + payload
         [footer, trailer]        once sealed: every record's header again, in one piece
 
@@ -37,6 +39,14 @@ files, no in-place updates)::
   that a second daemon given it refuses to start instead of deleting or overwriting the
   first one's segments.  A new segment never replaces an existing file (``O_EXCL``).
 
+- Formats (:mod:`kvpool.formats`): the identity file names the tier's format; one of a
+  format this release does not read, or that fails its checksum, is refused at start.
+  Format 1 (0.1.0's: the identity alone, segments without a stamp) is adopted as it is:
+  the identity file is rewritten at start, old segments are read as they are until they
+  go (a segment is never rewritten), new ones are written in this release's format.  A
+  segment whose stamp is damaged, or of a format this release does not read, is not
+  adopted: it is deleted and counted (``unreadable_segments``).
+
 Events: the blocks a write places are reported stored, and the blocks an evicted segment
 or a delete takes away removed, to the :class:`~kvpool.tiers.tier.TierEvents` the tier was
 built with, medium ``STORAGE``.  A segment it evicts is first handed to the tier below
@@ -60,6 +70,7 @@ import shutil
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +78,17 @@ from pathlib import Path
 import xxhash
 
 from kvpool.dirs import DirLock, check_owned
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, FormatError
+from kvpool.formats import (
+    DISK_SEGMENT,
+    DISK_TIER,
+    RELEASE,
+    STAMP_BYTES,
+    Stamp,
+    has_magic,
+    pack_stamp,
+    unpack_stamp,
+)
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TierStats
 from kvpool.store.quotas import Quotas
@@ -81,6 +102,13 @@ RECORD_TAIL = struct.Struct("<Q")
 FOOTER_MAGIC = b"KVDFOOT1"
 TRAILER = struct.Struct("<8sQQ")  # magic, footer offset, footer checksum
 ID_FILE = "kvpool-disk.id"
+ID_PREFIX = "kvpool-disk"  # format 2 on: "kvpool-disk format=N kvpool=R id=HEX check=HEX"
+ID_V1 = re.compile(r"^[0-9a-f]{32}$")  # format 1: the id alone
+ID_LINE = re.compile(
+    r"^kvpool-disk format=(\d+) kvpool=(\S*) id=([0-9a-f]{32}) check=([0-9a-f]{16})$"
+)
+MAX_ID_FILE_BYTES = 4096
+SEGMENT_MAGIC = b"KVPOOLS\0"
 SEGMENT_RE = re.compile(r"^seg-(\d{8})\.kvs$")
 DEFAULT_SEGMENT_BYTES = 256 << 20
 MIN_SEGMENT_BYTES = 4 << 20
@@ -115,6 +143,7 @@ class Segment:
     segment_id: int
     path: Path
     num_bytes: int = 0
+    version: int = DISK_SEGMENT.version  # its format: where its records start
     last_used: float = 0.0
     sealed: bool = False
     keys: set[bytes] = field(default_factory=set)
@@ -138,6 +167,7 @@ class DiskCounters:
     recovered: int = 0
     torn_records: int = 0
     over_share: int = 0  # blocks not written: their tenant had no room within its share
+    unreadable_segments: int = 0  # a damaged stamp, or a format not read: deleted at start
 
 
 class DiskTier(KeyIndex[Location]):
@@ -183,6 +213,9 @@ class DiskTier(KeyIndex[Location]):
         self._graves: dict[bytes, int] = {}
         self._carried: list[bytes] = []  # tombstones to write again (their segment went)
         self._last_segment_id = 0  # segment ids are never reused
+        # The tier's format and the release that opened it last, as found (None: new).
+        self.found: Stamp | None = None
+        self._tier_id = ""
         self._dir_lock = lock_disk_dir(self.path)
         try:
             if fresh:
@@ -200,13 +233,30 @@ class DiskTier(KeyIndex[Location]):
     # -- start ----------------------------------------------------------------------------
 
     def _check_identity(self) -> None:
+        """Read the identity file (a new tier: write one), refusing a format this release
+        does not read; then stamp it with this release's format."""
         marker = self.path / ID_FILE
         try:
-            marker.read_text()
+            with open(marker, "rb") as f:
+                text = f.read(MAX_ID_FILE_BYTES).decode("ascii", "replace")
         except FileNotFoundError:
             if any(SEGMENT_RE.match(p.name) for p in self.path.iterdir()):
                 raise ConfigError(f"{self.path} holds segments but no {ID_FILE}") from None
-            marker.write_text(secrets.token_hex(16) + "\n")
+            tier_id = secrets.token_hex(16)
+        else:
+            self.found, tier_id = parse_identity(text, marker)
+        self._tier_id = tier_id
+        if self.found is None:
+            self.stamp()
+
+    def stamp(self) -> None:
+        """Stamp the identity file with this release's format (migrating the tier in place;
+        the node calls it once every other file was accepted too)."""
+        if self.found != Stamp(DISK_TIER.version, RELEASE):
+            marker = self.path / ID_FILE
+            temporary = marker.with_name(ID_FILE + ".new")
+            temporary.write_text(identity_line(self._tier_id) + "\n")
+            os.replace(temporary, marker)
 
     def _recover(self) -> None:
         for entry in sorted(self.path.iterdir()):
@@ -216,6 +266,13 @@ class DiskTier(KeyIndex[Location]):
             segment = Segment(int(match.group(1)), entry)
             segment.num_bytes = entry.stat().st_size
             segment.last_used = next(self._clock)
+            try:
+                segment.version = segment_version(entry)
+            except FormatError:
+                self.counters.unreadable_segments += 1
+                self._last_segment_id = max(self._last_segment_id, segment.segment_id)
+                entry.unlink(missing_ok=True)
+                continue
             self._segments[segment.segment_id] = segment
             records = self._read_footer(segment)
             if records is None:
@@ -227,7 +284,7 @@ class DiskTier(KeyIndex[Location]):
                     self._bury(key, segment)
                 else:
                     self._place(key, location, segment)
-        self._last_segment_id = max(self._segments, default=0)
+        self._last_segment_id = max(self._last_segment_id, *self._segments, 0)
         # Appends go to a new segment: the last one may end in a torn record.
         for segment in self._segments.values():
             segment.sealed = True
@@ -280,7 +337,7 @@ class DiskTier(KeyIndex[Location]):
         """The records of an unsealed segment, header by header, up to the first that is
         torn or garbled (what a crash or power loss left at the tail)."""
         records = []
-        position = 0
+        position = records_start(segment.version)
         with open(segment.path, "rb") as f:
             while position + RECORD.size <= segment.num_bytes:
                 f.seek(position)
@@ -354,6 +411,11 @@ class DiskTier(KeyIndex[Location]):
             recovered=counters.recovered,
         )
 
+    def segment_versions(self) -> dict[int, int]:
+        """How many segments there are of each format (old ones stay until they go)."""
+        with self._lock:
+            return dict(Counter(s.version for s in self._segments.values()))
+
     # -- writes ---------------------------------------------------------------------------
 
     def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
@@ -426,7 +488,7 @@ class DiskTier(KeyIndex[Location]):
                     with self._lock:
                         self.counters.over_share += 1 + len(pending)
                     return written
-                room = 0
+                room = records_start(DISK_SEGMENT.version)
             batch.append(record)
             room += need
         return written + self._append(owner, batch, origins)
@@ -491,10 +553,13 @@ class DiskTier(KeyIndex[Location]):
             segment_id = self._last_segment_id = self._last_segment_id + 1
             path = self.path / f"seg-{segment_id:08d}.kvs"
             # Never over an existing file: the directory is locked, so one is not ours.
-            self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             segment = Segment(segment_id, path, last_used=next(self._clock), first_key=key)
             self._segments[segment_id] = segment
             self._open[owner] = segment
+        _pwritev_all(fd, [pack_stamp(SEGMENT_MAGIC, DISK_SEGMENT.version)], 0)
+        with self._lock:
+            self._grow(segment, STAMP_BYTES)
         return True
 
     def _finish_segment(self, segment: Segment) -> None:
@@ -661,6 +726,46 @@ class DiskTier(KeyIndex[Location]):
 
 def _bytes(size: int) -> int:
     return size
+
+
+def identity_line(tier_id: str) -> str:
+    """The identity file's line in this release's format (rule: :mod:`kvpool.formats`)."""
+    body = f"{ID_PREFIX} format={DISK_TIER.version} kvpool={RELEASE} id={tier_id}"
+    return f"{body} check={xxhash.xxh3_64_intdigest(body.encode()):016x}"
+
+
+def parse_identity(text: str, where: object) -> tuple[Stamp, str]:
+    """The format stamp and the id of an identity file's ``text``: format 1's bare id, or a
+    stamped line; a damaged one, or one of a format this release does not read, is
+    refused."""
+    line = text.strip()
+    if ID_V1.match(line):
+        return Stamp(1, ""), line
+    match = ID_LINE.match(line)
+    if match is None:
+        raise DISK_TIER.damaged(where, "identity file")
+    body = line[: line.rindex(" check=")]
+    if f"{xxhash.xxh3_64_intdigest(body.encode()):016x}" != match.group(4):
+        raise DISK_TIER.damaged(where, "identity file")
+    stamp = Stamp(int(match.group(1)), match.group(2))
+    DISK_TIER.check(stamp.version, stamp.writer, where)
+    return stamp, match.group(3)
+
+
+def segment_version(path: Path) -> int:
+    """The format of the segment (or pack) file at ``path``: its stamp's, or 1 where it has
+    none (0.1.0's segments begin with a record); a damaged stamp or a format this release
+    does not read raises :class:`~kvpool.errors.FormatError`."""
+    with open(path, "rb") as f:
+        head = f.read(STAMP_BYTES)
+    if not has_magic(head, SEGMENT_MAGIC):
+        return 1
+    return unpack_stamp(head, SEGMENT_MAGIC, DISK_SEGMENT, path).version
+
+
+def records_start(version: int) -> int:
+    """Where a segment of ``version`` has its first record."""
+    return 0 if version == 1 else STAMP_BYTES
 
 
 def lock_disk_dir(path: Path) -> DirLock:

@@ -37,6 +37,12 @@ Layout under ``s3://BUCKET/PREFIX``::
   (``deletes/<writer>-<n>.del``) before the next pack: every node's refresh reads it and
   hides its keys in every pack uploaded before it, so another node misses a deleted block
   at most ``refresh_s`` later.  A delete object goes once no pack older than it is left.
+  One this node cannot read (garbled, or of a format this release does not read: another
+  node's, of another release) hides every pack written before it was (its listing's
+  time): a deleted block never comes back.
+- **Formats** (:mod:`kvpool.formats`): an index of a format this release does not read, or
+  naming a pack of one, is not read (logged, counted as ``unreadable``); the bucket is
+  shared by nodes of two releases during a rolling upgrade, so each reads what it can.
 - **Tenants** (:meth:`ObjectTier.set_quotas`): a pack is one disk segment, so one tenant's
   blocks (the disk writes each tenant's segments apart).  A tenant past its share of the
   bucket loses its own oldest packs first, and capacity evicts only packs of nobody or of
@@ -70,7 +76,8 @@ import msgspec
 import obstore
 
 from kvpool.buffers import copy_with_checksum
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, FormatError
+from kvpool.formats import DELETE_OBJECT, RELEASE
 from kvpool.stats import TIER_OBJECT, TierStats
 from kvpool.store.quotas import Quotas
 from kvpool.tiers.bucket import (
@@ -91,6 +98,7 @@ from kvpool.tiers.bucket import (
     index_name,
     open_store,
 )
+from kvpool.tiers.disk import segment_version
 from kvpool.tiers.tier import KeyIndex, SegmentBlocks
 
 log = logging.getLogger("kvpool.objects")
@@ -138,6 +146,7 @@ class ObjectCounters:
     refresh_errors: int = 0
     deleted_packs: int = 0  # packs removed to keep the bucket within its capacity
     deletes_sent: int = 0  # delete objects uploaded
+    unreadable: int = 0  # index and delete objects not read: garbled, or of another format
 
 
 class ObjectTier(KeyIndex[ObjectLocation]):
@@ -165,6 +174,8 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         self._num_deletes = 0
         # Keys deleted (by any node), and when: hidden in packs written before then.
         self._deleted: dict[bytes, float] = {}
+        # Every pack written before this is hidden: a delete object could not be read.
+        self._hidden_before = 0.0
         self._delete_lists: dict[str, tuple[float, list[bytes]]] = {}  # name -> (when, keys)
         self._shares: dict[bytes, int] | None = None  # tenants' shares of the bucket
         self._cond = threading.Condition(self._lock)
@@ -284,7 +295,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                 staged, blocks = self._queue.popleft()
             try:
                 self._upload(staged, blocks)
-            except STORE_ERRORS as exc:
+            except (*STORE_ERRORS, FormatError) as exc:  # a segment's stamp damaged meanwhile
                 self.counters.dropped_segments += 1
                 log.warning("upload of %s failed: %s", staged.name, exc)
             finally:
@@ -298,6 +309,8 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         )
         index = PackIndex(
             version=INDEX_VERSION,
+            kvpool_version=RELEASE,
+            pack_format=segment_version(staged),
             pack=name,
             pack_bytes=num_bytes,
             written_at=time.time(),
@@ -317,7 +330,11 @@ class ObjectTier(KeyIndex[ObjectLocation]):
     def _send_deletes(self, keys: list[bytes], number: int) -> None:
         name = f"{self.writer}-{number:08d}.del"
         deletes = DeleteList(
-            version=INDEX_VERSION, written_at=time.time(), writer=self.writer, keys=keys
+            version=DELETE_OBJECT.version,
+            kvpool_version=RELEASE,
+            written_at=time.time(),
+            writer=self.writer,
+            keys=keys,
         )
         obstore.put(self._store, DELETES + name, msgspec.msgpack.encode(deletes))
         with self._lock:
@@ -349,26 +366,36 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                 name = meta["path"].rsplit("/", 1)[-1]
                 if name.endswith(".idx"):
                     listed[name[: -len(".idx")] + ".kvs"] = meta["size"]
-        deletes: dict[str, int] = {}
+        deletes: dict[str, tuple[int, float]] = {}  # name -> size, when it was written
         for chunk in obstore.list(self._store, DELETES, chunk_size=1000):
             for meta in chunk:
-                deletes[meta["path"].rsplit("/", 1)[-1]] = meta["size"]
+                when = meta["last_modified"].timestamp()
+                deletes[meta["path"].rsplit("/", 1)[-1]] = meta["size"], when
         with self._lock:
             for gone in [p for p in self._packs if p not in listed]:
                 self._forget_pack(gone)
             new = [p for p in listed if p not in self._packs]
             new_deletes = [d for d in deletes if d not in self._delete_lists]
         for name in new_deletes:  # first: a pack read below then hides what they delete
-            if deletes[name] > MAX_INDEX_BYTES:
-                continue
+            size, when = deletes[name]
             try:
+                if size > MAX_INDEX_BYTES:
+                    raise ValueError(f"{size} bytes")
                 data = obstore.get(self._store, DELETES + name).bytes()
                 delete_list = decode_deletes(memoryview(data))
+                delete_list.check()
             except NOT_FOUND:
                 continue
             except (msgspec.DecodeError, ValueError) as exc:
-                log.warning("delete object %s is unreadable: %s", name, exc)
-                continue
+                log.warning(
+                    "delete object %s is unreadable (%s): every pack written before it is hidden",
+                    name,
+                    exc,
+                )
+                self.counters.unreadable += 1
+                delete_list = DeleteList(version=0, written_at=when, writer="", keys=[])
+                with self._lock:
+                    self._hide_before(when)
             with self._lock:
                 self._apply_deletes(name, delete_list)
         for name in new:
@@ -385,6 +412,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                 continue  # deleted meanwhile
             except (msgspec.DecodeError, ValueError) as exc:
                 log.warning("index of %s is unreadable: %s", name, exc)
+                self.counters.unreadable += 1
                 continue
             with self._lock:
                 self._add(index)
@@ -401,6 +429,16 @@ class ObjectTier(KeyIndex[ObjectLocation]):
             location = self._index.get(key)
             if location is not None and self._packs[location.pack].written_at < when:
                 del self._index[key]
+
+    def _hide_before(self, when: float) -> None:
+        """Hide every pack written before ``when`` (under the lock)."""
+        self._hidden_before = max(self._hidden_before, when)
+        for pack in self._packs.values():
+            if pack.written_at < when:
+                for key in pack.keys:
+                    location = self._index.get(key)
+                    if location is not None and location.pack == pack.name:
+                        del self._index[key]
 
     def _drop_old_deletes(self) -> None:
         """Delete objects older than every pack left hide nothing more: they go."""
@@ -421,6 +459,8 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         self._packs[index.pack] = _Pack(
             index.pack, index.pack_bytes, index.written_at, list(index.keys)
         )
+        if index.written_at < self._hidden_before:
+            return  # an unreadable delete object may name its blocks
         for key, offset, size, checksum in zip(
             index.keys, index.offsets, index.sizes, index.checksums, strict=True
         ):
