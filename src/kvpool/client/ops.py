@@ -46,6 +46,7 @@ from kvpool.protocol.messages import (
     DeleteRequest,
     DescribeRequest,
     Empty,
+    EngineRef,
     GetRequest,
     GetResponse,
     Health,
@@ -419,8 +420,9 @@ def delete(keys: Sequence[bytes], replicate: bool = True) -> Op_[list[Status]]:
     return statuses_of(response.statuses)
 
 
-def describe(namespace_id: bytes, label: str) -> Op_[None]:
-    yield Request(Op.DESCRIBE, DescribeRequest(namespace_id=namespace_id, label=label[:256]))
+def describe(namespace_id: bytes, label: str, engine: EngineRef | None = None) -> Op_[None]:
+    request = DescribeRequest(namespace_id=namespace_id, label=label[:256], engine=engine)
+    yield Request(Op.DESCRIBE, request)
     yield Recv(Op.DESCRIBE, Empty)
 
 

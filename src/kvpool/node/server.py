@@ -38,7 +38,7 @@ from kvpool.node.services import (
 )
 from kvpool.node.session import Session
 from kvpool.protocol import auth
-from kvpool.protocol.messages import NodeStats
+from kvpool.protocol.messages import EngineRef, NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant
@@ -85,6 +85,7 @@ class NodeServer:
         on_shutdown: Callable[[bool], None] | None = None,
         tenants: Registry | None = None,
         tls: CertFiles | None = None,
+        attach_engine: Callable[[bytes, EngineRef], bool] | None = None,
     ):
         """``changes``: what the store calls on every change (built with it, as
         ``BlockStore(on_change=changes.notify)``), which waiting lookups sleep on."""
@@ -122,6 +123,7 @@ class NodeServer:
             changes=self.changes,
             stats=self.stats,
             shutdown=self._shutdown_requested,
+            attach_engine=attach_engine,
         )
         self._apply_quotas()
 

@@ -31,7 +31,7 @@ from kvpool.errors import NodeUnavailable
 from kvpool.limits import LeaseLimits
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
-from kvpool.protocol.messages import NodeStats
+from kvpool.protocol.messages import EngineRef, NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import CommitResult
 from kvpool.store.block_store import BlockStore
@@ -255,6 +255,9 @@ class SessionServices:
     stats: Callable[[Tenant | None], NodeStats]  # the node's (or a tenant's) statistics
     shutdown: Callable[[bool], None]  # a client asked the node to stop (True: drain it)
     refusals: Refusals = field(default_factory=Refusals)
+    # An engine that loads a namespace's blocks said so (kvpool.node.kthena); None: the
+    # node tells no router of engines.  False: past its bounds.
+    attach_engine: Callable[[bytes, EngineRef], bool] | None = None
 
     @property
     def limits(self) -> LeaseLimits:

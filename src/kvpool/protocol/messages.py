@@ -25,7 +25,8 @@ PIN            keys (same-node readers)                   pin id, offset, size, 
 UNPIN          pin id                                     - (sent without waiting for a reply)
 DELETE         keys                                       status per key
 REPORT_CORRUPT keys a reader found corrupt                status per key
-DESCRIBE       namespace id and label                     -
+DESCRIBE       namespace id and label; the engine that    -
+               loads its blocks, if it says (2)
 STATS          -                                          NodeStats
 HEALTH         -                                          Health
 SHUTDOWN       the node's id; whether to drain (empty it) - (then the node stops)
@@ -33,6 +34,8 @@ SHUTDOWN       the node's id; whether to drain (empty it) - (then the node stops
 
 (1) How many blocks the write's evictions lost: evicted from DRAM to make room for it, and
 taken by no lower tier (see :class:`PutResponse`).
+(2) Its pod and model as a router names them, for routers that learn where blocks are from
+the node (:mod:`kvpool.node.kthena`); a node that does not know the field ignores it.
 """
 
 from __future__ import annotations
@@ -334,11 +337,28 @@ class DeleteRequest(Message):
     replicate: bool = True  # also delete the copies written through to the keys' homes
 
 
+# A Kubernetes pod as Kthena names it: ``<pod>.<namespace>`` (253 + 1 + 63 characters).
+MAX_POD_LEN = 320
+# A node keeps an engine's DESCRIBE this long; an engine says it again this often.
+ENGINE_TTL_S = 90.0
+ENGINE_REFRESH_S = 30.0
+
+
+class EngineRef(Message):
+    """An engine that loads a namespace's blocks from the node it describes them to, as a
+    router names it: its pod (Kthena's ``<pod>.<namespace>``) and the model name that
+    requests to it carry."""
+
+    pod: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_POD_LEN)]
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_LEN)]
+
+
 class DescribeRequest(Message):
     namespace_id: Annotated[
         bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)
     ]
     label: Name
+    engine: EngineRef | None = None
 
 
 class Empty(Message):
