@@ -960,6 +960,8 @@ CONNECTOR_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_STATS_INTERVAL": ("stats_interval", float),
     "KVPOOL_PREFETCH_HOLD": ("prefetch_hold", float),
     "KVPOOL_MLA_ANY_TP": ("mla_any_tp", parse_bool),
+    "KVPOOL_KTHENA_POD": ("kthena_pod", str),
+    "KVPOOL_KTHENA_MODEL": ("kthena_model", str),
     "KVPOOL_HEALTH_INTERVAL": ("health_interval", float),
     "KVPOOL_HEALTH_RECOVER_AFTER": ("health_recover_after", int),
     "KVPOOL_HEALTH_FLAP_WINDOW": ("health_flap_window", float),
