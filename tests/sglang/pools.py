@@ -27,10 +27,19 @@ def _pointers(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
 
 
-def mha_pool(layout: str, allocator: str = "default") -> MHATokenToKVPoolHost:
-    shape = (DEVICE_TOKENS + PAGE_SIZE, HEADS, HEAD_DIM)
-    k = tuple(torch.zeros(shape, dtype=DTYPE) for _ in range(NUM_LAYERS))
-    v = tuple(torch.zeros(shape, dtype=DTYPE) for _ in range(NUM_LAYERS))
+def mha_pool(
+    layout: str,
+    allocator: str = "default",
+    *,
+    num_layers: int = NUM_LAYERS,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    page_size: int = PAGE_SIZE,
+    device_tokens: int = DEVICE_TOKENS,
+) -> MHATokenToKVPoolHost:
+    shape = (device_tokens + page_size, heads, head_dim)
+    k = tuple(torch.zeros(shape, dtype=DTYPE) for _ in range(num_layers))
+    v = tuple(torch.zeros(shape, dtype=DTYPE) for _ in range(num_layers))
     info = MHABufferInfo(
         buffers=KVBuffers(
             k=k,
@@ -39,10 +48,10 @@ def mha_pool(layout: str, allocator: str = "default") -> MHATokenToKVPoolHost:
             v_data_ptrs=_pointers(v),
             layout=KVBufferLayout.NHD,
         ),
-        page_size=PAGE_SIZE,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
+        page_size=page_size,
+        head_num=heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
         dtype=DTYPE,
         device=CPU,
     )
@@ -50,14 +59,14 @@ def mha_pool(layout: str, allocator: str = "default") -> MHATokenToKVPoolHost:
         info,
         host_to_device_ratio=2.0,
         host_size=0,
-        page_size=PAGE_SIZE,
+        page_size=page_size,
         layout=layout,
         pin_memory=False,
         device="cpu",
         allocator_type=allocator,
-        device_capacity_tokens=DEVICE_TOKENS,
+        device_capacity_tokens=device_tokens,
         start_layer=0,
-        end_layer=NUM_LAYERS,
+        end_layer=num_layers,
     )
 
 
@@ -95,7 +104,7 @@ def mla_pool(layout: str, allocator: str = "default") -> MLATokenToKVPoolHost:
 
 
 def fill(pool, seed: int) -> None:
-    """Random bytes in every page of the pool."""
+    """Random values in every page of the pool."""
     generator = torch.Generator().manual_seed(seed)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator).to(DTYPE))
 

@@ -25,6 +25,7 @@ import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from kvpool import Client
 from kvpool.errors import ConfigError
@@ -109,6 +110,11 @@ def tokens(tag: str, num_pages: int = NUM_PAGES) -> list[int]:
     return torch.randint(0, 50_000, (num_pages * PAGE_SIZE,), generator=generator).tolist()
 
 
+def page_hashes(token_ids: list[int]) -> list[str]:
+    """SGLang's keys of the pages of ``token_ids``: its chained page hashes."""
+    return list(get_storage_hash_str(token_ids, None, page_size=PAGE_SIZE))
+
+
 def hit_query(ctrl: SimpleNamespace, token_ids: list[int]) -> tuple[list[str], int]:
     """SGLang's prefetch lookup: its page hashes of the tokens, and how many tokens the
     storage holds (leading pages)."""
@@ -140,7 +146,8 @@ def saved_pages(
     pool = POOLS[kind](layout)
     fill(pool, seed=len(tag))
     ctrl = controller(backend(storage_config(address, is_mla=kind == "mla", **extra), pool), pool)
-    keys, _ = hit_query(ctrl, tokens(tag))
+    keys = page_hashes(tokens(tag))
+    assert hit_query(ctrl, tokens(tag)) == ([], 0)
     assert save(ctrl, keys)
     return ctrl, keys, [page_bytes(pool, i) for i in range(NUM_PAGES)]
 
@@ -177,7 +184,7 @@ def test_a_load_stops_at_the_first_missing_page(shared_node: NodeProcess, via: s
     writer, keys, expected = saved_pages(address, "mha", "page_first", f"missing-{via}")
     store = writer.storage_backend
     with Client(address) as client:
-        client.delete(store._keys(keys[2:3]))
+        client.delete(store.pool_keys(keys[2:3]))
     reader = fresh(address, "mha", "page_first")
     found, num_tokens = hit_query(reader, tokens(f"missing-{via}"))
     assert (found, num_tokens) == (keys[:2], 2 * PAGE_SIZE)
@@ -192,7 +199,10 @@ def test_a_damaged_page_is_refused(shared_node: NodeProcess) -> None:
     and everything after it, and the node drops it (to be saved again)."""
     address = shared_node.unix_address
     writer, keys, expected = saved_pages(address, "mla", "page_first_direct", "damaged")
-    with Client(address) as client, client.begin_read(writer.storage_backend._keys(keys)) as read:
+    with (
+        Client(address) as client,
+        client.begin_read(writer.storage_backend.pool_keys(keys)) as read,
+    ):
         offset = read.offsets[1]
     with open(shared_node.info["arena"], "r+b") as arena:
         arena.seek(offset + 100)
@@ -208,7 +218,7 @@ def test_a_damaged_page_is_refused(shared_node: NodeProcess) -> None:
 
 
 def test_a_node_that_stops_mid_read_and_dies_is_a_miss_within_the_deadline(
-    run_dir: Path, caplog: pytest.LogCaptureFixture
+    run_dir: Path,
 ) -> None:
     """The node freezes (SIGSTOP) with a read on its way over its socket, then is killed:
     the read comes back as misses by its deadline, nothing raises into SGLang's
@@ -252,11 +262,11 @@ def test_tp2_mla_ranks_share_one_copy(shared_node: NodeProcess) -> None:
         )
         for r in range(2)
     ]
-    keys, _ = hit_query(ctrls[0], tokens("tp2-mla"))
+    keys = page_hashes(tokens("tp2-mla"))
     expected = [page_bytes(pools[0], i) for i in range(NUM_PAGES)]
-    assert ctrls[1].storage_backend._keys(keys) == ctrls[0].storage_backend._keys(keys)
+    assert ctrls[1].storage_backend.pool_keys(keys) == ctrls[0].storage_backend.pool_keys(keys)
     assert save(ctrls[0], keys) and save(ctrls[1], keys)
-    assert not ctrls[1].storage_backend.batch_set_v1(keys, host_indices())  # not the writer
+    assert ctrls[1].storage_backend.batch_set_v1(keys, host_indices()) == [False] * NUM_PAGES
     with Client(address) as client:
         assert client.stats().num_blocks - before == NUM_PAGES  # one copy, not two
     pools[1].kv_buffer.zero_()

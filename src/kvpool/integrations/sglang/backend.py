@@ -130,7 +130,7 @@ class KVPoolStorage(HiCacheStorage):
             return 0
         found = 0
         with self.guard.call("lookup"):
-            found = self.client.lookup(self._keys(keys), timeout=self.config.client.timeout_s)
+            found = self.client.lookup(self.pool_keys(keys), timeout=self.config.client.timeout_s)
         return found
 
     def exists(self, key: str) -> bool:
@@ -163,7 +163,7 @@ class KVPoolStorage(HiCacheStorage):
             return [False] * len(keys)
         assert self.cache is not None
         load = load_into(
-            self.cache, self.client, self._keys(keys), ids, self.config.transfer_timeout_s
+            self.cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
         )
         if load.reason:
             log.debug("kvpool: %d of %d pages loaded: %s", load.num_blocks, len(keys), load.reason)
@@ -181,7 +181,7 @@ class KVPoolStorage(HiCacheStorage):
             return [False] * len(keys)
         assert self.cache is not None
         saved = save_now(
-            self.cache, self.client, self._keys(keys), ids, self.config.transfer_timeout_s
+            self.cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
         )
         if saved.reason:
             log.debug("kvpool: save of %d pages: %s", len(keys), saved.reason)
@@ -235,7 +235,7 @@ class KVPoolStorage(HiCacheStorage):
         num = read_rows(
             self.guard,
             self.client,
-            self._keys(keys),
+            self.pool_keys(keys),
             list(target_locations),
             self.config.transfer_timeout_s,
         )
@@ -260,7 +260,7 @@ class KVPoolStorage(HiCacheStorage):
             return False
         rows = [value.contiguous() for value in values]
         saved = put_rows(
-            self.guard, self.client, self._keys(keys), rows, self.config.transfer_timeout_s
+            self.guard, self.client, self.pool_keys(keys), rows, self.config.transfer_timeout_s
         )
         return saved.num_stored == len(keys)
 
@@ -286,7 +286,8 @@ class KVPoolStorage(HiCacheStorage):
         restored, and the pool is up."""
         return self.cache is not None and not self.unsupported and self.guard.is_healthy
 
-    def _keys(self, keys: list[str]) -> list[bytes]:
+    def pool_keys(self, keys: list[str]) -> list[bytes]:
+        """The pool keys of SGLang's page keys, under this rank's namespace."""
         assert self.namespace is not None
         return self.namespace.keys([block_hash(key) for key in keys])
 
