@@ -240,10 +240,15 @@ class KthenaSink:
             if not items:
                 self._idle.set()
                 continue
-            for item in items:
-                if item == _CLEARED:
-                    self._retrying(self._clear_mine)
-            changes = [item for item in items if isinstance(item, _Change)]
+            changes: list[_Change] = []
+            for item in items:  # in order: a clear takes back what was written before it
+                if isinstance(item, _Change):
+                    changes.append(item)
+                    continue
+                if changes:
+                    self._retrying(self._write, changes)
+                    changes = []
+                self._retrying(self._clear_mine)
             if changes:
                 self._retrying(self._write, changes)
 
