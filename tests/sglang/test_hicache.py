@@ -8,6 +8,7 @@ which this machine has not.  Page keys are SGLang's own page hashes of a token l
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -86,10 +87,22 @@ def storage_config(
     )
 
 
+_OPEN: list[KVPoolStorage] = []
+
+
+@pytest.fixture(autouse=True)
+def close_backends() -> Iterator[None]:
+    """Each test's backends are closed (their health probes stop) when it ends."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def backend(config: HiCacheStorageConfig, pool: Any) -> KVPoolStorage:
     """The backend as SGLang's attach creates and registers it."""
     store = StorageBackendFactory.create_backend("dynamic", config, pool)
     assert isinstance(store, KVPoolStorage)
+    _OPEN.append(store)
     store.register_mem_pool_host(pool)
     return store
 
@@ -105,7 +118,7 @@ def controller(store: KVPoolStorage, pool: Any) -> SimpleNamespace:
 
 
 def tokens(tag: str, num_pages: int = NUM_PAGES) -> list[int]:
-    seed = int.from_bytes(tag.encode()[:8].ljust(8, b"\0"), "little")
+    seed = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 50_000, (num_pages * PAGE_SIZE,), generator=generator).tolist()
 
@@ -349,6 +362,7 @@ def test_an_unsupported_host_layout_is_refused_at_attach(shared_node: NodeProces
 
 
 def test_a_misspelt_key_is_refused_at_attach(shared_node: NodeProcess) -> None:
+    """A key kvpool does not know (SGLang's own are passed over) stops the attach."""
     config = storage_config(shared_node.unix_address, transfer_timout=1)
     with pytest.raises(ConfigError, match="transfer_timout"):
         StorageBackendFactory.create_backend("dynamic", config, None)
