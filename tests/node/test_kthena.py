@@ -15,9 +15,8 @@ from kvpool import Client
 from kvpool.cli.bench_peers import RedisPeer
 from kvpool.errors import KVPoolError
 from kvpool.harness.process import NodeProcess, wait_until
-from kvpool.keys import BlockOrigin, Namespace, chained_hashes
+from kvpool.keys import ENGINE_TTL_S, BlockOrigin, EngineRef, Namespace, chained_hashes
 from kvpool.node.kthena import EngineTable, kthena_hash, kthena_hashes
-from kvpool.protocol.messages import ENGINE_TTL_S, EngineRef
 from tests import kthena
 from tests.security.tenants import TenantsFile
 from tests.security.tenants import client as tenant_client

@@ -23,9 +23,9 @@ from typing import Any, TypedDict, TypeVar, Unpack
 
 from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, TransportError, UsageError
-from kvpool.keys import BlockOrigin, Namespace
+from kvpool.keys import BlockOrigin, EngineRef, Namespace
 from kvpool.limits import LeaseLimits
-from kvpool.protocol.messages import EngineRef, Health, NodeStats, PrefetchResponse
+from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
 
 from . import ops
 from .futures import PoolFuture
@@ -340,7 +340,7 @@ class Client:
         router names them) that loads the namespace's blocks from that node, for the
         routers the node tells where blocks are (:mod:`kvpool.node.kthena`); a node keeps
         it for a while, so an engine says it again every
-        :data:`~kvpool.protocol.messages.ENGINE_REFRESH_S`."""
+        :data:`~kvpool.keys.ENGINE_REFRESH_S`."""
         if self.local is None and self.cluster is not None:
             self.cluster.describe(namespace, engine, self._deadline(timeout))
             return

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 from kvpool.config import Address, ClientConfig
 from kvpool.directory import DirectoryReader
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
-from kvpool.keys import BlockOrigin
+from kvpool.keys import BlockOrigin, EngineRef
 from kvpool.limits import LeaseLimits
-from kvpool.protocol.messages import EngineRef, Health, NodeStats, PrefetchResponse, Welcome
+from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
 
 from . import ops, reads, writes
 from .connection import Connection, map_arena

@@ -34,7 +34,7 @@ from kvpool.errors import (
     UnsupportedVersion,
     UsageError,
 )
-from kvpool.keys import BlockOrigin
+from kvpool.keys import BlockOrigin, EngineRef
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CHECKSUM_BYTES,
@@ -46,7 +46,6 @@ from kvpool.protocol.messages import (
     DeleteRequest,
     DescribeRequest,
     Empty,
-    EngineRef,
     GetRequest,
     GetResponse,
     Health,

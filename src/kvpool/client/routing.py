@@ -27,9 +27,9 @@ from kvpool.cluster.membership import Member
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, NodeUnavailable, PoolTimeout, Status, TransportError
-from kvpool.keys import BlockOrigin, Namespace
+from kvpool.keys import BlockOrigin, EngineRef, Namespace
 from kvpool.limits import MIN_SECOND_ROUND_S
-from kvpool.protocol.messages import EngineRef, Health, NodeStats
+from kvpool.protocol.messages import Health, NodeStats
 from kvpool.stats import TIER_REMOTE
 
 from .fanout import ClusterView

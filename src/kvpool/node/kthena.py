@@ -54,8 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.config import KthenaConfig
-from kvpool.keys import namespace_of
-from kvpool.protocol.messages import ENGINE_TTL_S, EngineRef
+from kvpool.keys import ENGINE_TTL_S, EngineRef, namespace_of
 from kvpool.store.block import Block
 
 log = logging.getLogger("kvpool.node")

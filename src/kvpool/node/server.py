@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvpool.config import NodeConfig
+from kvpool.keys import EngineRef
 from kvpool.limits import EXPIRE_INTERVAL_S
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
@@ -38,7 +39,7 @@ from kvpool.node.services import (
 )
 from kvpool.node.session import Session
 from kvpool.protocol import auth
-from kvpool.protocol.messages import EngineRef, NodeStats
+from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant

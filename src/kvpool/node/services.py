@@ -28,10 +28,11 @@ from typing import Protocol
 
 from kvpool.config import NodeConfig
 from kvpool.errors import NodeUnavailable
+from kvpool.keys import EngineRef
 from kvpool.limits import LeaseLimits
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
-from kvpool.protocol.messages import EngineRef, NodeStats
+from kvpool.protocol.messages import NodeStats
 from kvpool.store.arena import Arena
 from kvpool.store.block import CommitResult
 from kvpool.store.block_store import BlockStore

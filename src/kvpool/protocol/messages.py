@@ -45,7 +45,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
+from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin, EngineRef
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
 from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
 
@@ -335,22 +335,6 @@ class KeysRequest(Message):
 class DeleteRequest(Message):
     keys: Keys
     replicate: bool = True  # also delete the copies written through to the keys' homes
-
-
-# A Kubernetes pod as Kthena names it: ``<pod>.<namespace>`` (253 + 1 + 63 characters).
-MAX_POD_LEN = 320
-# A node keeps an engine's DESCRIBE this long; an engine says it again this often.
-ENGINE_TTL_S = 90.0
-ENGINE_REFRESH_S = 30.0
-
-
-class EngineRef(Message):
-    """An engine that loads a namespace's blocks from the node it describes them to, as a
-    router names it: its pod (Kthena's ``<pod>.<namespace>``) and the model name that
-    requests to it carry."""
-
-    pod: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_POD_LEN)]
-    model: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_LEN)]
 
 
 class DescribeRequest(Message):

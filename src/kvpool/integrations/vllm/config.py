@@ -56,8 +56,7 @@ from kvpool.config import (
     parse_bool,
 )
 from kvpool.errors import ConfigError
-from kvpool.keys import Namespace, check_hash_stability
-from kvpool.protocol.messages import MAX_NAME_LEN, MAX_POD_LEN, EngineRef
+from kvpool.keys import MAX_MODEL_CHARS, MAX_POD_CHARS, EngineRef, Namespace, check_hash_stability
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
@@ -113,8 +112,11 @@ class ConnectorConfig:
             raise ConfigError("prefetch_hold must be 0-600 seconds")
         if self.transfer not in TRANSFERS:
             raise ConfigError(f"transfer must be one of {', '.join(TRANSFERS)}")
-        if len(self.kthena_pod) > MAX_POD_LEN or len(self.kthena_model) > MAX_NAME_LEN:
-            raise ConfigError(f"kthena_pod and kthena_model: at most {MAX_POD_LEN} characters")
+        if len(self.kthena_pod) > MAX_POD_CHARS or len(self.kthena_model) > MAX_MODEL_CHARS:
+            raise ConfigError(
+                f"kthena_pod and kthena_model: at most {MAX_POD_CHARS} and "
+                f"{MAX_MODEL_CHARS} characters"
+            )
         return self
 
     def describe(self) -> str:

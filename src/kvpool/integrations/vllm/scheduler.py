@@ -42,9 +42,8 @@ from typing import Any
 
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
-from kvpool.keys import BlockOrigin, Namespace
+from kvpool.keys import ENGINE_REFRESH_S, BlockOrigin, EngineRef, Namespace
 from kvpool.kvcache.guard import PoolGuard
-from kvpool.protocol.messages import ENGINE_REFRESH_S, EngineRef
 from kvpool.stats import TIER_DRAM, TIER_NAMES
 
 from .config import ConnectorConfig
