@@ -2,7 +2,8 @@
 entries: the blocks the engine saves are Kthena's blocks of the prompt's tokens (as the
 engine's own ``/tokenize`` gives them, which is how Kthena's router tokenizes) for the
 engine's pod, scored by a scorer written from Kthena's Go source (tests/kthena.py), and
-they go when the pool evicts the blocks.  One engine process."""
+they go when the pool evicts the blocks.  One engine process: about two minutes here, most
+of it the engine's start."""
 
 from __future__ import annotations
 
