@@ -22,6 +22,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+# SGLang's own code runs in its own environment (.venv-sglang, `make pytest-sglang`:
+# docs/testing.md); elsewhere this module is skipped, saying so.
+pytest.importorskip("sglang", reason="runs in the SGLang environment: make pytest-sglang")
+
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
