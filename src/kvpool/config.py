@@ -463,6 +463,49 @@ class EventsConfig:
                 )
 
 
+DEFAULT_KTHENA_BLOCK_SIZE = 16  # Kthena's defaultBlockSizeToHash
+MAX_KTHENA_BLOCK_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class KthenaConfig:
+    """Kthena's cache-aware router scoring what the pool holds (``kvpool.node.kthena``);
+    off without a Redis URL."""
+
+    redis_url: str = setting(
+        "",
+        "--kthena-redis",
+        "Write Kthena's KV cache entries (matrix:kv:block:...) for the engines that load from "
+        "this node to this Redis, e.g. redis://127.0.0.1:6379/0; a password belongs in "
+        "KVPOOL_KTHENA_REDIS, not the flag.",
+        key="kthena_redis",
+    )
+    block_size: int = setting(
+        DEFAULT_KTHENA_BLOCK_SIZE,
+        "--kthena-block-size",
+        "Kthena's blockSizeToHash (its kvcache-aware plugin's argument): tokens per block.",
+        key="kthena_block_size",
+        parse=int,
+    )
+
+    def validate(self) -> KthenaConfig:
+        if not 1 <= self.block_size <= MAX_KTHENA_BLOCK_SIZE:
+            raise ConfigError(f"--kthena-block-size must be 1 to {MAX_KTHENA_BLOCK_SIZE}")
+        if self.redis_url and urlparse(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError("--kthena-redis takes a redis://, rediss:// or unix:// URL")
+        return self
+
+    def check_transport(self, insecure: bool) -> None:
+        """Kthena's Redis learns which prompts' blocks are where: ``redis://`` only to a
+        loopback host, unless ``--insecure``; ``rediss://`` (TLS) and ``unix://`` anywhere."""
+        parsed = urlparse(self.redis_url)
+        if parsed.scheme == "redis" and not insecure and not is_loopback(parsed.hostname or ""):
+            raise ConfigError(
+                f"refusing to reach Kthena's Redis at {parsed.hostname} in plaintext: use "
+                "rediss:// (TLS), or --insecure to accept plaintext on this network"
+            )
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """The cluster the node joins (``kvpool.node.peers``): static peers or etcd;
@@ -523,7 +566,7 @@ LEASE_SETTINGS: dict[str, Setting] = {
 class NodeConfig:
     """Configuration of one node daemon (``kvpool serve``): who it is, its arena and its
     listeners, and one typed section for each part it runs (:class:`TLSConfig`,
-    :class:`DiskConfig`, :class:`ObjectStoreConfig`, :class:`EventsConfig`,
+    :class:`DiskConfig`, :class:`ObjectStoreConfig`, :class:`EventsConfig`, :class:`KthenaConfig`,
     :class:`ClusterConfig`, and the store's :class:`~kvpool.limits.LeaseLimits`).
 
     ``validate()`` checks each section, then what concerns more than one."""
@@ -612,6 +655,7 @@ class NodeConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)
     objects: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    kthena: KthenaConfig = field(default_factory=KthenaConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
@@ -654,6 +698,9 @@ class NodeConfig:
             )
         self.events.validate()
         self.events.check_transport(self.tls.insecure, bool(self.tenants_path))
+        self.kthena.validate()
+        if self.kthena.redis_url:
+            self.kthena.check_transport(self.tls.insecure)
         self.cluster.validate()
         self._validate_endpoints()
         return self
@@ -913,6 +960,8 @@ CONNECTOR_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_STATS_INTERVAL": ("stats_interval", float),
     "KVPOOL_PREFETCH_HOLD": ("prefetch_hold", float),
     "KVPOOL_MLA_ANY_TP": ("mla_any_tp", parse_bool),
+    "KVPOOL_KTHENA_POD": ("kthena_pod", str),
+    "KVPOOL_KTHENA_MODEL": ("kthena_model", str),
     "KVPOOL_HEALTH_INTERVAL": ("health_interval", float),
     "KVPOOL_HEALTH_RECOVER_AFTER": ("health_recover_after", int),
     "KVPOOL_HEALTH_FLAP_WINDOW": ("health_flap_window", float),

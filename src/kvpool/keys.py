@@ -121,6 +121,24 @@ class BlockOrigin(msgspec.Struct, frozen=True, omit_defaults=True):
     parent: Annotated[bytes, msgspec.Meta(max_length=MAX_BLOCK_ID_BYTES)] = b""
 
 
+# A Kubernetes pod as Kthena names it: ``<pod>.<namespace>`` (253 + 1 + 63 characters).
+MAX_POD_CHARS = 320
+MAX_MODEL_CHARS = 256
+# A node keeps an engine's name this long after the engine last said it; an engine says it
+# again this often.
+ENGINE_TTL_S = 90.0
+ENGINE_REFRESH_S = 30.0
+
+
+class EngineRef(msgspec.Struct, frozen=True):
+    """An engine that loads a namespace's blocks from the node it describes the namespace
+    to, as a router names it: its pod (Kthena's ``<pod>.<namespace>``) and the model name
+    that requests to it carry (:mod:`kvpool.node.kthena`)."""
+
+    pod: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_POD_CHARS)]
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CHARS)]
+
+
 def block_key(namespace_id: bytes, block_hash: bytes) -> bytes:
     """``namespace_id + block_hash``, checked for length."""
     if len(namespace_id) != NAMESPACE_ID_BYTES:

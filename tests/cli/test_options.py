@@ -64,6 +64,8 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "kv_events_token_ids": ("true", True),
     "kv_events_curve_key": ("events.key_secret", "events.key_secret"),
     "kv_events_clients": ("events-clients.toml", "events-clients.toml"),
+    "kthena_redis": ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    "kthena_block_size": ("32", 32),
     "peers": ("a:1, b:2", ("a:1", "b:2")),
     "etcd": ("http://127.0.0.1:2379", "http://127.0.0.1:2379"),
     "etcd_prefix": ("/pool/", "/pool/"),

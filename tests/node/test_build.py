@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.config import ClusterConfig, DiskConfig, EventsConfig, NodeConfig
+from kvpool.config import ClusterConfig, DiskConfig, EventsConfig, KthenaConfig, NodeConfig
 from kvpool.errors import ConfigError
 from kvpool.node.build import Node, build_node
 
@@ -19,8 +19,9 @@ def node_config(run_dir: Path, **sections: object) -> NodeConfig:
 
 def close(node: Node) -> None:
     node.lower.close()
-    if node.events is not None:
-        node.events.close()
+    for sink in (node.events, node.kthena):
+        if sink is not None:
+            sink.close()
     node.directory.close(remove=True)
     node.journal.close()
     node.arena.close()
@@ -57,11 +58,29 @@ def test_the_parts_are_handed_their_collaborators(run_dir: Path) -> None:
         close(node)
 
 
+def test_the_stores_events_go_to_every_sink(run_dir: Path) -> None:
+    """The ZMQ publisher and Kthena's Redis entries are two sinks of one stream; the
+    sessions are handed the engines table (nothing is sent to Redis to build them)."""
+    config = node_config(
+        run_dir,
+        events=EventsConfig("tcp://127.0.0.1:*"),
+        kthena=KthenaConfig("redis://127.0.0.1:1/0"),
+    )
+    node = asyncio.run(build_node(config.validate()))
+    try:
+        assert node.events is not None and node.kthena is not None
+        assert node.store.events is not None
+        assert node.store.events.sinks == [node.events, node.kthena]  # type: ignore[attr-defined]
+        assert node.server.services.attach_engine == node.kthena.attach
+    finally:
+        close(node)
+
+
 def test_a_node_alone_in_memory_has_no_lower_tiers_events_or_cluster(run_dir: Path) -> None:
     node = asyncio.run(build_node(node_config(run_dir).validate()))
     try:
         assert node.lower.disk is None and node.lower.writeback is None
-        assert node.events is None and node.store.events is None
+        assert node.events is None and node.store.events is None and node.kthena is None
         assert node.cluster is None and node.server.tiers.remote is None
     finally:
         close(node)

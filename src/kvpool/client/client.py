@@ -23,7 +23,7 @@ from typing import Any, TypedDict, TypeVar, Unpack
 
 from kvpool.config import ClientConfig, client_config_from
 from kvpool.errors import Status, TransportError, UsageError
-from kvpool.keys import BlockOrigin, Namespace
+from kvpool.keys import BlockOrigin, EngineRef, Namespace
 from kvpool.limits import LeaseLimits
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
 
@@ -328,13 +328,24 @@ class Client:
 
     # -- nodes ----------------------------------------------------------------------------
 
-    def describe(self, namespace: Namespace, *, timeout: float | None = None) -> None:
+    def describe(
+        self,
+        namespace: Namespace,
+        *,
+        engine: EngineRef | None = None,
+        timeout: float | None = None,
+    ) -> None:
         """Tell the node a namespace's human-readable label (shown by ``kvpool status``);
-        without a local node, every member."""
+        without a local node, every member.  ``engine``: the engine (pod and model, as a
+        router names them) that loads the namespace's blocks from that node, for the
+        routers the node tells where blocks are (:mod:`kvpool.node.kthena`); a node keeps
+        it for a while, so an engine says it again every
+        :data:`~kvpool.keys.ENGINE_REFRESH_S`."""
         if self.local is None and self.cluster is not None:
-            self.cluster.describe(namespace, self._deadline(timeout))
+            self.cluster.describe(namespace, engine, self._deadline(timeout))
             return
-        self._require_local().describe(namespace.id, namespace.describe(), timeout=timeout)
+        label = namespace.describe()
+        self._require_local().describe(namespace.id, label, engine=engine, timeout=timeout)
 
     def limits(self, *, timeout: float | None = None) -> LeaseLimits:
         """The local node's lease limits: the longest pin, reservation, prefetch hold and

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from kvpool.config import Address, ClientConfig
 from kvpool.directory import DirectoryReader
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
-from kvpool.keys import BlockOrigin
+from kvpool.keys import BlockOrigin, EngineRef
 from kvpool.limits import LeaseLimits
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
 
@@ -287,8 +287,15 @@ class NodeClient:
     ) -> list[Any]:
         return self.call(lambda _: ops.delete(keys, replicate), timeout) if keys else []
 
-    def describe(self, namespace_id: bytes, label: str, *, timeout: float | None = None) -> None:
-        self.call(lambda _: ops.describe(namespace_id, label), timeout)
+    def describe(
+        self,
+        namespace_id: bytes,
+        label: str,
+        *,
+        engine: EngineRef | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.call(lambda _: ops.describe(namespace_id, label, engine), timeout)
 
     def stats(self, *, timeout: float | None = None) -> NodeStats:
         return self.call(lambda _: ops.stats(), timeout)

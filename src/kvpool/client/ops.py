@@ -35,7 +35,7 @@ from kvpool.errors import (
     UsageError,
 )
 from kvpool.formats import RELEASE
-from kvpool.keys import BlockOrigin
+from kvpool.keys import BlockOrigin, EngineRef
 from kvpool.protocol import auth
 from kvpool.protocol.messages import (
     CHECKSUM_BYTES,
@@ -425,8 +425,9 @@ def delete(keys: Sequence[bytes], replicate: bool = True) -> Op_[list[Status]]:
     return statuses_of(response.statuses)
 
 
-def describe(namespace_id: bytes, label: str) -> Op_[None]:
-    yield Request(Op.DESCRIBE, DescribeRequest(namespace_id=namespace_id, label=label[:256]))
+def describe(namespace_id: bytes, label: str, engine: EngineRef | None = None) -> Op_[None]:
+    request = DescribeRequest(namespace_id=namespace_id, label=label[:256], engine=engine)
+    yield Request(Op.DESCRIBE, request)
     yield Recv(Op.DESCRIBE, Empty)
 
 

@@ -27,7 +27,7 @@ from kvpool.cluster.membership import Member
 from kvpool.cluster.placement import group_by_home
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, NodeUnavailable, PoolTimeout, Status, TransportError
-from kvpool.keys import BlockOrigin, Namespace
+from kvpool.keys import BlockOrigin, EngineRef, Namespace
 from kvpool.limits import MIN_SECOND_ROUND_S
 from kvpool.protocol.messages import Health, NodeStats
 from kvpool.stats import TIER_REMOTE
@@ -330,9 +330,12 @@ class ClusterClient:
                     statuses[i] = Status.OK
         return statuses
 
-    def describe(self, namespace: Namespace, deadline: float) -> None:
+    def describe(self, namespace: Namespace, engine: EngineRef | None, deadline: float) -> None:
         label = namespace.describe()
-        calls = {m: _bind(NodeClient.describe, namespace.id, label) for m in self.view.members()}
+        calls = {
+            m: _bind(NodeClient.describe, namespace.id, label, engine=engine)
+            for m in self.view.members()
+        }
         self.view.answers(calls, deadline)
 
     def stats(self, deadline: float) -> list[tuple[str, NodeStats | None]]:

@@ -15,8 +15,10 @@ and keys, never an engine.
 - :mod:`.loads`: :class:`Load` and :func:`load_into`: one load path, layer by layer or the
   whole request in one step.
 - :mod:`.saves`: :class:`Save` (reserved, filled as layers finish, committed off the
-  engine's thread) and :func:`save_from` / :func:`put_batch` (copied out at once, written
-  later).
+  engine's thread), :func:`save_from` / :func:`put_batch` (copied out at once, written
+  later), :func:`save_now` (the whole lifecycle at once, from a cache in host memory) and
+  :func:`put_rows` (blocks the engine hands over in buffers of its own; their reading
+  counterpart is :func:`read_rows`).
 
 What an engine's adapter (an SGLang backend, say) provides is only its metadata:
 
@@ -37,9 +39,17 @@ from kvpool.kvcache.cache import PagedCache, pool_rows
 from kvpool.kvcache.copies import Copies, HostCopies, StreamCopies, copies_for
 from kvpool.kvcache.guard import Outcome, PoolGuard
 from kvpool.kvcache.layouts import PagedLayout, Plane, dense_plane
-from kvpool.kvcache.loads import Load, load_into
+from kvpool.kvcache.loads import Load, load_into, read_rows
 from kvpool.kvcache.ranks import writes_blocks
-from kvpool.kvcache.saves import BatchSaved, CopiedBlocks, Save, put_batch, save_from
+from kvpool.kvcache.saves import (
+    BatchSaved,
+    CopiedBlocks,
+    Save,
+    put_batch,
+    put_rows,
+    save_from,
+    save_now,
+)
 
 __all__ = [
     "BatchSaved",
@@ -59,6 +69,9 @@ __all__ = [
     "load_into",
     "pool_rows",
     "put_batch",
+    "put_rows",
+    "read_rows",
     "save_from",
+    "save_now",
     "writes_blocks",
 ]

@@ -10,6 +10,10 @@ indexed copy per step, never a copy per block:
 - **in one step** (a whole-request load, :func:`load_into`, and any load on a GPU's
   streams): all planes at once.
 
+:func:`read_rows` is the other shape a page-based engine asks for (SGLang's generic page
+path): each block into a host buffer of the engine's own, one per key, which the engine
+then copies into its cache itself.  Rules 1 and 4 hold for it too.
+
 Rules:
 
 1. Blocks the pool lacks end the prefix: ``num_blocks`` is how many leading blocks the load
@@ -27,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,6 +40,7 @@ from kvpool.client.transactions import ReadTransaction
 
 from .cache import PagedCache, pool_rows
 from .copies import Mark
+from .guard import PoolGuard
 
 PIN_RAN_OUT = "the pool's pin ran out mid-load"
 
@@ -165,3 +171,16 @@ def load_into(
     load = Load(cache, keys, block_ids, time.monotonic() + timeout, after=after)
     load.run(client)
     return load
+
+
+def read_rows(
+    guard: PoolGuard, client: Client, keys: Sequence[bytes], rows: Sequence[Any], timeout: float
+) -> int:
+    """Read the leading blocks of ``keys`` the pool holds into ``rows`` (one writable host
+    buffer per key, each the block's size); how many leading rows were filled with verified
+    bytes (0 on a pool failure)."""
+    with guard.call("load") as outcome:
+        result = client.get(keys, rows, prefix=True, timeout=timeout)
+    if outcome.failed:
+        return 0
+    return result.num_prefix

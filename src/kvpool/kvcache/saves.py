@@ -11,6 +11,11 @@ Two shapes, both moving a batch with one indexed copy per step, never a copy per
 - :func:`save_from`, a save whose caller reuses the blocks at once: the pages are copied
   out into a host batch before it returns, and :func:`put_batch` writes the batch into the
   pool later, on a pool thread.
+- :func:`save_now`, a whole save on the calling thread from a cache in host memory that
+  stays unchanged until it returns (a page-based engine's host pool, SGLang's): the
+  :class:`Save` lifecycle run at once, so the pages are copied straight into pool memory.
+- :func:`put_rows`, blocks the engine hands over as host buffers of its own, one per key
+  (SGLang's generic page path): a plain put.
 
 Keys the pool already holds, or is being given by another writer, get no space: they are
 not copied.  A pool failure is a skipped save (:mod:`.guard`), never an exception in the
@@ -20,19 +25,22 @@ engine.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from kvpool.client.client import Client
 from kvpool.client.ops import PutResult
 from kvpool.client.transactions import WriteTransaction
+from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
 
 from .cache import PagedCache
 from .copies import Mark
+from .guard import PoolGuard
 
 
 class Save:
@@ -166,13 +174,20 @@ def save_from(cache: PagedCache, block_ids: Sequence[int]) -> CopiedBlocks:
 
 
 class BatchSaved(NamedTuple):
-    """What :func:`put_batch` did: how many blocks the pool holds now (stored, or there
-    already), the reason when none is, and the blocks its evictions lost
-    (:attr:`PutResult.num_not_kept <kvpool.client.ops.PutResult.num_not_kept>`)."""
+    """What a save did: how many blocks the pool holds now (stored, or there already), the
+    reason when none is, the blocks its evictions lost
+    (:attr:`PutResult.num_not_kept <kvpool.client.ops.PutResult.num_not_kept>`), and per
+    key whether the pool holds it (empty when the save failed as a whole)."""
 
     num_stored: int
     reason: str
     num_not_kept: int = 0
+    stored: tuple[bool, ...] = ()
+
+
+def _saved(result: PutResult) -> BatchSaved:
+    stored = tuple(s in (Status.OK, Status.EXISTS) for s in result.statuses)
+    return BatchSaved(result.num_stored, "", result.num_not_kept, stored)
 
 
 def put_batch(
@@ -181,8 +196,39 @@ def put_batch(
     """Write blocks copied out by :func:`save_from` into the pool (on a pool thread)."""
     cache.copies.settle(blocks.copied)
     rows = blocks.batch.view(torch.uint8).numpy()
-    with cache.guard.call("save") as outcome:
-        result = client.put(keys, list(rows), timeout=timeout)
+    return put_rows(cache.guard, client, keys, list(rows), timeout)
+
+
+def put_rows(
+    guard: PoolGuard, client: Client, keys: Sequence[bytes], rows: Sequence[Any], timeout: float
+) -> BatchSaved:
+    """Write one host buffer per key into the pool (any buffer the client takes: numpy
+    arrays, CPU tensors, bytes)."""
+    with guard.call("save") as outcome:
+        result = client.put(keys, rows, timeout=timeout)
     if outcome.failed:
         return BatchSaved(0, outcome.reason)
-    return BatchSaved(result.num_stored, "", result.num_not_kept)
+    return _saved(result)
+
+
+def save_now(
+    cache: PagedCache,
+    client: Client,
+    keys: Sequence[bytes],
+    block_ids: Sequence[int],
+    timeout: float,
+) -> BatchSaved:
+    """Save blocks ``block_ids`` of a cache in host memory under ``keys``, on the calling
+    thread: the :class:`Save` lifecycle at once (reserve, copy into the reserved pool
+    memory, commit).  The caller keeps the blocks unchanged until it returns.  Keys the
+    pool holds already count as stored; a pool failure stores nothing (:mod:`.guard`)."""
+    save = Save(cache, list(keys), list(block_ids), time.perf_counter())
+    result: PutResult | None = None
+    with cache.guard.call("save") as outcome:
+        save.reserve(client, timeout)
+        if save.close() is not None:
+            result = save.commit(timeout)
+    if outcome.failed or result is None:
+        save.abandon()
+        return BatchSaved(0, outcome.reason or "nothing reserved")
+    return _saved(result)

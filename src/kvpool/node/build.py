@@ -10,7 +10,9 @@ Construction order (each step needs only what the steps before it built):
 2. the arena, then the directory (before anything writes the arena: readers of an earlier
    daemon's directory stop trusting it, kvpool.directory rule 3), then the journal, whose
    replayed entries are sealed against the arena;
-3. the KV event publisher (when ``--kv-events``), which the tiers below tell of blocks;
+3. the KV event publisher (when ``--kv-events``), which the tiers below tell of blocks, and
+   Kthena's Redis entries (when ``--kthena-redis``): the sinks of the store's one stream of
+   block events;
 4. the lower tiers, in one step (:func:`kvpool.tiers.build.open_lower_tiers`: disk, object
    store, write-back);
 5. the lease ledger, the prefetch holds kept in it, and the block store, adopting what the
@@ -39,6 +41,7 @@ from kvpool.node.sealing import seal_replayed
 from kvpool.node.server import NodeServer
 from kvpool.node.services import StoreChanges
 from kvpool.store.arena import Arena, NodeDirLock
+from kvpool.store.block import Block, StoreEvents
 from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy
 from kvpool.store.holds import Holds, QueueAwareEviction
@@ -52,6 +55,7 @@ from kvpool.tls import CertFiles
 
 if TYPE_CHECKING:
     from kvpool.node.events import KVEventPublisher
+    from kvpool.node.kthena import KthenaSink
     from kvpool.node.peers import NodeAgent
 
 
@@ -98,6 +102,7 @@ class Node:
     directory: DirectoryWriter
     journal: Journal
     events: KVEventPublisher | None
+    kthena: KthenaSink | None
     lower: LowerTiers
     store: BlockStore
     cluster: NodeAgent | None
@@ -130,6 +135,9 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         events = open_events(config, credentials.tenants)
         if events is not None:
             undo.callback(events.close)
+        kthena = open_kthena(config)
+        if kthena is not None:
+            undo.callback(kthena.close)
         lower = await open_lower_tiers(config, arena, events)
         undo.callback(lower.close)
         # Every file's format was read and accepted: each is migrated in place now, so that
@@ -152,11 +160,13 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             journal=journal,
             spill=lower.writeback,
             directory=directory,
-            events=events,
+            events=_one_stream(events, kthena),
             on_change=changes.notify,
         )
-        if events is not None and not store.counters.adopted:
-            events.cleared()  # whatever an earlier daemon announced is gone
+        if not store.counters.adopted:  # whatever an earlier daemon announced is gone
+            for sink in (events, kthena):
+                if sink is not None:
+                    sink.cleared()
         cluster = _cluster_agent(config, store, arena)
         remote = RemoteSource(cluster.fetch) if cluster is not None else None  # prefetch too
         tiers = Tiers(store, arena, lower, holds, remote)
@@ -170,10 +180,13 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             on_shutdown=on_shutdown,
             tenants=credentials.tenants,
             tls=credentials.tls,
+            attach_engine=kthena.attach if kthena is not None else None,
         )
         undo.pop_all()
     tls = credentials.tls
-    return Node(config, tls, lock, arena, directory, journal, events, lower, store, cluster, server)
+    return Node(
+        config, tls, lock, arena, directory, journal, events, kthena, lower, store, cluster, server
+    )
 
 
 def open_events(config: NodeConfig, tenants: Registry | None = None) -> KVEventPublisher | None:
@@ -185,6 +198,38 @@ def open_events(config: NodeConfig, tenants: Registry | None = None) -> KVEventP
 
     whose = tenants.tenant_name if tenants is not None else None
     return KVEventPublisher(config.events, whose)
+
+
+def open_kthena(config: NodeConfig) -> KthenaSink | None:
+    """Kthena's Redis entries for the engines that load from this node (None without
+    ``--kthena-redis``)."""
+    if not config.kthena.redis_url:
+        return None
+    from kvpool.node.kthena import KthenaSink  # imports redis: only when writing to it
+
+    return KthenaSink(config.kthena, f"{config.host_id}/{config.name}")
+
+
+class _Stream:
+    """The store's one stream of block events, told to each of its sinks."""
+
+    def __init__(self, sinks: list[StoreEvents]):
+        self.sinks = sinks
+
+    def stored(self, block: Block) -> None:
+        for sink in self.sinks:
+            sink.stored(block)
+
+    def removed(self, block: Block) -> None:
+        for sink in self.sinks:
+            sink.removed(block)
+
+
+def _one_stream(*sinks: StoreEvents | None) -> StoreEvents | None:
+    present = [sink for sink in sinks if sink is not None]
+    if len(present) > 1:
+        return _Stream(present)
+    return present[0] if present else None
 
 
 def _cluster_agent(config: NodeConfig, store: BlockStore, arena: Arena) -> NodeAgent | None:

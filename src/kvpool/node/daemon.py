@@ -139,10 +139,11 @@ class Daemon:
 
     def _close_files(self, node: Node) -> None:
         drain = self._drain
-        if node.events is not None:
-            if drain:
-                node.events.cleared()
-            node.events.close()
+        for sink in (node.events, node.kthena):
+            if sink is not None:
+                if drain:
+                    sink.cleared()
+                sink.close()
         node.directory.close(remove=True)  # retired: its readers ask the next daemon
         node.journal.close(remove=drain)
         node.arena.close(remove=drain)

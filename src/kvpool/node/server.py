@@ -28,6 +28,7 @@ from kvpool.cluster.membership import Member
 from kvpool.config import Address, NodeConfig
 from kvpool.errors import BadRequest, ConfigError
 from kvpool.formats import ARENA, DISK_SEGMENT, DISK_TIER, JOURNAL, RELEASE, Format, Stamp
+from kvpool.keys import EngineRef
 from kvpool.limits import EXPIRE_INTERVAL_S
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
@@ -95,6 +96,7 @@ class NodeServer:
         on_shutdown: Callable[[bool], None] | None = None,
         tenants: Registry | None = None,
         tls: CertFiles | None = None,
+        attach_engine: Callable[[bytes, EngineRef], bool] | None = None,
     ):
         """``changes``: what the store calls on every change (built with it, as
         ``BlockStore(on_change=changes.notify)``), which waiting lookups sleep on."""
@@ -134,6 +136,7 @@ class NodeServer:
             stats=self.stats,
             shutdown=self._shutdown_requested,
             handoff=self.handoff,
+            attach_engine=attach_engine,
         )
         self._apply_quotas()
 

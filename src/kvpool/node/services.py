@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvpool.config import NodeConfig
 from kvpool.errors import NodeUnavailable
+from kvpool.keys import EngineRef
 from kvpool.limits import LeaseLimits
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
@@ -260,6 +261,9 @@ class SessionServices:
     # An operator asked the node to hand its blocks to other nodes (targets, rate, deadline).
     handoff: Callable[[list[str], int, float], Awaitable[HandoffResult]]
     refusals: Refusals = field(default_factory=Refusals)
+    # An engine that loads a namespace's blocks said so (kvpool.node.kthena); None: the
+    # node tells no router of engines.  False: past its bounds.
+    attach_engine: Callable[[bytes, EngineRef], bool] | None = None
 
     @property
     def limits(self) -> LeaseLimits:

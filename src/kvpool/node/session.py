@@ -606,6 +606,14 @@ class Session:
         await self._reply(header, Op.REPORT_CORRUPT, _statuses(statuses))
 
     async def _describe(self, header: FrameHeader, req: msg.DescribeRequest) -> None:
+        """A namespace's label; and the engine that loads its blocks, if it says, for the
+        routers the node tells (only the operator's engines: a tenant could name any pod)."""
+        attach = self.services.attach_engine
+        if req.engine is not None and attach is not None:
+            if self.tenant is not None:
+                raise BadRequest("a tenant's connection cannot name an engine to routers")
+            if not attach(req.namespace_id, req.engine):
+                raise BadRequest("too many engines registered with this node")
         self.store.describe(req.namespace_id, req.label)
         await self._reply(header, Op.DESCRIBE, msg.Empty())
 

@@ -25,7 +25,8 @@ PIN            keys (same-node readers)                   pin id, offset, size, 
 UNPIN          pin id                                     - (sent without waiting for a reply)
 DELETE         keys                                       status per key
 REPORT_CORRUPT keys a reader found corrupt                status per key
-DESCRIBE       namespace id and label                     -
+DESCRIBE       namespace id and label; the engine that    -
+               loads its blocks, if it says (2)
 STATS          -                                          NodeStats
 HEALTH         -                                          Health
 SHUTDOWN       the node's id; whether to drain (empty it) - (then the node stops)
@@ -35,6 +36,9 @@ HANDOFF        the node's id; the nodes to hand its       blocks handed, failed,
 
 (1) How many blocks the write's evictions lost: evicted from DRAM to make room for it, and
 taken by no lower tier (see :class:`PutResponse`).
+
+(2) Its pod and model as a router names them, for routers that learn where blocks are from
+the node (:mod:`kvpool.node.kthena`); a node that does not know the field ignores it.
 
 Compatibility (:mod:`kvpool.formats` rule 5 for the wire): a release speaks its own version
 and the previous release's.  A new op or a new field with a default is no new version (a
@@ -51,7 +55,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
+from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin, EngineRef
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
 from kvpool.stats import FormatStats, NamespaceStats, PrefetchStats, TierStats
 
@@ -349,6 +353,7 @@ class DescribeRequest(Message):
         bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)
     ]
     label: Name
+    engine: EngineRef | None = None
 
 
 class Empty(Message):

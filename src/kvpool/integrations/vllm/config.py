@@ -22,6 +22,10 @@ write_rcache        write through to the home node in a cluster             true
 read_local_only     in a cluster, look only at the local node               false
 peers / etcd        cluster membership (see ``kvpool serve``)               none
 tenant              isolates the blocks of one tenant                       ""
+kthena_pod          this engine's pod as Kthena names it (``<pod>.<ns>``):  ""
+                    its node writes Kthena's Redis entries for it
+                    (``kvpool serve --kthena-redis``); "" for none
+kthena_model        the model name requests to this engine carry           served name
 mla_any_tp          MLA: share blocks with engines of any tensor-parallel   false
                     size (a TP=8 prefill and a TP=1 decode); off, only the
                     ranks of engines of one size share (Namespace.for_rank)
@@ -52,7 +56,7 @@ from kvpool.config import (
     parse_bool,
 )
 from kvpool.errors import ConfigError
-from kvpool.keys import Namespace, check_hash_stability
+from kvpool.keys import MAX_MODEL_CHARS, MAX_POD_CHARS, EngineRef, Namespace, check_hash_stability
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
@@ -75,6 +79,8 @@ _CONNECTOR_FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("stats_interval", "stats_interval_s", float),
     ("prefetch_hold", "prefetch_hold_s", float),
     ("mla_any_tp", "mla_any_tp", parse_bool),
+    ("kthena_pod", "kthena_pod", str),
+    ("kthena_model", "kthena_model", str),
 )
 
 
@@ -91,6 +97,8 @@ class ConnectorConfig:
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     prefetch_hold_s: float = DEFAULT_PREFETCH_HOLD_S
     mla_any_tp: bool = False
+    kthena_pod: str = ""
+    kthena_model: str = ""
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
     def validate(self) -> ConnectorConfig:
@@ -104,6 +112,11 @@ class ConnectorConfig:
             raise ConfigError("prefetch_hold must be 0-600 seconds")
         if self.transfer not in TRANSFERS:
             raise ConfigError(f"transfer must be one of {', '.join(TRANSFERS)}")
+        if len(self.kthena_pod) > MAX_POD_CHARS or len(self.kthena_model) > MAX_MODEL_CHARS:
+            raise ConfigError(
+                f"kthena_pod and kthena_model: at most {MAX_POD_CHARS} and "
+                f"{MAX_MODEL_CHARS} characters"
+            )
         return self
 
     def describe(self) -> str:
@@ -157,6 +170,17 @@ def connector_config(
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from exc
     return ConnectorConfig(client=client, health=health, **kwargs).validate()
+
+
+def engine_ref(vllm_config: Any, config: ConnectorConfig) -> EngineRef | None:
+    """The engine as Kthena names it, for its node to write Kthena's entries for
+    (:mod:`kvpool.node.kthena`); None without ``kthena_pod``."""
+    if not config.kthena_pod:
+        return None
+    served = vllm_config.model_config.served_model_name or vllm_config.model_config.model
+    if isinstance(served, list | tuple):
+        served = served[0]
+    return EngineRef(pod=config.kthena_pod, model=config.kthena_model or str(served))
 
 
 def _kv_dtype(vllm_config: Any) -> str:

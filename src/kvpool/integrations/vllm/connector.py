@@ -76,7 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvpool.kvcache.ranks import writes_blocks
 
-from .config import connector_config, expected_page_bytes, namespaces
+from .config import connector_config, engine_ref, expected_page_bytes, namespaces
 from .groups import cache_groups
 from .metadata import KVPoolMetadata, KVPoolPromMetrics, KVPoolStats
 from .scheduler import KVPoolScheduler
@@ -112,6 +112,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 can_save=kv_role in ("kv_both", "kv_producer"),
                 wait_for_pending=kv_role == "kv_consumer",
                 groups=groups,
+                engine=engine_ref(vllm_config, self.config),
             )
             self._worker: KVPoolWorker | None = None
         else:

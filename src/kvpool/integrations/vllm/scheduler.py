@@ -42,7 +42,7 @@ from typing import Any
 
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
-from kvpool.keys import BlockOrigin, Namespace
+from kvpool.keys import ENGINE_REFRESH_S, BlockOrigin, EngineRef, Namespace
 from kvpool.kvcache.guard import PoolGuard
 from kvpool.stats import TIER_DRAM, TIER_NAMES
 
@@ -91,8 +91,10 @@ class KVPoolScheduler:
         can_save: bool,
         wait_for_pending: bool,
         groups: list[CacheGroup] | None = None,
+        engine: EngineRef | None = None,
     ):
         self.config = config
+        self.engine = engine  # this engine as routers name it, told to the node
         self.wait_for_pending = wait_for_pending
         self.groups = groups or [CacheGroup(0, FULL)]
         self.is_hybrid = len(self.groups) > 1
@@ -124,6 +126,7 @@ class KVPoolScheduler:
         self.can_load = can_load and not self.unsupported
         self.can_save = can_save and not self.unsupported
         self._client: Client | None = None
+        self._described = 0.0
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
         self.guard = PoolGuard(self.health, log)
         self._requests: dict[str, _RequestState] = {}
@@ -140,13 +143,23 @@ class KVPoolScheduler:
         if self._client is None:
             self._client = Client(config=self.config.client)
             self.health.start()
-            with self.guard.call("describe"):  # labels are cosmetic: never fail for them
-                for ns in self.namespaces:
-                    self._client.describe(ns, timeout=self.config.lookup_timeout_s)
+            with self.guard.call("describe"):  # never fail for a label
+                self._describe(self._client)
         return self._client
 
+    def _describe(self, client: Client) -> None:
+        """Label the namespaces; and name the engine that loads them, for the routers the
+        node tells (:mod:`kvpool.node.kthena`)."""
+        for ns in self.namespaces:
+            client.describe(ns, engine=self.engine, timeout=self.config.lookup_timeout_s)
+        self._described = time.monotonic()
+
     def _probe(self) -> None:
+        """The health monitor's probe; it also renews the engine's name with the node, which
+        forgets it ENGINE_TTL_S after the last time it heard it."""
         self.client.health(timeout=self.config.lookup_timeout_s)
+        if self.engine is not None and time.monotonic() - self._described > ENGINE_REFRESH_S:
+            self._describe(self.client)
 
     def _lookup_groups(self, hashes: list[bytes], num_local: int) -> tuple[int, bool, bytes]:
         """Leading blocks every group has what the engine reads of (see :mod:`.groups`),

@@ -1,0 +1,337 @@
+"""Kthena's router scoring what the pool holds: the node writes and removes the Redis
+entries of Kthena's cache-aware plugin as its DRAM stores and evicts blocks, for the
+engines that load from it.  One more sink of the node's one KV event stream, beside the
+ZMQ publisher (:mod:`kvpool.node.events`).
+
+Kthena's schema and hashing, read from volcano-sh/kthena at commit
+3cc057284c34469fcb0ed22a12dac84b1d120719 (``pkg/kthena-router/scheduler/plugins/
+kvcache_aware.go``; its runtime sidecar ``python/kthena/runtime/kv_cache_manager.py``):
+
+- one Redis hash per model and block, ``matrix:kv:block:{model}@{hash}``, whose fields are
+  the pods that hold the block (``{pod}.{namespace}``), each valued with the Unix second it
+  was written (the plugin drops an owner written before its pod's containers last started,
+  and its GC drops fields older than 24 hours);
+- a block is ``blockSizeToHash`` tokens (16 unless the plugin's arguments say otherwise),
+  hashed on its own (not chained): SHA-256 of the token ids as 4-byte big-endian integers,
+  the digest's first 8 bytes as a big-endian integer with its top bit cleared;
+- the plugin scores a pod by how many leading blocks of the prompt it holds.
+
+What the node does:
+
+- Engines say who they are with their namespace's DESCRIBE (:class:`EngineRef`: pod and
+  model, renewed every ``ENGINE_REFRESH_S``, forgotten ``ENGINE_TTL_S`` after the last):
+  they are the pods that load that namespace's blocks from this node.  Only the operator's
+  connections may (with ``--tenants``, a tenant's is refused: a tenant could otherwise
+  name any pod, and steer the router with it).
+- A block stored in DRAM whose writer said its tokens (:class:`~kvpool.keys.BlockOrigin`;
+  the vLLM connector does) is ``len(tokens) / block_size`` Kthena blocks: each gets the
+  namespace's live engines as owners; a block removed from DRAM (evicted, deleted, found
+  corrupt) gives them back.  A block whose token count is not a multiple of Kthena's block
+  size is not announced (said once in the log): set ``blockSizeToHash`` to the engine's
+  block size or a divisor of it.
+- Several pool blocks can be one Kthena block (the same tokens in two prompts, two
+  tensor-parallel shards, a copy on this node and its home node): owners are counted, in
+  Redis (``kvpool:kthena:refs:{model}@{hash}``, pod -> count, across nodes), and a field of
+  Kthena's entry goes when its count does.  Each node also counts what it added
+  (``kvpool:kthena:node:{host}/{name}``), so that a node that starts empty or is drained
+  (``AllBlocksCleared``) takes back exactly its own.  A Lua script makes each change
+  atomic.
+- It never holds up the store: events go through a bounded queue to a thread that writes
+  them in pipelines; past ``MAX_QUEUED`` the newest are dropped (and counted), and a Redis
+  that does not answer is retried for ``RETRY_S``, then the batch is dropped (its entries
+  age out by Kthena's own GC).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.config import KthenaConfig
+from kvpool.keys import ENGINE_TTL_S, EngineRef, namespace_of
+from kvpool.store.block import Block
+
+log = logging.getLogger("kvpool.node")
+
+MATRIX_PREFIX = "matrix:kv:block:"  # Kthena's kvCacheKeyPrefix
+REFS_PREFIX = "kvpool:kthena:refs:"
+NODE_PREFIX = "kvpool:kthena:node:"
+REFS_TTL_S = 48 * 3600  # counts outlive Kthena's 24-hour GC of its own fields
+MAX_QUEUED = 100_000
+MAX_BATCH = 512
+FLUSH_S = 0.02
+RETRY_S = 10.0
+REDIS_TIMEOUT_S = 2.0
+MAX_NAMESPACES = 1024  # namespaces with engines registered
+MAX_ENGINES_PER_NAMESPACE = 64
+_CLEARED = "cleared"
+
+# One owner's count changes by a delta (KEYS: Kthena's entry, the counts, this node's
+# counts; ARGV: pod, delta, now, this node's field, the counts' TTL).
+_CHANGE = """
+local n = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
+local mine = redis.call('HINCRBY', KEYS[3], ARGV[4], ARGV[2])
+if mine <= 0 then redis.call('HDEL', KEYS[3], ARGV[4]) end
+if n <= 0 then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  if tonumber(ARGV[2]) > 0 then redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
+end
+return n
+"""
+
+
+def kthena_hash(token_ids: Sequence[int]) -> int:
+    """Kthena's ``computeStandardizedHash`` of one block's tokens."""
+    digest = hashlib.sha256(b"".join(t.to_bytes(4, "big") for t in token_ids)).digest()
+    return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def kthena_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The Kthena blocks of a pool block's tokens, or none if they are not whole ones."""
+    if not token_ids or len(token_ids) % block_size:
+        return []
+    return [
+        kthena_hash(token_ids[start : start + block_size])
+        for start in range(0, len(token_ids), block_size)
+    ]
+
+
+def matrix_key(model: str, chunk_hash: int) -> str:
+    """Kthena's ``KVCacheAwareBlock.String``."""
+    return f"{MATRIX_PREFIX}{model}@{chunk_hash}"
+
+
+@dataclass
+class EngineTable:
+    """The engines that load each namespace's blocks from this node (see the module's
+    notes); touched on the event loop only."""
+
+    clock: Any = time.monotonic
+    by_namespace: dict[bytes, dict[str, tuple[str, float]]] = field(default_factory=dict)
+
+    def attach(self, namespace_id: bytes, engine: EngineRef) -> bool:
+        """Register or renew ``engine`` for the namespace; False past the bounds."""
+        now = self.clock()
+        engines = self.by_namespace.get(namespace_id)
+        if engines is None:
+            if len(self.by_namespace) >= MAX_NAMESPACES:
+                self._expire(now)
+                if len(self.by_namespace) >= MAX_NAMESPACES:
+                    return False
+            engines = self.by_namespace[namespace_id] = {}
+        if engine.pod not in engines and len(engines) >= MAX_ENGINES_PER_NAMESPACE:
+            return False
+        engines[engine.pod] = (engine.model, now + ENGINE_TTL_S)
+        return True
+
+    def engines(self, namespace_id: bytes) -> list[tuple[str, str]]:
+        """The live engines of a namespace, as (pod, model)."""
+        engines = self.by_namespace.get(namespace_id)
+        if not engines:
+            return []
+        now = self.clock()
+        live = [(pod, model) for pod, (model, until) in engines.items() if until > now]
+        if len(live) < len(engines):
+            for pod in [pod for pod, (_, until) in engines.items() if until <= now]:
+                del engines[pod]
+            if not engines:
+                del self.by_namespace[namespace_id]
+        return live
+
+    def _expire(self, now: float) -> None:
+        for namespace_id in list(self.by_namespace):
+            self.engines(namespace_id)
+
+
+@dataclass(frozen=True)
+class _Change:
+    delta: int  # +1 stored, -1 removed
+    owners: list[tuple[str, str]]  # (pod, model)
+    token_ids: list[int]
+
+
+class KthenaSink:
+    """The sink (see the module's notes): ``stored``/``removed`` from the DRAM store,
+    ``cleared`` when the node starts empty or is drained, ``attach`` from sessions."""
+
+    def __init__(self, config: KthenaConfig, node_key: str, redis_client: Any = None):
+        config.validate()
+        self.config = config
+        self.node_key = NODE_PREFIX + node_key
+        if redis_client is None:
+            import redis
+
+            redis_client = redis.Redis.from_url(
+                config.redis_url,
+                socket_timeout=REDIS_TIMEOUT_S,
+                socket_connect_timeout=REDIS_TIMEOUT_S,
+            )
+        self.redis = redis_client
+        self._change = self.redis.register_script(_CHANGE)
+        self.engines = EngineTable()
+        self.num_dropped = 0
+        self.num_written = 0
+        self._warned_sizes: set[int] = set()
+        self._queue: queue.Queue[_Change | str] = queue.Queue(MAX_QUEUED)
+        self._running = True
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpool-kthena", daemon=True)
+        self._thread.start()
+
+    # -- from the event loop (never block) ------------------------------------------------
+
+    def attach(self, namespace_id: bytes, engine: EngineRef) -> bool:
+        return self.engines.attach(namespace_id, engine)
+
+    def stored(self, block: Block) -> None:
+        self._changed(block, +1)
+
+    def removed(self, block: Block) -> None:
+        self._changed(block, -1)
+
+    def cleared(self) -> None:
+        self._put(_CLEARED)
+
+    def _changed(self, block: Block, delta: int) -> None:
+        origin = block.origin
+        if origin is None or not origin.token_ids:
+            return
+        owners = self.engines.engines(namespace_of(block.key))
+        if not owners:
+            return
+        if len(origin.token_ids) % self.config.block_size:
+            self._warn_size(len(origin.token_ids))
+            return
+        self._put(_Change(delta, owners, list(origin.token_ids)))
+
+    def _warn_size(self, num_tokens: int) -> None:
+        if num_tokens not in self._warned_sizes and len(self._warned_sizes) < 16:
+            self._warned_sizes.add(num_tokens)
+            log.warning(
+                "kthena: blocks of %d tokens are not whole Kthena blocks of %d: not announced "
+                "(set --kthena-block-size and Kthena's blockSizeToHash to the engine's block "
+                "size or a divisor of it)",
+                num_tokens,
+                self.config.block_size,
+            )
+
+    def _put(self, item: _Change | str) -> None:
+        try:
+            self._queue.put_nowait(item)
+            self._idle.clear()
+        except queue.Full:
+            self.num_dropped += 1
+
+    # -- the writing thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while self._running or not self._queue.empty():
+            items = self._take()
+            if not items:
+                self._idle.set()
+                continue
+            changes: list[_Change] = []
+            for item in items:  # in order: a clear takes back what was written before it
+                if isinstance(item, _Change):
+                    changes.append(item)
+                    continue
+                if changes:
+                    self._retrying(self._write, changes)
+                    changes = []
+                self._retrying(self._clear_mine)
+            if changes:
+                self._retrying(self._write, changes)
+
+    def _take(self) -> list[_Change | str]:
+        try:
+            first = self._queue.get(timeout=FLUSH_S)
+        except queue.Empty:
+            return []
+        items = [first]
+        while len(items) < MAX_BATCH:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _retrying(self, write: Any, *args: Any) -> None:
+        deadline = time.monotonic() + RETRY_S
+        delay = 0.05
+        while True:
+            try:
+                write(*args)
+                return
+            except Exception as exc:  # Redis down or refusing: never the store's problem
+                if time.monotonic() + delay > deadline or not self._running:
+                    self.num_dropped += 1
+                    log.warning("kthena: cannot write to Redis (%s); a batch is dropped", exc)
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _write(self, changes: list[_Change]) -> None:
+        now = str(int(time.time()))
+        pipe = self.redis.pipeline(transaction=False)
+        num = 0
+        for change in changes:
+            for chunk_hash in kthena_hashes(change.token_ids, self.config.block_size):
+                for pod, model in change.owners:
+                    self._script(pipe, model, chunk_hash, pod, change.delta, now)
+                    num += 1
+        if num:
+            pipe.execute()
+            self.num_written += num
+
+    def _script(
+        self, pipe: Any, model: str, chunk_hash: int, pod: str, delta: int, now: str
+    ) -> None:
+        block = f"{model}@{chunk_hash}"
+        self._change(
+            keys=[MATRIX_PREFIX + block, REFS_PREFIX + block, self.node_key],
+            args=[pod, delta, now, f"{block}|{pod}", int(REFS_TTL_S)],
+            client=pipe,
+        )
+
+    def _clear_mine(self) -> None:
+        """Take back every owner this node added (it holds none of its blocks now)."""
+        now = str(int(time.time()))
+        cursor = 0
+        while True:
+            cursor, fields = self.redis.hscan(self.node_key, cursor, count=MAX_BATCH)
+            pipe = self.redis.pipeline(transaction=False)
+            for raw_field, raw_count in fields.items():
+                block, _, pod = raw_field.decode().rpartition("|")
+                model, _, chunk_hash = block.rpartition("@")
+                count = int(raw_count)
+                if model and chunk_hash.isdigit() and count > 0:
+                    self._script(pipe, model, int(chunk_hash), pod, -count, now)
+            pipe.execute()
+            if not cursor:
+                break
+        self.redis.delete(self.node_key)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        """Until every event queued so far is written (or dropped); whether it was."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            waited = min(max(deadline - time.monotonic(), 0.0), FLUSH_S)
+            if self._idle.wait(waited) and self._queue.empty():
+                return True
+        return False
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(RETRY_S + 5)
+        self.redis.close()
