@@ -7,10 +7,13 @@ small and named for its job:
 
 - :class:`NodeIdentity`: the node's names and addresses, for the handshake and status;
 - :class:`Credentials`: who may connect (a tenants file, one access key, or nobody);
-- :class:`SessionRegistry`: the connections open now, and each tenant's cap on them;
+- :class:`~kvpool.node.connections.SessionRegistry`: the connections open now, and what
+  they cost (strangers, members, caps, buffers);
+- :class:`~kvpool.store.accounts.Accounts`: how much of every shared resource each tenant
+  holds;
 - :class:`Traffic`: the bytes clients wrote and read, and the write-through of what they
   committed (:meth:`Traffic.published`);
-- :class:`StoreChanges`: a lookup waiting for the store to change;
+- :class:`StoreChanges`: lookups parked on the key they wait for;
 - :class:`Refusals`: refused handshakes, logged at a bounded rate.
 
 All of it is touched from the daemon's event loop only.
@@ -27,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpool.config import NodeConfig
-from kvpool.errors import NodeUnavailable
 from kvpool.limits import LeaseLimits
+from kvpool.node.connections import SessionRegistry
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
 from kvpool.protocol.messages import NodeStats
+from kvpool.store.accounts import Accounts
 from kvpool.store.arena import Arena
 from kvpool.store.block import CommitResult
 from kvpool.store.block_store import BlockStore
@@ -41,22 +45,6 @@ from kvpool.tiers.chain import Tiers
 log = logging.getLogger("kvpool.node")
 
 REFUSAL_LOG_INTERVAL_S = 10.0
-
-
-class Connection(Protocol):
-    """A session, as the registry sees it."""
-
-    @property
-    def tenant(self) -> Tenant | None: ...
-
-    @property
-    def credential(self) -> Credential | None: ...
-
-    @property
-    def buffer_bytes(self) -> int:
-        """The memory its receive buffer takes now."""
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -117,44 +105,6 @@ class Credentials:
         """The credential an HTTP ``Authorization`` header proves, by the same keys as the
         data port (the admin HTTP's check)."""
         return authenticate(authorization, self.credential)
-
-
-class SessionRegistry:
-    """The connections open now, and per tenant (each tenant has a cap)."""
-
-    def __init__(self) -> None:
-        self.sessions: set[Connection] = set()
-        self._tenant_to_sessions: dict[str, set[Connection]] = {}
-
-    def __len__(self) -> int:
-        return len(self.sessions)
-
-    def opened(self, session: Connection) -> None:
-        self.sessions.add(session)
-
-    def admit(self, session: Connection) -> None:
-        """Count an authenticated tenant connection, refusing past the tenant's cap."""
-        tenant = session.tenant
-        if tenant is None:
-            return
-        sessions = self._tenant_to_sessions.setdefault(tenant.name, set())
-        if len(sessions) >= tenant.max_connections:
-            raise NodeUnavailable(
-                f"tenant {tenant.name} has {tenant.max_connections} connections open, its cap"
-            )
-        sessions.add(session)
-
-    def closed(self, session: Connection) -> None:
-        self.sessions.discard(session)
-        if session.tenant is not None:
-            self._tenant_to_sessions.get(session.tenant.name, set()).discard(session)
-
-    def buffer_bytes(self) -> int:
-        """The receive buffers of every open connection: O(connections), for statistics."""
-        return sum(session.buffer_bytes for session in self.sessions)
-
-    def num_of(self, tenant: Tenant) -> int:
-        return len(self._tenant_to_sessions.get(tenant.name, ()))
 
 
 class WriteThrough(Protocol):
@@ -221,21 +171,43 @@ class Refusals:
 
 
 class StoreChanges:
-    """Lookups that wait for a key to be committed wake on any change of the store."""
+    """Lookups parked on the key they wait for: the store tells the keys whose presence
+    changed (committed, or a reservation ended), and only the lookups waiting on those keys
+    wake, each to look at its own key (never a rescan of every parked lookup on every
+    change of the store)."""
 
     def __init__(self) -> None:
-        self._changed: asyncio.Future[None] | None = None
+        self._key_to_waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
-    def notify(self) -> None:
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
-        self._changed = None
+    def __len__(self) -> int:
+        return len(self._key_to_waiters)
 
-    async def wait(self, timeout: float) -> None:
-        if self._changed is None:
-            self._changed = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+    def notify(self, keys: Sequence[bytes]) -> None:
+        if not self._key_to_waiters:
+            return
+        for key in keys:
+            for waiter in self._key_to_waiters.pop(key, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait(self, key: bytes, timeout: float) -> None:
+        """Until ``key`` changes, or ``timeout`` passes."""
+        waiter = asyncio.get_running_loop().create_future()
+        waiters = self._key_to_waiters.setdefault(key, [])
+        waiters.append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await waiter
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            left = self._key_to_waiters.get(key)
+            if left is not None:
+                with contextlib.suppress(ValueError):
+                    left.remove(waiter)
+                if not left:
+                    del self._key_to_waiters[key]
 
 
 @dataclass(frozen=True)
@@ -250,6 +222,7 @@ class SessionServices:
     identity: NodeIdentity
     credentials: Credentials
     registry: SessionRegistry
+    accounts: Accounts
     traffic: Traffic
     changes: StoreChanges
     stats: Callable[[Tenant | None], NodeStats]  # the node's (or a tenant's) statistics

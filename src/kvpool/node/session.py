@@ -19,6 +19,12 @@
   a bad frame header closes it.  Either way the daemon keeps serving everyone else.
 - A client that hangs up (:class:`~kvpool.protocol.channel.PeerClosed`) just ends its
   session; its reservations are aborted and its pins dropped.
+- What a connection costs is charged to its tenant's account
+  (:mod:`kvpool.store.accounts`) through the registry
+  (:mod:`kvpool.node.connections`): its slot and read-ahead once it authenticates, a
+  frame's own metadata buffer while that request is served, the keys of a lookup while it
+  waits.  A waiting lookup is parked on the one key it waits for, and woken when that key
+  changes (:class:`~kvpool.node.services.StoreChanges`): what it costs is what it finds.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from kvpool.errors import (
 )
 from kvpool.keys import BlockOrigin
 from kvpool.limits import LeaseLimits
+from kvpool.node.connections import READ_AHEAD_BYTES
 from kvpool.node.services import SessionServices
 from kvpool.protocol import auth
 from kvpool.protocol import messages as msg
@@ -57,12 +64,12 @@ from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import (
     FLAG_RESPONSE,
     FrameHeader,
-    RecvBuffer,
     decode_request,
     encode_frame,
 )
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
+from kvpool.store.accounts import NODE, Resource
 from kvpool.store.block import Area, Block
 from kvpool.store.block_store import PinResult
 from kvpool.tenants import Credential, Tenant
@@ -70,7 +77,6 @@ from kvpool.tiers.writeback import MAX_BACKPRESSURE_S
 
 log = logging.getLogger("kvpool.node")
 
-HANDSHAKE_TIMEOUT_S = 10.0
 # A HELLO is a version, an access id, a host id and a client name (256 characters each at
 # most), a nonce and a proof: 4 KiB holds any valid one.
 MAX_HELLO_BYTES = 4 << 10
@@ -129,11 +135,15 @@ class Session:
         self.tiers = services.tiers
         self.limits = services.limits
         self.owner = owner
-        # Small until a peer has authenticated: nothing sizeable before that (the buffer grows
-        # with the frames of an authenticated session).
-        self.channel = AsyncChannel(sock, buffer_bytes=PRE_AUTH_BUFFER_BYTES)
+        # Small until a peer has authenticated: nothing sizeable before that.  Then the usual
+        # read-ahead, which never grows: a larger frame's metadata gets a buffer of its own,
+        # charged to the tenant while the request is served.
+        self.channel = AsyncChannel(sock, buffer_bytes=PRE_AUTH_BUFFER_BYTES, grows=False)
         self.is_local = sock.family == socket.AF_UNIX
         self.peer = "unix" if self.is_local else str(sock.getpeername()[0])
+        self.account = NODE  # whose account it is charged to, once it authenticates
+        self._received_at = time.monotonic()  # when it last received a request
+        self._is_serving = False
         # What the handshake's proofs cover of this connection (see kvpool.protocol.auth).
         self.binding = services.identity.unix_binding if self.is_local else auth.TCP_BINDING
         self.credential: Credential | None = None  # who authenticated (None: no keys)
@@ -148,6 +158,11 @@ class Session:
     def buffer_bytes(self) -> int:
         return self.channel.rbuf.capacity
 
+    @property
+    def is_idle_since(self) -> float | None:
+        """When it last received a request, if none is in service now (None: busy)."""
+        return None if self._is_serving else self._received_at
+
     def close(self) -> None:
         """End the session (from outside it: a revoked key, the node stopping)."""
         if self.task is not None:
@@ -156,14 +171,20 @@ class Session:
             self.channel.close()
 
     async def run(self) -> None:
-        self.services.registry.opened(self)
+        registry = self.services.registry
+        registry.opened(self)
         try:
-            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+            async with asyncio.timeout(registry.budgets.handshake_s):
                 await self.channel.handshake()  # TLS, on a TCP listener that has it
                 await self._handshake()
             while True:
                 header = await self.channel.recv_header()
-                await self._serve(header)
+                self._received_at = time.monotonic()
+                self._is_serving = True
+                try:
+                    await self._serve(header)
+                finally:
+                    self._is_serving = False
         except NodeUnavailable as exc:  # e.g. the tenant has all its connections open
             log.info("refusing a connection from %s: %s", self.peer, exc)
             with contextlib.suppress(OSError, KVPoolError, TransferTimeout):
@@ -203,7 +224,8 @@ class Session:
         header, hello = await self._challenge(server_nonce)
         handshake = auth.Handshake(hello.access_id, server_nonce, hello.nonce, self.binding)
         credential = self._authenticate(hello, handshake)
-        self.channel.rbuf.grow(RecvBuffer.INITIAL_BYTES)  # authenticated: the usual read-ahead
+        self.services.registry.admit(self)  # a member now, within every cap
+        self.channel.rbuf.grow(READ_AHEAD_BYTES)  # authenticated: the usual read-ahead
         welcome = self._welcome()
         if credential is not None:  # the node's proof covers the Welcome it sends
             welcome.proof = handshake.proof(credential.key, "node", auth.welcome_digest(welcome))
@@ -246,7 +268,8 @@ class Session:
             raise AuthenticationError("access id or key refused")
         self.credential = credential
         self.tenant = credential.tenant
-        self.services.registry.admit(self)  # the tenant's connection cap
+        if self.tenant is not None:
+            self.account = self.services.accounts.account_of(self.tenant.tag)
         return credential
 
     def _welcome(self) -> msg.Welcome:
@@ -279,6 +302,20 @@ class Session:
     # -- dispatch -------------------------------------------------------------------------
 
     async def _serve(self, header: FrameHeader) -> None:
+        if self.channel.rbuf.holds(header.meta_len):
+            await self._serve_frame(header)
+            return
+        # A frame larger than the read-ahead: its metadata's own buffer is charged to the
+        # tenant while the request is served (waiting, within the frame's deadline, for
+        # room in its budget).
+        registry = self.services.registry
+        try:
+            async with registry.frame_buffer(self, header.meta_len, FRAME_TIMEOUT_S):
+                await self._serve_frame(header)
+        except TimeoutError:
+            raise TransferTimeout("the tenant's buffer budget stayed spent") from None
+
+    async def _serve_frame(self, header: FrameHeader) -> None:
         started = time.perf_counter()
         op_name = _op_name(header.op)
         meta = await self._recv_meta(header)
@@ -311,7 +348,7 @@ class Session:
         finally:
             self.services.metrics.observe_op(op_name.lower(), time.perf_counter() - started)
 
-    async def _recv_meta(self, header: FrameHeader) -> bytes:
+    async def _recv_meta(self, header: FrameHeader) -> bytes | bytearray:
         """A request's metadata, which a slow writer gets FRAME_TIMEOUT_S to finish."""
         if self.channel.rbuf.num_buffered >= header.meta_len:  # the usual case: no wait
             return await self.channel.recv_meta(header.meta_len)
@@ -321,7 +358,7 @@ class Session:
         except TimeoutError:
             raise TransferTimeout("timed out receiving a request") from None
 
-    def _decode(self, header: FrameHeader, meta: bytes, op_name: str) -> Any:
+    def _decode(self, header: FrameHeader, meta: bytes | bytearray, op_name: str) -> Any:
         """The request, scoped to the connection's tenant, if it may send it."""
         request = decode_request(header.op, meta)
         self._check_permitted(header.op, op_name)
@@ -568,14 +605,12 @@ class Session:
             )
             await self._reply(header, Op.LOOKUP, response)
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.wait(req.wait_ms / 1000)
-        while True:
-            num_prefix, pending, in_tiers = tiers.lookup(keys)
-            remaining = deadline - loop.time()
-            if num_prefix == len(keys) or remaining <= 0 or not (pending or req.wait_absent):
-                break
-            await self.services.changes.wait(remaining)
+        wait_s = self.limits.wait(req.wait_ms / 1000)
+        if wait_s and len(set(keys)) != len(keys):
+            raise BadRequest("a lookup that waits names each key once")
+        num_prefix, pending, in_tiers = tiers.lookup(keys)
+        if wait_s and num_prefix < len(keys) and (pending or req.wait_absent):
+            num_prefix, pending, in_tiers = await self._park(req, num_prefix, wait_s)
         tiers.record_lookup(keys, num_prefix, in_tiers)
         if req.prefetch_ms and any(in_tiers):  # the hint of a request still queued
             tiers.prefetch(keys[:num_prefix], self.limits.hold(req.prefetch_ms / 1000))
@@ -583,6 +618,32 @@ class Session:
             num_prefix=num_prefix, num_pending=int(pending), tiers=in_tiers
         )
         await self._reply(header, Op.LOOKUP, response)
+
+    async def _park(
+        self, req: msg.LookupRequest, num_prefix: int, wait_s: float
+    ) -> tuple[int, bool, bytes]:
+        """Wait, up to ``wait_s``, for the keys after the prefix found: parked on the key the
+        prefix stops at, and woken only when that key changes, to go on from there (each
+        wake costs what it finds).  Its keys count against the tenant's parked keys while
+        it waits; a lookup past that budget answers at once.  The answer is a lookup of
+        them all once it is done waiting: the prefix as it is then."""
+        keys, tiers = req.keys, self.tiers
+        accounts, account = self.services.accounts, self.account
+        if not accounts.charge(account, Resource.PARKED_KEYS, len(keys)):
+            return tiers.lookup(keys)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        try:
+            pending = True
+            while num_prefix < len(keys) and (pending or req.wait_absent):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                await self.services.changes.wait(keys[num_prefix], remaining)
+                num_prefix, pending, _ = tiers.lookup(keys, start=num_prefix)
+        finally:
+            accounts.credit(account, Resource.PARKED_KEYS, len(keys))
+        return tiers.lookup(keys)
 
     async def _prefetch(self, header: FrameHeader, req: msg.PrefetchRequest) -> None:
         hold_s = self.limits.hold(req.hold_ms / 1000)

@@ -44,7 +44,7 @@ import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
-from kvpool.stats import NamespaceStats, PrefetchStats, TierStats
+from kvpool.stats import AccountStats, NamespaceStats, PrefetchStats, TierStats
 
 PROTOCOL_VERSION = 3  # 2: sealed commits; 3: proofs bound to the connection and Welcome
 SUPPORTED_VERSIONS = (3,)
@@ -58,6 +58,7 @@ MAX_WAIT_MS = int(MAX_WAIT_S * 1000)
 MAX_LEASE_MS = 600_000
 MAX_NAME_LEN = 256
 MAX_TIERS = 8
+MAX_ACCOUNTS = 1024  # a tenants file's tenants, at most (kvpool.tenants.MAX_TENANTS)
 MAX_MESSAGE_LEN = 4096
 NONCE_BYTES = 32
 CHECKSUM_BYTES = 8
@@ -385,6 +386,9 @@ class NodeStats(Message):
     metadata_bytes: int = 0
     connection_buffer_bytes: int = 0
     heap_bytes: int = 0
+    # Each tenant's use of each budget (kvpool.store.accounts), its arena bytes and quota
+    # among them; in a tenant's view, its own only.
+    accounts: Annotated[list[AccountStats], msgspec.Meta(max_length=MAX_ACCOUNTS)] = []
 
 
 class Health(Message):

@@ -33,9 +33,13 @@ files, no in-place updates)::
   tombstone is needed while the segment of the record it hides is on disk: when its own
   segment is evicted first, it is written again, with the next write (or at close).
 - The directory is the daemon's alone: created ``0o700``, refused if another user owns it
-  or its group or others may write in it, and locked (``flock``) for the tier's life, so
-  that a second daemon given it refuses to start instead of deleting or overwriting the
-  first one's segments.  A new segment never replaces an existing file (``O_EXCL``).
+  or its group or others may write in it, or if anyone else could swap it (a directory
+  above it they own or may write in: :func:`kvpool.dirs.check_owned`), and locked
+  (``flock``) for the tier's life, so that a second daemon given it refuses to start
+  instead of deleting or overwriting the first one's segments.  Its files are opened
+  relative to the directory's descriptor, never through a symbolic link: a directory
+  renamed under the daemon keeps its segments, and none go to one put in its place.  A
+  new segment never replaces an existing file (``O_EXCL``).
 
 Events: the blocks a write places are reported stored, and the blocks an evicted segment
 or a delete takes away removed, to the :class:`~kvpool.tiers.tier.TierEvents` the tier was
@@ -52,21 +56,23 @@ that evicting it meanwhile defers closing its file.  There is one writer at a ti
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
-from kvpool.dirs import DirLock, check_owned
+from kvpool.dirs import DirLock, check_owned, open_in
 from kvpool.errors import ConfigError
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TierStats
@@ -184,9 +190,10 @@ class DiskTier(KeyIndex[Location]):
         self._carried: list[bytes] = []  # tombstones to write again (their segment went)
         self._last_segment_id = 0  # segment ids are never reused
         self._dir_lock = lock_disk_dir(self.path)
+        self._dir_fd = self._dir_lock.fd  # every file of the tier is opened relative to it
         try:
             if fresh:
-                _remove_files(self.path)
+                _remove_files(self._dir_fd)
             self._check_identity()
             self._recover()
         except BaseException:
@@ -199,22 +206,31 @@ class DiskTier(KeyIndex[Location]):
 
     # -- start ----------------------------------------------------------------------------
 
+    def _open_file(self, name: str, flags: int) -> int:
+        return open_in(self._dir_fd, name, flags)
+
     def _check_identity(self) -> None:
-        marker = self.path / ID_FILE
         try:
-            marker.read_text()
+            os.close(self._open_file(ID_FILE, os.O_RDONLY))
         except FileNotFoundError:
-            if any(SEGMENT_RE.match(p.name) for p in self.path.iterdir()):
+            if any(SEGMENT_RE.match(name) for name in os.listdir(self._dir_fd)):
                 raise ConfigError(f"{self.path} holds segments but no {ID_FILE}") from None
-            marker.write_text(secrets.token_hex(16) + "\n")
+            fd = self._open_file(ID_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                os.write(fd, (secrets.token_hex(16) + "\n").encode())
+            finally:
+                os.close(fd)
 
     def _recover(self) -> None:
-        for entry in sorted(self.path.iterdir()):
-            match = SEGMENT_RE.match(entry.name)
+        for name in sorted(os.listdir(self._dir_fd)):
+            match = SEGMENT_RE.match(name)
             if match is None:
                 continue
-            segment = Segment(int(match.group(1)), entry)
-            segment.num_bytes = entry.stat().st_size
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a segment is a file: never followed elsewhere
+            segment = Segment(int(match.group(1)), self.path / name)
+            segment.num_bytes = st.st_size
             segment.last_used = next(self._clock)
             self._segments[segment.segment_id] = segment
             records = self._read_footer(segment)
@@ -238,7 +254,7 @@ class DiskTier(KeyIndex[Location]):
     def _read_footer(self, segment: Segment) -> list[tuple[bytes, Location, int]] | None:
         if segment.num_bytes < TRAILER.size:
             return None
-        with open(segment.path, "rb") as f:
+        with os.fdopen(self._open_file(segment.path.name, os.O_RDONLY), "rb") as f:
             f.seek(segment.num_bytes - TRAILER.size)
             magic, footer_at, footer_checksum = TRAILER.unpack(f.read(TRAILER.size))
             if magic != FOOTER_MAGIC or not 0 <= footer_at < segment.num_bytes:
@@ -281,7 +297,7 @@ class DiskTier(KeyIndex[Location]):
         torn or garbled (what a crash or power loss left at the tail)."""
         records = []
         position = 0
-        with open(segment.path, "rb") as f:
+        with os.fdopen(self._open_file(segment.path.name, os.O_RDONLY), "rb") as f:
             while position + RECORD.size <= segment.num_bytes:
                 f.seek(position)
                 head = f.read(RECORD.size + MAX_KEY_BYTES + RECORD_TAIL.size)
@@ -377,15 +393,23 @@ class DiskTier(KeyIndex[Location]):
         self,
         blocks: Sequence[tuple[bytes, memoryview, int]],
         origins: Mapping[bytes, BlockOrigin] | None = None,
+        keep: Callable[[bytes], bool] | None = None,
     ) -> int:
         """Append ``(key, bytes, checksum)`` blocks as records; returns how many were
         written (all but those larger than a segment, or past their tenant's share).  One
         ``pwritev`` per segment touched: large sequential writes.  The keys become visible
         once their bytes are written, and are reported stored with what ``origins`` says
-        they were computed from."""
+        they were computed from.  ``keep``, asked once the write holds the tier's one
+        writer, says which blocks are still wanted: one deleted since it was handed over
+        is not written after its tombstone (a delete lasts)."""
         with self._writer:
             return self._write_records(
-                [(key, data, checksum, 0) for key, data, checksum in blocks], origins or {}
+                [
+                    (key, data, checksum, 0)
+                    for key, data, checksum in blocks
+                    if keep is None or keep(key)
+                ],
+                origins or {},
             )
 
     def _write_records(self, records: list[_Record], origins: Mapping[bytes, BlockOrigin]) -> int:
@@ -491,7 +515,7 @@ class DiskTier(KeyIndex[Location]):
             segment_id = self._last_segment_id = self._last_segment_id + 1
             path = self.path / f"seg-{segment_id:08d}.kvs"
             # Never over an existing file: the directory is locked, so one is not ours.
-            self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._fds[segment_id] = self._open_file(path.name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             segment = Segment(segment_id, path, last_used=next(self._clock), first_key=key)
             self._segments[segment_id] = segment
             self._open[owner] = segment
@@ -568,7 +592,8 @@ class DiskTier(KeyIndex[Location]):
             self._events.removed_keys(evicted, self.medium)
         self.counters.evicted_segments += 1
         segment.dropped = True
-        segment.path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment.path.name, dir_fd=self._dir_fd)
         del self._segments[segment.segment_id]
         if not segment.readers:
             self._close_fd(segment.segment_id)
@@ -581,7 +606,9 @@ class DiskTier(KeyIndex[Location]):
     def _fd(self, segment_id: int) -> int:
         fd = self._fds.get(segment_id)
         if fd is None:
-            fd = self._fds[segment_id] = os.open(self._segments[segment_id].path, os.O_RDWR)
+            fd = self._fds[segment_id] = self._open_file(
+                self._segments[segment_id].path.name, os.O_RDWR
+            )
         return fd
 
     # -- reads ----------------------------------------------------------------------------
@@ -685,17 +712,19 @@ def empty_disk_dir(path: Path) -> bool:
     except ConfigError:
         return False
     try:
-        _remove_files(path)
+        _remove_files(lock.fd)
     finally:
         lock.release()
     return True
 
 
-def _remove_files(path: Path) -> None:
-    shutil.rmtree(path / OUTGOING_DIR, ignore_errors=True)
-    for entry in path.iterdir():
-        if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
-            entry.unlink(missing_ok=True)
+def _remove_files(dir_fd: int) -> None:
+    """Remove kvpool's files from the directory open at ``dir_fd``."""
+    shutil.rmtree(OUTGOING_DIR, ignore_errors=True, dir_fd=dir_fd)
+    for name in os.listdir(dir_fd):
+        if name == ID_FILE or SEGMENT_RE.match(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
 
 
 def _pwritev_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:
