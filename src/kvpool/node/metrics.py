@@ -49,6 +49,18 @@ class _StatsCollector(Collector):
             ("gauge", "kvpool_connections", "Open client connections.", s.num_connections),
             (
                 "gauge",
+                "kvpool_strangers",
+                "Connections still in their handshake (their own pool).",
+                s.num_strangers,
+            ),
+            (
+                "counter",
+                "kvpool_strangers_evicted",
+                "Connections closed in their handshake to make room for newer ones.",
+                s.strangers_evicted,
+            ),
+            (
+                "gauge",
                 "kvpool_metadata_bytes",
                 "Heap the block index takes (an O(1) estimate).",
                 s.metadata_bytes,

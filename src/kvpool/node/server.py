@@ -322,6 +322,8 @@ class NodeServer:
             connection_buffer_bytes=self.registry.buffer_bytes(),
             heap_bytes=_heap_bytes(),
             accounts=self._accounts(),
+            num_strangers=self.registry.num_strangers,
+            strangers_evicted=self.registry.num_evicted,
         )
 
     def _accounts(self, tenant: Tenant | None = None) -> list[AccountStats]:

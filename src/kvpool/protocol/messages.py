@@ -389,6 +389,9 @@ class NodeStats(Message):
     # Each tenant's use of each budget (kvpool.store.accounts), its arena bytes and quota
     # among them; in a tenant's view, its own only.
     accounts: Annotated[list[AccountStats], msgspec.Meta(max_length=MAX_ACCOUNTS)] = []
+    # Connections still in their handshake, and those closed to make room for newer ones.
+    num_strangers: int = 0
+    strangers_evicted: int = 0
 
 
 class Health(Message):
