@@ -1,0 +1,422 @@
+"""Fair under attack (issue 43): tenant beta's lookup and put latency on a quiet node, then
+while tenant alpha runs four attacks at once and a stranger two, against a real node and a
+real router:
+
+- alpha (a tenant, its own credentials): lookups parked on a key it never writes, naming
+  4,096 keys each, while it commits and deletes to wake them (item 2); DESCRIBEs
+  alternating two 256-character labels, pipelined (item 3); connections that each send
+  one undecodable 4 MiB frame and stay open (item 4); prefetches of its disk blocks far
+  past its quota, again and again (item 8);
+- a stranger (no credentials): bodies of ``[{},{},...]`` just under 32 MiB to the router
+  (item 1); connections to the node from eight addresses that never say HELLO, re-opened
+  as they are closed (item 5).
+
+At most 2,000 connections and 60 s of attack.  The ceilings: beta's p99 under attack
+within 2x its quiet p99 (measured in the same run), every one of beta's requests
+answered, and the daemon's and the router's resident heap within 256 MiB of idle.
+
+    nice -n 15 .venv/bin/python -m benchmarks.fairness [--seconds 30] [--json]
+
+The attackers run as processes of their own, at a lower CPU priority than the node and
+beta (``nice`` 4 steps more): on a 2-core host they would otherwise take the cores the
+node serves beta with, which is the host's business (README, "Performance"), not the
+node's fairness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kvpool import Client, Namespace
+from kvpool.client.connection import Connection
+from kvpool.config import Address, client_config_from
+from kvpool.harness.process import NodeProcess
+from kvpool.protocol.frames import HEADER, MAGIC, encode_frame
+from kvpool.protocol.messages import PROTOCOL_VERSION, DescribeRequest, LookupRequest, Op
+
+NS = Namespace(model="fairness")
+CLUSTER = ("cluster", "cluster-key-" + "c" * 20)
+BLOCK = 16 << 10
+ATTACKER_NICE = 4
+ATTACK_MODULE = ("-m", "benchmarks.fairness", "--attack")
+MAX_STRANGER_CONNECTIONS = 1800  # the stranger's; alpha's stay under 200
+
+
+def _tenants_file(directory: Path) -> tuple[Path, dict[str, tuple[str, str]]]:
+    credentials = {name: (f"{name}-1", secrets.token_hex(16)) for name in ("alpha", "beta")}
+    lines = ["[cluster]", f'access_id = "{CLUSTER[0]}"', f'key = "{CLUSTER[1]}"', ""]
+    for name, (access_id, key) in credentials.items():
+        lines += [
+            f"[tenants.{name}]",
+            f'salt = "{secrets.token_hex(16)}"',
+            'quota = "64MiB"',
+            "max_connections = 256",
+            f"[tenants.{name}.keys]",
+            f'"{access_id}" = "{key}"',
+            "",
+        ]
+    path = directory / "tenants.toml"
+    path.write_text("\n".join(lines))
+    path.chmod(0o600)
+    return path, credentials
+
+
+def _client(address: str, credential: tuple[str, str], **options: Any) -> Client:
+    return Client(
+        address,
+        access_id=credential[0],
+        access_key=credential[1],
+        use_shm=False,
+        timeout=10,
+        **options,
+    )
+
+
+def _connection(address: str, credential: tuple[str, str]) -> Connection:
+    config = client_config_from(
+        {"address": address, "access_id": credential[0], "access_key": credential[1]}
+    )
+    return Connection(Address.parse(address), config, time.monotonic() + 10)
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- beta: the tenant whose service is measured ---------------------------------------------
+
+
+def _beta_load(address: str, credential: tuple[str, str], seconds: float) -> dict[str, Any]:
+    """Lookups of 64 keys and puts of 4 blocks of 16 KiB, one after another, for
+    ``seconds``: each call's latency, and how many failed."""
+    lookups: list[float] = []
+    puts: list[float] = []
+    failures: list[str] = []
+    held = [NS.key(b"beta-held-%d" % i) for i in range(64)]
+    with _client(address, credential) as beta:
+        beta.put(held, [b"\x01" * BLOCK] * len(held))
+        deadline = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < deadline:
+            try:
+                started = time.perf_counter()
+                found = beta.lookup(held)
+                lookups.append(time.perf_counter() - started)
+                if found != len(held):
+                    failures.append(f"lookup found {found}")
+                keys = [NS.key(b"beta-%d-%d" % (i, j)) for j in range(4)]
+                started = time.perf_counter()
+                result = beta.put(keys, [b"\x02" * BLOCK] * 4)
+                puts.append(time.perf_counter() - started)
+                if not result.all_stored:
+                    failures.append("put not stored")
+                beta.delete(keys)  # beta stays within its quota
+            except Exception as exc:  # counted: every one of beta's requests must succeed
+                failures.append(type(exc).__name__)
+            i += 1
+    return {
+        "calls": len(lookups) + len(puts),
+        "failures": len(failures),
+        "failure_kinds": sorted(set(failures))[:5],
+        "lookup_p50_ms": round(1e3 * statistics.median(lookups), 3),
+        "lookup_p99_ms": round(1e3 * _percentile(lookups, 0.99), 3),
+        "put_p50_ms": round(1e3 * statistics.median(puts), 3),
+        "put_p99_ms": round(1e3 * _percentile(puts, 0.99), 3),
+    }
+
+
+# -- the attackers (each a process of its own) ---------------------------------------------
+
+
+def _forever(until: float, step: Callable[[], None]) -> None:
+    while time.monotonic() < until:
+        with contextlib.suppress(Exception):  # refusals are the point
+            step()
+
+
+def _alpha(address: str, credential: tuple[str, str], seconds: float) -> None:
+    """Items 2, 3, 4 and 8, at once, each on threads of its own."""
+    until = time.monotonic() + seconds
+    held = [NS.key(b"alpha-held-%d" % i) for i in range(4095)]
+    keys = [*held, NS.key(b"alpha-never")]
+    on_disk = [NS.key(b"alpha-disk-%d" % i) for i in range(512)]
+    with _client(address, credential) as alpha:
+        for start in range(0, len(held), 1024):
+            alpha.put(held[start : start + 1024], [b""] * len(held[start : start + 1024]))
+        for start in range(0, len(on_disk), 8):  # 128 MiB through a 64 MiB quota: to disk
+            alpha.put(on_disk[start : start + 8], [b"\x03" * (256 << 10)] * 8)
+
+    def parked() -> None:  # item 2: 16 lookups parked at a time, woken by alpha's churn
+        conns = [_connection(address, credential) for _ in range(16)]
+        try:
+            for conn in conns:
+                request = LookupRequest(keys=keys, wait_ms=60_000)
+                conn.channel.send([encode_frame(Op.LOOKUP, request, request_id=1)])
+            with _client(address, credential) as churn:
+                while time.monotonic() < until:
+                    churn.put([NS.key(b"alpha-churn")], [b""])
+                    churn.delete([NS.key(b"alpha-churn")])
+        finally:
+            for conn in conns:
+                conn.close()
+
+    def labels() -> None:  # item 3
+        conn = _connection(address, credential)
+        try:
+            while time.monotonic() < until:
+                frames = [
+                    encode_frame(
+                        Op.DESCRIBE,
+                        DescribeRequest(namespace_id=NS.id, label="ab"[i % 2] * 256),
+                        request_id=i + 1,
+                    )
+                    for i in range(200)
+                ]
+                conn.channel.send(frames)
+                conn.channel.deadline = time.monotonic() + 30
+                for _ in frames:
+                    header = conn.channel.recv_header()
+                    conn.channel.recv_meta(header.meta_len)
+        finally:
+            conn.close()
+
+    def buffers() -> None:  # item 4: up to 160 connections, each after one 4 MiB frame
+        head = HEADER.pack(MAGIC, PROTOCOL_VERSION, Op.LOOKUP, 0, 0, 9, 4 << 20, 0)
+        frame = head + b"\xc1" * (4 << 20)
+        kept: list[Connection] = []
+        try:
+            while time.monotonic() < until and len(kept) < 160:
+                with contextlib.suppress(Exception):
+                    conn = _connection(address, credential)
+                    kept.append(conn)
+                    conn.channel.send([frame])
+            while time.monotonic() < until:
+                time.sleep(0.5)
+        finally:
+            for conn in kept:
+                conn.close()
+
+    def holds() -> None:  # item 8
+        with _client(address, credential) as alpha:
+            _forever(until, lambda: (alpha.prefetch(on_disk, hold=60), time.sleep(0.05)))
+
+    threads = [threading.Thread(target=t, daemon=True) for t in (parked, labels, buffers, holds)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 30)
+
+
+def _stranger(node_tcp: str, router_port: int, seconds: float) -> None:
+    """Items 1 and 5, at once."""
+    until = time.monotonic() + seconds
+    host, port = node_tcp.rsplit(":", 1)
+
+    def bodies() -> None:  # item 1
+        body = b"[" + b"{}," * (10 << 20) + b"{}]"
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        while time.monotonic() < until:
+            address = ("127.0.0.1", router_port)
+            with contextlib.suppress(OSError), socket.create_connection(address, 5) as sock:
+                sock.sendall(head + body)
+                sock.recv(4096)
+
+    def connections() -> None:  # item 5: at most MAX_STRANGER_CONNECTIONS held at once
+        held: list[socket.socket] = []
+        i = 0
+        while time.monotonic() < until:
+            if len(held) >= MAX_STRANGER_CONNECTIONS:
+                held.pop(0).close()
+            with contextlib.suppress(OSError):
+                source = (f"127.0.0.{2 + i % 8}", 0)
+                held.append(socket.create_connection((host, int(port)), 5, source))
+            i += 1
+        for sock in held:
+            sock.close()
+
+    threads = [threading.Thread(target=t, daemon=True) for t in (bodies, connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 30)
+
+
+@contextlib.contextmanager
+def _attackers(args: list[list[str]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs = [
+        subprocess.Popen([*("nice", "-n", str(ATTACKER_NICE), sys.executable), *ATTACK_MODULE, *a])
+        for a in args
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(90)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+class RssWatch:
+    """The largest resident heap of some processes, sampled twice a second."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.most = {name: _rss_kib(pid) for name, pid in pids.items()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            for name, pid in self.pids.items():
+                self.most[name] = max(self.most[name], _rss_kib(pid))
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+def run(seconds: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvpool-fairness-") as tmp:
+        directory = Path(tmp)
+        tenants, credentials = _tenants_file(directory)
+        run_dir = Path("/dev/shm") / f"kvpool-fairness-{secrets.token_hex(4)}"
+        run_dir.mkdir(mode=0o700)
+        env = {**os.environ, "KVPOOL_ACCESS_ID": CLUSTER[0], "KVPOOL_ACCESS_KEY": CLUSTER[1]}
+        node = NodeProcess.private(
+            "fairness",
+            "256MiB",
+            run_dir=str(run_dir),
+            extra=[
+                *("--tenants", str(tenants)),
+                *("--disk", str(directory / "disk"), "--disk-size", "512MiB"),
+            ],
+            ephemeral=True,
+        )
+        router_port = _free_port()
+        router = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "kvpool", "router", "--port", str(router_port)),
+                *("--tenants", str(tenants), "--log-level", "warning"),
+                *("--engine", f"http://127.0.0.1:{_free_port()},tenants=beta"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            node.start()
+            _wait_listening(router_port)
+            address = node.tcp_address
+            quiet = _beta_load(address, credentials["beta"], min(seconds, 15))
+            idle = {"daemon": _rss_kib(node.pid), "router": _rss_kib(router.pid)}
+            watch = RssWatch({"daemon": node.pid, "router": router.pid})
+            alpha = ["alpha", address, *credentials["alpha"], str(seconds + 10)]
+            stranger = ["stranger", address, str(router_port), str(seconds + 5)]
+            with _attackers([alpha, stranger]):
+                time.sleep(5)  # the attacks ramp up (alpha fills its disk first)
+                attacked = _beta_load(address, credentials["beta"], seconds)
+                peak = watch.stop()
+                with _client(address, CLUSTER) as operator:
+                    stats = operator.stats()
+        finally:
+            node.stop()
+            router.terminate()
+            router.wait(10)
+            shutil.rmtree(run_dir, ignore_errors=True)
+    accounts = {row.tenant: {"used": row.used, "refused": row.refused} for row in stats.accounts}
+    return {
+        "seconds": seconds,
+        "quiet": quiet,
+        "attacked": attacked,
+        "lookup_p99_ratio": round(attacked["lookup_p99_ms"] / quiet["lookup_p99_ms"], 2),
+        "put_p99_ratio": round(attacked["put_p99_ms"] / quiet["put_p99_ms"], 2),
+        "idle_rss_mib": {k: round(v / 1024, 1) for k, v in idle.items()},
+        "peak_rss_mib": {k: round(v / 1024, 1) for k, v in peak.items()},
+        "strangers_evicted": stats.strangers_evicted,
+        "accounts": accounts,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_listening(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("the router did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="of attack (at most 60)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--attack", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.attack:
+        role, *rest = args.attack
+        if role == "alpha":
+            _alpha(rest[0], (rest[1], rest[2]), float(rest[3]))
+        else:
+            _stranger(rest[0], int(rest[1]), float(rest[2]))
+        return
+    result = run(min(args.seconds, 60.0))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    for phase in ("quiet", "attacked"):
+        r = result[phase]
+        print(
+            f"{phase:9} lookup p50/p99 {r['lookup_p50_ms']}/{r['lookup_p99_ms']} ms, "
+            f"put p50/p99 {r['put_p50_ms']}/{r['put_p99_ms']} ms, "
+            f"{r['calls']} calls, {r['failures']} failed"
+        )
+    print(
+        f"p99 under attack / quiet: lookup {result['lookup_p99_ratio']}x, "
+        f"put {result['put_p99_ratio']}x (ceiling 2x)"
+    )
+    for name in ("daemon", "router"):
+        print(
+            f"{name} heap: idle {result['idle_rss_mib'][name]} MiB, "
+            f"peak {result['peak_rss_mib'][name]} MiB (ceiling: idle + 256 MiB)"
+        )
+
+
+if __name__ == "__main__":
+    main()
