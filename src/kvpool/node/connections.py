@@ -13,8 +13,9 @@
   refused with a clear error.
 - **Buffers**: a member's read-ahead is charged to its tenant's ``BUFFER_BYTES`` as it is
   admitted; a frame whose metadata does not fit its read-ahead is read into a buffer of its
-  own, charged while the request is served (:meth:`SessionRegistry.frame_buffer`), which
-  waits, within the frame's deadline, while the tenant's budget is spent.
+  own, charged while the request is served (:meth:`SessionRegistry.frame_buffer`), after
+  waiting, within the frame's deadline, while the tenant's budget is spent
+  (:meth:`SessionRegistry.wait_for_buffer`).
 - **Idle** members (nothing received for ``idle_s``, no request in service) are closed
   (:meth:`SessionRegistry.close_idle`); a client reconnects on its next call.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Protocol
 
 from kvpool.errors import NodeUnavailable
@@ -170,28 +171,32 @@ class SessionRegistry:
             self.accounts.credit(session.account, Resource.BUFFER_BYTES, READ_AHEAD_BYTES)
             self._wake_buffer_waiters(session.account)
 
-    @contextlib.asynccontextmanager
-    async def frame_buffer(
-        self, session: Connection, num_bytes: int, timeout_s: float
-    ) -> AsyncIterator[None]:
-        """Charge a frame's own metadata buffer to the session's tenant while the request is
-        served, waiting up to ``timeout_s`` while its budget is spent (``TimeoutError``
-        past that; the caller closes the connection)."""
+    async def wait_for_buffer(self, session: Connection, num_bytes: int, timeout_s: float) -> None:
+        """Until the session's tenant has room for a frame's own metadata buffer of
+        ``num_bytes`` (``TimeoutError`` past ``timeout_s``: the caller closes the
+        connection).  Charge it with :meth:`frame_buffer` right after, with no await
+        between."""
+        account, accounts = session.account, self.accounts
+        if accounts.has_room(account, Resource.BUFFER_BYTES, num_bytes):
+            return
+        async with asyncio.timeout(timeout_s):
+            while not accounts.has_room(account, Resource.BUFFER_BYTES, num_bytes):
+                waiter = asyncio.get_running_loop().create_future()
+                self._buffer_waiters.setdefault(account, []).append(waiter)
+                await waiter
+
+    @contextlib.contextmanager
+    def frame_buffer(self, session: Connection, num_bytes: int) -> Iterator[None]:
+        """Charge a frame's own metadata buffer to the session's tenant while its request
+        is served (after :meth:`wait_for_buffer`)."""
         account = session.account
-        accounts = self.accounts
-        if not accounts.has_room(account, Resource.BUFFER_BYTES, num_bytes):
-            async with asyncio.timeout(timeout_s):
-                while not accounts.has_room(account, Resource.BUFFER_BYTES, num_bytes):
-                    waiter = asyncio.get_running_loop().create_future()
-                    self._buffer_waiters.setdefault(account, []).append(waiter)
-                    await waiter
-        accounts.charge(account, Resource.BUFFER_BYTES, num_bytes)
+        self.accounts.charge(account, Resource.BUFFER_BYTES, num_bytes)
         self.frame_bytes += num_bytes
         try:
             yield
         finally:
             self.frame_bytes -= num_bytes
-            accounts.credit(account, Resource.BUFFER_BYTES, num_bytes)
+            self.accounts.credit(account, Resource.BUFFER_BYTES, num_bytes)
             self._wake_buffer_waiters(account)
 
     def _wake_buffer_waiters(self, account: bytes) -> None:

@@ -310,10 +310,11 @@ class Session:
         # room in its budget).
         registry = self.services.registry
         try:
-            async with registry.frame_buffer(self, header.meta_len, FRAME_TIMEOUT_S):
-                await self._serve_frame(header)
+            await registry.wait_for_buffer(self, header.meta_len, FRAME_TIMEOUT_S)
         except TimeoutError:
             raise TransferTimeout("the tenant's buffer budget stayed spent") from None
+        with registry.frame_buffer(self, header.meta_len):
+            await self._serve_frame(header)
 
     async def _serve_frame(self, header: FrameHeader) -> None:
         started = time.perf_counter()

@@ -232,13 +232,15 @@ class BlockStore:
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         statuses, wanted = self._admit(keys, sizes)
+        evictions = self.counters.evictions
         offsets = self.space.allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
         blocks = self._add_pending(keys, sizes, statuses, wanted, offsets)
+        if self.counters.evictions != evictions:
+            self._compact_journal()  # its evictions appended
         if held:
             granted = deadline = LeaseLedger.no_deadline()
         else:
             granted, deadline = self.ledger.deadline(LeaseKind.RESERVATION, lease_s)
-        self._compact_journal()  # its evictions appended
         if all(b is None for b in blocks):
             return ReserveResult(0, statuses, blocks, granted)
         reservation_id = self.ledger.new_id()
@@ -556,7 +558,8 @@ class BlockStore:
             else:
                 self._remove(slot)
                 statuses.append(Status.OK)
-        self._compact_journal()
+        if Status.OK in statuses:
+            self._compact_journal()
         return statuses
 
     def report_corrupt(self, keys: Sequence[bytes]) -> list[Status]:

@@ -525,7 +525,7 @@ class Journal:
 
     def record_bytes(self, key: bytes, label: str = "") -> int:
         """The bytes a record of ``key`` (with ``label``: a LABEL record) appends."""
-        return record_bytes(key, _label(label))
+        return record_bytes(key, _label(label)) if label else record_bytes(key)
 
     def _write(self, records: list[bytes]) -> None:
         if records:
