@@ -106,13 +106,13 @@ class SessionRegistry:
         if session.is_local:
             self._members.add(session)
             return
-        same_address = self._address_to_strangers.setdefault(session.peer, {})
+        same_address = self._address_to_strangers.get(session.peer, {})
         while len(same_address) >= self.budgets.max_strangers_per_address:
             self._evict(next(iter(same_address)))
         while len(self._strangers) >= self.budgets.max_strangers:
             self._evict(next(iter(self._strangers)))
         self._strangers[session] = None
-        same_address[session] = None
+        self._address_to_strangers.setdefault(session.peer, {})[session] = None
 
     def _evict(self, stranger: Connection) -> None:
         self._forget_stranger(stranger)
