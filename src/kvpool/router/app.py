@@ -69,6 +69,7 @@ log = logging.getLogger("kvpool.router")
 MAX_ADMIN_BODY_BYTES = 64 << 10
 MAX_IDLE_PER_ENGINE = 16  # idle upstream connections kept per engine
 PARSE_THREADS = 2  # bodies parsed at once, off the event loop
+INLINE_PARSE_BYTES = 64 << 10  # a body this small is parsed on the event loop (microseconds)
 RETRY_BACKOFF_S = 0.1  # before retrying the only engine of a role; doubles per attempt
 # An idle upstream connection is closed before the engine would close it (uvicorn, which
 # serves vLLM, does after 5 s): a request sent as the engine closes it fails for nothing.
@@ -277,9 +278,12 @@ class Router:
                     raw = await _read_at_most(request.content, limit)
             except TimeoutError:
                 raise BadBody(408, "the request body did not arrive in time") from None
-            loop = asyncio.get_running_loop()
             try:
-                body = await loop.run_in_executor(self._parser, msgspec.json.decode, raw)
+                if len(raw) <= INLINE_PARSE_BYTES:  # microseconds: not worth a thread's hop
+                    body = msgspec.json.decode(raw)
+                else:
+                    loop = asyncio.get_running_loop()
+                    body = await loop.run_in_executor(self._parser, msgspec.json.decode, raw)
             except msgspec.DecodeError:
                 raise BadBody(400, "the request body is not JSON") from None
         if not isinstance(body, dict):
