@@ -19,6 +19,9 @@
   a bad frame header closes it.  Either way the daemon keeps serving everyone else.
 - A client that hangs up (:class:`~kvpool.protocol.channel.PeerClosed`) just ends its
   session; its reservations are aborted and its pins dropped.
+- Connections take turns: a request that was already there when the session asked for it
+  (pipelined, or queued while the event loop served others) waits one turn of the loop,
+  so that a connection's stream of requests never holds the loop from the others.
 - What a connection costs is charged to its tenant's account
   (:mod:`kvpool.store.accounts`) through the registry
   (:mod:`kvpool.node.connections`): its slot and read-ahead once it authenticates, a
@@ -177,8 +180,15 @@ class Session:
             async with asyncio.timeout(registry.budgets.handshake_s):
                 await self.channel.handshake()  # TLS, on a TCP listener that has it
                 await self._handshake()
+            channel = self.channel
             while True:
-                header = await self.channel.recv_header()
+                waits = channel.num_read_waits
+                header = await channel.recv_header()
+                if channel.num_read_waits == waits:
+                    # The request was there already (pipelined, or queued while the loop
+                    # served others): every other connection takes its turn first, so that
+                    # one connection's stream of requests cannot hold the event loop.
+                    await asyncio.sleep(0)
                 self._received_at = time.monotonic()
                 self._is_serving = True
                 try:

@@ -187,6 +187,7 @@ class AsyncChannel:
         # registration, and no poll handle made and closed, per request.
         self._read_waiter: asyncio.Future[None] | None = None
         self._is_watching = False
+        self.num_read_waits = 0  # times a read waited for the socket (see recv_header)
 
     async def handshake(self) -> None:
         """Complete a TLS handshake (a no-op on a plain socket)."""
@@ -219,6 +220,7 @@ class AsyncChannel:
         unread data never spins the loop."""
         future = self.loop.create_future()
         self._read_waiter = future
+        self.num_read_waits += 1
         if not self._is_watching:
             self.loop.add_reader(self._fd, self._on_readable)
             self._is_watching = True
