@@ -216,6 +216,9 @@ class NodeServer:
                 )
             session = Session(self.services, sock, next(self._owner_ids))
             session.task = self._spawn(session.run())
+            # A flood of connections waiting to be accepted takes its turns with the
+            # sessions, one connection a turn: accepting never holds the event loop.
+            await asyncio.sleep(0)
 
     def _admits(self, sock: socket.socket) -> bool:
         """Whether a connection just accepted may have a session: one on the Unix socket
