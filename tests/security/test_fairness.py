@@ -194,17 +194,21 @@ def test_parked_lookups_cost_the_node_what_they_find(
             batch = held[start : start + 1024]
             assert a.put(batch, [b""] * len(batch)).all_stored
         with pytest.raises(BadRequest, match="each key once"):
-            a.lookup([held[0], held[0], absent], wait=1.0)
+            a.lookup([held[0], held[0], absent], wait=1.0, wait_absent=True)
         quiet = beta_commits("quiet")
         with contextlib.ExitStack() as stack:
             parked = [
                 stack.enter_context(raw_connection(node.tcp_address, alpha)) for _ in range(16)
             ]
             for conn in parked:
-                send_frame(conn, Op.LOOKUP, LookupRequest(keys=keys, wait_ms=30_000))
+                send_frame(
+                    conn, Op.LOOKUP, LookupRequest(keys=keys, wait_ms=30_000, wait_absent=True)
+                )
             until(lambda: account(a).used["parked_keys"] == 16 * len(keys), what="parking")
             started = time.monotonic()
-            assert a.lookup(keys, wait=30.0) == len(held)  # past the budget: answered now
+            assert a.lookup(keys, wait=30.0, wait_absent=True) == len(
+                held
+            )  # past the budget: answered now
             assert time.monotonic() - started < 5
             busy = beta_commits("busy")
             assert busy < 2 * quiet + 0.5, (
@@ -226,7 +230,8 @@ def test_label_changes_cannot_grow_the_journal(
 ) -> None:
     """Tenant alpha sends 20,000 DESCRIBEs alternating two 256-character labels (each a
     ~1.1 KB journal record; 22 MB of journal before): past a burst its label changes are
-    refused at its rate, and the journal, compacted by its bytes, stays small."""
+    refused at its rate (those that name the label it has change nothing), and the
+    journal, compacted by its bytes, stays small."""
     alpha = tenants.add("alpha")[0]
     tenants.write()
     node = start_node("labels", extra=["--tenants", str(tenants.path)])
@@ -246,7 +251,8 @@ def test_label_changes_cannot_grow_the_journal(
             for _ in frames:
                 status, _ = read_reply(conn)
                 refused += status != 0
-    assert refused >= 19_000
+    # Past the burst the label stays put: the half that names it again changes nothing.
+    assert refused >= 9_000
     journal = Path(node.info["arena"]).parent / "index"
     assert journal.stat().st_size < 2 << 20, f"a journal of {journal.stat().st_size} bytes"
     with keyed(node, alpha) as a:
