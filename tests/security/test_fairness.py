@@ -176,7 +176,10 @@ def test_parked_lookups_cost_the_node_what_they_find(
     alpha = tenants.add("alpha", quota="20MiB")[0]
     beta = tenants.add("beta", quota="8MiB")[0]
     tenants.write()
-    node = start_node("parked", "64MiB", extra=["--tenants", str(tenants.path)])
+    # No scrubber: the daemon's CPU time is then its requests' alone.
+    node = start_node(
+        "parked", "64MiB", extra=["--tenants", str(tenants.path), "--scrub-rate", "0"]
+    )
     held = [NS.key(b"held-%d" % i) for i in range(4095)]
     absent = NS.key(b"absent")
     keys = [*held, absent]
@@ -211,7 +214,7 @@ def test_parked_lookups_cost_the_node_what_they_find(
             )  # past the budget: answered now
             assert time.monotonic() - started < 5
             busy = beta_commits("busy")
-            assert busy < 2 * quiet + 0.5, (
+            assert busy < 2 * quiet + 0.1, (
                 f"beta's commits: {busy:.2f} s of CPU, {quiet:.2f} s alone"
             )
             assert a.put([absent], [b""]).all_stored  # what they wait for
