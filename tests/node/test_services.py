@@ -68,9 +68,9 @@ def test_the_registry_caps_each_tenants_connections():
 
 
 def test_strangers_crowd_out_only_each_other():
-    """Past the stranger pool's caps the oldest stranger (of that address, or of all) is
-    closed; a member is never closed to make room, and the node's remote cap counts
-    members only."""
+    """Past the stranger pool's caps the oldest stranger (of that address, or of the address
+    with the most) is closed; a member is never closed to make room, and the node's remote
+    cap counts members only."""
     registry = registry_of(max_connections=32, max_strangers=4, max_strangers_per_address=2)
     member = Connection(peer="10.0.0.9")
     registry.opened(member)
@@ -89,6 +89,18 @@ def test_strangers_crowd_out_only_each_other():
     local = Connection(peer="unix", is_local=True)
     registry.opened(local)  # the Unix socket's: a member from the start, never a stranger
     assert registry.num_strangers == 3
+
+
+def test_a_flood_from_a_few_addresses_closes_its_own_strangers():
+    """A client's handshake from its own address outlives any number of strangers from a
+    few others: past the pool's cap, the address with the most loses its oldest."""
+    registry = registry_of(max_connections=32, max_strangers=8, max_strangers_per_address=4)
+    client = Connection(peer="10.9.9.9")
+    registry.opened(client)
+    for i in range(1000):
+        registry.opened(Connection(peer=f"10.0.0.{i % 2}"))
+    assert not client.closed and registry.num_strangers == 8
+    registry.admit(client)
 
 
 def test_the_remote_cap_keeps_the_local_slots():

@@ -2,10 +2,12 @@
 
 - **Strangers** (TCP connections that have not authenticated yet) live in a pool of their
   own: at most ``max_strangers`` at once, and ``max_strangers_per_address`` from one
-  address.  Past either cap the oldest stranger (of that address, or of all) is closed to
-  make room: strangers crowd out each other, never a connection that authenticated.  Each
-  has ``handshake_s`` to authenticate (the session's own deadline), a 4 KiB buffer, and
-  may send a HELLO of 4 KiB at most.
+  address.  Past the address's cap the oldest stranger of that address is closed to make
+  room; past the pool's, the oldest of the address that has the most.  Strangers crowd out
+  each other, never a connection that authenticated, and a flood from a few addresses
+  closes its own connections, not a client's handshake from another address.  Each has
+  ``handshake_s`` to authenticate (the session's own deadline), a 4 KiB buffer, and may
+  send a HELLO of 4 KiB at most.
 - **Members** (authenticated, or on the Unix socket, which only the daemon's user and group
   reach): at most ``max_connections``, of which remote ones ``local_reserved`` fewer, so
   the local engines stay served whatever arrives over the network; a tenant's at most its
@@ -110,7 +112,9 @@ class SessionRegistry:
         while len(same_address) >= self.budgets.max_strangers_per_address:
             self._evict(next(iter(same_address)))
         while len(self._strangers) >= self.budgets.max_strangers:
-            self._evict(next(iter(self._strangers)))
+            # The address with the most (at most max_strangers of them: bounded work).
+            crowd = max(self._address_to_strangers.values(), key=len)
+            self._evict(next(iter(crowd)))
         self._strangers[session] = None
         self._address_to_strangers.setdefault(session.peer, {})[session] = None
 
