@@ -17,10 +17,10 @@ answered, and the daemon's and the router's resident heap within 256 MiB of idle
 
     nice -n 15 .venv/bin/python -m benchmarks.fairness [--seconds 30] [--json]
 
-The attackers run as processes of their own, at a lower CPU priority than the node and
-beta (``nice`` 4 steps more): on a 2-core host they would otherwise take the cores the
-node serves beta with, which is the host's business (README, "Performance"), not the
-node's fairness.
+The attackers stand for other hosts: they run as processes of their own at the idle CPU
+priority (``SCHED_IDLE``), so that on this 2-core host their own CPU does not take the
+cores the node and the router serve beta with (which is the host's business, README,
+"Performance"). What the node and the router spend on them is what is measured.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from base64 import b64encode
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,9 +54,9 @@ from kvpool.protocol.messages import PROTOCOL_VERSION, DescribeRequest, LookupRe
 NS = Namespace(model="fairness")
 CLUSTER = ("cluster", "cluster-key-" + "c" * 20)
 BLOCK = 16 << 10
-ATTACKER_NICE = 4
 ATTACK_MODULE = ("-m", "benchmarks.fairness", "--attack")
 MAX_STRANGER_CONNECTIONS = 1800  # the stranger's; alpha's stay under 200
+ATTACKS = frozenset({1, 2, 3, 4, 5, 8})  # the issue's numbers
 
 
 def _tenants_file(directory: Path) -> tuple[Path, dict[str, tuple[str, str]]]:
@@ -158,8 +160,8 @@ def _forever(until: float, step: Callable[[], None]) -> None:
             step()
 
 
-def _alpha(address: str, credential: tuple[str, str], seconds: float) -> None:
-    """Items 2, 3, 4 and 8, at once, each on threads of its own."""
+def _alpha(address: str, credential: tuple[str, str], seconds: float, items: set[int]) -> None:
+    """Items 2, 3, 4 and 8 (those of ``items``), at once, each on a thread of its own."""
     until = time.monotonic() + seconds
     held = [NS.key(b"alpha-held-%d" % i) for i in range(4095)]
     keys = [*held, NS.key(b"alpha-never")]
@@ -224,15 +226,16 @@ def _alpha(address: str, credential: tuple[str, str], seconds: float) -> None:
         with _client(address, credential) as alpha:
             _forever(until, lambda: (alpha.prefetch(on_disk, hold=60), time.sleep(0.05)))
 
-    threads = [threading.Thread(target=t, daemon=True) for t in (parked, labels, buffers, holds)]
+    chosen = {2: parked, 3: labels, 4: buffers, 8: holds}
+    threads = [threading.Thread(target=t, daemon=True) for i, t in chosen.items() if i in items]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(seconds + 30)
 
 
-def _stranger(node_tcp: str, router_port: int, seconds: float) -> None:
-    """Items 1 and 5, at once."""
+def _stranger(node_tcp: str, router_port: int, seconds: float, items: set[int]) -> None:
+    """Items 1 and 5 (those of ``items``), at once."""
     until = time.monotonic() + seconds
     host, port = node_tcp.rsplit(":", 1)
 
@@ -242,10 +245,11 @@ def _stranger(node_tcp: str, router_port: int, seconds: float) -> None:
             "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json"
             f"\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
+        request = head + body
         while time.monotonic() < until:
             address = ("127.0.0.1", router_port)
             with contextlib.suppress(OSError), socket.create_connection(address, 5) as sock:
-                sock.sendall(head + body)
+                sock.sendall(request)
                 sock.recv(4096)
 
     def connections() -> None:  # item 5: at most MAX_STRANGER_CONNECTIONS held at once
@@ -261,7 +265,8 @@ def _stranger(node_tcp: str, router_port: int, seconds: float) -> None:
         for sock in held:
             sock.close()
 
-    threads = [threading.Thread(target=t, daemon=True) for t in (bodies, connections)]
+    chosen = {1: bodies, 5: connections}
+    threads = [threading.Thread(target=t, daemon=True) for i, t in chosen.items() if i in items]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -270,10 +275,7 @@ def _stranger(node_tcp: str, router_port: int, seconds: float) -> None:
 
 @contextlib.contextmanager
 def _attackers(args: list[list[str]]) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs = [
-        subprocess.Popen([*("nice", "-n", str(ATTACKER_NICE), sys.executable), *ATTACK_MODULE, *a])
-        for a in args
-    ]
+    procs = [subprocess.Popen([sys.executable, *ATTACK_MODULE, *a]) for a in args]
     try:
         yield procs
     finally:
@@ -306,7 +308,8 @@ class RssWatch:
         return self.most
 
 
-def run(seconds: float) -> dict[str, Any]:
+def run(seconds: float, items: set[int] = ATTACKS) -> dict[str, Any]:
+    """Beta's service quiet, then under the attacks of ``items`` (the issue's numbers)."""
     with tempfile.TemporaryDirectory(prefix="kvpool-fairness-") as tmp:
         directory = Path(tmp)
         tenants, credentials = _tenants_file(directory)
@@ -341,14 +344,16 @@ def run(seconds: float) -> dict[str, Any]:
             quiet = _beta_load(address, credentials["beta"], min(seconds, 15))
             idle = {"daemon": _rss_kib(node.pid), "router": _rss_kib(router.pid)}
             watch = RssWatch({"daemon": node.pid, "router": router.pid})
-            alpha = ["alpha", address, *credentials["alpha"], str(seconds + 10)]
-            stranger = ["stranger", address, str(router_port), str(seconds + 5)]
+            chosen = ",".join(map(str, sorted(items)))
+            alpha = ["alpha", address, *credentials["alpha"], str(seconds + 10), chosen]
+            stranger = ["stranger", address, str(router_port), str(seconds + 5), chosen]
             with _attackers([alpha, stranger]):
                 time.sleep(5)  # the attacks ramp up (alpha fills its disk first)
                 attacked = _beta_load(address, credentials["beta"], seconds)
                 peak = watch.stop()
                 with _client(address, CLUSTER) as operator:
                     stats = operator.stats()
+                busy = _op_seconds(node.admin_url)
         finally:
             node.stop()
             router.terminate()
@@ -364,8 +369,25 @@ def run(seconds: float) -> dict[str, Any]:
         "idle_rss_mib": {k: round(v / 1024, 1) for k, v in idle.items()},
         "peak_rss_mib": {k: round(v / 1024, 1) for k, v in peak.items()},
         "strangers_evicted": stats.strangers_evicted,
+        "node_seconds_by_op": busy,
         "accounts": accounts,
     }
+
+
+def _op_seconds(admin_url: str) -> dict[str, float]:
+    """The seconds the node spent serving each op since it started (its ``/metrics``):
+    where its event loop's time went."""
+    token = b64encode(f"{CLUSTER[0]}:{CLUSTER[1]}".encode()).decode()
+    url = admin_url + "/metrics"  # the node's own admin HTTP, http:// on loopback
+    request = urllib.request.Request(url, headers={"Authorization": "Basic " + token})  # noqa: S310
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+        text = response.read().decode()
+    seconds = {}
+    for line in text.splitlines():
+        if line.startswith("kvpool_op_latency_seconds_sum{"):
+            op = line.split('op="', 1)[1].split('"', 1)[0]
+            seconds[op] = round(float(line.rsplit(" ", 1)[1]), 3)
+    return dict(sorted(seconds.items(), key=lambda item: -item[1]))
 
 
 def _free_port() -> int:
@@ -383,20 +405,29 @@ def _wait_listening(port: int, timeout: float = 60) -> None:
     raise RuntimeError("the router did not start")
 
 
+def _items(text: str) -> set[int]:
+    return {int(i) for i in text.split(",")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="of attack (at most 60)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--attacks", default="1,2,3,4,5,8", help="which of the issue's attacks (to see each alone)"
+    )
     parser.add_argument("--attack", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.attack:
+        # Another host, as far as this one can tell: it runs only when nothing else would.
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         role, *rest = args.attack
         if role == "alpha":
-            _alpha(rest[0], (rest[1], rest[2]), float(rest[3]))
+            _alpha(rest[0], (rest[1], rest[2]), float(rest[3]), _items(rest[4]))
         else:
-            _stranger(rest[0], int(rest[1]), float(rest[2]))
+            _stranger(rest[0], int(rest[1]), float(rest[2]), _items(rest[3]))
         return
-    result = run(min(args.seconds, 60.0))
+    result = run(min(args.seconds, 60.0), {int(i) for i in args.attacks.split(",")})
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -411,6 +442,7 @@ def main() -> None:
         f"p99 under attack / quiet: lookup {result['lookup_p99_ratio']}x, "
         f"put {result['put_p99_ratio']}x (ceiling 2x)"
     )
+    print("node seconds by op:", result["node_seconds_by_op"])
     for name in ("daemon", "router"):
         print(
             f"{name} heap: idle {result['idle_rss_mib'][name]} MiB, "

@@ -446,7 +446,7 @@ class Session:
     async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):
             raise BadRequest("keys and sizes differ in length")
-        await self._writeback_room(req.sizes)
+        await self._writeback_room(req.keys, req.sizes)
         with self._evicting():
             result = self.store.reserve(req.keys, req.sizes, self.owner, req.lease_ms / 1000)
         response = msg.ReserveResponse(
@@ -457,16 +457,18 @@ class Session:
         )
         await self._reply(header, Op.RESERVE, response)
 
-    async def _writeback_room(self, sizes: list[int]) -> None:
+    async def _writeback_room(self, keys: Sequence[bytes], sizes: list[int]) -> None:
         """A write that may evict waits (bounded) while the disk's write-back is behind, so
-        that what it evicts is written to disk rather than refused (issue 29, point 6)."""
+        that what it evicts is written to disk rather than refused (issue 29, point 6).  A
+        write that evicts nothing does not wait: another tenant's evictions filling the
+        write-back never hold up a write within its own quota and the arena's room."""
         writeback = self.tiers.lower.writeback
-        if writeback is not None:
+        if writeback is not None and self.store.would_evict(keys, sizes):
             deadline = asyncio.get_running_loop().time() + MAX_BACKPRESSURE_S
             await writeback.wait_for_room(sum(sizes), deadline)
 
     async def _area(self, header: FrameHeader, req: msg.AreaRequest) -> None:
-        await self._writeback_room([req.num_bytes])
+        await self._writeback_room((), [req.num_bytes])
         area = self.store.reserve_area(req.num_bytes, self.owner, req.lease_ms / 1000)
         response = _area_response(area)
         if response is None:
@@ -502,7 +504,7 @@ class Session:
         if problem:
             await self._skip(header.payload_len)
             raise BadRequest(problem)
-        await self._writeback_room(req.sizes)
+        await self._writeback_room(req.keys, req.sizes)
         with self._evicting():
             result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)

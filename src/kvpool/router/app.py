@@ -583,7 +583,12 @@ async def serve(
 ) -> None:
     """Serve until cancelled.  Client disconnects cancel their handlers (and so the upstream
     requests).  With ``tls``, HTTPS, its certificate reloaded when the files change."""
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    # A request refused before its body was read (no credential, too large) closes its
+    # connection: the router reads nothing more of it (aiohttp would read and discard up
+    # to 10 s of it, for a stranger).
+    runner = web.AppRunner(
+        router.app(), handler_cancellation=True, access_log=None, lingering_time=0
+    )
     await runner.setup()
     context = tls.context if tls is not None else None
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True, ssl_context=context)

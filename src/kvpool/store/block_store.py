@@ -247,6 +247,15 @@ class BlockStore:
         self._reservations.add(reservation_id, Reservation(reservation_id, owner, blocks, deadline))
         return ReserveResult(reservation_id, statuses, blocks, granted)
 
+    def would_evict(self, keys: Sequence[bytes], sizes: Sequence[int]) -> bool:
+        """Whether writing blocks of ``sizes`` (for ``keys``: one tenant's, as a request's
+        are; none for a write area) may evict: the arena would pass its high watermark, or
+        the keys' tenant its quota.  O(blocks named)."""
+        num_bytes = sum(page_bytes(size) for size in sizes)
+        if self.allocator.used + num_bytes > self.space.high_watermark * self.capacity:
+            return True
+        return self.quotas is not None and bool(keys) and self.quotas.room(keys[0], num_bytes) > 0
+
     def reserve_area(self, num_bytes: int, owner: int, lease_s: float = 0.0) -> Area | None:
         """A write area for ``owner`` (rule 14: see :mod:`kvpool.store.areas`)."""
         return self.areas.grant(num_bytes, owner, lease_s)

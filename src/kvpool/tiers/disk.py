@@ -188,6 +188,7 @@ class DiskTier(KeyIndex[Location]):
         # Key -> the segment of the record its tombstone hides (while that segment exists).
         self._graves: dict[bytes, int] = {}
         self._carried: list[bytes] = []  # tombstones to write again (their segment went)
+        self._in_flight: set[bytes] = set()  # the keys a write is appending now
         self._last_segment_id = 0  # segment ids are never reused
         self._dir_lock = lock_disk_dir(self.path)
         self._dir_fd = self._dir_lock.fd  # every file of the tier is opened relative to it
@@ -403,14 +404,18 @@ class DiskTier(KeyIndex[Location]):
         writer, says which blocks are still wanted: one deleted since it was handed over
         is not written after its tombstone (a delete lasts)."""
         with self._writer:
-            return self._write_records(
-                [
+            with self._lock:  # with the keys in flight, one step for a delete to see
+                records: list[_Record] = [
                     (key, data, checksum, 0)
                     for key, data, checksum in blocks
                     if keep is None or keep(key)
-                ],
-                origins or {},
-            )
+                ]
+                self._in_flight = {record[0] for record in records}
+            try:
+                return self._write_records(records, origins or {})
+            finally:
+                with self._lock:
+                    self._in_flight = set()
 
     def _write_records(self, records: list[_Record], origins: Mapping[bytes, BlockOrigin]) -> int:
         """Append ``records``, each to its owner's open segment (the caller holds
@@ -654,7 +659,12 @@ class DiskTier(KeyIndex[Location]):
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete these blocks for good: they leave the index at once, and a tombstone
         record per block is appended (blocking I/O: from a worker thread), so that a
-        restart does not bring them back.  Their space returns when their segment goes."""
+        restart does not bring them back.  Their space returns when their segment goes.
+        Keys that are neither here nor being written cost no wait for the tier's writer
+        (a block still on its way is the write-back's to skip: ``write``'s ``keep``)."""
+        with self._lock:
+            if not any(key in self._index or key in self._in_flight for key in keys):
+                return 0  # nothing here, nor on its way: no wait for the writer
         with self._writer:
             with self._lock:
                 gone = [key for key in keys if self._bury(key, None)]
