@@ -53,6 +53,9 @@ log = logging.getLogger("kvpool.node")
 
 RELOAD_INTERVAL_S = 1.0  # how often the tenants file is checked for changes
 MAX_IDLE_CHECK_S = 5.0  # idle connections are looked for at least this often
+# While strangers crowd each other out, the accept loop takes one connection at most this
+# often (about a thousand a second, a tenth of what the event loop can serve).
+CROWDED_ACCEPT_S = 0.001
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
@@ -217,8 +220,13 @@ class NodeServer:
             session = Session(self.services, sock, next(self._owner_ids))
             session.task = self._spawn(session.run())
             # A flood of connections waiting to be accepted takes its turns with the
-            # sessions, one connection a turn: accepting never holds the event loop.
+            # sessions, one connection a turn: accepting never holds the event loop.  Once
+            # the strangers crowd each other out (a newcomer closed an older one), newcomers
+            # are taken at a bounded rate: a flood costs the members a bounded share.
+            evicted = self.registry.num_evicted
             await asyncio.sleep(0)
+            if self.registry.num_evicted != evicted:
+                await asyncio.sleep(CROWDED_ACCEPT_S)
 
     def _admits(self, sock: socket.socket) -> bool:
         """Whether a connection just accepted may have a session: one on the Unix socket

@@ -14,6 +14,7 @@ small and named for its job:
 - :class:`Traffic`: the bytes clients wrote and read, and the write-through of what they
   committed (:meth:`Traffic.published`);
 - :class:`StoreChanges`: lookups parked on the key they wait for;
+- :class:`Turns`: the event loop's turns, by account, for requests that were waiting;
 - :class:`Refusals`: refused handshakes, logged at a bounded rate.
 
 All of it is touched from the daemon's event loop only.
@@ -22,6 +23,7 @@ All of it is touched from the daemon's event loop only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -210,6 +212,43 @@ class StoreChanges:
                     del self._key_to_waiters[key]
 
 
+class Turns:
+    """The event loop's turns, taken by account (:mod:`kvpool.store.accounts`): a session
+    whose next request was there already (pipelined, or queued while the loop served
+    others) waits for its account's turn, and the accounts that wait take turns round
+    robin, one session each a round.  A tenant with many busy connections gets no more
+    turns than one with a single connection."""
+
+    def __init__(self) -> None:
+        self._account_to_waiting: dict[bytes, collections.deque[asyncio.Future[None]]] = {}
+        self._is_scheduled = False
+
+    async def take(self, account: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        turn = loop.create_future()
+        self._account_to_waiting.setdefault(account, collections.deque()).append(turn)
+        if not self._is_scheduled:
+            self._is_scheduled = True
+            loop.call_soon(self._grant)
+        await turn
+
+    def _grant(self) -> None:
+        """One waiting session of each account goes on; again next round while any wait."""
+        self._is_scheduled = False
+        for account in list(self._account_to_waiting):
+            waiting = self._account_to_waiting[account]
+            while waiting:
+                turn = waiting.popleft()
+                if not turn.done():  # (a session closed while it waited)
+                    turn.set_result(None)
+                    break
+            if not waiting:
+                del self._account_to_waiting[account]
+        if self._account_to_waiting:
+            self._is_scheduled = True
+            asyncio.get_running_loop().call_soon(self._grant)
+
+
 @dataclass(frozen=True)
 class SessionServices:
     """Everything a session uses of the node, and nothing more."""
@@ -228,6 +267,7 @@ class SessionServices:
     stats: Callable[[Tenant | None], NodeStats]  # the node's (or a tenant's) statistics
     shutdown: Callable[[bool], None]  # a client asked the node to stop (True: drain it)
     refusals: Refusals = field(default_factory=Refusals)
+    turns: Turns = field(default_factory=Turns)
 
     @property
     def limits(self) -> LeaseLimits:

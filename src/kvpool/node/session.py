@@ -19,9 +19,11 @@
   a bad frame header closes it.  Either way the daemon keeps serving everyone else.
 - A client that hangs up (:class:`~kvpool.protocol.channel.PeerClosed`) just ends its
   session; its reservations are aborted and its pins dropped.
-- Connections take turns: a request that was already there when the session asked for it
-  (pipelined, or queued while the event loop served others) waits one turn of the loop,
-  so that a connection's stream of requests never holds the loop from the others.
+- Tenants take turns: a request that was already there when the session asked for it
+  (pipelined, or queued while the event loop served others) waits for its tenant's turn
+  (:class:`~kvpool.node.services.Turns`, round robin by account), so that neither a
+  connection's stream of requests nor a tenant's many connections hold the loop from the
+  others.
 - What a connection costs is charged to its tenant's account
   (:mod:`kvpool.store.accounts`) through the registry
   (:mod:`kvpool.node.connections`): its slot and read-ahead once it authenticates, a
@@ -186,9 +188,10 @@ class Session:
                 header = await channel.recv_header()
                 if channel.num_read_waits == waits:
                     # The request was there already (pipelined, or queued while the loop
-                    # served others): every other connection takes its turn first, so that
-                    # one connection's stream of requests cannot hold the event loop.
-                    await asyncio.sleep(0)
+                    # served others): it waits for its tenant's turn, so that neither one
+                    # connection's stream of requests nor one tenant's many connections
+                    # hold the event loop from the others.
+                    await self.services.turns.take(self.account)
                 self._received_at = time.monotonic()
                 self._is_serving = True
                 try:

@@ -541,6 +541,8 @@ class Tiers:
             return 0
         if self.lower.writeback is not None:
             self.lower.writeback.discard(keys)  # on its way to disk: it must not land there
+        if not any(tier.may_hold(keys) for tier in self.chain):
+            return 0  # held by no lower tier, nor on its way into one: no thread
         loop = asyncio.get_running_loop()
         counts = await loop.run_in_executor(
             self._io, lambda: [tier.delete(keys) for tier in self.chain]

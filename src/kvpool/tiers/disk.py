@@ -656,6 +656,10 @@ class DiskTier(KeyIndex[Location]):
                 segment.keys.discard(key)
         return None
 
+    def may_hold(self, keys: Sequence[bytes]) -> bool:
+        with self._lock:
+            return any(key in self._index or key in self._in_flight for key in keys)
+
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete these blocks for good: they leave the index at once, and a tombstone
         record per block is appended (blocking I/O: from a worker thread), so that a
