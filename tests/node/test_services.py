@@ -11,7 +11,7 @@ from kvpool.config import NodeConfig
 from kvpool.errors import NodeUnavailable
 from kvpool.limits import Budgets
 from kvpool.node.connections import SessionRegistry
-from kvpool.node.services import Credentials, NodeIdentity, StoreChanges, Traffic
+from kvpool.node.services import Credentials, NodeIdentity, StoreChanges, Traffic, Turns
 from kvpool.store.accounts import NODE, Accounts
 from kvpool.store.block import Block, CommitResult
 from kvpool.tenants import Credential, Tenant
@@ -173,3 +173,22 @@ def test_the_identity_advertises_its_address():
     identity = NodeIdentity.of(NodeConfig(host="0.0.0.0", advertise_host="10.0.0.5"))
     identity.tcp_port = 7000
     assert identity.tcp_address == "10.0.0.5:7000"
+
+
+def test_tenants_take_the_loops_turns_round_robin():
+    """Requests that were waiting go on one per tenant a round: three of alpha's and one
+    of beta's are served alpha, beta, alpha, alpha (not alpha's three first)."""
+
+    async def scenario() -> list[str]:
+        turns = Turns()
+        served: list[str] = []
+
+        async def request(account: bytes, name: str) -> None:
+            await turns.take(account)
+            served.append(name)
+
+        alpha = [request(b"alpha", f"alpha-{i}") for i in range(3)]
+        await asyncio.gather(*alpha, request(b"beta", "beta-0"))
+        return served
+
+    assert asyncio.run(scenario()) == ["alpha-0", "beta-0", "alpha-1", "alpha-2"]
