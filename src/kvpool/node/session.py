@@ -54,6 +54,7 @@ from kvpool.errors import (
     KVPoolError,
     NodeUnavailable,
     ProtocolError,
+    QuotaExceeded,
     Status,
     TooLarge,
     UnsupportedVersion,
@@ -683,7 +684,15 @@ class Session:
         await self._reply(header, Op.REPORT_CORRUPT, _statuses(statuses))
 
     async def _describe(self, header: FrameHeader, req: msg.DescribeRequest) -> None:
-        self.store.describe(req.namespace_id, req.label)
+        try:
+            self.store.describe(req.namespace_id, req.label)
+        except QuotaExceeded:
+            # Past the tenant's rate: refused once a label change would have come back to
+            # it (at most a second), so that a stream of them costs the node about one
+            # request a second on that connection, not one per round trip.
+            rate = self.services.accounts.budgets.label_changes_per_s
+            await asyncio.sleep(min(1.0, 1.0 / rate))
+            raise
         await self._reply(header, Op.DESCRIBE, msg.Empty())
 
     async def _stats(self, header: FrameHeader, req: msg.Empty) -> None:
