@@ -14,7 +14,7 @@ from kvpool.config import (
     parse_size,
 )
 from kvpool.errors import ConfigError
-from kvpool.limits import LeaseLimits
+from kvpool.limits import Budgets, LeaseLimits
 
 
 @pytest.mark.parametrize(
@@ -169,3 +169,22 @@ def test_node_overrides_by_their_old_names_land_in_their_sections():
     assert config.events.endpoint == "tcp://127.0.0.1:5557"
     with pytest.raises(ConfigError, match="unknown node option"):
         node_config_from({"disk": "/mnt/nvme"}, {})
+
+
+def test_budgets_come_from_their_settings_and_are_checked():
+    config = node_config_from(
+        {"max_strangers": "8", "max_strangers_per_address": "2", "tenant_buffer_bytes": "16MiB"},
+        {"KVPOOL_TENANT_PARKED_KEYS": "100", "KVPOOL_IDLE_TIMEOUT": "3"},
+    )
+    assert config.budgets == Budgets(
+        max_strangers=8,
+        max_strangers_per_address=2,
+        buffer_bytes=16 << 20,
+        parked_keys=100,
+        idle_s=3.0,
+    )
+    with pytest.raises(ConfigError, match="--max-strangers-per-address"):
+        NodeConfig(budgets=Budgets(max_strangers=4, max_strangers_per_address=8)).validate()
+    with pytest.raises(ConfigError, match="--tenant-buffer-bytes"):
+        NodeConfig(budgets=Budgets(buffer_bytes=1 << 20)).validate()
+    assert Budgets().local_reserved == 256  # of 4,096: the Unix socket's

@@ -103,7 +103,11 @@ def test_an_arena_of_the_previous_format_is_kept_and_migrated(tmp_path: Path) ->
 
 
 def _arena_found(path: Path) -> Stamp:
-    return arena_module._read_stamp(path, ARENA_BYTES)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return arena_module._read_stamp(fd, ARENA_BYTES, path)
+    finally:
+        os.close(fd)
 
 
 def test_an_arena_whose_header_page_was_added_but_not_written_is_the_previous_format(

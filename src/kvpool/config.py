@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvpool.errors import ConfigError
-from kvpool.limits import LeaseLimits
+from kvpool.limits import Budgets, LeaseLimits
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -562,12 +562,73 @@ LEASE_SETTINGS: dict[str, Setting] = {
 }
 
 
+# Budgets (kvpool.limits): what a tenant, or a peer that has not authenticated, may cost the
+# node; declared here by field, as the lease limits are.
+BUDGET_SETTINGS: dict[str, Setting] = {
+    "max_connections": Setting(
+        "max_connections",
+        "--max-connections",
+        "Authenticated connections at once (a sixteenth stays the Unix socket's).",
+        int,
+    ),
+    "max_strangers": Setting(
+        "max_strangers",
+        "--max-strangers",
+        "Connections still in their handshake, at once (past it the oldest is closed).",
+        int,
+    ),
+    "max_strangers_per_address": Setting(
+        "max_strangers_per_address",
+        "--max-strangers-per-address",
+        "The same, from one address.",
+        int,
+    ),
+    "handshake_s": Setting(
+        "handshake_s",
+        "--handshake-timeout",
+        "Seconds a connection has to authenticate.",
+        float,
+    ),
+    "idle_s": Setting(
+        "idle_s",
+        "--idle-timeout",
+        "Seconds an authenticated connection may stay silent before it is closed.",
+        float,
+    ),
+    "buffer_bytes": Setting(
+        "tenant_buffer_bytes",
+        "--tenant-buffer-bytes",
+        "Receive-buffer bytes a tenant's connections may hold at once, e.g. 128MiB.",
+        parse_size,
+    ),
+    "parked_keys": Setting(
+        "tenant_parked_keys",
+        "--tenant-parked-keys",
+        "Keys a tenant's waiting lookups may name at once (past it a lookup answers now).",
+        int,
+    ),
+    "label_changes_per_s": Setting(
+        "tenant_label_rate",
+        "--tenant-label-rate",
+        "Namespace label changes a second a tenant may make (each is a journal record).",
+        float,
+    ),
+}
+
+# The settings of the sections declared apart from their classes, by section class.
+SECTION_SETTINGS: dict[type, dict[str, Setting]] = {
+    LeaseLimits: LEASE_SETTINGS,
+    Budgets: BUDGET_SETTINGS,
+}
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """Configuration of one node daemon (``kvpool serve``): who it is, its arena and its
     listeners, and one typed section for each part it runs (:class:`TLSConfig`,
     :class:`DiskConfig`, :class:`ObjectStoreConfig`, :class:`EventsConfig`, :class:`KthenaConfig`,
-    :class:`ClusterConfig`, and the store's :class:`~kvpool.limits.LeaseLimits`).
+    :class:`ClusterConfig`, the store's :class:`~kvpool.limits.LeaseLimits` and the node's
+    :class:`~kvpool.limits.Budgets`).
 
     ``validate()`` checks each section, then what concerns more than one."""
 
@@ -651,6 +712,7 @@ class NodeConfig:
         key="tenants_path",
     )
     leases: LeaseLimits = field(default_factory=LeaseLimits)
+    budgets: Budgets = field(default_factory=Budgets)
     tls: TLSConfig = field(default_factory=TLSConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     objects: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
@@ -687,6 +749,7 @@ class NodeConfig:
         self._read_access_key()
         self._validate_access()
         self.leases.validate()
+        self.budgets.validate()
         self.tls.validate()
         self.tls.check_plaintext(self.host, "the data port")
         self.tls.check_plaintext(self.admin_host, "the admin HTTP")
@@ -905,8 +968,9 @@ def node_settings() -> list[tuple[str, str, Setting]]:
         if SETTING in f.metadata
     ]
     for section, section_type in node_sections().items():
-        if section_type is LeaseLimits:
-            found.extend((section, name, s) for name, s in LEASE_SETTINGS.items())
+        declared = SECTION_SETTINGS.get(section_type)
+        if declared is not None:
+            found.extend((section, name, s) for name, s in declared.items())
         else:
             found.extend(
                 (section, f.name, f.metadata[SETTING]) for f in dataclasses.fields(section_type)

@@ -1,5 +1,7 @@
 """Time bounds: the node's lease limits (how long anything may hold the node's memory), how
-long a node that failed is skipped, and how a call's time budget is shared out.
+long a node that failed is skipped, and how a call's time budget is shared out; and the
+node's :class:`Budgets` (how much a tenant, or a peer that has not authenticated, may cost
+it).
 
 The owner of a resource clamps what callers ask for.  The node grants a pin, a reservation,
 a write area or a prefetch hold at most its :class:`LeaseLimits` bound, whatever a client
@@ -88,6 +90,74 @@ class LeaseLimits:
 
 def _clamp(requested_s: float, default_s: float, bound_s: float) -> float:
     return default_s if requested_s <= 0 else min(requested_s, bound_s)
+
+
+MiB = 1 << 20
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_MAX_STRANGERS = 1024
+DEFAULT_MAX_STRANGERS_PER_ADDRESS = 64
+DEFAULT_HANDSHAKE_S = 2.0
+DEFAULT_IDLE_S = 300.0
+DEFAULT_TENANT_BUFFER_BYTES = 128 * MiB
+DEFAULT_TENANT_PARKED_KEYS = 65536
+DEFAULT_LABEL_CHANGES_PER_S = 1.0
+# A frame's metadata may take 4 MiB (kvpool.protocol.frames): a tenant's buffer budget holds
+# at least one, beside its connections' read-ahead.
+MIN_TENANT_BUFFER_BYTES = 8 * MiB
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What a peer may cost the node: the connections and handshakes of the node as a whole,
+    and each tenant's share of what its requests hold (the node's account ledger,
+    :mod:`kvpool.store.accounts`, charges and refuses against them).
+
+    - ``max_connections``: authenticated connections at once (remote peers get all but a
+      sixteenth, which stays the Unix socket's);
+    - ``max_strangers``, ``max_strangers_per_address``: connections still in their
+      handshake, in a pool of their own (past either cap the oldest goes, not a tenant),
+      each cut at ``handshake_s``;
+    - ``idle_s``: an authenticated connection that sends nothing this long is closed (its
+      client reconnects on its next call);
+    - per tenant: ``buffer_bytes`` of receive buffers (its connections' read-ahead and the
+      frames being served), ``parked_keys`` named by its lookups that wait, and
+      ``label_changes_per_s`` namespace label changes (each one a journal record; bursts
+      up to one per namespace it may have).
+    """
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_strangers: int = DEFAULT_MAX_STRANGERS
+    max_strangers_per_address: int = DEFAULT_MAX_STRANGERS_PER_ADDRESS
+    handshake_s: float = DEFAULT_HANDSHAKE_S
+    idle_s: float = DEFAULT_IDLE_S
+    buffer_bytes: int = DEFAULT_TENANT_BUFFER_BYTES
+    parked_keys: int = DEFAULT_TENANT_PARKED_KEYS
+    label_changes_per_s: float = DEFAULT_LABEL_CHANGES_PER_S
+
+    @property
+    def local_reserved(self) -> int:
+        """Authenticated slots remote peers never take: the Unix socket's engines stay
+        served whatever arrives over the network."""
+        return max(1, self.max_connections // 16)
+
+    def validate(self) -> Budgets:
+        if self.max_connections < 2:
+            raise ConfigError("--max-connections must be at least 2")
+        if not 1 <= self.max_strangers_per_address <= self.max_strangers:
+            raise ConfigError(
+                "--max-strangers-per-address must be 1 to --max-strangers "
+                f"({self.max_strangers_per_address}, {self.max_strangers})"
+            )
+        if not 0 < self.handshake_s <= 60 or self.idle_s <= 0:
+            raise ConfigError("--handshake-timeout must be 0-60 s, --idle-timeout positive")
+        if self.buffer_bytes < MIN_TENANT_BUFFER_BYTES:
+            raise ConfigError(
+                f"--tenant-buffer-bytes must be at least {MIN_TENANT_BUFFER_BYTES >> 20} MiB "
+                "(one frame's metadata and a connection's read-ahead)"
+            )
+        if self.parked_keys < 0 or self.label_changes_per_s <= 0:
+            raise ConfigError("--tenant-parked-keys must be >= 0, --tenant-label-rate positive")
+        return self
 
 
 # Cool-downs: how long a node that failed is left alone.

@@ -71,3 +71,13 @@ class PrefetchStats(_Record):
     wasted: int = 0  # prefetched blocks whose hold lapsed unread
     held_blocks: int = 0  # held now, for queued requests
     held_bytes: int = 0
+
+
+class AccountStats(_Record):
+    """One tenant's account (:mod:`kvpool.store.accounts`): what it holds of each shared
+    resource, its limit of each, and how often each refused it, by resource name."""
+
+    tenant: str
+    used: dict[str, int] = {}
+    limits: dict[str, int] = {}
+    refused: dict[str, int] = {}

@@ -40,6 +40,20 @@ def test_status_shows_the_node_and_its_namespaces(node):
     assert stats["metadata_bytes"] > 0 and stats["heap_bytes"] > 0
 
 
+def test_status_shows_what_a_node_says_as_text():
+    """Whatever a node (or a tenant, through a label) says is shown as the text it is: no
+    console markup, control characters written out (issue 43, item 6)."""
+    from rich.console import Console
+
+    from kvpool.cli.status import shown
+
+    said = "[/][link=https://evil.example]x[/link]\x1b]52;c;aGk=\x07\u2028"
+    assert shown(said).plain == "[/][link=https://evil.example]x[/link]\\x1b]52;c;aGk=\\x07\\u2028"
+    console = Console(width=200, force_terminal=True, record=True)
+    console.print(shown(said))
+    assert "\x1b]52" not in console.export_text(styles=True)
+
+
 def test_status_of_a_node_that_is_not_there_is_a_clear_error(run_dir):
     result = kvpool("status", "--address", f"unix:{run_dir}/nowhere.sock")
     assert result.returncode == 1 and "cannot connect" in result.stderr

@@ -71,6 +71,14 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "etcd_prefix": ("/pool/", "/pool/"),
     "etcd_ttl_s": ("9", 9),
     "replicas": ("2", 2),
+    "max_connections": ("512", 512),
+    "max_strangers": ("128", 128),
+    "max_strangers_per_address": ("16", 16),
+    "handshake_s": ("1.5", 1.5),
+    "idle_s": ("60", 60.0),
+    "tenant_buffer_bytes": ("32MiB", 32 * MiB),
+    "tenant_parked_keys": ("1000", 1000),
+    "tenant_label_rate": ("0.5", 0.5),
 }
 
 # What a setting needs beside it to make a valid configuration.

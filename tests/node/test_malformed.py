@@ -248,23 +248,27 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 def test_remote_peers_cannot_take_the_local_engines_connection_slots(start_node):
-    """From the attacker's side: TCP connections that never say HELLO, as many as the node
-    takes.  They never take the Unix socket's reserved slots: the next TCP connection is
-    closed at once, and the local engines' clients are served throughout."""
-    from kvpool.node.server import LOCAL_RESERVED_CONNECTIONS, MAX_CONNECTIONS
-
-    node = start_node(name="lockout", extra=["--access-key", "a-key-of-sixteen-chars"])
+    """From the attacker's side: 256 TCP connections that never say HELLO, eight times what
+    the node keeps of them.  They are strangers, in a pool of their own: the oldest are
+    closed as new ones come, none takes a member's slot, and the local engines' clients and
+    a keyed remote client are served throughout (issue 43, item 5)."""
+    key = "a-key-of-sixteen-chars"
+    node = start_node(
+        name="lockout",
+        extra=["--access-key", key, "--max-strangers", "32", "--max-strangers-per-address", "32"],
+    )
     host, port = node.tcp_address.rsplit(":", 1)
     socks = []
     try:
-        for _ in range(MAX_CONNECTIONS - LOCAL_RESERVED_CONNECTIONS):
+        for _ in range(256):
             socks.append(socket.create_connection((host, int(port)), timeout=5))
-        assert read_frame(socks[-1])[0].op == Op.CHALLENGE  # the last one has a session
-        extra = socket.create_connection((host, int(port)), timeout=5)
-        socks.append(extra)
-        assert _closed_by_peer(extra)  # past the remote share: closed before any session
-        with Client(node.unix_address, access_key="a-key-of-sixteen-chars") as local:
+        assert read_frame(socks[-1])[0].op == Op.CHALLENGE  # the newest has a session
+        assert _closed_by_peer(socks[0])  # the oldest made room for it
+        with Client(node.unix_address, access_key=key) as local:
             assert local.health().ok
+            assert local.stats().num_strangers <= 32
+        with Client(node.tcp_address, access_key=key, use_shm=False) as remote:
+            assert remote.health().ok
     finally:
         for sock in socks:
             sock.close()

@@ -4,7 +4,7 @@ from kvpool.config import PAGE_BYTES
 from kvpool.errors import Status
 from kvpool.store.allocator import SegregatedFitAllocator
 from kvpool.store.block_store import BlockStore
-from kvpool.store.journal import COMPACT_MIN_RECORDS, Entry, Journal
+from kvpool.store.journal import COMPACT_MIN_BYTES, COMPACT_MIN_RECORDS, Entry, Journal
 from tests.helpers import key
 
 ARENA = 64 * PAGE_BYTES
@@ -114,6 +114,21 @@ def test_rule6_compaction_keeps_what_is_live(tmp_path):
     again = store_on(tmp_path)
     assert again.lookup([key("kept")]) == (1, False) and len(again) == 1
     assert again.namespaces.labels() == {b"n" * 16: "model-x"}  # labels survive too
+
+
+def test_rule6_label_changes_are_compacted_by_the_bytes_they_take(tmp_path):
+    """A label's record is ten times a block's: a journal that grows by label changes alone
+    (4 MB of them here, with no commit in between) is compacted from the labels' own
+    appends, by its bytes, and keeps one record per labelled namespace."""
+    store = store_on(tmp_path)
+    put(store, [key("kept")])
+    labels = ["a" * 1000, "b" * 1000]
+    for i in range(4000):
+        store.describe(b"n" * 16, labels[i % 2])
+    assert (tmp_path / "index").stat().st_size <= 2 * COMPACT_MIN_BYTES
+    again = store_on(tmp_path)
+    assert again.namespaces.labels() == {b"n" * 16: labels[1]}
+    assert again.lookup([key("kept")]) == (1, False)
 
 
 def test_rule6_a_compaction_keeps_blocks_still_being_sealed(tmp_path):

@@ -51,6 +51,9 @@ class MemoryTier:
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return [k in self.blocks for k in keys]
 
+    def may_hold(self, keys: Sequence[bytes]) -> bool:
+        return any(self.contains(keys))
+
     def size_of(self, key: bytes) -> int | None:
         return len(self.blocks[key][0]) if key in self.blocks else None
 

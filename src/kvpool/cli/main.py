@@ -198,6 +198,18 @@ ROUTER_SETTINGS = (
         float,
     ),
     Setting("tenants", "--tenants", "A tenants file: requests carry ID:KEY as a bearer token."),
+    Setting(
+        "max_body_bytes",
+        "--max-body",
+        "The largest request body, e.g. 4MiB (the credential is checked before it is read).",
+        parse_size,
+    ),
+    Setting(
+        "max_parsing",
+        "--max-parsing",
+        "Request bodies one tenant may have read and parsed at once.",
+        int,
+    ),
     Setting("tls_cert", "--tls-cert", "TLS certificate (PEM): HTTPS."),
     Setting("tls_key", "--tls-key", "Its private key (PEM)."),
     Setting(

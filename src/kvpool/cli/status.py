@@ -1,5 +1,10 @@
-"""``kvpool status``: capacity, usage, hit rate and namespaces of a node or of a whole
-cluster (``--peers`` / ``--etcd``, or ``KVPOOL_PEERS`` / ``KVPOOL_ETCD``)."""
+"""``kvpool status``: capacity, usage, hit rate, namespaces and each tenant's use of its
+budgets, of a node or of a whole cluster (``--peers`` / ``--etcd``, or ``KVPOOL_PEERS`` /
+``KVPOOL_ETCD``).
+
+Every text a node reports (a namespace's label is a tenant's: anything a tenant wrote) is
+shown as text, never as console markup, and with its control characters written out
+(``\x1b``): nothing a node or a tenant sends runs in the operator's terminal."""
 
 from __future__ import annotations
 
@@ -9,11 +14,19 @@ from typing import Any
 import msgspec
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvpool.client.client import Client
 from kvpool.config import client_config_from, format_size
 from kvpool.limits import WRITE_THROUGH_TIMEOUT_S
 from kvpool.protocol.messages import NodeStats
+
+
+def shown(text: str) -> Text:
+    """A node's text as the operator sees it: never markup, control characters escaped."""
+    return Text(
+        "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    )
 
 
 def hit_rate(hits: int, misses: int) -> str:
@@ -39,13 +52,13 @@ def node_table(rows: list[tuple[str, NodeStats | None]]) -> Table:
         )
     for address, stats in rows:
         if stats is None:
-            table.add_row("?", address, "[red]down[/]", *["-"] * 6)
+            table.add_row("?", shown(address), Text("down", style="red"), *["-"] * 6)
             continue
         percent = 100 * stats.used_bytes / max(stats.capacity_bytes, 1)
         table.add_row(
-            stats.node_id,
-            stats.tcp_address,
-            "[green]up[/]",
+            shown(stats.node_id),
+            shown(stats.tcp_address),
+            Text("up", style="green"),
             format_size(stats.capacity_bytes),
             f"{format_size(stats.used_bytes)} ({percent:.0f}%)",
             str(stats.num_blocks),
@@ -80,7 +93,7 @@ def prefetch_table(stats: list[NodeStats]) -> Table:
         p = node.prefetch
         if p is not None:
             cells = [str(getattr(p, c)) for c in PREFETCH_COLUMNS]
-            table.add_row(node.node_id, *cells, format_size(p.held_bytes))
+            table.add_row(shown(node.node_id), *cells, format_size(p.held_bytes))
     return table
 
 
@@ -111,8 +124,8 @@ def tier_table(stats: list[NodeStats]) -> Table:
         for tier in node.tiers:
             percent = 100 * tier.used_bytes / max(tier.capacity_bytes, 1)
             table.add_row(
-                node.node_id,
-                tier.name,
+                shown(node.node_id),
+                shown(tier.name),
                 format_size(tier.capacity_bytes),
                 f"{format_size(tier.used_bytes)} ({percent:.0f}%)",
                 *(str(getattr(tier, field)) for _, field in TIER_COUNTER_COLUMNS),
@@ -130,7 +143,7 @@ def memory_table(stats: list[NodeStats]) -> Table:
         blocks = max(node.num_blocks, 1)
         connections = max(node.num_connections, 1)
         table.add_row(
-            node.node_id,
+            shown(node.node_id),
             format_size(node.metadata_bytes),
             f"{node.metadata_bytes / blocks:.0f} B" if node.num_blocks else "-",
             format_size(node.connection_buffer_bytes),
@@ -163,14 +176,53 @@ def namespace_table(stats: list[NodeStats]) -> Table:
     for node in stats:
         for ns in node.namespaces:
             table.add_row(
-                ns.label or ns.namespace_id[:16],
-                node.node_id,
+                shown(ns.label or ns.namespace_id[:16]),
+                shown(node.node_id),
                 str(ns.num_blocks),
                 format_size(ns.used_bytes),
                 str(ns.hits),
                 str(ns.misses),
                 hit_rate(ns.hits, ns.misses),
             )
+    return table
+
+
+# Each budget of a tenant's account, shown "used / limit": column title, resource name,
+# whether it counts bytes.
+ACCOUNT_COLUMNS = (
+    ("arena", "arena_bytes", True),
+    ("connections", "connections", False),
+    ("buffers", "buffer_bytes", True),
+    ("parked keys", "parked_keys", False),
+    ("held", "held_bytes", True),
+    ("prefetching", "prefetch_bytes", True),
+    ("journal", "journal_bytes", True),
+    ("label changes", "label_changes", False),
+)
+
+
+def _amount(value: int, is_bytes: bool) -> str:
+    return format_size(value) if is_bytes else str(value)
+
+
+def account_table(stats: list[NodeStats]) -> Table:
+    """Per node and tenant: what the tenant holds of each budget, out of its limit, and
+    how often each refused it (``kvpool.store.accounts``)."""
+    table = Table(title="tenants")
+    table.add_column("tenant")
+    table.add_column("node")
+    for title, _, _ in ACCOUNT_COLUMNS:
+        table.add_column(title, justify="right")
+    table.add_column("refused", justify="left")
+    for node in stats:
+        for account in node.accounts:
+            cells = []
+            for _, name, is_bytes in ACCOUNT_COLUMNS:
+                used = _amount(account.used.get(name, 0), is_bytes)
+                limit = account.limits.get(name)
+                cells.append(used if limit is None else f"{used} / {_amount(limit, is_bytes)}")
+            refused = ", ".join(f"{name} {n}" for name, n in sorted(account.refused.items()))
+            table.add_row(shown(account.tenant), shown(node.node_id), *cells, shown(refused))
     return table
 
 
@@ -211,6 +263,8 @@ def show_status(
         console.print(prefetch_table(up))
     if any(s.formats for s in up):
         console.print(format_table(up))
+    if any(s.accounts for s in up):
+        console.print(account_table(up))
     if any(s.namespaces for s in up):
         console.print(namespace_table(up))
 

@@ -15,8 +15,8 @@ Construction order (each step needs only what the steps before it built):
    block events;
 4. the lower tiers, in one step (:func:`kvpool.tiers.build.open_lower_tiers`: disk, object
    store, write-back);
-5. the lease ledger, the prefetch holds kept in it, and the block store, adopting what the
-   journal describes;
+5. the lease ledger, the account ledger, the prefetch holds kept in both, and the block
+   store, adopting what the journal describes;
 6. the cluster agent (when ``--peers`` or ``--etcd``), the tier view (which prefetches from
    the other nodes through the agent), and the protocol server.
 
@@ -40,6 +40,7 @@ from kvpool.errors import ConfigError
 from kvpool.node.sealing import seal_replayed
 from kvpool.node.server import NodeServer
 from kvpool.node.services import StoreChanges
+from kvpool.store.accounts import Accounts
 from kvpool.store.arena import Arena, NodeDirLock
 from kvpool.store.block import Block, StoreEvents
 from kvpool.store.block_store import BlockStore
@@ -118,7 +119,11 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         lock = NodeDirLock(config.node_dir)
         undo.callback(lock.release)
         arena = Arena(
-            config.arena_path, config.memory_bytes, hugepages=config.hugepages, fresh=config.fresh
+            config.arena_path,
+            config.memory_bytes,
+            hugepages=config.hugepages,
+            fresh=config.fresh,
+            dir_fd=lock.fd,
         )
         undo.callback(arena.close)
         directory = DirectoryWriter(config.directory_path, arena.num_bytes, arena.arena_id)
@@ -129,6 +134,7 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             arena.ino,
             arena.num_bytes,
             fresh=config.fresh or not arena.is_kept,
+            dir_fd=lock.fd,
         )
         undo.callback(journal.close)
         seal_replayed(journal.replayed, arena)
@@ -149,7 +155,10 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         # One lease ledger for every hold: the store's reservations, pins and write areas,
         # and the prefetch holds.
         ledger = LeaseLedger(config.leases)
-        holds = Holds(arena.num_bytes // 2, ledger)
+        # One account ledger for what each tenant holds of every shared resource: the
+        # store's journal and labels, the holds, the tiers' prefetches, the connections.
+        accounts = Accounts(config.budgets)
+        holds = Holds(arena.num_bytes // 2, ledger, accounts)
         changes = StoreChanges()
         store = BlockStore(
             arena.num_bytes,
@@ -162,6 +171,7 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             directory=directory,
             events=_one_stream(events, kthena),
             on_change=changes.notify,
+            accounts=accounts,
         )
         if not store.counters.adopted:  # whatever an earlier daemon announced is gone
             for sink in (events, kthena):

@@ -49,6 +49,18 @@ class _StatsCollector(Collector):
             ("gauge", "kvpool_connections", "Open client connections.", s.num_connections),
             (
                 "gauge",
+                "kvpool_strangers",
+                "Connections still in their handshake (their own pool).",
+                s.num_strangers,
+            ),
+            (
+                "counter",
+                "kvpool_strangers_evicted",
+                "Connections closed in their handshake to make room for newer ones.",
+                s.strangers_evicted,
+            ),
+            (
+                "gauge",
                 "kvpool_metadata_bytes",
                 "Heap the block index takes (an O(1) estimate).",
                 s.metadata_bytes,
@@ -106,6 +118,7 @@ class _StatsCollector(Collector):
             ns_bytes.add_metric([ns.namespace_id], ns.used_bytes)
         yield ns_blocks
         yield ns_bytes
+        yield from _account_families(s)
 
 
 TIER_METRICS = (
@@ -159,6 +172,31 @@ def _tier_families(s: NodeStats) -> Iterator[Metric]:
             family = families[kind](f"kvpool_prefetch_{name}", doc, labels=["node"])
             family.add_metric([s.node_id], getattr(s.prefetch, attribute))
             yield family
+
+
+def _account_families(s: NodeStats) -> Iterator[Metric]:
+    """Each tenant's use of each budget (kvpool.store.accounts), its limit and its
+    refusals: ``budget`` is the resource's name (``buffer_bytes``, ``parked_keys``, ...)."""
+    labels = ["node", "tenant", "budget"]
+    used = GaugeMetricFamily(
+        "kvpool_tenant_used", "What each tenant holds of each budget.", labels=labels
+    )
+    limit = GaugeMetricFamily(
+        "kvpool_tenant_limit", "Each tenant's limit of each budget.", labels=labels
+    )
+    refused = CounterMetricFamily(
+        "kvpool_tenant_refused", "Requests refused past a tenant's budget.", labels=labels
+    )
+    for account in s.accounts:
+        for budget, value in account.used.items():
+            used.add_metric([s.node_id, account.tenant, budget], value)
+        for budget, value in account.limits.items():
+            limit.add_metric([s.node_id, account.tenant, budget], value)
+        for budget, value in account.refused.items():
+            refused.add_metric([s.node_id, account.tenant, budget], value)
+    yield used
+    yield limit
+    yield refused
 
 
 class NodeMetrics:

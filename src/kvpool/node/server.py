@@ -4,10 +4,11 @@ the node's statistics.
 
 The server builds what its sessions share once, as one
 :class:`~kvpool.node.services.SessionServices` (the store, touched only from the event
-loop, the arena, the tiers, the sealer, credentials, the session registry, byte counters,
-the write-through of committed blocks to their home nodes), and hands each session that
-and nothing else.  Every ``EXPIRE_INTERVAL_S`` it ends the expired leases of every kind
-through the store's one ledger (:meth:`BlockStore.expire`).
+loop, the arena, the tiers, the sealer, credentials, the session registry, the account
+ledger, byte counters, the write-through of committed blocks to their home nodes), and
+hands each session that and nothing else.  Every ``EXPIRE_INTERVAL_S`` it ends the expired
+leases of every kind through the store's one ledger (:meth:`BlockStore.expire`), and now
+and then it closes the connections idle past ``--idle-timeout``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,24 +32,25 @@ from kvpool.errors import BadRequest, ConfigError
 from kvpool.formats import ARENA, DISK_SEGMENT, DISK_TIER, JOURNAL, RELEASE, Format, Stamp
 from kvpool.keys import EngineRef
 from kvpool.limits import EXPIRE_INTERVAL_S
+from kvpool.node.connections import SessionRegistry
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
 from kvpool.node.services import (
     Credentials,
     NodeIdentity,
-    SessionRegistry,
     SessionServices,
     StoreChanges,
     Traffic,
 )
 from kvpool.node.session import Session
 from kvpool.protocol import auth
-from kvpool.protocol.messages import NodeStats
-from kvpool.stats import FormatStats
+from kvpool.protocol.messages import MAX_ACCOUNTS, NodeStats
+from kvpool.stats import AccountStats, FormatStats
+from kvpool.store.accounts import Accounts
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant
-from kvpool.tiers.chain import Tiers
+from kvpool.tiers.chain import PREFETCH_MAX_BYTES, Tiers
 from kvpool.tls import CertFiles
 
 if TYPE_CHECKING:
@@ -55,12 +58,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.node")
 
-MAX_CONNECTIONS = 4096
-# Remote peers never take the Unix socket's last slots: its engines stay served whatever
-# arrives over the network (a peer that never authenticates costs a 4 KiB buffer and is
-# cut at the handshake's deadline).
-LOCAL_RESERVED_CONNECTIONS = 256
 RELOAD_INTERVAL_S = 1.0  # how often the tenants file is checked for changes
+MAX_IDLE_CHECK_S = 5.0  # idle connections are looked for at least this often
+# While strangers crowd each other out, the accept loop takes one connection at most this
+# often (about a thousand a second, a tenth of what the event loop can serve).
+CROWDED_ACCEPT_S = 0.001
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
@@ -98,8 +100,9 @@ class NodeServer:
         tls: CertFiles | None = None,
         attach_engine: Callable[[bytes, EngineRef], bool] | None = None,
     ):
-        """``changes``: what the store calls on every change (built with it, as
-        ``BlockStore(on_change=changes.notify)``), which waiting lookups sleep on."""
+        """``changes``: what the store tells the keys that changed (built with it, as
+        ``BlockStore(on_change=changes.notify)``), which waiting lookups are parked on.  The
+        store's account ledger (``store.accounts``) is the node's."""
         self.config = config
         self.tenants = tenants
         self.tls = tls  # the TCP listener's TLS (the Unix socket stays local, in the clear)
@@ -109,7 +112,8 @@ class NodeServer:
         self.cluster = cluster
         self._on_shutdown = on_shutdown
         self.identity = NodeIdentity.of(config)
-        self.registry = SessionRegistry()
+        self.accounts: Accounts = store.accounts
+        self.registry = SessionRegistry(config.budgets, self.accounts)
         self.traffic = Traffic(
             cluster.enqueue if cluster is not None else None,
             cluster.delete_at_homes if cluster is not None else None,
@@ -131,6 +135,7 @@ class NodeServer:
             identity=self.identity,
             credentials=self.credentials,
             registry=self.registry,
+            accounts=self.accounts,
             traffic=self.traffic,
             changes=self.changes,
             stats=self.stats,
@@ -179,6 +184,7 @@ class NodeServer:
         for listener in self._listeners:
             self._spawn(self._accept_loop(loop, listener))
         self._spawn(self._expire_loop())
+        self._spawn(self._idle_loop())
         if self.config.scrub_bytes_s:
             self._spawn(self.sealer.scrub(self.config.scrub_bytes_s))
         if self.tenants is not None or self.tls is not None:
@@ -227,18 +233,33 @@ class NodeServer:
                 )
             session = Session(self.services, sock, next(self._owner_ids))
             session.task = self._spawn(session.run())
+            # A flood of connections waiting to be accepted takes its turns with the
+            # sessions, one connection a turn: accepting never holds the event loop.  Once
+            # the strangers crowd each other out (a newcomer closed an older one), newcomers
+            # are taken at a bounded rate: a flood costs the members a bounded share.
+            evicted = self.registry.num_evicted
+            await asyncio.sleep(0)
+            if self.registry.num_evicted != evicted:
+                await asyncio.sleep(CROWDED_ACCEPT_S)
 
     def _admits(self, sock: socket.socket) -> bool:
-        """Whether a connection just accepted may have a session (see MAX_CONNECTIONS)."""
-        if sock.family == socket.AF_UNIX:
-            return len(self.registry) < MAX_CONNECTIONS
-        return len(self.registry) < MAX_CONNECTIONS - LOCAL_RESERVED_CONNECTIONS
+        """Whether a connection just accepted may have a session: one on the Unix socket
+        while a member slot is free; one over TCP always, as a stranger (the registry makes
+        room among the strangers: :mod:`kvpool.node.connections`)."""
+        return sock.family != socket.AF_UNIX or self.registry.can_open_local()
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
-            if self.store.expire():  # every lease of the node's one ledger
-                self.changes.notify()
+            self.store.expire()  # every lease of the node's one ledger
+
+    async def _idle_loop(self) -> None:
+        interval = min(MAX_IDLE_CHECK_S, self.config.budgets.idle_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            closed = self.registry.close_idle(time.monotonic())
+            if closed:
+                log.debug("closed %d idle connection(s)", closed)
 
     # -- tenants -------------------------------------------------------------------------
 
@@ -249,6 +270,8 @@ class NodeServer:
         quotas = {t.tag: t.quota_bytes for t in tenants}
         self.store.set_quotas(quotas)
         self.tiers.set_quotas(quotas)  # the same tenants' shares of the disk and the bucket
+        # Their accounts: their limits, and their shares of the holds and prefetches.
+        self.accounts.set_tenants(tenants, self.tiers.holds.max_bytes, PREFETCH_MAX_BYTES)
 
     async def _reload_loop(self) -> None:
         while True:
@@ -325,6 +348,9 @@ class NodeServer:
             heap_bytes=_heap_bytes(),
             release=RELEASE,
             formats=self.formats(),
+            accounts=self._accounts(),
+            num_strangers=self.registry.num_strangers,
+            strangers_evicted=self.registry.num_evicted,
         )
 
     async def handoff(
@@ -379,6 +405,20 @@ class NodeServer:
             )
         return rows
 
+    def _accounts(self, tenant: Tenant | None = None) -> list[AccountStats]:
+        """Each tenant's account (``tenant``: its own), with its arena bytes and quota (the
+        store's quotas keep those: eviction decides by them)."""
+        rows = self.accounts.usage(tenant.tag if tenant is not None else None)
+        quotas = self.store.quotas
+        if quotas is not None and self.tenants is not None:
+            by_name = self.tenants.current.tenants
+            for row in rows:
+                known = by_name.get(row.tenant)
+                if known is not None and known.tag in quotas.used:
+                    row.used["arena_bytes"] = quotas.used[known.tag]
+                    row.limits["arena_bytes"] = quotas.limits[known.tag]
+        return rows[:MAX_ACCOUNTS]
+
     def _tenant_stats(self, tenant: Tenant) -> NodeStats:
         rows = [
             msgspec.structs.replace(row)
@@ -405,6 +445,7 @@ class NodeServer:
             num_connections=self.registry.num_of(tenant),
             uptime_s=self.identity.uptime_s,
             namespaces=rows,
+            accounts=self._accounts(tenant),
         )
 
     @property

@@ -7,10 +7,14 @@ small and named for its job:
 
 - :class:`NodeIdentity`: the node's names and addresses, for the handshake and status;
 - :class:`Credentials`: who may connect (a tenants file, one access key, or nobody);
-- :class:`SessionRegistry`: the connections open now, and each tenant's cap on them;
+- :class:`~kvpool.node.connections.SessionRegistry`: the connections open now, and what
+  they cost (strangers, members, caps, buffers);
+- :class:`~kvpool.store.accounts.Accounts`: how much of every shared resource each tenant
+  holds;
 - :class:`Traffic`: the bytes clients wrote and read, and the write-through of what they
   committed (:meth:`Traffic.published`);
-- :class:`StoreChanges`: a lookup waiting for the store to change;
+- :class:`StoreChanges`: lookups parked on the key they wait for;
+- :class:`Turns`: the event loop's turns, by account, for requests that were waiting;
 - :class:`Refusals`: refused handshakes, logged at a bounded rate.
 
 All of it is touched from the daemon's event loop only.
@@ -19,6 +23,7 @@ All of it is touched from the daemon's event loop only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -27,12 +32,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvpool.config import NodeConfig
-from kvpool.errors import NodeUnavailable
 from kvpool.keys import EngineRef
 from kvpool.limits import LeaseLimits
+from kvpool.node.connections import SessionRegistry
 from kvpool.node.metrics import NodeMetrics
 from kvpool.node.sealing import Sealer
 from kvpool.protocol.messages import NodeStats
+from kvpool.store.accounts import Accounts
 from kvpool.store.arena import Arena
 from kvpool.store.block import CommitResult
 from kvpool.store.block_store import BlockStore
@@ -45,22 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.node")
 
 REFUSAL_LOG_INTERVAL_S = 10.0
-
-
-class Connection(Protocol):
-    """A session, as the registry sees it."""
-
-    @property
-    def tenant(self) -> Tenant | None: ...
-
-    @property
-    def credential(self) -> Credential | None: ...
-
-    @property
-    def buffer_bytes(self) -> int:
-        """The memory its receive buffer takes now."""
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -121,44 +111,6 @@ class Credentials:
         """The credential an HTTP ``Authorization`` header proves, by the same keys as the
         data port (the admin HTTP's check)."""
         return authenticate(authorization, self.credential)
-
-
-class SessionRegistry:
-    """The connections open now, and per tenant (each tenant has a cap)."""
-
-    def __init__(self) -> None:
-        self.sessions: set[Connection] = set()
-        self._tenant_to_sessions: dict[str, set[Connection]] = {}
-
-    def __len__(self) -> int:
-        return len(self.sessions)
-
-    def opened(self, session: Connection) -> None:
-        self.sessions.add(session)
-
-    def admit(self, session: Connection) -> None:
-        """Count an authenticated tenant connection, refusing past the tenant's cap."""
-        tenant = session.tenant
-        if tenant is None:
-            return
-        sessions = self._tenant_to_sessions.setdefault(tenant.name, set())
-        if len(sessions) >= tenant.max_connections:
-            raise NodeUnavailable(
-                f"tenant {tenant.name} has {tenant.max_connections} connections open, its cap"
-            )
-        sessions.add(session)
-
-    def closed(self, session: Connection) -> None:
-        self.sessions.discard(session)
-        if session.tenant is not None:
-            self._tenant_to_sessions.get(session.tenant.name, set()).discard(session)
-
-    def buffer_bytes(self) -> int:
-        """The receive buffers of every open connection: O(connections), for statistics."""
-        return sum(session.buffer_bytes for session in self.sessions)
-
-    def num_of(self, tenant: Tenant) -> int:
-        return len(self._tenant_to_sessions.get(tenant.name, ()))
 
 
 class WriteThrough(Protocol):
@@ -225,21 +177,80 @@ class Refusals:
 
 
 class StoreChanges:
-    """Lookups that wait for a key to be committed wake on any change of the store."""
+    """Lookups parked on the key they wait for: the store tells the keys whose presence
+    changed (committed, or a reservation ended), and only the lookups waiting on those keys
+    wake, each to look at its own key (never a rescan of every parked lookup on every
+    change of the store)."""
 
     def __init__(self) -> None:
-        self._changed: asyncio.Future[None] | None = None
+        self._key_to_waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
-    def notify(self) -> None:
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
-        self._changed = None
+    def __len__(self) -> int:
+        return len(self._key_to_waiters)
 
-    async def wait(self, timeout: float) -> None:
-        if self._changed is None:
-            self._changed = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+    def notify(self, keys: Sequence[bytes]) -> None:
+        if not self._key_to_waiters:
+            return
+        for key in keys:
+            for waiter in self._key_to_waiters.pop(key, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait(self, key: bytes, timeout: float) -> None:
+        """Until ``key`` changes, or ``timeout`` passes."""
+        waiter = asyncio.get_running_loop().create_future()
+        waiters = self._key_to_waiters.setdefault(key, [])
+        waiters.append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await waiter
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            left = self._key_to_waiters.get(key)
+            if left is not None:
+                with contextlib.suppress(ValueError):
+                    left.remove(waiter)
+                if not left:
+                    del self._key_to_waiters[key]
+
+
+class Turns:
+    """The event loop's turns, taken by account (:mod:`kvpool.store.accounts`): a session
+    whose next request was there already (pipelined, or queued while the loop served
+    others) waits for its account's turn, and the accounts that wait take turns round
+    robin, one session each a round.  A tenant with many busy connections gets no more
+    turns than one with a single connection."""
+
+    def __init__(self) -> None:
+        self._account_to_waiting: dict[bytes, collections.deque[asyncio.Future[None]]] = {}
+        self._is_scheduled = False
+
+    async def take(self, account: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        turn = loop.create_future()
+        self._account_to_waiting.setdefault(account, collections.deque()).append(turn)
+        if not self._is_scheduled:
+            self._is_scheduled = True
+            loop.call_soon(self._grant)
+        await turn
+
+    def _grant(self) -> None:
+        """One waiting session of each account goes on; again next round while any wait."""
+        self._is_scheduled = False
+        for account in list(self._account_to_waiting):
+            waiting = self._account_to_waiting[account]
+            while waiting:
+                turn = waiting.popleft()
+                if not turn.done():  # (a session closed while it waited)
+                    turn.set_result(None)
+                    break
+            if not waiting:
+                del self._account_to_waiting[account]
+        if self._account_to_waiting:
+            self._is_scheduled = True
+            asyncio.get_running_loop().call_soon(self._grant)
 
 
 @dataclass(frozen=True)
@@ -254,6 +265,7 @@ class SessionServices:
     identity: NodeIdentity
     credentials: Credentials
     registry: SessionRegistry
+    accounts: Accounts
     traffic: Traffic
     changes: StoreChanges
     stats: Callable[[Tenant | None], NodeStats]  # the node's (or a tenant's) statistics
@@ -264,6 +276,7 @@ class SessionServices:
     # An engine that loads a namespace's blocks said so (kvpool.node.kthena); None: the
     # node tells no router of engines.  False: past its bounds.
     attach_engine: Callable[[bytes, EngineRef], bool] | None = None
+    turns: Turns = field(default_factory=Turns)
 
     @property
     def limits(self) -> LeaseLimits:

@@ -19,6 +19,17 @@
   a bad frame header closes it.  Either way the daemon keeps serving everyone else.
 - A client that hangs up (:class:`~kvpool.protocol.channel.PeerClosed`) just ends its
   session; its reservations are aborted and its pins dropped.
+- Tenants take turns: a request that was already there when the session asked for it
+  (pipelined, or queued while the event loop served others) waits for its tenant's turn
+  (:class:`~kvpool.node.services.Turns`, round robin by account), so that neither a
+  connection's stream of requests nor a tenant's many connections hold the loop from the
+  others.
+- What a connection costs is charged to its tenant's account
+  (:mod:`kvpool.store.accounts`) through the registry
+  (:mod:`kvpool.node.connections`): its slot and read-ahead once it authenticates, a
+  frame's own metadata buffer while that request is served, the keys of a lookup while it
+  waits.  A waiting lookup is parked on the one key it waits for, and woken when that key
+  changes (:class:`~kvpool.node.services.StoreChanges`): what it costs is what it finds.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from kvpool.errors import (
     KVPoolError,
     NodeUnavailable,
     ProtocolError,
+    QuotaExceeded,
     Status,
     TooLarge,
     UnsupportedVersion,
@@ -50,6 +62,7 @@ from kvpool.errors import (
 )
 from kvpool.keys import BlockOrigin
 from kvpool.limits import LeaseLimits
+from kvpool.node.connections import READ_AHEAD_BYTES
 from kvpool.node.services import SessionServices
 from kvpool.protocol import auth
 from kvpool.protocol import messages as msg
@@ -57,12 +70,12 @@ from kvpool.protocol.channel import AsyncChannel, PeerClosed
 from kvpool.protocol.frames import (
     FLAG_RESPONSE,
     FrameHeader,
-    RecvBuffer,
     decode_request,
     encode_frame,
 )
 from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
+from kvpool.store.accounts import NODE, Resource
 from kvpool.store.block import Area, Block
 from kvpool.store.block_store import PinResult
 from kvpool.tenants import Credential, Tenant
@@ -70,7 +83,6 @@ from kvpool.tiers.writeback import MAX_BACKPRESSURE_S
 
 log = logging.getLogger("kvpool.node")
 
-HANDSHAKE_TIMEOUT_S = 10.0
 # A HELLO is a version, an access id, a host id and a client name (256 characters each at
 # most), a nonce and a proof: 4 KiB holds any valid one.
 MAX_HELLO_BYTES = 4 << 10
@@ -129,11 +141,15 @@ class Session:
         self.tiers = services.tiers
         self.limits = services.limits
         self.owner = owner
-        # Small until a peer has authenticated: nothing sizeable before that (the buffer grows
-        # with the frames of an authenticated session).
-        self.channel = AsyncChannel(sock, buffer_bytes=PRE_AUTH_BUFFER_BYTES)
+        # Small until a peer has authenticated: nothing sizeable before that.  Then the usual
+        # read-ahead, which never grows: a larger frame's metadata gets a buffer of its own,
+        # charged to the tenant while the request is served.
+        self.channel = AsyncChannel(sock, buffer_bytes=PRE_AUTH_BUFFER_BYTES, grows=False)
         self.is_local = sock.family == socket.AF_UNIX
         self.peer = "unix" if self.is_local else str(sock.getpeername()[0])
+        self.account = NODE  # whose account it is charged to, once it authenticates
+        self._received_at = time.monotonic()  # when it last received a request
+        self._is_serving = False
         # What the handshake's proofs cover of this connection (see kvpool.protocol.auth).
         self.binding = services.identity.unix_binding if self.is_local else auth.TCP_BINDING
         self.credential: Credential | None = None  # who authenticated (None: no keys)
@@ -148,6 +164,11 @@ class Session:
     def buffer_bytes(self) -> int:
         return self.channel.rbuf.capacity
 
+    @property
+    def is_idle_since(self) -> float | None:
+        """When it last received a request, if none is in service now (None: busy)."""
+        return None if self._is_serving else self._received_at
+
     def close(self) -> None:
         """End the session (from outside it: a revoked key, the node stopping)."""
         if self.task is not None:
@@ -156,14 +177,28 @@ class Session:
             self.channel.close()
 
     async def run(self) -> None:
-        self.services.registry.opened(self)
+        registry = self.services.registry
+        registry.opened(self)
         try:
-            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+            async with asyncio.timeout(registry.budgets.handshake_s):
                 await self.channel.handshake()  # TLS, on a TCP listener that has it
                 await self._handshake()
+            channel = self.channel
             while True:
-                header = await self.channel.recv_header()
-                await self._serve(header)
+                waits = channel.num_read_waits
+                header = await channel.recv_header()
+                if channel.num_read_waits == waits:
+                    # The request was there already (pipelined, or queued while the loop
+                    # served others): it waits for its tenant's turn, so that neither one
+                    # connection's stream of requests nor one tenant's many connections
+                    # hold the event loop from the others.
+                    await self.services.turns.take(self.account)
+                self._received_at = time.monotonic()
+                self._is_serving = True
+                try:
+                    await self._serve(header)
+                finally:
+                    self._is_serving = False
         except NodeUnavailable as exc:  # e.g. the tenant has all its connections open
             log.info("refusing a connection from %s: %s", self.peer, exc)
             with contextlib.suppress(OSError, KVPoolError, TransferTimeout):
@@ -203,7 +238,8 @@ class Session:
         header, hello = await self._challenge(server_nonce)
         handshake = auth.Handshake(hello.access_id, server_nonce, hello.nonce, self.binding)
         credential = self._authenticate(hello, handshake)
-        self.channel.rbuf.grow(RecvBuffer.INITIAL_BYTES)  # authenticated: the usual read-ahead
+        self.services.registry.admit(self)  # a member now, within every cap
+        self.channel.rbuf.grow(READ_AHEAD_BYTES)  # authenticated: the usual read-ahead
         welcome = self._welcome()
         if credential is not None:  # the node's proof covers the Welcome it sends
             welcome.proof = handshake.proof(credential.key, "node", auth.welcome_digest(welcome))
@@ -246,7 +282,8 @@ class Session:
             raise AuthenticationError("access id or key refused")
         self.credential = credential
         self.tenant = credential.tenant
-        self.services.registry.admit(self)  # the tenant's connection cap
+        if self.tenant is not None:
+            self.account = self.services.accounts.account_of(self.tenant.tag)
         return credential
 
     def _welcome(self) -> msg.Welcome:
@@ -279,6 +316,21 @@ class Session:
     # -- dispatch -------------------------------------------------------------------------
 
     async def _serve(self, header: FrameHeader) -> None:
+        if self.channel.rbuf.holds(header.meta_len):
+            await self._serve_frame(header)
+            return
+        # A frame larger than the read-ahead: its metadata's own buffer is charged to the
+        # tenant while the request is served (waiting, within the frame's deadline, for
+        # room in its budget).
+        registry = self.services.registry
+        try:
+            await registry.wait_for_buffer(self, header.meta_len, FRAME_TIMEOUT_S)
+        except TimeoutError:
+            raise TransferTimeout("the tenant's buffer budget stayed spent") from None
+        with registry.frame_buffer(self, header.meta_len):
+            await self._serve_frame(header)
+
+    async def _serve_frame(self, header: FrameHeader) -> None:
         started = time.perf_counter()
         op_name = _op_name(header.op)
         meta = await self._recv_meta(header)
@@ -311,7 +363,7 @@ class Session:
         finally:
             self.services.metrics.observe_op(op_name.lower(), time.perf_counter() - started)
 
-    async def _recv_meta(self, header: FrameHeader) -> bytes:
+    async def _recv_meta(self, header: FrameHeader) -> bytes | bytearray:
         """A request's metadata, which a slow writer gets FRAME_TIMEOUT_S to finish."""
         if self.channel.rbuf.num_buffered >= header.meta_len:  # the usual case: no wait
             return await self.channel.recv_meta(header.meta_len)
@@ -321,7 +373,7 @@ class Session:
         except TimeoutError:
             raise TransferTimeout("timed out receiving a request") from None
 
-    def _decode(self, header: FrameHeader, meta: bytes, op_name: str) -> Any:
+    def _decode(self, header: FrameHeader, meta: bytes | bytearray, op_name: str) -> Any:
         """The request, scoped to the connection's tenant, if it may send it."""
         request = decode_request(header.op, meta)
         self._check_permitted(header.op, op_name)
@@ -398,7 +450,7 @@ class Session:
     async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):
             raise BadRequest("keys and sizes differ in length")
-        await self._writeback_room(req.sizes)
+        await self._writeback_room(req.keys, req.sizes)
         with self._evicting():
             result = self.store.reserve(req.keys, req.sizes, self.owner, req.lease_ms / 1000)
         response = msg.ReserveResponse(
@@ -409,16 +461,18 @@ class Session:
         )
         await self._reply(header, Op.RESERVE, response)
 
-    async def _writeback_room(self, sizes: list[int]) -> None:
+    async def _writeback_room(self, keys: Sequence[bytes], sizes: list[int]) -> None:
         """A write that may evict waits (bounded) while the disk's write-back is behind, so
-        that what it evicts is written to disk rather than refused (issue 29, point 6)."""
+        that what it evicts is written to disk rather than refused (issue 29, point 6).  A
+        write that evicts nothing does not wait: another tenant's evictions filling the
+        write-back never hold up a write within its own quota and the arena's room."""
         writeback = self.tiers.lower.writeback
-        if writeback is not None:
+        if writeback is not None and self.store.would_evict(keys, sizes):
             deadline = asyncio.get_running_loop().time() + MAX_BACKPRESSURE_S
             await writeback.wait_for_room(sum(sizes), deadline)
 
     async def _area(self, header: FrameHeader, req: msg.AreaRequest) -> None:
-        await self._writeback_room([req.num_bytes])
+        await self._writeback_room((), [req.num_bytes])
         area = self.store.reserve_area(req.num_bytes, self.owner, req.lease_ms / 1000)
         response = _area_response(area)
         if response is None:
@@ -454,7 +508,7 @@ class Session:
         if problem:
             await self._skip(header.payload_len)
             raise BadRequest(problem)
-        await self._writeback_room(req.sizes)
+        await self._writeback_room(req.keys, req.sizes)
         with self._evicting():
             result = self.store.reserve(req.keys, req.sizes, self.owner)
         statuses = list(result.statuses)
@@ -568,14 +622,12 @@ class Session:
             )
             await self._reply(header, Op.LOOKUP, response)
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.wait(req.wait_ms / 1000)
-        while True:
-            num_prefix, pending, in_tiers = tiers.lookup(keys)
-            remaining = deadline - loop.time()
-            if num_prefix == len(keys) or remaining <= 0 or not (pending or req.wait_absent):
-                break
-            await self.services.changes.wait(remaining)
+        wait_s = self.limits.wait(req.wait_ms / 1000)
+        if wait_s and len(set(keys)) != len(keys):
+            raise BadRequest("a lookup that waits names each key once")
+        num_prefix, pending, in_tiers = tiers.lookup(keys)
+        if wait_s and num_prefix < len(keys) and (pending or req.wait_absent):
+            num_prefix, pending, in_tiers = await self._park(req, num_prefix, wait_s)
         tiers.record_lookup(keys, num_prefix, in_tiers)
         if req.prefetch_ms and any(in_tiers):  # the hint of a request still queued
             tiers.prefetch(keys[:num_prefix], self.limits.hold(req.prefetch_ms / 1000))
@@ -583,6 +635,32 @@ class Session:
             num_prefix=num_prefix, num_pending=int(pending), tiers=in_tiers
         )
         await self._reply(header, Op.LOOKUP, response)
+
+    async def _park(
+        self, req: msg.LookupRequest, num_prefix: int, wait_s: float
+    ) -> tuple[int, bool, bytes]:
+        """Wait, up to ``wait_s``, for the keys after the prefix found: parked on the key the
+        prefix stops at, and woken only when that key changes, to go on from there (each
+        wake costs what it finds).  Its keys count against the tenant's parked keys while
+        it waits; a lookup past that budget answers at once.  The answer is a lookup of
+        them all once it is done waiting: the prefix as it is then."""
+        keys, tiers = req.keys, self.tiers
+        accounts, account = self.services.accounts, self.account
+        if not accounts.charge(account, Resource.PARKED_KEYS, len(keys)):
+            return tiers.lookup(keys)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        try:
+            pending = True
+            while num_prefix < len(keys) and (pending or req.wait_absent):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                await self.services.changes.wait(keys[num_prefix], remaining)
+                num_prefix, pending, _ = tiers.lookup(keys, start=num_prefix)
+        finally:
+            accounts.credit(account, Resource.PARKED_KEYS, len(keys))
+        return tiers.lookup(keys)
 
     async def _prefetch(self, header: FrameHeader, req: msg.PrefetchRequest) -> None:
         hold_s = self.limits.hold(req.hold_ms / 1000)
@@ -614,7 +692,15 @@ class Session:
                 raise BadRequest("a tenant's connection cannot name an engine to routers")
             if not attach(req.namespace_id, req.engine):
                 raise BadRequest("too many engines registered with this node")
-        self.store.describe(req.namespace_id, req.label)
+        try:
+            self.store.describe(req.namespace_id, req.label)
+        except QuotaExceeded:
+            # Past the tenant's rate: refused once a label change would have come back to
+            # it (at most a second), so that a stream of them costs the node about one
+            # request a second on that connection, not one per round trip.
+            rate = self.services.accounts.budgets.label_changes_per_s
+            await asyncio.sleep(min(1.0, 1.0 / rate))
+            raise
         await self._reply(header, Op.DESCRIBE, msg.Empty())
 
     async def _stats(self, header: FrameHeader, req: msg.Empty) -> None:

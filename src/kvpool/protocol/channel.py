@@ -124,7 +124,11 @@ class SyncChannel:
         self._fill(HEADER_BYTES)
         return parse_header(self.rbuf.take(HEADER_BYTES))
 
-    def recv_meta(self, num_bytes: int) -> bytes:
+    def recv_meta(self, num_bytes: int) -> bytes | bytearray:
+        if not self.rbuf.holds(num_bytes):  # a buffer of its own, dropped after the frame
+            meta = bytearray(num_bytes)
+            self.recv_into(memoryview(meta))
+            return meta
         self._fill(num_bytes)
         return self.rbuf.take(num_bytes)
 
@@ -167,13 +171,15 @@ class AsyncChannel:
         loop: asyncio.AbstractEventLoop | None = None,
         *,
         buffer_bytes: int = RecvBuffer.INITIAL_BYTES,
+        grows: bool = True,
     ):
-        """``buffer_bytes``: the read-ahead buffer to start with (it grows as frames need:
-        a node starts its sessions small, so an unauthenticated peer costs little)."""
+        """``buffer_bytes``: the read-ahead buffer to start with; ``grows``: whether it grows
+        with the frames it receives, or keeps its size (:class:`RecvBuffer`: a node's
+        sessions start small, so an unauthenticated peer costs little, and never grow)."""
         sock.setblocking(False)
         self.sock = sock
         self.loop = loop or asyncio.get_running_loop()
-        self.rbuf = RecvBuffer(buffer_bytes)
+        self.rbuf = RecvBuffer(buffer_bytes, grows=grows)
         self._fd = sock.fileno()
         self._tls = isinstance(sock, ssl.SSLSocket)
         # The socket stays registered for reading from one request to the next (see
@@ -181,6 +187,7 @@ class AsyncChannel:
         # registration, and no poll handle made and closed, per request.
         self._read_waiter: asyncio.Future[None] | None = None
         self._is_watching = False
+        self.num_read_waits = 0  # times a read waited for the socket (see recv_header)
 
     async def handshake(self) -> None:
         """Complete a TLS handshake (a no-op on a plain socket)."""
@@ -213,6 +220,7 @@ class AsyncChannel:
         unread data never spins the loop."""
         future = self.loop.create_future()
         self._read_waiter = future
+        self.num_read_waits += 1
         if not self._is_watching:
             self.loop.add_reader(self._fd, self._on_readable)
             self._is_watching = True
@@ -266,7 +274,11 @@ class AsyncChannel:
         await self._fill(HEADER_BYTES)
         return parse_header(self.rbuf.take(HEADER_BYTES))
 
-    async def recv_meta(self, num_bytes: int) -> bytes:
+    async def recv_meta(self, num_bytes: int) -> bytes | bytearray:
+        if not self.rbuf.holds(num_bytes):  # a buffer of its own, dropped after the frame
+            meta = bytearray(num_bytes)
+            await self.recv_into(memoryview(meta))
+            return meta
         await self._fill(num_bytes)
         return self.rbuf.take(num_bytes)
 

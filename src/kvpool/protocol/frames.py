@@ -151,15 +151,21 @@ class RecvBuffer:
     ``writable()`` hands out the free tail for ``recv_into``; ``produced(n)`` accounts for
     what arrived; ``take(n)`` returns buffered bytes; ``drain_into(view)`` moves buffered
     bytes into a payload destination.
+
+    A buffer that does not ``grow`` (the daemon's: one per connection, for as long as the
+    connection lasts) keeps its capacity: a frame's metadata larger than that is read into
+    a buffer of its own, dropped once the frame is decoded (:meth:`holds` says which).  A
+    client's grows with the largest frame it received.
     """
 
     INITIAL_BYTES = 256 << 10
 
-    def __init__(self, capacity: int = INITIAL_BYTES):
+    def __init__(self, capacity: int = INITIAL_BYTES, *, grows: bool = True):
         self._buf = bytearray(capacity)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self.grows = grows
 
     @property
     def capacity(self) -> int:
@@ -169,6 +175,10 @@ class RecvBuffer:
     @property
     def num_buffered(self) -> int:
         return self._end - self._start
+
+    def holds(self, num_bytes: int) -> bool:
+        """Whether ``num_bytes`` of metadata are read here (else: into a buffer of their own)."""
+        return self.grows or num_bytes <= len(self._buf)
 
     def writable(self, want: int) -> memoryview:
         """Free space for at least ``want`` more buffered bytes (compacting or growing)."""

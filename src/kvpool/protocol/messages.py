@@ -57,7 +57,7 @@ import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin, EngineRef
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
-from kvpool.stats import FormatStats, NamespaceStats, PrefetchStats, TierStats
+from kvpool.stats import AccountStats, FormatStats, NamespaceStats, PrefetchStats, TierStats
 
 PROTOCOL_VERSION = 3  # 2: sealed commits; 3: proofs bound to the connection and Welcome
 SUPPORTED_VERSIONS = (3,)
@@ -71,6 +71,7 @@ MAX_WAIT_MS = int(MAX_WAIT_S * 1000)
 MAX_LEASE_MS = 600_000
 MAX_NAME_LEN = 256
 MAX_TIERS = 8
+MAX_ACCOUNTS = 1024  # a tenants file's tenants, at most (kvpool.tenants.MAX_TENANTS)
 MAX_MESSAGE_LEN = 4096
 NONCE_BYTES = 32
 CHECKSUM_BYTES = 8
@@ -420,6 +421,12 @@ class NodeStats(Message):
     heap_bytes: int = 0
     release: str = ""  # the node's kvpool release ("": 0.1.0, before it was announced)
     formats: Annotated[list[FormatStats], msgspec.Meta(max_length=16)] = []
+    # Each tenant's use of each budget (kvpool.store.accounts), its arena bytes and quota
+    # among them; in a tenant's view, its own only.
+    accounts: Annotated[list[AccountStats], msgspec.Meta(max_length=MAX_ACCOUNTS)] = []
+    # Connections still in their handshake, and those closed to make room for newer ones.
+    num_strangers: int = 0
+    strangers_evicted: int = 0
 
 
 class Health(Message):

@@ -16,6 +16,12 @@
 - ``/admin/engines``: list (GET), add (POST ``{"url", "role", "node", "tenants"}``) and
   remove (DELETE ``?url=…``; drained first) engines at run time.
 
+Nothing before authentication: with ``--tenants`` a completion's credential is checked
+from its headers before a byte of its body is read, and a body is read only up to
+``--max-body`` (4 MiB) and parsed off the event loop, at most ``--max-parsing`` of one
+tenant's at a time (of everyone's without tenants): a stranger costs the router a header,
+and a tenant its own bounded share.
+
 Who may use what: with ``--tenants``, completions take a tenant's credential, and
 ``/admin/*`` and ``/metrics`` only the cluster's (the tenants file's ``[cluster]``; a
 tenant's is refused): an engine added by anyone else would receive every tenant's
@@ -32,10 +38,12 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -47,7 +55,7 @@ from prometheus_client import (
 )
 
 from kvpool.errors import ConfigError
-from kvpool.tenants import Registry
+from kvpool.tenants import Credential, Registry
 from kvpool.tls import CertFiles
 
 from .config import RouterSettings, check_engine, engine_from
@@ -57,8 +65,11 @@ from .prefix import PrefixLocator
 
 log = logging.getLogger("kvpool.router")
 
-MAX_BODY_BYTES = 32 << 20
+# Bodies of other routes (``/admin/*``): small JSON.
+MAX_ADMIN_BODY_BYTES = 64 << 10
 MAX_IDLE_PER_ENGINE = 16  # idle upstream connections kept per engine
+PARSE_THREADS = 2  # bodies parsed at once, off the event loop
+INLINE_PARSE_BYTES = 64 << 10  # a body this small is parsed on the event loop (microseconds)
 RETRY_BACKOFF_S = 0.1  # before retrying the only engine of a role; doubles per attempt
 # An idle upstream connection is closed before the engine would close it (uvicorn, which
 # serves vLLM, does after 5 s): a request sent as the engine closes it fails for nothing.
@@ -102,6 +113,14 @@ class BoundedIdleConnector(aiohttp.TCPConnector):
 
 class UpstreamFailed(Exception):
     """An engine failed before sending the first byte of its answer (so: retry)."""
+
+
+class BadBody(Exception):
+    """A request's body the router refuses: its HTTP status and why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Router:
@@ -168,6 +187,10 @@ class Router:
             registry=self.registry,
         )
         self._session: aiohttp.ClientSession | None = None
+        # Bodies read and parsed now, per tenant ("" without tenants), and the threads
+        # that parse them: a tenant waits for its own, never for another's.
+        self._parsing: dict[str, asyncio.Semaphore] = {}
+        self._parser = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kvpool-parse")
 
     async def start(self) -> None:
         connector = BoundedIdleConnector(
@@ -183,38 +206,40 @@ class Router:
         await self.engines.stop()
         if self._session is not None:
             await self._session.close()
+        self._parser.shutdown(wait=False)
 
     # -- completions ------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
         route = request.path
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return self._error(route, 400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return self._error(route, 400, "the request body must be a JSON object")
-        session = request.headers.get(self.config.session_header.lower(), "") or str(
-            body.get("user") or ""
-        )
-        routed = RoutedRequest(route, body, session=session)
-        routed.notes["raw"] = raw  # forwarded as received: no second serialization
-        tenant: str | None = None
+        # Who asks, from the headers alone: nothing of the body is read before.
+        credential: Credential | None = None
         if self.tenants is not None:
             credential = self.tenants.authenticate(request.headers.get("Authorization", ""))
             if credential is None:
                 return self._error(route, 401, "a tenant's credential is needed: ID:KEY")
             if credential.tenant is None:  # every engine serves one tenant, none the cluster
                 return self._error(route, 403, "completions take a tenant's credential")
+            if not self.engines.serving(credential.tenant.name):
+                name = credential.tenant.name
+                return self._error(route, 403, f"no engine serves tenant {name!r}")
+        try:
+            raw, body = await self._read_body(request, credential)
+        except BadBody as exc:
+            return self._error(route, exc.status, str(exc))
+        session = request.headers.get(self.config.session_header.lower(), "") or str(
+            body.get("user") or ""
+        )
+        routed = RoutedRequest(route, body, session=session)
+        routed.notes["raw"] = raw  # forwarded as received: no second serialization
+        tenant: str | None = None
+        if credential is not None and credential.tenant is not None:
             # Each candidate serves this tenant alone, and its connector saves under this
             # tenant's credential: the namespaces the cache-aware scoring reads are the ones
             # the candidates write.
             routed.notes["tenant"] = credential.tenant
             tenant = routed.notes["tenant_name"] = credential.tenant.name
-            if not self.engines.serving(tenant):
-                return self._error(route, 403, f"no engine serves tenant {tenant!r}")
         if self.engines.is_disaggregated(tenant):
             await self._prefill(routed, request)
         candidates = self._decode_candidates(tenant)
@@ -233,6 +258,37 @@ class Router:
                 ),
             )
         return await self._forward(request, routed, ordered, arrived)
+
+    async def _read_body(
+        self, request: web.Request, credential: Credential | None
+    ) -> tuple[bytes, dict[str, Any]]:
+        """The body, read and parsed within its tenant's bound (:class:`BadBody` if too
+        large, too slow, or not a JSON object): a tenant's bodies wait for each other, up
+        to ``max_parsing`` at a time, and are parsed off the event loop."""
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BadBody(413, f"the request body is larger than {limit} bytes")
+        who = credential.tenant.name if credential and credential.tenant else ""
+        bound = self._parsing.get(who)
+        if bound is None:
+            bound = self._parsing[who] = asyncio.Semaphore(self.config.max_parsing)
+        async with bound:
+            try:
+                async with asyncio.timeout(self.config.body_timeout):
+                    raw = await _read_at_most(request.content, limit)
+            except TimeoutError:
+                raise BadBody(408, "the request body did not arrive in time") from None
+            try:
+                if len(raw) <= INLINE_PARSE_BYTES:  # microseconds: not worth a thread's hop
+                    body = msgspec.json.decode(raw)
+                else:
+                    loop = asyncio.get_running_loop()
+                    body = await loop.run_in_executor(self._parser, msgspec.json.decode, raw)
+            except msgspec.DecodeError:
+                raise BadBody(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise BadBody(400, "the request body must be a JSON object")
+        return raw, body
 
     def _prefetch(self, engine: Engine, routed: RoutedRequest) -> None:
         """Off the request's path: the chosen engine's node starts bringing the prompt's
@@ -477,7 +533,9 @@ class Router:
         return await handler(request)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._operators_only])
+        app = web.Application(
+            client_max_size=MAX_ADMIN_BODY_BYTES, middlewares=[self._operators_only]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -494,6 +552,18 @@ class Router:
 
         app.cleanup_ctx.append(lifecycle)
         return app
+
+
+async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """A body of at most ``limit`` bytes (:class:`BadBody` 413 past it, read no further)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await stream.read(limit + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise BadBody(413, f"the request body is larger than {limit} bytes")
+    return b"".join(chunks)
 
 
 def _forward_headers(request: web.Request, *, drop: frozenset[str] = frozenset()) -> dict[str, str]:
@@ -513,7 +583,12 @@ async def serve(
 ) -> None:
     """Serve until cancelled.  Client disconnects cancel their handlers (and so the upstream
     requests).  With ``tls``, HTTPS, its certificate reloaded when the files change."""
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    # A request refused before its body was read (no credential, too large) closes its
+    # connection: the router reads nothing more of it (aiohttp would read and discard up
+    # to 10 s of it, for a stranger).
+    runner = web.AppRunner(
+        router.app(), handler_cancellation=True, access_log=None, lingering_time=0
+    )
     await runner.setup()
     context = tls.context if tls is not None else None
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True, ssl_context=context)

@@ -63,6 +63,13 @@ class RouterSettings:
     # A tenants file (kvpool.tenants): requests must carry a tenant's credential; the
     # router reaches the nodes as the cluster (KVPOOL_ACCESS_ID / KVPOOL_ACCESS_KEY).
     tenants: str = ""
+    # A completion's body: at most this many bytes (a long prompt is a few MiB of text),
+    # read and parsed for at most ``max_parsing`` requests of one tenant at a time (of
+    # everyone's, without tenants), off the event loop, each body within
+    # ``body_timeout`` seconds.
+    max_body_bytes: int = 4 << 20
+    max_parsing: int = 4
+    body_timeout: float = 30.0
     engines: list[Engine] = field(default_factory=list)
 
 
@@ -175,6 +182,10 @@ def settings_from(
         raise ConfigError("the cache_aware policy needs --tokenizer (the model's tokenizer)")
     if not 0 <= settings.prefetch_hold <= 600:
         raise ConfigError("--prefetch-hold must be 0-600 seconds")
+    if not 1024 <= settings.max_body_bytes <= 32 << 20:
+        raise ConfigError("--max-body must be 1 KiB to 32 MiB")
+    if settings.max_parsing < 1 or settings.body_timeout <= 0:
+        raise ConfigError("--max-parsing must be at least 1, --body-timeout positive")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     check_plaintext(settings.host, bool(settings.tls_cert), settings.insecure, "the router")

@@ -6,9 +6,12 @@ Rules:
   arena ``0o660``: only the daemon's user and group can map it.
 - The daemon holds an exclusive ``flock`` on the node directory for its whole life; a
   directory somebody holds is refused.
-- The node directory must be the daemon's user's, and the directory above it the daemon's
-  user's or root's (``/dev/shm`` itself: root's, sticky): a directory another local user
-  created first (to swap the Unix socket, or read the arena) is refused, never used.
+- The node directory must be the daemon's user's, and every directory above it root's or
+  the daemon's user's, which nobody else may rename entries in (``/dev/shm``: root's,
+  sticky; :func:`kvpool.dirs.check_owned`): a directory another local user created first,
+  or could swap (to plant the Unix socket, or read the arena), is refused, never used.
+- The arena is opened relative to the node directory's descriptor, never through a
+  symbolic link.
 - An arena left by an earlier daemon (a crash, ``kill -9``, an upgrade) is kept and mapped
   again if it has the size asked for, so that its blocks can be adopted (see
   :mod:`kvpool.store.journal`); otherwise, or with ``fresh``, it is replaced.
@@ -37,7 +40,7 @@ import struct
 from pathlib import Path
 
 from kvpool.config import PAGE_BYTES, format_size
-from kvpool.dirs import DirLock, check_owned
+from kvpool.dirs import DirLock, check_owned, open_in
 from kvpool.errors import ConfigError
 from kvpool.formats import ARENA, RELEASE, STAMP_BYTES, Stamp, pack_stamp, unpack_stamp
 from kvpool.mapping import map_shared
@@ -55,13 +58,17 @@ class NodeDirLock:
     def __init__(self, node_dir: Path):
         self.node_dir = node_dir
         node_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        check_owned(node_dir.parent, allow_root=True)
         check_owned(node_dir)
         os.chmod(node_dir, DIR_MODE)
         self._lock = DirLock(
             node_dir,
             f"another kvpool daemon is running in {node_dir}; stop it or use another --name",
         )
+
+    @property
+    def fd(self) -> int:
+        """The node directory's descriptor: its files are opened relative to it."""
+        return self._lock.fd
 
     def release(self) -> None:
         self._lock.release()
@@ -70,23 +77,39 @@ class NodeDirLock:
 class Arena:
     """A mapped shared-memory file of ``num_bytes`` (a multiple of the page size)."""
 
-    def __init__(self, path: Path, num_bytes: int, *, hugepages: bool = False, fresh: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        num_bytes: int,
+        *,
+        hugepages: bool = False,
+        fresh: bool = False,
+        dir_fd: int | None = None,
+    ):
+        """``dir_fd``: the node directory's descriptor, which ``path`` is opened relative
+        to (its name only; None: by ``path``)."""
         self.path = path
         self.num_bytes = round_up(num_bytes, PAGE_BYTES)
         self.arena_id = secrets.token_bytes(16)
         file_bytes = self.num_bytes + HEADER_BYTES
+        self.is_kept = False
+        self._dir_fd = dir_fd
+        self._name = path.name if dir_fd is not None else str(path)
         # The caller holds the node directory lock: what is here was left by an earlier daemon.
-        kept_bytes = path.stat().st_size if path.exists() else 0
-        if kept_bytes and (fresh or kept_bytes not in (self.num_bytes, file_bytes)):
-            path.unlink()
-            kept_bytes = 0
-        self.is_kept = bool(kept_bytes)
-        # What the header said (checked before a byte changes: a refused arena stays whole);
-        # None for a new arena.
-        self.found = _read_stamp(path, self.num_bytes) if self.is_kept else None
+        size = self._size()
+        if size is not None and (fresh or size not in (self.num_bytes, file_bytes)):
+            self._unlink()
+        self.is_kept = self._size() is not None
         if not self.is_kept:
             _check_free_space(path.parent, file_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, ARENA_MODE)
+        fd = open_in(dir_fd, self._name, os.O_RDWR | os.O_CREAT, ARENA_MODE)
+        # What the header said (checked before a byte changes: a refused arena stays whole);
+        # None for a new arena.
+        try:
+            self.found = _read_stamp(fd, self.num_bytes, path) if self.is_kept else None
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             os.fchmod(fd, ARENA_MODE)
             try:
@@ -114,7 +137,7 @@ class Arena:
         except BaseException:
             os.close(fd)
             if not self.is_kept:
-                path.unlink(missing_ok=True)
+                self._unlink()
             raise
         self._fd = fd
         self.view = memoryview(self._mmap)
@@ -123,6 +146,17 @@ class Arena:
         """Stamp a kept arena with this release's format (migrating it in place, O(1))."""
         if self.found is not None and self.found != Stamp(ARENA.version, RELEASE):
             _write_header(self._fd, self.num_bytes)
+
+    def _size(self) -> int | None:
+        """The size of the file there now, if there is one."""
+        try:
+            return os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return None
+
+    def _unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._name, dir_fd=self._dir_fd)
 
     def slice(self, offset: int, num_bytes: int) -> memoryview:
         return self.view[offset : offset + num_bytes]
@@ -137,16 +171,14 @@ class Arena:
         os.close(self._fd)
         self._fd = -1
         if remove:
-            self.path.unlink(missing_ok=True)
+            self._unlink()
 
 
-def _read_stamp(path: Path, num_bytes: int) -> Stamp:
-    """The format of the arena at ``path`` (of ``num_bytes`` without its header): the
-    header page's, or the previous format's where there is none (the file is exactly
-    ``num_bytes``, or its header page was added and not yet written: all zeros)."""
-    with open(path, "rb") as f:
-        f.seek(num_bytes)
-        header = f.read(STAMP_BYTES + HEADER_SIZE.size)
+def _read_stamp(fd: int, num_bytes: int, path: Path) -> Stamp:
+    """The format of the arena open at ``fd`` (``path``, of ``num_bytes`` without its
+    header): the header page's, or the previous format's where there is none (the file is
+    exactly ``num_bytes``, or its header page was added and not yet written: all zeros)."""
+    header = os.pread(fd, STAMP_BYTES + HEADER_SIZE.size, num_bytes)
     if len(header) < STAMP_BYTES + HEADER_SIZE.size or not any(header):
         return Stamp(1, "")  # the previous format's: no header
     stamp = unpack_stamp(header, HEADER_MAGIC, ARENA, path)

@@ -36,10 +36,17 @@ Rules (each has a test in tests/store/test_pool.py):
 15. Reservations, pins, write areas and prefetch holds are leases of one ledger: its
     ``expire`` (:meth:`BlockStore.expire`) ends each kind the way it ends, and a
     disconnecting owner's leases of every kind end together (:meth:`release_owner`).
+16. Every call that appends to the journal advances its compaction (rule 6 of the journal),
+    and counts what it appended to the account of the keys' tenant
+    (:mod:`kvpool.store.accounts`); a label is printable text, and a tenant's label changes
+    are rate-limited there (``QuotaExceeded`` past the rate).
+17. ``on_change`` hears the keys whose presence a waiting lookup may wait for: blocks
+    committed, and reservations that ended without a commit (never a rescan of all).
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,9 +55,10 @@ import numpy as np
 
 from kvpool.config import PAGE_BYTES, page_bytes
 from kvpool.directory import DirectoryWriter, NoDirectory
-from kvpool.errors import BadRequest, LeaseExpired, Status
+from kvpool.errors import BadRequest, LeaseExpired, QuotaExceeded, Status
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import LeaseLimits
+from kvpool.store.accounts import Accounts, Resource
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator
 from kvpool.store.areas import WriteAreas
 from kvpool.store.block import (
@@ -70,7 +78,7 @@ from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.index import KEY_WIDTH, BlockIndex, counted_prefixes
 from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
-from kvpool.store.namespaces import NamespaceTable
+from kvpool.store.namespaces import NamespaceTable, is_label
 from kvpool.store.quotas import Quotas
 from kvpool.store.space import Space
 from kvpool.tenants import TAG_BYTES
@@ -80,6 +88,7 @@ Clock = Callable[[], float]
 WALK_STEP = 4096
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
 Checksums = Sequence[int | None]  # per block (None: drop it)
+OnChange = Callable[[Sequence[bytes]], None]  # the keys whose presence changed
 
 
 class BlockStore:
@@ -97,13 +106,15 @@ class BlockStore:
         spill: SpillTarget | None = None,
         directory: DirectoryWriter | NoDirectory | None = None,
         events: StoreEvents | None = None,
-        on_change: Callable[[], None] | None = None,
+        on_change: OnChange | None = None,
+        accounts: Accounts | None = None,
         clock: Clock = time.monotonic,
     ):
         """``ledger``: the node's lease ledger, shared with its prefetch holds (else the
         store keeps one of its own under ``leases``); ``events``: told of every block that
-        becomes visible or leaves; ``on_change``: called after any change a waiting lookup
-        may be waiting for."""
+        becomes visible or leaves; ``on_change``: told of the keys a waiting lookup may be
+        waiting for (rule 17); ``accounts``: the node's account ledger (rule 16; else one of
+        the store's own, with no tenants)."""
         self.allocator = allocator or SegregatedFitAllocator(capacity)
         self.capacity = self.allocator.capacity
         self.eviction = eviction if eviction is not None else LRUPolicy()
@@ -115,6 +126,7 @@ class BlockStore:
         self.counters = StoreCounters()
         self.namespaces = NamespaceTable()
         self.on_change = on_change
+        self.accounts = accounts if accounts is not None else Accounts()
         # The index: committed blocks (millions: rows of columns), and pending ones
         # (reserved, not committed yet: few, objects); a key is in one of them at most.
         self.index = BlockIndex(self.capacity // PAGE_BYTES)
@@ -196,7 +208,8 @@ class BlockStore:
             counted_prefixes(self.index, slots, NAMESPACE_ID_BYTES, sizes).items()
         )
         for namespace_id, label in replayed.labels.items():
-            self.describe(namespace_id, label, journal=False)
+            if is_label(label):  # an older daemon's journal may hold one that is not
+                self.describe(namespace_id, label, journal=False)
         self.counters.adopted = len(slots)
         self.counters.puts = 0
         self.namespaces.reset_puts()
@@ -219,8 +232,11 @@ class BlockStore:
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         statuses, wanted = self._admit(keys, sizes)
+        evictions = self.counters.evictions
         offsets = self.space.allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
         blocks = self._add_pending(keys, sizes, statuses, wanted, offsets)
+        if self.counters.evictions != evictions:
+            self._compact_journal()  # its evictions appended
         if held:
             granted = deadline = LeaseLedger.no_deadline()
         else:
@@ -230,6 +246,15 @@ class BlockStore:
         reservation_id = self.ledger.new_id()
         self._reservations.add(reservation_id, Reservation(reservation_id, owner, blocks, deadline))
         return ReserveResult(reservation_id, statuses, blocks, granted)
+
+    def would_evict(self, keys: Sequence[bytes], sizes: Sequence[int]) -> bool:
+        """Whether writing blocks of ``sizes`` (for ``keys``: one tenant's, as a request's
+        are; none for a write area) may evict: the arena would pass its high watermark, or
+        the keys' tenant its quota.  O(blocks named)."""
+        num_bytes = sum(page_bytes(size) for size in sizes)
+        if self.allocator.used + num_bytes > self.space.high_watermark * self.capacity:
+            return True
+        return self.quotas is not None and bool(keys) and self.quotas.room(keys[0], num_bytes) > 0
 
     def reserve_area(self, num_bytes: int, owner: int, lease_s: float = 0.0) -> Area | None:
         """A write area for ``owner`` (rule 14: see :mod:`kvpool.store.areas`)."""
@@ -324,18 +349,20 @@ class BlockStore:
                 result.statuses.append(Status.NOT_FOUND)
             elif checksum is None:
                 self.journal.removed([block.key])  # a FILLED record may name it
+                self._count_journal(block.key)
                 self._fail(block)
                 result.statuses.append(Status.NOT_FOUND)
             else:
                 if origins is not None:
                     block.origin = origins[i]
                 self._commit(block, checksum)
+                self._count_journal(block.key)
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
         self.space.trim()
         self._compact_journal()
-        self._changed()
+        self._changed([b.key for b in blocks if b is not None])
         return result
 
     def abort(self, reservation_id: int, owner: int) -> None:
@@ -349,7 +376,7 @@ class BlockStore:
         for block in reservation.blocks:
             if block is not None:
                 self._fail(block)
-        self._changed()
+        self._changed([b.key for b in reservation.blocks if b is not None])
 
     def _commit(self, block: Block, checksum: int) -> None:
         """A pending block becomes a row of the index (the object goes, once told of)."""
@@ -404,11 +431,15 @@ class BlockStore:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], *, count: bool = True) -> tuple[int, bool]:
-        """The length of the longest committed prefix, and whether the next key is pending."""
+    def lookup(
+        self, keys: Sequence[bytes], *, count: bool = True, start: int = 0
+    ) -> tuple[int, bool]:
+        """The length of the longest committed prefix, and whether the next key is pending
+        (``start``: the first ``start`` keys are known to be held: the walk begins after
+        them, and counts only what it walks)."""
         find = self.index.find
-        num_prefix = 0
-        for key in keys:
+        num_prefix = start
+        for key in itertools.islice(keys, start, None):
             if find(key) < 0:
                 break
             num_prefix += 1
@@ -536,6 +567,8 @@ class BlockStore:
             else:
                 self._remove(slot)
                 statuses.append(Status.OK)
+        if Status.OK in statuses:
+            self._compact_journal()
         return statuses
 
     def report_corrupt(self, keys: Sequence[bytes]) -> list[Status]:
@@ -551,6 +584,7 @@ class BlockStore:
         index.unlink(slot)
         self.eviction.remove(slot)
         self.journal.removed([key])
+        self._count_journal(key)
         origin = self._origins.pop(key, None)
         spill = self.spill if evicted else None
         if spill is not None or self.events is not None:
@@ -591,17 +625,39 @@ class BlockStore:
     # -- introspection --------------------------------------------------------------------
 
     def describe(self, namespace_id: bytes, label: str, *, journal: bool = True) -> None:
-        if self.namespaces.label(namespace_id, label) and journal:
+        """Set a namespace's label (printable text, else :class:`BadRequest`); a change is
+        a journal record, which the namespace's tenant may make at its rate (rule 16:
+        :class:`QuotaExceeded` past it).  ``journal=False``: one the journal replayed."""
+        if not self.namespaces.would_change(namespace_id, label):
+            return
+        account = self.accounts.account_of(namespace_id)
+        if journal and not self.accounts.charge(account, Resource.LABEL_CHANGES):
+            raise QuotaExceeded(
+                f"too many label changes: at most {self.accounts.budgets.label_changes_per_s:g} "
+                "a second"
+            )
+        self.namespaces.label(namespace_id, label)
+        if journal:
             self.journal.labelled(namespace_id, label)
+            size = self.journal.record_bytes(namespace_id, label)
+            self.accounts.count(account, Resource.JOURNAL_BYTES, size)
+            self._compact_journal()
+
+    def _count_journal(self, key: bytes) -> None:
+        """Count a block record appended for ``key`` to its tenant's journal bytes."""
+        size = self.journal.record_bytes(key)
+        if size:
+            self.accounts.count(self.accounts.account_of(key), Resource.JOURNAL_BYTES, size)
 
     def _compact_journal(self) -> None:
         """Start a compaction of the journal when it needs one, and advance the one under
-        way by a step (a bounded number of records per commit: see :meth:`Journal.compact_step`)."""
+        way by a step (a bounded number of records per call that appended: see
+        :meth:`Journal.compact_step`)."""
         journal = self.journal
         if not journal.compacting and journal.needs_compaction(len(self.index)):
             journal.start_compaction(self._recency_order(), self.namespaces.labels())
-        if journal.compacting:
-            journal.compact_step(self._entry)
+        if journal.compacting and journal.compact_step(self._entry):
+            self.accounts.reset(Resource.JOURNAL_BYTES)  # what is appended from here on
 
     def _recency_order(self) -> np.ndarray:
         """Every live slot, least recently used first (the order a restart's LRU takes up
@@ -660,6 +716,6 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self.index)
 
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+    def _changed(self, keys: Sequence[bytes]) -> None:
+        if self.on_change is not None and keys:
+            self.on_change(keys)

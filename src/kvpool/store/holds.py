@@ -8,8 +8,10 @@ vLLM first sees a request) names the blocks a request will read.  Each is *held*
 - eviction skips held blocks (:class:`QueueAwareEviction`): it takes every block no queued
   request needs before any block one does, and a held block not at all before its hold
   lapses;
-- bounded: at most ``max_bytes`` are held at once (half the DRAM); a hold past that is
-  refused, so holds can never fill the store or stop it from taking writes.
+- bounded: at most ``max_bytes`` are held at once (half the DRAM), and each tenant at
+  most its share of that, within its quota (its account's ``HELD_BYTES``,
+  :mod:`kvpool.store.accounts`); a hold past either is refused, so holds can never fill
+  the store or stop it from taking writes, and no tenant's holds take another's share.
 
 Counters say whether prefetching pays: of the blocks a prefetch brought up from a lower
 tier, how many were read while held (*useful*) and how many lapsed or left unread
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.store.accounts import Accounts, Resource
 from kvpool.store.eviction import Allowed, EvictionPolicy, GroupOf, KeyOf
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 
@@ -42,21 +45,25 @@ class Hold:
     size: int
     fetched: bool  # brought up by a prefetch (counts as useful or wasted)
     deadline: float
+    account: bytes  # the tenant's whose share it takes
     owner: int = Owner.PREFETCHER
 
 
 @dataclass(slots=True)
 class HoldCounters:
     held: int = 0  # holds granted
-    refused: int = 0  # past the bound on held bytes
+    refused: int = 0  # past the bound on held bytes (the node's, or the tenant's share)
     useful: int = 0  # prefetched blocks read while held
     wasted: int = 0  # prefetched blocks whose hold lapsed, or that left, unread
 
 
 class Holds:
-    def __init__(self, max_bytes: int, ledger: LeaseLedger | None = None) -> None:
+    def __init__(
+        self, max_bytes: int, ledger: LeaseLedger | None = None, accounts: Accounts | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self.ledger = ledger if ledger is not None else LeaseLedger()
+        self.accounts = accounts if accounts is not None else Accounts()
         self.counters = HoldCounters()
         self.held_bytes = 0
         self._key_to_hold: dict[bytes, Hold] = {}
@@ -74,10 +81,13 @@ class Holds:
             current.deadline = max(current.deadline, deadline)
             current.fetched = current.fetched or fetched
             return True
-        if self.held_bytes + size > self.max_bytes:
+        account = self.accounts.account_of(key)
+        if self.held_bytes + size > self.max_bytes or not self.accounts.charge(
+            account, Resource.HELD_BYTES, size
+        ):
             self.counters.refused += 1
             return False
-        hold = Hold(self.ledger.new_id(), key, size, fetched, deadline)
+        hold = Hold(self.ledger.new_id(), key, size, fetched, deadline, account)
         self._key_to_hold[key] = hold
         self._book.add(hold.hold_id, hold)
         self.held_bytes += size
@@ -100,6 +110,7 @@ class Holds:
             if hold is not None:
                 self._book.pop(hold.hold_id)
                 self.held_bytes -= hold.size
+                self.accounts.credit(hold.account, Resource.HELD_BYTES, hold.size)
                 self.counters.useful += hold.fetched
 
     def release(self, keys: Sequence[bytes]) -> None:
@@ -117,6 +128,7 @@ class Holds:
         """The hold ended unread (its book dropped the record already)."""
         del self._key_to_hold[hold.key]
         self.held_bytes -= hold.size
+        self.accounts.credit(hold.account, Resource.HELD_BYTES, hold.size)
         self.counters.wasted += hold.fetched
 
 

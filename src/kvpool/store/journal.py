@@ -27,13 +27,16 @@ Rules (each has a test in tests/store/test_journal.py):
    A restart replays millions of records: runs of records with keys of one length are
    decoded with numpy, which finds each key's last record too, and replay yields columns
    (:class:`Replay`), not an object per block.
-6. When the journal holds much more than it describes, it is compacted: a snapshot of the
-   live records (committed blocks, and FILLED blocks not committed yet) is written beside it
-   and renamed over it, so a crash mid-way leaves the old journal whole.  The snapshot is
-   written a step at a time (``COMPACT_STEP`` records per commit), never in one pass over
-   the whole index: while it is under way every record goes to both files, and a block is
-   written into the snapshot only if it is still live when its step comes, so the new file
-   describes what the old one does when it replaces it.
+6. When the journal holds much more than it describes, in records or in bytes, it is
+   compacted: a snapshot of the live records (committed blocks, FILLED blocks not committed
+   yet, and one LABEL per labelled namespace: a label is state, not history) is written
+   beside it and renamed over it, so a crash mid-way leaves the old journal whole.  The
+   snapshot is written a step at a time (``COMPACT_STEP`` records per call of the store
+   that appended: a commit, a removal, a label), never in one pass over the whole index:
+   while it is under way every record goes to both files, and a block is written into the
+   snapshot only if it is still live when its step comes, so the new file describes what
+   the old one does when it replaces it.  Counting bytes, not only records, bounds the
+   journal whatever its records hold (a label's record is ten times a block's).
 7. The header names the arena (device, inode, size): a journal of another arena is
    discarded at start.
 8. The header's eighth byte is the format version (:data:`kvpool.formats.JOURNAL`): the
@@ -65,6 +68,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from kvpool.dirs import open_in
 from kvpool.formats import JOURNAL, RELEASE, Stamp
 from kvpool.store.index import rows_as_bytes
 
@@ -81,6 +85,7 @@ COMMIT, REMOVE, LABEL, FILLED, STAMP = 1, 2, 3, 4, 5
 # a restart replays.  Cheap, now that a compaction is written a step per commit.
 COMPACT_RATIO = 2
 COMPACT_MIN_RECORDS = 4096
+COMPACT_MIN_BYTES = 1 << 20  # and this many bytes (labels are large records)
 # Snapshot records a compaction writes per step (per commit): a few milliseconds of work.
 COMPACT_STEP = 1024
 # Records replay decodes together at most (a bounded batch, however long the journal).
@@ -152,6 +157,15 @@ def _record(
         RECORD.pack(RECORD_MAGIC, kind, len(key), len(label), offset, size, checksum) + key + label
     )
     return body + RECORD_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def record_bytes(key: bytes, label: bytes = b"") -> int:
+    """The bytes of the record of ``key`` (with ``label``: a LABEL record)."""
+    return RECORD.size + len(key) + len(label) + RECORD_CHECKSUM.size
+
+
+def _label(label: str) -> bytes:
+    return label.encode()[:MAX_LABEL_BYTES]
 
 
 def _header(dev: int, ino: int, arena_bytes: int, version: int = JOURNAL.version) -> bytes:
@@ -452,8 +466,21 @@ def read_journal(path: Path) -> Replay:
 class Journal:
     """The journal of one arena: replayed at open, appended to while the daemon runs."""
 
-    def __init__(self, path: Path, dev: int, ino: int, arena_bytes: int, *, fresh: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        dev: int,
+        ino: int,
+        arena_bytes: int,
+        *,
+        fresh: bool = False,
+        dir_fd: int | None = None,
+    ):
+        """``dir_fd``: the node directory's descriptor, which the journal's files are
+        opened relative to, never through a symbolic link (None: by ``path``)."""
         self.path = path
+        self._dir_fd = dir_fd
+        self._name = path.name if dir_fd is not None else str(path)
         self._identity = (dev, ino, arena_bytes)
         self.replayed = Replay.empty()
         self.num_records = 0
@@ -467,27 +494,41 @@ class Journal:
         self._new_records = 0
         # The format the journal had and the release that wrote it last (None: a new one).
         self.found: Stamp | None = None
-        Path(str(path) + ".new").unlink(missing_ok=True)  # a compaction a crash cut short
+        self._new_bytes = 0
+        self.num_bytes = 0  # the file's size
+        # What the live records take, for the rule on bytes: a block's record (the keys of
+        # a node are of one length) times the blocks, and each labelled namespace's record.
+        self._block_record_bytes = record_bytes(b"k" * 48)
+        self._label_bytes: dict[bytes, int] = {}
+        self._label_total = 0
+        self._unlink(self._name + ".new")  # a compaction a crash cut short
         if not fresh:
             self.replayed = self._replay()
         if self._valid_bytes:
-            self._fd = os.open(path, os.O_WRONLY)
+            self._fd = open_in(self._dir_fd, self._name, os.O_WRONLY)
             os.ftruncate(self._fd, self._valid_bytes)  # drop a torn tail: append after it
             os.lseek(self._fd, 0, os.SEEK_END)
             self.num_records = self.replayed.num_records
+            self.num_bytes = self._valid_bytes
+            self._count_labels(self.replayed.labels)
         else:
-            self._fd = self._create(path)
+            self._fd = self._create(self._name)
             self.num_records = 1
+            self.num_bytes = FILE_HEADER_BYTES + len(_stamp_record())
 
-    def _create(self, path: Path) -> int:
+    def _create(self, name: str) -> int:
         """A new journal file: its header, then a STAMP naming this release."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
+        fd = open_in(self._dir_fd, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
         _write_all(fd, _header(*self._identity) + _stamp_record())
         return fd
 
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._dir_fd)
+
     def _replay(self) -> Replay:
         try:
-            data = _map(self.path)
+            data = _map(open_in(self._dir_fd, self._name, os.O_RDONLY))
         except FileNotFoundError:
             return Replay.empty()
         header = read_header(data, self.path)  # a damaged or unknown format: refused
@@ -524,6 +565,8 @@ class Journal:
         self._write([_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries])
         for entry in entries:
             self._filled.pop(entry.key, None)
+        if entries:
+            self._block_record_bytes = record_bytes(entries[-1].key)
 
     def filled(self, entries: Iterable[Entry]) -> None:
         entries = list(entries)
@@ -537,21 +580,41 @@ class Journal:
             self._filled.pop(key, None)
 
     def labelled(self, namespace_id: bytes, label: str) -> None:
-        self._write([_record(LABEL, namespace_id, label=label.encode()[:MAX_LABEL_BYTES])])
+        encoded = _label(label)
+        self._write([_record(LABEL, namespace_id, label=encoded)])
+        size = record_bytes(namespace_id, encoded)
+        self._label_total += size - self._label_bytes.get(namespace_id, 0)
+        self._label_bytes[namespace_id] = size
+
+    def _count_labels(self, labels: dict[bytes, str]) -> None:
+        """What the records of ``labels``, the live ones, take."""
+        self._label_bytes = {ns: record_bytes(ns, _label(label)) for ns, label in labels.items()}
+        self._label_total = sum(self._label_bytes.values())
+
+    def record_bytes(self, key: bytes, label: str = "") -> int:
+        """The bytes a record of ``key`` (with ``label``: a LABEL record) appends."""
+        return record_bytes(key, _label(label)) if label else record_bytes(key)
 
     def _write(self, records: list[bytes]) -> None:
         if records:
             data = b"".join(records)
             _write_all(self._fd, data)
             self.num_records += len(records)
+            self.num_bytes += len(data)
             if self._new_fd >= 0:  # the snapshot hears it too, after what it wrote so far
                 _write_all(self._new_fd, data)
                 self._new_records += len(records)
+                self._new_bytes += len(data)
 
     # -- compaction -----------------------------------------------------------------------
 
     def needs_compaction(self, num_live: int) -> bool:
-        return self.num_records > max(COMPACT_MIN_RECORDS, COMPACT_RATIO * num_live)
+        """Whether the journal holds ``COMPACT_RATIO`` times what its ``num_live`` blocks
+        and its labels take, in records or in bytes (and is not tiny)."""
+        if self.num_records > max(COMPACT_MIN_RECORDS, COMPACT_RATIO * num_live):
+            return True
+        live_bytes = num_live * self._block_record_bytes + self._label_total
+        return self.num_bytes > max(COMPACT_MIN_BYTES, COMPACT_RATIO * live_bytes)
 
     @property
     def compacting(self) -> bool:
@@ -562,46 +625,54 @@ class Journal:
     ) -> None:
         """Begin a snapshot of ``blocks`` (the store's slots, oldest first; the journal
         takes the sequence) and of ``labels``; :meth:`compact_step` writes it."""
-        new = Path(str(self.path) + ".new")
-        self._new_fd = self._create(new)
-        records = [
-            _record(LABEL, ns, label=label.encode()[:MAX_LABEL_BYTES])
-            for ns, label in labels.items()
-        ]
+        self._new_fd = self._create(self._name + ".new")
+        records = [_record(LABEL, ns, label=_label(label)) for ns, label in labels.items()]
+        self._count_labels(labels)
         # Blocks still being sealed: their writers were told they are stored.
         records += [_record(FILLED, e.key, e.offset, e.size) for e in self._filled.values()]
-        _write_all(self._new_fd, b"".join(records))
+        data = b"".join(records)
+        _write_all(self._new_fd, data)
         self._new_records = 1 + len(records)  # and the STAMP _create wrote
+        self._new_bytes = FILE_HEADER_BYTES + len(_stamp_record()) + len(data)
         self._snapshot, self._snapshot_at = blocks, 0
 
-    def compact_step(self, live: Callable[[int], Entry | None]) -> None:
+    def compact_step(self, live: Callable[[int], Entry | None]) -> bool:
         """Write the next ``COMPACT_STEP`` blocks of the snapshot that ``live`` says are
         committed now (their entries now); once all are written, the snapshot replaces the
-        journal."""
+        journal (then True)."""
         end = min(self._snapshot_at + COMPACT_STEP, len(self._snapshot))
         entries = [e for b in self._snapshot[self._snapshot_at : end] if (e := live(b)) is not None]
         self._snapshot_at = end
         records = [_record(COMMIT, e.key, e.offset, e.size, e.checksum or 0) for e in entries]
+        data = b"".join(records)
         try:
-            _write_all(self._new_fd, b"".join(records))
+            _write_all(self._new_fd, data)
             self._new_records += len(records)
+            self._new_bytes += len(data)
             if end == len(self._snapshot):
-                os.replace(str(self.path) + ".new", self.path)
+                os.replace(
+                    self._name + ".new",
+                    self._name,
+                    src_dir_fd=self._dir_fd,
+                    dst_dir_fd=self._dir_fd,
+                )
         except BaseException:
             self._abandon_compaction()
             raise
         if end < len(self._snapshot):
-            return
+            return False
         os.close(self._fd)
         self._fd, self._new_fd = self._new_fd, -1
         self.num_records = self._new_records
+        self.num_bytes = self._new_bytes
         self._snapshot, self._snapshot_at = [], 0
+        return True
 
     def _abandon_compaction(self) -> None:
         os.close(self._new_fd)
         self._new_fd = -1
         self._snapshot, self._snapshot_at = [], 0
-        Path(str(self.path) + ".new").unlink(missing_ok=True)
+        self._unlink(self._name + ".new")
 
     def close(self, *, remove: bool = False) -> None:
         if self._new_fd >= 0:
@@ -610,16 +681,15 @@ class Journal:
             os.close(self._fd)
             self._fd = -1
         if remove:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            self._unlink(self._name)
 
 
-def _map(path: Path) -> Data:
-    """The bytes of the journal at ``path``, mapped, not copied (a restart reads ~90 MB per
-    million records).  Only for the daemon's own journal: it holds the node directory's
-    lock, so nobody truncates the file under the map.  Unmapped once the last reference
-    to it (replay's numpy views included) is gone."""
-    with open(path, "rb") as f:
+def _map(fd: int) -> Data:
+    """The bytes of the journal open at ``fd`` (closed here), mapped, not copied (a
+    restart reads ~90 MB per million records).  Only for the daemon's own journal: it
+    holds the node directory's lock, so nobody truncates the file under the map.
+    Unmapped once the last reference to it (replay's numpy views included) is gone."""
+    with open(fd, "rb") as f:
         if not os.fstat(f.fileno()).st_size:
             return b""
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -655,6 +725,9 @@ class NoJournal:
     def labelled(self, namespace_id: bytes, label: str) -> None:
         pass
 
+    def record_bytes(self, key: bytes, label: str = "") -> int:
+        return 0
+
     def needs_compaction(self, num_live: int) -> bool:
         return False
 
@@ -665,8 +738,8 @@ class NoJournal:
     ) -> None:
         pass
 
-    def compact_step(self, live: Callable[[int], Entry | None]) -> None:
-        pass
+    def compact_step(self, live: Callable[[int], Entry | None]) -> bool:
+        return False
 
     def close(self, *, remove: bool = False) -> None:
         pass

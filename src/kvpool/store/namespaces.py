@@ -6,12 +6,16 @@ in one row (``(other namespaces)``), so that no client can grow it without bound
 never adds a row.  A tenant's namespaces (they start with its tag, :mod:`kvpool.tenants`)
 take at most ``MAX_NAMESPACES_PER_TAG`` rows, so that one tenant's DESCRIBE calls cannot
 fill the table and empty every other tenant's labels and statistics.
+
+A label is printable text (:func:`is_label`): no control characters, no escape sequences,
+so that whatever shows it (a terminal, a page) shows the characters and nothing else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from kvpool.errors import BadRequest
 from kvpool.keys import namespace_of
 from kvpool.stats import NamespaceStats
 from kvpool.tenants import TAG_BYTES
@@ -20,6 +24,12 @@ from kvpool.tenants import TAG_BYTES
 MAX_NAMESPACES = 1024
 MAX_NAMESPACES_PER_TAG = 128  # namespaces with one tenant tag (a tenant's)
 OTHER_NAMESPACE = b"\xff" * 16
+
+
+def is_label(text: str) -> bool:
+    """Whether ``text`` may be a namespace's label: printable characters only (no control
+    characters: an ESC would reach an operator's terminal as a command)."""
+    return text.isprintable()
 
 
 class NamespaceTable:
@@ -81,8 +91,20 @@ class NamespaceTable:
             usage.hits += num_found
             usage.misses += len(keys) - num_found
 
+    def would_change(self, namespace_id: bytes, label: str) -> bool:
+        """Whether :meth:`label` would change the namespace's label (a label that is not
+        printable text is refused: :class:`BadRequest`)."""
+        if not is_label(label):
+            raise BadRequest("a namespace's label must be printable text")
+        usage = self.rows.get(namespace_id)
+        if usage is None:
+            return self._has_room(namespace_id)
+        return usage.label != label
+
     def label(self, namespace_id: bytes, label: str) -> bool:
         """Set a namespace's label; whether it changed."""
+        if not is_label(label):
+            raise BadRequest("a namespace's label must be printable text")
         usage = self.rows.get(namespace_id)
         if usage is None and self._has_room(namespace_id):
             usage = self._add_row(namespace_id)

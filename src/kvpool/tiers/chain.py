@@ -40,6 +40,7 @@ All disk and object-store I/O runs on threads, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from kvpool.buffers import copy_with_checksum
 from kvpool.protocol.messages import PrefetchResponse
 from kvpool.stats import TIER_DRAM, PrefetchStats, TierStats
+from kvpool.store.accounts import Resource
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block
 from kvpool.store.block_store import BlockStore
@@ -66,9 +68,13 @@ PREFETCH_MAX_BYTES = 512 << 20
 REMOTE_KEYS_IN_FLIGHT = 1024
 REMOTE_KEYS_IN_FLIGHT_PER_TENANT = 256
 REMOTE_FETCH_BYTES = 64 << 20  # the most one fetch from other nodes may buffer
+# A lookup past DRAM asks the lower tiers this many keys at a time, up to the first miss.
+LOOKUP_CHUNK = 256
 
 # Fills reserved slots, given as ``(index, destination)``: per slot, its checksum or None.
 Fill = Callable[[list[tuple[int, memoryview]]], list[int | None]]
+# A promotion under way: it comes to the keys that came up.
+Promotion = asyncio.Future[list[bytes]]
 
 
 @dataclass
@@ -105,7 +111,11 @@ class Tiers:
         self.lower = lower if lower is not None else LowerTiers()
         self.chain = self.lower.chain
         self.remote = remote  # other nodes of the cluster (prefetch only)
-        self.holds = holds if holds is not None else Holds(arena.num_bytes // 2, store.ledger)
+        self.holds = (
+            holds
+            if holds is not None
+            else Holds(arena.num_bytes // 2, store.ledger, store.accounts)
+        )
         self.hits = {TIER_DRAM: 0} | {tier.tier_id: 0 for tier in self.chain}
         self.promoted = {tier.tier_id: 0 for tier in self.chain}
         self.promoted_remote = 0  # blocks a prefetch copied from other nodes
@@ -114,7 +124,8 @@ class Tiers:
         self._prefetch_bytes = 0  # in flight
         self._remote_keys = 0  # keys asked of other nodes, in flight
         self._tag_to_remote_keys: dict[bytes, int] = {}  # the same, per tenant tag
-        self._promoting: dict[bytes, asyncio.Future[int]] = {}
+        # Promotions under way, by key: each comes to the keys that came up.
+        self._promoting: dict[bytes, Promotion] = {}
         self._io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-tier-read")
         self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-prefetch")
 
@@ -155,24 +166,31 @@ class Tiers:
                     found[i] = tier.tier_id
         return found
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, bool, bytes]:
+    def lookup(self, keys: Sequence[bytes], start: int = 0) -> tuple[int, bool, bytes]:
         """The longest prefix held in any tier, whether the key after it is being written,
-        and the tier of each block of the prefix."""
-        num_prefix, pending = self.store.lookup(keys, count=False)
-        tiers = bytearray([TIER_DRAM]) * num_prefix
+        and the tier of each block of the prefix from ``start`` on (the first ``start``
+        keys are known to be held: a lookup woken for the key it waited on goes on from
+        there).  The walk stops at the first key held nowhere: its cost is what it finds."""
+        num_prefix, pending = self.store.lookup(keys, count=False, start=start)
+        tiers = bytearray([TIER_DRAM]) * (num_prefix - start)
         # A block coming up from a lower tier is reserved in DRAM, but nobody is writing
         # it: it counts as held where it comes from, not as pending.
         pending = pending and keys[num_prefix] not in self._promoting
         if not self.has_lower or num_prefix == len(keys) or pending:
             return num_prefix, pending, bytes(tiers)
-        rest = keys[num_prefix:]
-        for in_dram, lower in zip(
-            self.store.lookup_mask(rest, count=False), self._lower_tiers(rest), strict=True
-        ):
-            if not in_dram and lower is None:
+        for at in range(num_prefix, len(keys), LOOKUP_CHUNK):
+            chunk = keys[at : at + LOOKUP_CHUNK]
+            found = 0
+            for in_dram, lower in zip(
+                self.store.lookup_mask(chunk, count=False), self._lower_tiers(chunk), strict=True
+            ):
+                if not in_dram and lower is None:
+                    break
+                tiers.append(TIER_DRAM if in_dram else lower)  # type: ignore[arg-type]
+                found += 1
+            if found < len(chunk):
                 break
-            tiers.append(TIER_DRAM if in_dram else lower)  # type: ignore[arg-type]
-        num_prefix = len(tiers)
+        num_prefix = start + len(tiers)
         if num_prefix < len(keys):
             after = keys[num_prefix]
             pending = self.store.pending_mask([after])[0] and after not in self._promoting
@@ -222,9 +240,9 @@ class Tiers:
 
     def _plan(
         self, keys: Sequence[bytes], prefix: bool
-    ) -> tuple[list[asyncio.Future[int]], list[tuple[bytes, int, int]]]:
+    ) -> tuple[list[Promotion], list[tuple[bytes, int, int]]]:
         """Promotions to join, and ``(key, size, tier)`` to start."""
-        waits: list[asyncio.Future[int]] = []
+        waits: list[Promotion] = []
         wanted: list[tuple[bytes, int, int]] = []
         in_dram = self.store.lookup_mask(keys, count=False)
         if all(in_dram):
@@ -251,9 +269,7 @@ class Tiers:
                 return size, tier.tier_id
         return None
 
-    def _start(
-        self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor
-    ) -> asyncio.Future[int]:
+    def _start(self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor) -> Promotion:
         task = asyncio.ensure_future(self._promote_lower(wanted, lane))
         for key, _, _ in wanted:
             self._promoting[key] = task
@@ -261,8 +277,8 @@ class Tiers:
 
     async def _promote_lower(
         self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor
-    ) -> int:
-        """Promote ``(key, size, tier)`` blocks from the lower tiers; how many came up."""
+    ) -> list[bytes]:
+        """Promote ``(key, size, tier)`` blocks from the lower tiers; the keys that came up."""
         keys = [k for k, _, _ in wanted]
         served: list[int | None] = [None] * len(wanted)  # the tier each block came from
         try:
@@ -275,12 +291,12 @@ class Tiers:
         finally:
             for key in keys:
                 self._promoting.pop(key, None)
-        num_promoted = 0
-        for tier_id, checksum in zip(served, checksums, strict=True):
+        promoted = []
+        for key, tier_id, checksum in zip(keys, served, checksums, strict=True):
             if tier_id is not None and checksum is not None:
                 self.promoted[tier_id] += 1
-                num_promoted += 1
-        return num_promoted
+                promoted.append(key)
+        return promoted
 
     async def _promote(
         self, keys: list[bytes], sizes: list[int], fill: Fill, lane: ThreadPoolExecutor
@@ -340,13 +356,18 @@ class Tiers:
     def prefetch(
         self, keys: Sequence[bytes], hold_s: float, cancel: bool = False
     ) -> PrefetchResponse:
-        """Start bringing ``keys`` into DRAM for a queued request, and hold them there."""
+        """Start bringing ``keys`` into DRAM for a queued request, and hold them there.  What
+        is brought up counts against the node's bytes in flight and the key's tenant's share
+        of them (its account's ``PREFETCH_BYTES``); a hold whose promotion does not come up
+        (refused by the tenant's quota, lost, corrupt) is released."""
         answer = PrefetchResponse()
         if cancel:
             self.holds.release(keys)
             return answer
         wanted: list[tuple[bytes, int, int]] = []
+        joined: dict[Promotion, list[bytes]] = {}
         elsewhere: list[bytes] = []
+        accounts = self.store.accounts
         in_dram = self.store.lookup_mask(keys, count=False)
         for key, held in zip(keys, in_dram, strict=True):
             block = self.store.get_block(key) if held else None
@@ -361,15 +382,23 @@ class Tiers:
                     answer.num_absent += 1
                 continue
             size = source[0]
+            account = accounts.account_of(key)
             if key in self._promoting:
-                answer.num_started += self.holds.hold(key, size, hold_s, fetched=True)
-            elif self._prefetch_bytes + size > PREFETCH_MAX_BYTES or not self.holds.hold(
-                key, size, hold_s, fetched=True
+                if self.holds.hold(key, size, hold_s, fetched=True):
+                    answer.num_started += 1
+                    joined.setdefault(self._promoting[key], []).append(key)
+            elif (
+                self._prefetch_bytes + size > PREFETCH_MAX_BYTES
+                or not accounts.has_room(account, Resource.PREFETCH_BYTES, size)
+                or not self.holds.hold(key, size, hold_s, fetched=True)
             ):
                 answer.num_refused += 1
             else:
+                accounts.charge(account, Resource.PREFETCH_BYTES, size)
                 wanted.append((key, *source))
                 self._prefetch_bytes += size
+        for promotion, joined_keys in joined.items():
+            promotion.add_done_callback(functools.partial(self._joined_done, joined_keys))
         if elsewhere:  # other nodes may: asked in the background, within bounds
             asked = self._admit_remote(elsewhere)
             answer.num_refused += len(elsewhere) - len(asked)
@@ -378,9 +407,8 @@ class Tiers:
                 self._spawn_remote(asked, hold_s)
         if wanted:
             answer.num_started += len(wanted)
-            num_bytes = sum(size for _, size, _ in wanted)
             task = self._start(wanted, self._prefetch_io)
-            task.add_done_callback(lambda done: self._prefetch_done(done, num_bytes))
+            task.add_done_callback(lambda done: self._prefetch_done(done, wanted))
         stats = self.prefetched
         stats.issued += len(keys)
         stats.in_dram += answer.num_in_dram
@@ -391,9 +419,13 @@ class Tiers:
 
     def _admit_remote(self, keys: list[bytes]) -> list[bytes]:
         """The keys that may be asked of other nodes now (see the module's bounds); none
-        when no byte budget is left for a fetch."""
+        when no byte budget is left for a fetch, on the node or in the tenant's share (the
+        fetch is charged to the first key's tenant: a request names one tenant's keys)."""
         assert self.remote is not None
         if self._prefetch_bytes + REMOTE_FETCH_BYTES > PREFETCH_MAX_BYTES:
+            return []
+        account = self.store.accounts.account_of(keys[0])
+        if not self.store.accounts.has_room(account, Resource.PREFETCH_BYTES, REMOTE_FETCH_BYTES):
             return []
         asked: list[bytes] = []
         for key in keys[: self.remote.max_keys]:
@@ -419,18 +451,24 @@ class Tiers:
         self._remote_keys -= len(keys)
 
     def _spawn_remote(self, keys: list[bytes], hold_s: float) -> None:
-        self._prefetch_bytes += REMOTE_FETCH_BYTES  # reserved until the fetch ends
-        task = asyncio.ensure_future(self._prefetch_remote(keys, hold_s))
+        # Reserved until the fetch ends, on the node and in the tenant's share.
+        self._prefetch_bytes += REMOTE_FETCH_BYTES
+        account = self.store.accounts.account_of(keys[0])
+        self.store.accounts.charge(account, Resource.PREFETCH_BYTES, REMOTE_FETCH_BYTES)
+        task = asyncio.ensure_future(self._prefetch_remote(keys, hold_s, account))
         for key in keys:
             self._promoting[key] = task
 
-    async def _prefetch_remote(self, keys: list[bytes], hold_s: float) -> int:
-        """Copy blocks that other nodes hold into this node's DRAM, and hold them."""
+    async def _prefetch_remote(
+        self, keys: list[bytes], hold_s: float, account: bytes
+    ) -> list[bytes]:
+        """Copy blocks that other nodes hold into this node's DRAM, and hold them; the keys
+        that came up."""
         assert self.remote is not None
         try:
             found = await self.remote.fetch(keys, REMOTE_FETCH_BYTES)
             if not found:
-                return 0
+                return []
             values = [memoryview(value) for _, value in found]
             checksums = await self._promote(
                 [key for key, _ in found],
@@ -438,26 +476,48 @@ class Tiers:
                 lambda slots: [copy_with_checksum(dst, values[i]) for i, dst in slots],
                 self._prefetch_io,
             )
+            promoted = [key for (key, _), c in zip(found, checksums, strict=True) if c is not None]
             num = 0
             for (key, value), checksum in zip(found, checksums, strict=True):
                 if checksum is not None and self.holds.hold(key, len(value), hold_s, fetched=True):
                     num += 1
             self.prefetched.completed += num
             self.promoted_remote += num
-            return num
+            return promoted
         except Exception:  # a hint: a failure only means the read goes elsewhere
             log.exception("prefetch of %d blocks from other nodes failed", len(keys))
-            return 0
+            return []
         finally:
             for key in keys:
                 self._promoting.pop(key, None)
             self._remote_done(keys)
             self._prefetch_bytes -= REMOTE_FETCH_BYTES
+            self.store.accounts.credit(account, Resource.PREFETCH_BYTES, REMOTE_FETCH_BYTES)
 
-    def _prefetch_done(self, task: asyncio.Future[int], num_bytes: int) -> None:
-        self._prefetch_bytes -= num_bytes
+    def _prefetch_done(self, task: Promotion, wanted: list[tuple[bytes, int, int]]) -> None:
+        """A prefetch's promotion ended: its bytes in flight come back, and the holds of
+        the blocks that did not come up are released."""
+        accounts = self.store.accounts
+        for key, size, _ in wanted:
+            self._prefetch_bytes -= size
+            accounts.credit(accounts.account_of(key), Resource.PREFETCH_BYTES, size)
+        promoted = self._release_unpromoted(task, [key for key, _, _ in wanted])
+        self.prefetched.completed += promoted
+
+    def _joined_done(self, held: list[bytes], task: Promotion) -> None:
+        self._release_unpromoted(task, held)
+
+    def _release_unpromoted(self, task: Promotion, held: list[bytes]) -> int:
+        """Release the holds of ``held`` that ``task`` did not bring up and that are not in
+        DRAM now (a promotion its tenant's quota refused holds nothing for it); how many
+        came up."""
+        came_up: set[bytes] = set()
         if not task.cancelled() and task.exception() is None:
-            self.prefetched.completed += task.result()
+            came_up = set(task.result())
+        missed = [key for key in held if key not in came_up]
+        in_dram = self.store.lookup_mask(missed, count=False)
+        self.holds.release([key for key, there in zip(missed, in_dram, strict=True) if not there])
+        return len(held) - len(missed)
 
     def note_read(self, blocks: Sequence[Block | None]) -> None:
         """These blocks were pinned or sent: the requests that held them ran."""
@@ -481,6 +541,8 @@ class Tiers:
             return 0
         if self.lower.writeback is not None:
             self.lower.writeback.discard(keys)  # on its way to disk: it must not land there
+        if not any(tier.may_hold(keys) for tier in self.chain):
+            return 0  # held by no lower tier, nor on its way into one: no thread
         loop = asyncio.get_running_loop()
         counts = await loop.run_in_executor(
             self._io, lambda: [tier.delete(keys) for tier in self.chain]

@@ -35,9 +35,13 @@ files, no in-place updates)::
   tombstone is needed while the segment of the record it hides is on disk: when its own
   segment is evicted first, it is written again, with the next write (or at close).
 - The directory is the daemon's alone: created ``0o700``, refused if another user owns it
-  or its group or others may write in it, and locked (``flock``) for the tier's life, so
-  that a second daemon given it refuses to start instead of deleting or overwriting the
-  first one's segments.  A new segment never replaces an existing file (``O_EXCL``).
+  or its group or others may write in it, or if anyone else could swap it (a directory
+  above it they own or may write in: :func:`kvpool.dirs.check_owned`), and locked
+  (``flock``) for the tier's life, so that a second daemon given it refuses to start
+  instead of deleting or overwriting the first one's segments.  Its files are opened
+  relative to the directory's descriptor, never through a symbolic link: a directory
+  renamed under the daemon keeps its segments, and none go to one put in its place.  A
+  new segment never replaces an existing file (``O_EXCL``).
 
 - Formats (:mod:`kvpool.formats`): the identity file names the tier's format; one of a
   format this release does not read, or that fails its checksum, is refused at start.
@@ -62,22 +66,24 @@ that evicting it meanwhile defers closing its file.  There is one writer at a ti
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
-from kvpool.dirs import DirLock, check_owned
+from kvpool.dirs import DirLock, check_owned, open_in
 from kvpool.errors import ConfigError, FormatError
 from kvpool.formats import (
     DISK_SEGMENT,
@@ -212,14 +218,16 @@ class DiskTier(KeyIndex[Location]):
         # Key -> the segment of the record its tombstone hides (while that segment exists).
         self._graves: dict[bytes, int] = {}
         self._carried: list[bytes] = []  # tombstones to write again (their segment went)
+        self._in_flight: set[bytes] = set()  # the keys a write is appending now
         self._last_segment_id = 0  # segment ids are never reused
         # The tier's format and the release that opened it last, as found (None: new).
         self.found: Stamp | None = None
         self._tier_id = ""
         self._dir_lock = lock_disk_dir(self.path)
+        self._dir_fd = self._dir_lock.fd  # every file of the tier is opened relative to it
         try:
             if fresh:
-                _remove_files(self.path)
+                _remove_files(self._dir_fd)
             self._check_identity()
             self._recover()
         except BaseException:
@@ -232,15 +240,18 @@ class DiskTier(KeyIndex[Location]):
 
     # -- start ----------------------------------------------------------------------------
 
+    def _open_file(self, name: str, flags: int) -> int:
+        return open_in(self._dir_fd, name, flags)
+
     def _check_identity(self) -> None:
         """Read the identity file (a new tier: write one), refusing a format this release
         does not read; then stamp it with this release's format."""
         marker = self.path / ID_FILE
         try:
-            with open(marker, "rb") as f:
+            with os.fdopen(self._open_file(ID_FILE, os.O_RDONLY), "rb") as f:
                 text = f.read(MAX_ID_FILE_BYTES).decode("ascii", "replace")
         except FileNotFoundError:
-            if any(SEGMENT_RE.match(p.name) for p in self.path.iterdir()):
+            if any(SEGMENT_RE.match(name) for name in os.listdir(self._dir_fd)):
                 raise ConfigError(f"{self.path} holds segments but no {ID_FILE}") from None
             tier_id = secrets.token_hex(16)
         else:
@@ -253,25 +264,35 @@ class DiskTier(KeyIndex[Location]):
         """Stamp the identity file with this release's format (migrating the tier in place;
         the node calls it once every other file was accepted too)."""
         if self.found != Stamp(DISK_TIER.version, RELEASE):
-            marker = self.path / ID_FILE
-            temporary = marker.with_name(ID_FILE + ".new")
-            temporary.write_text(identity_line(self._tier_id) + "\n")
-            os.replace(temporary, marker)
+            temporary = ID_FILE + ".new"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary, dir_fd=self._dir_fd)
+            fd = self._open_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                _pwritev_all(fd, [(identity_line(self._tier_id) + "\n").encode()], 0)
+            finally:
+                os.close(fd)
+            os.replace(temporary, ID_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def _recover(self) -> None:
-        for entry in sorted(self.path.iterdir()):
-            match = SEGMENT_RE.match(entry.name)
+        for name in sorted(os.listdir(self._dir_fd)):
+            match = SEGMENT_RE.match(name)
             if match is None:
                 continue
-            segment = Segment(int(match.group(1)), entry)
-            segment.num_bytes = entry.stat().st_size
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a segment is a file: never followed elsewhere
+            segment = Segment(int(match.group(1)), self.path / name)
+            segment.num_bytes = st.st_size
             segment.last_used = next(self._clock)
             try:
-                segment.version = segment_version(entry)
+                with os.fdopen(self._open_file(name, os.O_RDONLY), "rb") as f:
+                    segment.version = stamped_version(f.read(STAMP_BYTES), segment.path)
             except FormatError:
                 self.counters.unreadable_segments += 1
                 self._last_segment_id = max(self._last_segment_id, segment.segment_id)
-                entry.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self._dir_fd)
                 continue
             self._segments[segment.segment_id] = segment
             records = self._read_footer(segment)
@@ -295,7 +316,7 @@ class DiskTier(KeyIndex[Location]):
     def _read_footer(self, segment: Segment) -> list[tuple[bytes, Location, int]] | None:
         if segment.num_bytes < TRAILER.size:
             return None
-        with open(segment.path, "rb") as f:
+        with os.fdopen(self._open_file(segment.path.name, os.O_RDONLY), "rb") as f:
             f.seek(segment.num_bytes - TRAILER.size)
             magic, footer_at, footer_checksum = TRAILER.unpack(f.read(TRAILER.size))
             if magic != FOOTER_MAGIC or not 0 <= footer_at < segment.num_bytes:
@@ -338,7 +359,7 @@ class DiskTier(KeyIndex[Location]):
         torn or garbled (what a crash or power loss left at the tail)."""
         records = []
         position = records_start(segment.version)
-        with open(segment.path, "rb") as f:
+        with os.fdopen(self._open_file(segment.path.name, os.O_RDONLY), "rb") as f:
             while position + RECORD.size <= segment.num_bytes:
                 f.seek(position)
                 head = f.read(RECORD.size + MAX_KEY_BYTES + RECORD_TAIL.size)
@@ -439,16 +460,28 @@ class DiskTier(KeyIndex[Location]):
         self,
         blocks: Sequence[tuple[bytes, memoryview, int]],
         origins: Mapping[bytes, BlockOrigin] | None = None,
+        keep: Callable[[bytes], bool] | None = None,
     ) -> int:
         """Append ``(key, bytes, checksum)`` blocks as records; returns how many were
         written (all but those larger than a segment, or past their tenant's share).  One
         ``pwritev`` per segment touched: large sequential writes.  The keys become visible
         once their bytes are written, and are reported stored with what ``origins`` says
-        they were computed from."""
+        they were computed from.  ``keep``, asked once the write holds the tier's one
+        writer, says which blocks are still wanted: one deleted since it was handed over
+        is not written after its tombstone (a delete lasts)."""
         with self._writer:
-            return self._write_records(
-                [(key, data, checksum, 0) for key, data, checksum in blocks], origins or {}
-            )
+            with self._lock:  # with the keys in flight, one step for a delete to see
+                records: list[_Record] = [
+                    (key, data, checksum, 0)
+                    for key, data, checksum in blocks
+                    if keep is None or keep(key)
+                ]
+                self._in_flight = {record[0] for record in records}
+            try:
+                return self._write_records(records, origins or {})
+            finally:
+                with self._lock:
+                    self._in_flight = set()
 
     def _write_records(self, records: list[_Record], origins: Mapping[bytes, BlockOrigin]) -> int:
         """Append ``records``, each to its owner's open segment (the caller holds
@@ -553,7 +586,9 @@ class DiskTier(KeyIndex[Location]):
             segment_id = self._last_segment_id = self._last_segment_id + 1
             path = self.path / f"seg-{segment_id:08d}.kvs"
             # Never over an existing file: the directory is locked, so one is not ours.
-            fd = self._fds[segment_id] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = self._fds[segment_id] = self._open_file(
+                path.name, os.O_RDWR | os.O_CREAT | os.O_EXCL
+            )
             segment = Segment(segment_id, path, last_used=next(self._clock), first_key=key)
             self._segments[segment_id] = segment
             self._open[owner] = segment
@@ -633,7 +668,8 @@ class DiskTier(KeyIndex[Location]):
             self._events.removed_keys(evicted, self.medium)
         self.counters.evicted_segments += 1
         segment.dropped = True
-        segment.path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment.path.name, dir_fd=self._dir_fd)
         del self._segments[segment.segment_id]
         if not segment.readers:
             self._close_fd(segment.segment_id)
@@ -646,7 +682,9 @@ class DiskTier(KeyIndex[Location]):
     def _fd(self, segment_id: int) -> int:
         fd = self._fds.get(segment_id)
         if fd is None:
-            fd = self._fds[segment_id] = os.open(self._segments[segment_id].path, os.O_RDWR)
+            fd = self._fds[segment_id] = self._open_file(
+                self._segments[segment_id].path.name, os.O_RDWR
+            )
         return fd
 
     # -- reads ----------------------------------------------------------------------------
@@ -689,10 +727,19 @@ class DiskTier(KeyIndex[Location]):
                 segment.keys.discard(key)
         return None
 
+    def may_hold(self, keys: Sequence[bytes]) -> bool:
+        with self._lock:
+            return any(key in self._index or key in self._in_flight for key in keys)
+
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete these blocks for good: they leave the index at once, and a tombstone
         record per block is appended (blocking I/O: from a worker thread), so that a
-        restart does not bring them back.  Their space returns when their segment goes."""
+        restart does not bring them back.  Their space returns when their segment goes.
+        Keys that are neither here nor being written cost no wait for the tier's writer
+        (a block still on its way is the write-back's to skip: ``write``'s ``keep``)."""
+        with self._lock:
+            if not any(key in self._index or key in self._in_flight for key in keys):
+                return 0  # nothing here, nor on its way: no wait for the writer
         with self._writer:
             with self._lock:
                 gone = [key for key in keys if self._bury(key, None)]
@@ -753,14 +800,18 @@ def parse_identity(text: str, where: object) -> tuple[Stamp, str]:
 
 
 def segment_version(path: Path) -> int:
-    """The format of the segment (or pack) file at ``path``: its stamp's, or 1 where it has
-    none (0.1.0's segments begin with a record); a damaged stamp or a format this release
-    does not read raises :class:`~kvpool.errors.FormatError`."""
+    """The format of the segment (or pack) file at ``path``: see :func:`stamped_version`."""
     with open(path, "rb") as f:
-        head = f.read(STAMP_BYTES)
+        return stamped_version(f.read(STAMP_BYTES), path)
+
+
+def stamped_version(head: bytes, where: object) -> int:
+    """The format of a segment (or pack) that begins with ``head``: its stamp's, or 1 where
+    it has none (0.1.0's segments begin with a record); a damaged stamp or a format this
+    release does not read raises :class:`~kvpool.errors.FormatError`."""
     if not has_magic(head, SEGMENT_MAGIC):
         return 1
-    return unpack_stamp(head, SEGMENT_MAGIC, DISK_SEGMENT, path).version
+    return unpack_stamp(head, SEGMENT_MAGIC, DISK_SEGMENT, where).version
 
 
 def records_start(version: int) -> int:
@@ -790,17 +841,19 @@ def empty_disk_dir(path: Path) -> bool:
     except ConfigError:
         return False
     try:
-        _remove_files(path)
+        _remove_files(lock.fd)
     finally:
         lock.release()
     return True
 
 
-def _remove_files(path: Path) -> None:
-    shutil.rmtree(path / OUTGOING_DIR, ignore_errors=True)
-    for entry in path.iterdir():
-        if entry.name == ID_FILE or SEGMENT_RE.match(entry.name):
-            entry.unlink(missing_ok=True)
+def _remove_files(dir_fd: int) -> None:
+    """Remove kvpool's files from the directory open at ``dir_fd``."""
+    shutil.rmtree(OUTGOING_DIR, ignore_errors=True, dir_fd=dir_fd)
+    for name in os.listdir(dir_fd):
+        if name == ID_FILE or SEGMENT_RE.match(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
 
 
 def _pwritev_all(fd: int, parts: list[bytes | memoryview], offset: int) -> None:

@@ -598,6 +598,11 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                 del self._index[key]
         return None
 
+    def may_hold(self, keys: Sequence[bytes]) -> bool:
+        """Known in the bucket, or possibly among the segments waiting for upload."""
+        with self._cond:
+            return bool(self._queue) or any(key in self._index for key in keys)
+
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete these blocks for good (see the module docstring): forgotten here at once,
         dropped from the segments waiting for upload, and a delete object for every node,

@@ -51,15 +51,16 @@ class Tier(Protocol):
 
     What a caller guarantees:
 
-    - ``contains``, ``size_of`` and ``stats`` may come from the event loop; ``read_many``,
-      ``delete`` and ``close`` come from a worker thread (they block on I/O).
+    - ``contains``, ``may_hold``, ``size_of`` and ``stats`` may come from the event loop;
+      ``read_many``, ``delete`` and ``close`` come from a worker thread (they block on I/O).
     - Each destination given to ``read_many`` is at least the block's size and is not read
       by anyone until ``read_many`` returns.
     - ``close`` is called once, after the last read.
 
     What an implementation must do:
 
-    - Answer ``contains`` and ``size_of`` from memory alone: never I/O, never a request.
+    - Answer ``contains``, ``may_hold`` and ``size_of`` from memory alone: never I/O,
+      never a request.
     - Make a ``delete`` last: the block is not served again, after a restart either, nor
       by another node reading a shared tier (its bytes may go later, with its segment or
       pack); it leaves the index before ``delete`` returns.
@@ -82,6 +83,11 @@ class Tier(Protocol):
     capacity: int  # bytes
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def may_hold(self, keys: Sequence[bytes]) -> bool:
+        """Whether a ``delete`` of ``keys`` may have anything to do here: one of them is
+        held, or on its way in (from memory only: the event loop asks, so that a DELETE of
+        blocks no lower tier has needs no thread)."""
 
     def size_of(self, key: bytes) -> int | None: ...
 

@@ -4,6 +4,11 @@ buffer (one memcpy; its arena memory is freed at once, so an allocation that evi
 waits) and one writer thread appends it to disk in large batches.  A full queue drops the
 block: DRAM never waits for the disk.  The disk reports the blocks it writes as stored
 (KV events), with the origins the write-back keeps for them until then.
+
+A DELETE of a block on its way (:meth:`WriteBack.discard`) takes it out of the queue, or,
+when the writer already took it in a batch, marks it so that the disk skips it once the
+write holds the disk's one writer: the block never lands on disk after its delete's
+tombstone, whichever comes first.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class WriteBack:
         self._thread: threading.Thread | None = None
         # What queued blocks were computed from, until they are written (KV events).
         self._origins: dict[bytes, BlockOrigin] = {}
+        self._writing: set[bytes] = set()  # the keys of the batch being written
+        self._deleted: set[bytes] = set()  # of those, the ones deleted since (not written)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvpool-writeback", daemon=True)
@@ -131,12 +138,15 @@ class WriteBack:
                     item = self._queue.popleft()
                     batch.append(item)
                     num_bytes += len(item[1])
+                self._writing = {key for key, _, _ in batch}
             origins = {key: self._origins.pop(key) for key, _, _ in batch if key in self._origins}
             try:
-                self.disk.write(batch, origins)
+                self.disk.write(batch, origins, keep=self._not_deleted)
             except OSError as exc:  # a full or failing disk: the blocks are simply not kept
                 log.warning("disk write-back of %d blocks failed: %s", len(batch), exc)
             with self._cond:
+                self._writing = set()
+                self._deleted = set()
                 self._unwritten_bytes -= num_bytes
                 for _, view, _ in batch:  # keep buffers for reuse, up to the budget
                     buffer = view.obj
@@ -147,11 +157,19 @@ class WriteBack:
                         self._spare.setdefault(len(buffer), []).append(buffer)
                         self._spare_bytes += len(buffer)
 
+    def _not_deleted(self, key: bytes) -> bool:
+        """Whether a block of the batch being written is still wanted (asked by the disk
+        under its one writer, so that no tombstone comes between)."""
+        with self._cond:
+            return key not in self._deleted
+
     def discard(self, keys: Sequence[bytes]) -> None:
-        """Deleted keys: those still queued are not written (a delete must not be undone
-        by a write-back that was on its way)."""
+        """Deleted keys: those still queued are not written, nor those of the batch being
+        written that the disk has not written yet (a delete must not be undone by a
+        write-back that was on its way).  Called before the disk's own delete."""
         gone = set(keys)
         with self._cond:
+            self._deleted |= gone & self._writing
             if not self._queue:
                 return
             kept = [item for item in self._queue if item[0] not in gone]
