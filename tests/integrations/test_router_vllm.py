@@ -85,28 +85,30 @@ def test_prefill_decode_through_the_router(model, start_node):
             prefill.metric("vllm:external_prefix_cache_hits_total") == 0
         )  # a producer never loads
 
-        # Streaming through the router, also disaggregated.
-        async def stream() -> str:
+        # Streaming through the router, also disaggregated: every token arrives, as server-
+        # sent events, and they are the answer the same request gets whole.  (How many
+        # events carry them is vLLM's to say: a busy server sends several tokens in one.
+        # That the router passes chunks on as they come: tests/router/test_router.py.)
+        request = {"model": model, "prompt": PROMPTS[0] + " more", "max_tokens": 8}
+        request.update(temperature=0, ignore_eos=True)
+
+        async def stream() -> list[str]:
+            body = {**request, "stream": True, "stream_options": {"include_usage": True}}
             async with (
                 aiohttp.ClientSession() as session,
-                session.post(
-                    router.url + "/v1/completions",
-                    json={
-                        "model": model,
-                        "prompt": PROMPTS[0] + " more",
-                        "max_tokens": 8,
-                        "temperature": 0,
-                        "stream": True,
-                    },
-                ) as response,
+                session.post(router.url + "/v1/completions", json=body) as response,
             ):
                 assert response.headers["Content-Type"].startswith("text/event-stream")
-                return (await response.read()).decode()
+                lines = (await response.read()).decode().splitlines()
+            return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
 
-        import asyncio
-
-        body = asyncio.run(stream())
-        assert body.count("data: ") >= 9 and "[DONE]" in body
+        events = asyncio.run(stream())
+        assert events[-1] == "[DONE]", events
+        chunks = [json.loads(event) for event in events[:-1]]
+        streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert chunks[-1]["usage"]["completion_tokens"] == 8, chunks[-1]
+        served_by, whole = complete(router.url, model, request["prompt"], max_tokens=8)
+        assert served_by == decode.url and streamed == whole
     finally:
         if router is not None:
             router.stop()

@@ -134,6 +134,7 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         "num_cached_tokens": [o.num_cached_tokens for o in outputs],
         "prompt_tokens": [len(o.prompt_token_ids or ()) for o in outputs],
+        "prompt_token_ids": [list(o.prompt_token_ids or ()) for o in outputs],
         "ttft_ms": [_ttft_ms(o) for o in outputs],
         "seconds": round(time.perf_counter() - started, 3),
         # The engine's own: vLLM may override the one asked for (16 for CPU MLA kernels).
@@ -242,6 +243,12 @@ def main() -> None:
     for line in sys.stdin:
         if line.strip():
             run_plan(llm, json.loads(line)["steps"], sys.stdin)
+    # stdin closed: the engine shuts down (its connector finishes what it saves), then the
+    # process leaves without tearing down the interpreter (vLLM's and torch's modules take
+    # seconds to unload, for nothing).
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
