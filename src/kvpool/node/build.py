@@ -40,7 +40,7 @@ from kvpool.node.server import NodeServer
 from kvpool.node.services import StoreChanges
 from kvpool.store.arena import Arena, NodeDirLock
 from kvpool.store.block_store import BlockStore
-from kvpool.store.eviction import LRUPolicy
+from kvpool.store.eviction import new_policy
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
 from kvpool.store.leases import LeaseLedger
@@ -139,7 +139,7 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         changes = StoreChanges()
         store = BlockStore(
             arena.num_bytes,
-            eviction=QueueAwareEviction(LRUPolicy(), holds),
+            eviction=QueueAwareEviction(new_policy(config.eviction), holds),
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
             ledger=ledger,

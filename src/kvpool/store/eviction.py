@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvpool.errors import ConfigError
 from kvpool.store.index import Reserved
 
 Group = Hashable
@@ -242,3 +243,12 @@ class NoEviction:
 
     def __len__(self) -> int:
         return 0
+
+
+def new_policy(name: str) -> EvictionPolicy:
+    """The policy a node's ``--eviction`` names (:data:`kvpool.config.EVICTION_POLICIES`)."""
+    policies: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+    factory = policies.get(name)
+    if factory is None:
+        raise ConfigError(f"no eviction policy {name!r}: one of {', '.join(policies)}")
+    return factory()
