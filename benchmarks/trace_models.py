@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import random
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,32 @@ class Curve:
 
     name: str
     points: dict[int, HitCounter] = field(default_factory=dict)
+
+
+def synthetic_trace(num_requests: int, seed: int = 0) -> Trace:
+    """A Mooncake-format trace of multi-turn conversations, shaped like the published
+    conversation trace (a shared first block; about 4 in 10 requests continue an earlier
+    conversation, late or soon, by a heavy-tailed gap; a few new blocks per turn, many for a
+    first turn; a partial last block, which the next turn extends into a new one): for
+    tests, which must not need the real file."""
+    rng = random.Random(seed)
+    next_id = 1
+    conversations: list[list[int]] = []  # full blocks of each, by when last used
+    requests = []
+    for n in range(num_requests):
+        if conversations and rng.random() < 0.4:
+            gap = min(len(conversations), 1 + int(rng.lognormvariate(4.0, 1.2)))
+            full = conversations.pop(len(conversations) - gap)
+            added = rng.choice((1, 1, 2, 3, 5, 8, 13))
+        else:
+            full = [0]
+            added = rng.randint(2, 40)
+        ids = full + list(range(next_id, next_id + added))
+        next_id += added
+        partial = rng.randrange(BLOCK_TOKENS)  # tokens short of a whole last block
+        conversations.append(ids[:-1] if partial else ids)
+        requests.append(TraceRequest(n * 100, len(ids) * BLOCK_TOKENS - partial, tuple(ids)))
+    return Trace(requests)
 
 
 def blocks_for(tokens: float, block_tokens: int = BLOCK_TOKENS) -> int:

@@ -44,6 +44,7 @@ from benchmarks.trace_models import HitCounter, Trace, belady, blocks_for, lru
 from kvpool import Client, Namespace
 from kvpool.config import PAGE_BYTES
 from kvpool.harness.process import NodeProcess
+from kvpool.stats import ESTIMATE_SCALES
 
 STAND_IN_BYTES = PAGE_BYTES  # a block's payload: one arena page
 NAMESPACE = Namespace(model="mooncake-trace")
@@ -143,11 +144,13 @@ def replay_node(
             counter = replay(trace, lambda i: client, store_partial, times)
             seconds = time.perf_counter() - started
             stats = client.stats()
+    dram = stats.tiers[0] if stats.tiers else None
     return {
         "eviction": eviction,
         **counter.as_dict(),
         "held_blocks": stats.num_blocks,
         "evictions": stats.evictions,
+        "estimates": {f"{e.scale:g}": e.hit_rate for e in dram.estimates} if dram else {},
         "seconds": round(seconds, 1),
         "calls": times.summary(),
     }
@@ -167,6 +170,14 @@ def run_replay(args: argparse.Namespace) -> dict[str, Any]:
                 replay_node(trace, blocks, policy, run_dir, args.store_partial, args.transport)
                 for policy in args.eviction.split(",")
             ]
+            # What the node's online curve said more or less memory would buy, against the
+            # LRU of that capacity (in blocks: the curve counts blocks read and written).
+            row["lru_at_scales"] = {
+                f"{scale:g}": lru(trace, max(1, int(scale * blocks)), args.store_partial).as_dict()[
+                    "full_blocks"
+                ]
+                for scale in ESTIMATE_SCALES
+            }
             rows.append(row)
             _print_row(row, args.json)
     finally:
@@ -193,6 +204,15 @@ def _print_row(row: dict[str, Any], quiet: bool) -> None:
             for kind, c in calls.items()
         )
         cells.append(f"node[{node['eviction']}] {node['tokens']:.4f} ({latency})")
+        estimates = node["estimates"]
+        if estimates:
+            cells.append(
+                "estimated/lru at "
+                + " ".join(
+                    f"{scale}x {estimates.get(scale, '-')}/{row['lru_at_scales'][scale]}"
+                    for scale in row["lru_at_scales"]
+                )
+            )
     print(" | ".join(cells), flush=True)
 
 

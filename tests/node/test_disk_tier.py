@@ -6,6 +6,7 @@ import os
 import random
 import urllib.request
 
+import numpy as np
 import pytest
 
 from kvpool import Client, Status
@@ -124,3 +125,29 @@ def test_tiers_show_in_status_metrics_and_drain_empties_the_disk(start_node, dis
     assert again.info["disk_blocks"] == 0 and again.info["adopted_blocks"] == 0
     with Client(again.unix_address) as client:
         assert client.get([key("st-0")]).statuses == [Status.NOT_FOUND]
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_one_get_larger_than_dram_returns_every_block_from_disk(start_node, disk_dir, transport):
+    """256 blocks of 1 MiB behind a 64 MiB arena: one get of all of them returns all of
+    them, verified.  DRAM takes what it has room for; the rest is read from disk straight
+    into the reply (same host: the pin says which, and a GET on the socket brings them)."""
+    node = disk_node(start_node, disk_dir, name="big", memory="64MiB", disk="1GiB")
+    with Client(node.unix_address, timeout=30) as client:
+        keys = fill(client, "big", 256, size=MiB)
+        wait_written(client, client.stats().evictions)
+        assert client.lookup(keys) == 256
+        address = node.unix_address if transport == "shm" else node.tcp_address
+    with Client(address, use_shm=transport == "shm", timeout=30) as reader:
+        got = reader.get(keys)
+        assert got.num_found == 256
+        for k, value in zip(keys, got.values, strict=True):
+            assert value is not None and bytes(value) == content(k, MiB).tobytes()
+        buffers = [np.empty(MiB, np.uint8) for _ in keys]  # into the caller's buffers too
+        assert reader.get(keys, buffers, prefix=True).num_prefix == 256
+        assert all(np.array_equal(b, content(k, MiB)) for k, b in zip(keys, buffers, strict=True))
+        disk = tier(reader.stats(), "disk")
+        assert disk.served >= 256 - 64 and disk.corrupt == 0

@@ -9,6 +9,7 @@ from kvpool.limits import LeaseLimits
 from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy, NoEviction
 from kvpool.store.journal import Journal
+from kvpool.store.leases import Owner
 from tests.helpers import key
 
 
@@ -256,6 +257,22 @@ def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):
     assert store.reserve_area(8 * PAGE_BYTES, owner=1) is None  # only 4 pages are free
     assert len(store) == 60  # and nothing was evicted for it
     assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
+
+
+def test_rule16_clients_reads_and_writes_are_sampled_the_nodes_own_are_not(store):
+    seen: list[int] = []
+    store.reuse.access = seen.append  # type: ignore[method-assign]
+    put(store, [key(1), key(2)])
+    assert len(seen) == 2  # a client's commit
+    store.pin([key(1)], owner=1, lease_s=5)
+    store.touch([key(2)])  # a read through the shared directory
+    assert len(seen) == 4
+    store.pin([key(1), key(2)], Owner.REPLICATOR, lease_s=5)  # the node's own pin
+    store.pin([key(2)], owner=1, lease_s=5, count=False)  # a guard while making room
+    promoted = store.reserve([key(3)], [PAGE_BYTES], Owner.PROMOTER, held=True)
+    store.commit(promoted.reservation_id, [7], Owner.PROMOTER)  # a promotion
+    assert len(seen) == 4
+    assert store.lookup([key(3)]) == (1, False)
 
 
 def test_batches_land_contiguously(store):

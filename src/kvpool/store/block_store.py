@@ -36,6 +36,9 @@ Rules (each has a test in tests/store/test_pool.py):
 15. Reservations, pins, write areas and prefetch holds are leases of one ledger: its
     ``expire`` (:meth:`BlockStore.expire`) ends each kind the way it ends, and a
     disconnecting owner's leases of every kind end together (:meth:`release_owner`).
+16. The clients' reads (pins, directory reads) and writes (commits) are the accesses
+    :class:`~kvpool.store.reuse.ReuseSampler` samples; the node's own (promotions, the
+    pins of its write-through) are not.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from kvpool.directory import DirectoryWriter, NoDirectory
 from kvpool.errors import BadRequest, LeaseExpired, Status
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import LeaseLimits
+from kvpool.stats import ESTIMATE_SCALES
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator
 from kvpool.store.areas import WriteAreas
 from kvpool.store.block import (
@@ -69,9 +73,10 @@ from kvpool.store.block import (
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.index import KEY_WIDTH, BlockIndex, counted_prefixes
 from kvpool.store.journal import Entry, Journal, NoJournal
-from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
+from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 from kvpool.store.namespaces import NamespaceTable
 from kvpool.store.quotas import Quotas
+from kvpool.store.reuse import ReuseSampler
 from kvpool.store.space import Space
 from kvpool.tenants import TAG_BYTES
 
@@ -134,6 +139,9 @@ class BlockStore:
         self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
         self.areas = WriteAreas(self.allocator, self.ledger)
         self.space = Space(self.allocator, self.eviction, self, high_watermark, low_watermark)
+        # The clients' accesses, sampled: what more or less memory would buy (rule 16).
+        self.reuse = ReuseSampler()
+        self.reuse.cover(ESTIMATE_SCALES[-1] * self.index.max_blocks)
         # Told of changes only after adopting: adopted blocks were announced when stored.
         self.events: StoreEvents | None = None
         self._adopt()
@@ -301,7 +309,8 @@ class BlockStore:
     def commit(
         self, reservation_id: int, checksums: Checksums, owner: int, origins: Origins = None
     ) -> CommitResult:
-        return self.publish(self.take(reservation_id, owner), checksums, origins)
+        blocks = self.take(reservation_id, owner)
+        return self.publish(blocks, checksums, origins, accessed=owner != Owner.PROMOTER)
 
     def take(self, reservation_id: int, owner: int) -> list[Block | None]:
         """End a reservation's lease; its blocks stay pending until :meth:`publish`."""
@@ -311,9 +320,15 @@ class BlockStore:
         return reservation.blocks
 
     def publish(
-        self, blocks: Sequence[Block | None], checksums: Checksums, origins: Origins = None
+        self,
+        blocks: Sequence[Block | None],
+        checksums: Checksums,
+        origins: Origins = None,
+        *,
+        accessed: bool = True,
     ) -> CommitResult:
-        """Make taken blocks visible, with checksums the node computed over their bytes."""
+        """Make taken blocks visible, with checksums the node computed over their bytes
+        (``accessed``: a client wrote them, rule 16; not a promotion from a lower tier)."""
         if len(checksums) != len(blocks):
             raise BadRequest(f"{len(checksums)} checksums for a reservation of {len(blocks)}")
         if origins is not None and len(origins) != len(checksums):
@@ -329,7 +344,9 @@ class BlockStore:
             else:
                 if origins is not None:
                     block.origin = origins[i]
-                self._commit(block, checksum)
+                slot = self._commit(block, checksum)
+                if accessed:
+                    self.reuse.access(self.index.hash_of(slot))
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
@@ -351,8 +368,9 @@ class BlockStore:
                 self._fail(block)
         self._changed()
 
-    def _commit(self, block: Block, checksum: int) -> None:
-        """A pending block becomes a row of the index (the object goes, once told of)."""
+    def _commit(self, block: Block, checksum: int) -> int:
+        """A pending block becomes a row of the index (the object goes, once told of); its
+        slot."""
         if self._pending.get(block.key) is block:
             del self._pending[block.key]
         block.state = BlockState.COMMITTED
@@ -370,6 +388,7 @@ class BlockStore:
         self.counters.puts += 1
         if self.events is not None:
             self.events.stored(block)
+        return slot
 
     def seal(self, block: Block) -> None:
         """The node verified a committed block's bytes itself (the scrubber): same-host
@@ -440,10 +459,17 @@ class BlockStore:
         self.namespaces.looked_up(keys, num_prefix)
 
     def pin(
-        self, keys: Sequence[bytes], owner: int, lease_s: float = 0.0, *, prefix: bool = False
+        self,
+        keys: Sequence[bytes],
+        owner: int,
+        lease_s: float = 0.0,
+        *,
+        prefix: bool = False,
+        count: bool = True,
     ) -> PinResult:
         """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``) for
-        at most the policy's pin lease (``lease_s`` 0: exactly that)."""
+        at most the policy's pin lease (``lease_s`` 0: exactly that); ``count``: as reads
+        (not the node's own guard while it makes room)."""
         found: list[Block | None] = []
         pinned: list[int] = []
         index, origins = self.index, self._origins
@@ -453,12 +479,15 @@ class BlockStore:
             if slot < 0 or past_a_miss:
                 found.append(None)
                 continue
-            if not index.add_pin(slot):
+            if not index.add_pin(slot, read=count):
                 self.eviction.remove(slot)  # out of the LRU while pinned: eviction never visits it
+            if count and owner > 0:  # a client's read (the node's own pins are not accesses)
+                self.reuse.access(index.hash_of(slot))
             found.append(index.block(slot, origins.get(key)))
             pinned.append(slot)
-        self.counters.get_hits += len(pinned)
-        self.counters.get_misses += len(keys) - len(pinned)
+        if count:
+            self.counters.get_hits += len(pinned)
+            self.counters.get_misses += len(keys) - len(pinned)
         granted, deadline = self.ledger.deadline(LeaseKind.PIN, lease_s)
         if not pinned:
             return PinResult(0, found, granted)
@@ -474,6 +503,7 @@ class BlockStore:
             slot = index.find(key)
             if slot >= 0:
                 index.add_read(slot)
+                self.reuse.access(index.hash_of(slot))
                 if not index.num_pins(slot):
                     self.eviction.touch(slot)
                 blocks.append(index.block(slot, self._origins.get(key)))
@@ -626,11 +656,13 @@ class BlockStore:
 
     def metadata_bytes(self) -> int:
         """The memory the index takes now, in O(1) (for status and metrics): its columns
-        for the slots in use and its key table, the LRU's columns, the allocator's tables,
+        for the slots in use and its key table, the eviction policy's columns, the sampled
+        reuse times, the allocator's tables,
         and the origins kept.  Pending blocks and leases are few and not counted."""
         return (
             self.index.nbytes()
             + self.eviction.nbytes(self.index.high)
+            + self.reuse.nbytes()
             + sys.getsizeof(self.allocator)
             + sys.getsizeof(self._pending)
             + sys.getsizeof(self._origins)
