@@ -44,7 +44,10 @@ from benchmarks.trace_models import HitCounter, Trace, belady, blocks_for, lru
 from kvpool import Client, Namespace
 from kvpool.config import PAGE_BYTES
 from kvpool.harness.process import NodeProcess
+from kvpool.keys import BlockOrigin
 from kvpool.stats import ESTIMATE_SCALES
+from kvpool.store.block_store import BlockStore
+from kvpool.store.eviction import new_policy
 
 STAND_IN_BYTES = PAGE_BYTES  # a block's payload: one arena page
 NAMESPACE = Namespace(model="mooncake-trace")
@@ -78,8 +81,21 @@ class CallTimes:
         return out
 
 
+def block_hash(block_id: int) -> bytes:
+    return block_id.to_bytes(8, "big")
+
+
 def key_of(block_id: int) -> bytes:
-    return NAMESPACE.key(block_id.to_bytes(8, "big"))
+    return NAMESPACE.key(block_hash(block_id))
+
+
+def origins_of(ids: Sequence[int], start: int) -> list[BlockOrigin | None]:
+    """What an engine tells the pool of each block it saves from ``ids[start]`` on: the
+    block before it in its prefix (no tokens: the trace has none)."""
+    return [
+        BlockOrigin(token_ids=[], parent=block_hash(ids[i - 1]) if i else b"")
+        for i in range(start, len(ids))
+    ]
 
 
 def replay(
@@ -107,8 +123,38 @@ def replay(
         counter.add(request, num_hit)
         rest = keys[num_hit:]
         if rest:
+            origins = origins_of(ids, num_hit)
             with times.timed("put"):
-                client.put(rest, [payload] * len(rest))
+                client.put(rest, [payload] * len(rest), origins=origins)
+    return counter
+
+
+def replay_store(
+    trace: Trace, capacity_blocks: int, eviction: str, store_partial: bool = False
+) -> HitCounter:
+    """The replay against the node's store in this process (no daemon, no sockets): the
+    same policy code, for quick sweeps; the figures come from real nodes."""
+    store = BlockStore(
+        capacity_blocks * PAGE_BYTES,
+        eviction=new_policy(eviction),
+        high_watermark=1.0,
+        low_watermark=1.0,
+    )
+    counter = HitCounter(trace.block_tokens)
+    for request, ids in trace.sequence(store_partial):
+        keys = [key_of(block_id) for block_id in ids]
+        num_found, _ = store.lookup(keys)
+        pinned = store.pin(keys[:num_found], owner=1, prefix=True)
+        num_hit = sum(1 for block in pinned.blocks if block is not None)
+        if pinned.pin_id:
+            store.unpin(pinned.pin_id)
+        counter.add(request, num_hit)
+        rest = keys[num_hit:]
+        if rest:
+            reserved = store.reserve(rest, [STAND_IN_BYTES] * len(rest), owner=1)
+            if reserved.reservation_id:
+                origins = origins_of(ids, num_hit)
+                store.commit(reserved.reservation_id, [0] * len(rest), 1, origins)
     return counter
 
 
@@ -137,7 +183,7 @@ def replay_node(
     memory, extra = node_args(capacity_blocks, eviction)
     node = NodeProcess.private(f"trace-{eviction}", memory, run_dir=run_dir, extra=extra)
     times = CallTimes()
-    with node.start():
+    with node:
         address = node.unix_address if transport == "shm" else node.tcp_address
         with Client(address, use_shm=transport == "shm", timeout=CALL_TIMEOUT_S) as client:
             started = time.perf_counter()
@@ -166,10 +212,16 @@ def run_replay(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {"capacity_tokens": tokens, "capacity_blocks": blocks}
             row["lru"] = lru(trace, blocks, args.store_partial).as_dict()
             row["optimum"] = belady(trace, blocks, args.store_partial).as_dict()
-            row["nodes"] = [
-                replay_node(trace, blocks, policy, run_dir, args.store_partial, args.transport)
-                for policy in args.eviction.split(",")
-            ]
+            if args.in_process:
+                row["nodes"] = [
+                    {"eviction": policy, **replay_store(trace, blocks, policy).as_dict()}
+                    for policy in args.eviction.split(",")
+                ]
+            else:
+                row["nodes"] = [
+                    replay_node(trace, blocks, policy, run_dir, args.store_partial, args.transport)
+                    for policy in args.eviction.split(",")
+                ]
             # What the node's online curve said more or less memory would buy, against the
             # LRU of that capacity (in blocks: the curve counts blocks read and written).
             row["lru_at_scales"] = {
@@ -198,13 +250,13 @@ def _print_row(row: dict[str, Any], quiet: bool) -> None:
     cells.append(f"lru {row['lru']['tokens']:.4f}")
     cells.append(f"optimum {row['optimum']['tokens']:.4f}")
     for node in row["nodes"]:
-        calls = node["calls"]
+        calls = node.get("calls", {})
         latency = " ".join(
             f"{kind} p50/p99/max {c['p50_ms']}/{c['p99_ms']}/{c['max_ms']} ms"
             for kind, c in calls.items()
         )
         cells.append(f"node[{node['eviction']}] {node['tokens']:.4f} ({latency})")
-        estimates = node["estimates"]
+        estimates = node.get("estimates")
         if estimates:
             cells.append(
                 "estimated/lru at "
@@ -250,7 +302,7 @@ def _start_nodes(
         if clustered:
             flags += ["--peers", peers]
         node = NodeProcess.private(f"n{n}", memory, run_dir=run_dir, extra=flags)
-        nodes.append(stack.enter_context(node.start()))
+        nodes.append(stack.enter_context(node))
     return nodes
 
 
@@ -363,6 +415,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--eviction", default="lru", help="policies, comma-separated"
     )
     sub.choices["replay"].add_argument("--transport", choices=("shm", "tcp"), default="shm")
+    sub.choices["replay"].add_argument(
+        "--in-process", action="store_true", help="the store in this process, no daemon"
+    )
     sub.choices["cluster"].add_argument("--eviction", default="lru")
     sub.choices["cluster"].add_argument("--nodes", type=int, default=10)
     args = parser.parse_args(argv)

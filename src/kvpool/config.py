@@ -34,7 +34,7 @@ DEFAULT_HIGH_WATERMARK = 0.95
 DEFAULT_LOW_WATERMARK = 0.90
 DEFAULT_EVICTION = "lru"
 # The eviction policies a node can run (kvpool.store.eviction's EVICTION_POLICIES names them).
-EVICTION_POLICIES = ("lru",)
+EVICTION_POLICIES = ("lru", "learned")
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_CONNECT_TIMEOUT_S = 1.0
 DEFAULT_ACCESS_ID = "kvpool"

@@ -384,11 +384,22 @@ class BlockStore:
             self._origins[block.key] = block.origin
         self.committed_bytes += block.size
         self.eviction.touch(slot)
+        parent = self._parent_of(block)
+        if parent >= 0:
+            self.eviction.link(slot, parent)
         self.namespaces.added(block.key, block.size)
         self.counters.puts += 1
         if self.events is not None:
             self.events.stored(block)
         return slot
+
+    def _parent_of(self, block: Block) -> int:
+        """The slot of the block whose prefix this one extends, as its writer said (its
+        origin's parent hash, in the block's namespace); -1 if none is held."""
+        origin = block.origin
+        if origin is None or not origin.parent:
+            return -1
+        return self.index.find(block.key[:NAMESPACE_ID_BYTES] + origin.parent)
 
     def seal(self, block: Block) -> None:
         """The node verified a committed block's bytes itself (the scrubber): same-host
@@ -580,6 +591,7 @@ class BlockStore:
             self.directory.withdraw(key)  # before the memory can be handed out again
         index.unlink(slot)
         self.eviction.remove(slot)
+        self.eviction.forget(slot)
         self.journal.removed([key])
         origin = self._origins.pop(key, None)
         spill = self.spill if evicted else None
