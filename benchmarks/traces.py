@@ -47,7 +47,7 @@ from kvpool.harness.process import NodeProcess
 from kvpool.keys import BlockOrigin
 from kvpool.stats import ESTIMATE_SCALES
 from kvpool.store.block_store import BlockStore
-from kvpool.store.eviction import new_policy
+from kvpool.store.policies import new_policy
 
 STAND_IN_BYTES = PAGE_BYTES  # a block's payload: one arena page
 NAMESPACE = Namespace(model="mooncake-trace")

@@ -169,3 +169,14 @@ def test_node_overrides_by_their_old_names_land_in_their_sections():
     assert config.events.endpoint == "tcp://127.0.0.1:5557"
     with pytest.raises(ConfigError, match="unknown node option"):
         node_config_from({"disk": "/mnt/nvme"}, {})
+
+
+def test_eviction_names_one_of_the_stores_policies():
+    from kvpool.config import EVICTION_POLICIES
+    from kvpool.store.policies import NAME_TO_POLICY
+
+    assert set(EVICTION_POLICIES) == set(NAME_TO_POLICY)
+    assert node_config_from({"eviction": "learned"}, environ={}).eviction == "learned"
+    assert node_config_from({}, environ={"KVPOOL_EVICTION": "lru"}).eviction == "lru"
+    with pytest.raises(ConfigError, match="--eviction"):
+        node_config_from({"eviction": "random"}, environ={})

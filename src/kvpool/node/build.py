@@ -40,10 +40,10 @@ from kvpool.node.server import NodeServer
 from kvpool.node.services import StoreChanges
 from kvpool.store.arena import Arena, NodeDirLock
 from kvpool.store.block_store import BlockStore
-from kvpool.store.eviction import new_policy
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
 from kvpool.store.leases import LeaseLedger
+from kvpool.store.policies import new_policy
 from kvpool.tenants import Registry
 from kvpool.tiers.build import open_lower_tiers
 from kvpool.tiers.chain import LowerTiers, Tiers

@@ -13,7 +13,8 @@ is moved behind the others, so that no pass, and no later one, visits it again b
 rest: an eviction of k blocks visits O(k) entries, never the whole index.
 
 Policies: :class:`LRUPolicy` (the reference, ``--eviction lru``), :class:`NoEviction`, and
-:class:`~kvpool.store.learned.LearnedPolicy` (``--eviction learned``).
+:class:`~kvpool.store.learned.LearnedPolicy` (``--eviction learned``); a node builds the one
+its configuration names with :func:`kvpool.store.policies.new_policy`.
 
 Blocks fall into *groups* (a tenant's keys, when the store has quotas: ``regroup``), each
 its own LRU list, so that a pass limited to some groups (``victims(allowed)``, e.g. one
@@ -29,7 +30,6 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.errors import ConfigError
 from kvpool.store.index import Reserved
 
 Group = Hashable
@@ -268,17 +268,3 @@ class NoEviction:
 
     def __len__(self) -> int:
         return 0
-
-
-def new_policy(name: str) -> EvictionPolicy:
-    """The policy a node's ``--eviction`` names (:data:`kvpool.config.EVICTION_POLICIES`)."""
-    from kvpool.store.learned import LearnedPolicy  # (it builds on LRUPolicy, above)
-
-    policies: dict[str, Callable[[], EvictionPolicy]] = {
-        "lru": LRUPolicy,
-        "learned": LearnedPolicy,
-    }
-    factory = policies.get(name)
-    if factory is None:
-        raise ConfigError(f"no eviction policy {name!r}: one of {', '.join(policies)}")
-    return factory()
