@@ -105,18 +105,28 @@ def test_a_full_disk_evicts_its_least_recently_used_blocks(start_node, disk_dir)
 def test_tiers_show_in_status_metrics_and_drain_empties_the_disk(start_node, disk_dir):
     node = disk_node(start_node, disk_dir, name="seen")
     with Client(node.unix_address, timeout=10) as client:
-        fill(client, "st", 64)
+        keys = fill(client, "st", 64)
         wait_written(client, client.stats().evictions)
+        check_all(client, keys[-16:])  # reads: accesses the curve is made of
     status = run_kvpool("status", "--address", node.unix_address, "--json")
     (row,) = json.loads(status.stdout)["nodes"]
     tiers = {t["name"]: t for t in row["tiers"]}
     assert tiers["disk"]["num_blocks"] > 0 and tiers["dram"]["capacity_bytes"] == 8 << 20
+    # What more memory would buy, per tier: a hit rate at each scale of its capacity, never
+    # less with more.
+    for name in ("dram", "disk"):
+        estimates = tiers[name]["estimates"]
+        assert [e["scale"] for e in estimates] == [0.5, 1.0, 2.0, 4.0], tiers[name]
+        rates = [e["hit_rate"] for e in estimates]
+        assert rates == sorted(rates) and 0 <= rates[0] and rates[-1] <= 1
     table = run_kvpool("status", "--address", node.unix_address).stdout
     assert "tiers" in table and "disk" in table and "promotions" in table
+    assert "what more memory would buy" in table
     with urllib.request.urlopen(node.admin_url + "/metrics", timeout=10) as response:
         metrics = response.read().decode()
     assert 'kvpool_tier_blocks{node="seen",tier="disk"}' in metrics
     assert 'kvpool_tier_writes_total{node="seen",tier="disk"}' in metrics
+    assert 'kvpool_tier_estimated_hit_rate{node="seen",scale="4",tier="disk"}' in metrics
     drained = run_kvpool("drain", "--address", node.unix_address)
     assert drained.returncode == 0, drained.stderr
     assert node.proc.wait(30) == 0

@@ -4,6 +4,8 @@ distances computed for every access of a generated trace."""
 from __future__ import annotations
 
 import random
+import sys
+from collections import OrderedDict
 
 import numpy as np
 
@@ -63,7 +65,7 @@ def exact_hit_rates(accesses: list[bytes], capacities: list[int]) -> list[float]
     for i, key in enumerate(accesses):
         before = last.get(key)
         if before is None:
-            distances.append(n + 1)
+            distances.append(sys.maxsize)  # a first access: a miss at any capacity
         else:
             distances.append(prefix(i) - prefix(before + 1))
             add(before, -1)
@@ -80,8 +82,8 @@ def test_the_estimate_is_within_003_of_an_exact_lru_at_every_capacity():
     sampler = ReuseSampler()
     sampler.set_horizon(4 * capacities[-1])
     for key in accesses:
-        sampler.access(hash(key))
-    assert sampler.stride > 8  # it sampled: a few thousand accesses of 120,000
+        sampler.access(hash(key), False)
+    assert sampler.stride >= 3  # it sampled: a fraction of the 120,000 accesses
     estimated = sampler.hit_rates(capacities)
     assert 0.2 < exact[0] < exact[-1] < 0.95  # a curve, not a flat line
     for got, want in zip(estimated, exact, strict=True):
@@ -98,7 +100,7 @@ def test_one_hot_key_does_not_swing_the_estimate():
         sampler = ReuseSampler(seed=seed)
         sampler.set_horizon(4 * capacities[-1])
         for key in accesses:
-            sampler.access(hash(key))
+            sampler.access(hash(key), False)
         for got, want in zip(sampler.hit_rates(capacities), exact, strict=True):
             assert got is not None and abs(got - want) <= 0.03
 
@@ -106,11 +108,11 @@ def test_one_hot_key_does_not_swing_the_estimate():
 def test_memory_stays_bounded_whatever_the_keys():
     sampler = ReuseSampler(max_samples=1000)
     for i in range(200_000):
-        sampler.access(hash(b"k%d" % i))
+        sampler.access(hash(b"k%d" % i), False)
     assert sampler.num_followed <= 1000
     nbytes = sampler.nbytes()
     for i in range(200_000, 400_000):
-        sampler.access(hash(b"k%d" % i))
+        sampler.access(hash(b"k%d" % i), False)
     assert sampler.num_followed <= 1000
     assert sampler.nbytes() <= 1.1 * nbytes
 
@@ -120,10 +122,40 @@ def test_no_reuse_seen_says_nothing_and_a_changed_workload_is_followed():
     sampler.set_horizon(100_000)
     assert sampler.hit_rates([100.0]) == [None]
     for i in range(200_000):  # a loop over 100 keys: all hits in 200 blocks
-        sampler.access(hash(b"a%d" % (i % 100)))
+        sampler.access(hash(b"a%d" % (i % 100)), True)
     assert (sampler.hit_rates([200.0])[0] or 0) > 0.95
     for i in range(1_000_000):  # then a loop over 10,000 keys: 200 blocks hit nothing
-        sampler.access(hash(b"b%d" % (i % 10_000)))
+        sampler.access(hash(b"b%d" % (i % 10_000)), False)
     low, high = sampler.hit_rates([200.0, 20_000.0])
     assert low is not None and high is not None
     assert low < 0.2 and high > 0.8
+
+
+def lru_hits(accesses: list[bytes], capacity: int) -> list[bool]:
+    """Whether each access hit an LRU of ``capacity``."""
+    held: OrderedDict[bytes, None] = OrderedDict()
+    hits = []
+    for key in accesses:
+        hits.append(key in held)
+        held[key] = None
+        held.move_to_end(key)
+        if len(held) > capacity:
+            held.popitem(last=False)
+    return hits
+
+
+def test_anchored_at_what_the_node_hit_the_curve_is_within_003_around_it():
+    """As a node reports it: the accesses it served with 1,000 blocks, and the hit rate it
+    would have with half, twice and four times that."""
+    accesses = generated_trace(seed=11)
+    capacity = 1000
+    scales = [0.5, 1.0, 2.0, 4.0]
+    exact = exact_hit_rates(accesses, [int(s * capacity) for s in scales])
+    sampler = ReuseSampler()
+    sampler.cover(4 * capacity)
+    for key, hit in zip(accesses, lru_hits(accesses, capacity), strict=True):
+        sampler.access(hash(key), hit)
+    estimated = sampler.hit_rates([s * capacity for s in scales], anchor=capacity)
+    assert estimated[1] == sampler.observed_hit_rate  # the anchor: what it really hit
+    for got, want in zip(estimated, exact, strict=True):
+        assert got is not None and abs(got - want) <= 0.03, (estimated, exact)

@@ -346,7 +346,7 @@ class BlockStore:
                     block.origin = origins[i]
                 slot = self._commit(block, checksum)
                 if accessed:
-                    self.reuse.access(self.index.hash_of(slot))
+                    self.reuse.access(self.index.hash_of(slot), hit=False)
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
@@ -493,7 +493,7 @@ class BlockStore:
             if not index.add_pin(slot, read=count):
                 self.eviction.remove(slot)  # out of the LRU while pinned: eviction never visits it
             if count and owner > 0:  # a client's read (the node's own pins are not accesses)
-                self.reuse.access(index.hash_of(slot))
+                self.reuse.access(index.hash_of(slot), hit=True)
             found.append(index.block(slot, origins.get(key)))
             pinned.append(slot)
         if count:
@@ -514,7 +514,7 @@ class BlockStore:
             slot = index.find(key)
             if slot >= 0:
                 index.add_read(slot)
-                self.reuse.access(index.hash_of(slot))
+                self.reuse.access(index.hash_of(slot), hit=True)
                 if not index.num_pins(slot):
                     self.eviction.touch(slot)
                 blocks.append(index.block(slot, self._origins.get(key)))

@@ -43,10 +43,10 @@ import numpy as np
 SUB_BUCKETS = 8  # histogram buckets per doubling of the reuse time
 MAX_REUSE_LOG2 = 48
 NUM_BUCKETS = MAX_REUSE_LOG2 * SUB_BUCKETS + 1
-DEFAULT_MAX_SAMPLES = 4096  # keys followed at most: ~100 bytes each
+DEFAULT_MAX_SAMPLES = 16_384  # keys followed at most: ~120 bytes each
 DEFAULT_HALF_LIFE = 1 << 16  # samples
 HORIZON_PER_CAPACITY = 2  # reuse times sampled up to, per block of the largest capacity
-ENTRY_BYTES = 100  # an ordered dictionary's entry and its two integers, about
+ENTRY_BYTES = 120  # an ordered dictionary's entry, its tuple and integers, about
 
 
 def bucket_of(reuse_time: int) -> int:
@@ -75,10 +75,14 @@ class ReuseSampler:
         self.num_accesses = 0  # every access: the clock of reuse times
         self._random = random.Random(seed)
         self._countdown = 1  # accesses until the next sample
-        self._followed: OrderedDict[int, int] = OrderedDict()  # key hash -> when sampled
+        # Followed key hash -> when it was sampled, and the halvings done by then (a sample
+        # counts 2**-(halvings since), whenever it ends: each weighs by when it began).
+        self._followed: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._halvings = 0
         self._reused = np.zeros(NUM_BUCKETS)  # completed samples, by reuse time
         self._censored = np.zeros(NUM_BUCKETS)  # samples given up, by age
         self._num_samples = 0
+        self._observed = np.zeros(2)  # the accesses that were reads, and all of them
 
     def cover(self, capacity: float) -> None:
         """Make the curve good up to ``capacity`` blocks (and every capacity asked before):
@@ -92,27 +96,34 @@ class ReuseSampler:
         self.horizon = num_accesses
         self.stride = max(1, num_accesses // self.max_samples)
 
-    def access(self, key_hash: int) -> None:
+    def access(self, key_hash: int, hit: bool) -> None:
         """One access of the key whose hash (Python's ``hash`` of its bytes, as the index
-        keeps it) is ``key_hash``."""
+        keeps it) is ``key_hash``: a read of a block held (``hit``), or a write."""
         self.num_accesses += 1
+        self._observed[0] += hit
+        self._observed[1] += 1
         followed = self._followed
         if followed:
-            started = followed.pop(key_hash, None)
-            if started is not None:
-                self._reused[bucket_of(self.num_accesses - started)] += 1
+            sample = followed.pop(key_hash, None)
+            if sample is not None:
+                started, halvings = sample
+                weight = 0.5 ** (self._halvings - halvings)
+                self._reused[bucket_of(self.num_accesses - started)] += weight
         self._countdown -= 1
         if self._countdown > 0:
             return
         self._countdown = self._random.randint(1, 2 * self.stride - 1)
-        followed[key_hash] = self.num_accesses
+        followed[key_hash] = (self.num_accesses, self._halvings)
         if len(followed) > self.max_samples:
-            _, started = followed.popitem(last=False)
-            self._censored[bucket_of(max(1, self.num_accesses - started))] += 1
+            _, (started, halvings) = followed.popitem(last=False)
+            weight = 0.5 ** (self._halvings - halvings)
+            self._censored[bucket_of(max(1, self.num_accesses - started))] += weight
         self._num_samples += 1
         if self._num_samples % self.half_life == 0:
             self._reused *= 0.5
             self._censored *= 0.5
+            self._observed *= 0.5
+            self._halvings += 1
 
     @property
     def num_followed(self) -> int:
@@ -127,16 +138,37 @@ class ReuseSampler:
             + self._censored.nbytes
         )
 
-    def hit_rates(self, capacities: list[float]) -> list[float | None]:
+    @property
+    def observed_hit_rate(self) -> float:
+        """The share of the accesses that were reads of blocks held (recent ones weigh more,
+        as in the curve)."""
+        hits, total = self._observed
+        return float(hits / total) if total else 0.0
+
+    def hit_rates(
+        self, capacities: list[float], anchor: float | None = None
+    ) -> list[float | None]:
         """The hit rate an LRU of each capacity (in blocks) would have had on the accesses
-        seen (None: no reuse seen yet to say)."""
+        seen (None: no reuse seen yet to say).  ``anchor``: the capacity the accesses were
+        served with; the curve is then scaled through the hit rate they really had there
+        (the model gives the curve's shape, the node's own reads its level)."""
         if self._reused.sum() <= 0:
             return [None] * len(capacities)
+        rates = self._model(capacities + ([anchor] if anchor else []))
+        if not anchor:
+            return list(rates)
+        at_anchor = rates.pop()
+        scale = self.observed_hit_rate / at_anchor if at_anchor > 0 else 1.0
+        return [min(1.0, rate * scale) for rate in rates]
+
+    def _model(self, capacities: list[float]) -> list[float]:
+        """The AET model's hit rate at each capacity (see the module)."""
         # Kaplan-Meier: P(reuse time > the end of each bucket), the followed keys counted
         # as censored at their age now.
         censored = self._censored.copy()
-        for started in self._followed.values():
-            censored[bucket_of(max(1, self.num_accesses - started))] += 1
+        for started, halvings in self._followed.values():
+            weight = 0.5 ** (self._halvings - halvings)
+            censored[bucket_of(max(1, self.num_accesses - started))] += weight
         at_risk = np.cumsum((self._reused + censored)[::-1])[::-1]
         with np.errstate(divide="ignore", invalid="ignore"):
             survive = np.where(at_risk > 0, 1.0 - self._reused / at_risk, 1.0)

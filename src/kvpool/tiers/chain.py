@@ -655,17 +655,19 @@ class Tiers:
     def _estimate(self, tiers: list[TierStats]) -> None:
         """Each tier's :class:`HitRateEstimate`: the hit rate with the tier at each of
         ESTIMATE_SCALES times its capacity and the tiers above it as they are, read off the
-        store's sampled curve (capacities in blocks of the room each tier's blocks take on
-        average; nothing while a tier holds nothing to say how much that is)."""
+        store's sampled curve, anchored at the hit rate the node really had with all its
+        tiers (nothing while a tier holds nothing to say how large its blocks are)."""
         reuse = self.store.reuse
+        if not all(stats.num_blocks for stats in tiers):
+            return
+        # In blocks of the room each tier's blocks take on average; the reads the node
+        # served came from all of them together.
+        sizes = [s.capacity_bytes * s.num_blocks / max(s.used_bytes, 1) for s in tiers]
         above = 0.0  # blocks the faster tiers hold at capacity
-        for stats in tiers:
-            if not stats.num_blocks:
-                return
-            blocks = stats.capacity_bytes * stats.num_blocks / max(stats.used_bytes, 1)
+        for stats, blocks in zip(tiers, sizes, strict=True):
             capacities = [above + scale * blocks for scale in ESTIMATE_SCALES]
             reuse.cover(capacities[-1])
-            rates = reuse.hit_rates(capacities)
+            rates = reuse.hit_rates(capacities, anchor=sum(sizes))
             stats.estimates = [
                 HitRateEstimate(scale=scale, hit_rate=round(rate, 4))
                 for scale, rate in zip(ESTIMATE_SCALES, rates, strict=True)
