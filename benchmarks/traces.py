@@ -293,12 +293,16 @@ def _start_nodes(
     clustered: bool,
 ) -> list[NodeProcess]:
     memory, extra = node_args(capacity_blocks, eviction)
-    ports = _free_ports(count)
+    # Every port chosen before any node starts (a node's own choice of a free admin port
+    # could take one another node is about to bind).
+    free = _free_ports(2 * count)
+    ports, admin_ports = free[:count], free[count:]
     peers = ",".join(f"127.0.0.1:{p}" for p in ports) if clustered else ""
     nodes = []
-    for n, port in enumerate(ports):
+    for n, (port, admin_port) in enumerate(zip(ports, admin_ports, strict=True)):
         # The last --port wins: the port chosen here, which the peer list names.
         flags = [*extra, "--host-id", f"trace-host-{n}", "--port", str(port)]
+        flags += ["--admin-port", str(admin_port)]
         if clustered:
             flags += ["--peers", peers]
         node = NodeProcess.private(f"n{n}", memory, run_dir=run_dir, extra=flags)

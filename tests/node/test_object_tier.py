@@ -251,8 +251,9 @@ def test_one_get_larger_than_dram_returns_every_block_from_the_object_store(
         for start in range(0, len(keys), 8):
             batch = keys[start : start + 8]
             assert c.put(batch, [content(k, MiB) for k in batch]).all_stored
-            # The disk hands the bucket 4 segments at a time at most: let it keep up.
-            behind = start + len(batch) - 96
+            # The disk hands the bucket 4 segments at a time at most (past that it drops
+            # them): let the uploads keep up, no more than DRAM's worth behind the writes.
+            behind = start + len(batch) - 64
             wait_for(lambda behind=behind: c.stats().tiers[2].writes >= behind, timeout=60)
         wait_for(lambda: c.lookup(keys) == len(keys))
         state = c.lookup_state(keys)

@@ -145,9 +145,7 @@ class ReuseSampler:
         hits, total = self._observed
         return float(hits / total) if total else 0.0
 
-    def hit_rates(
-        self, capacities: list[float], anchor: float | None = None
-    ) -> list[float | None]:
+    def hit_rates(self, capacities: list[float], anchor: float | None = None) -> list[float | None]:
         """The hit rate an LRU of each capacity (in blocks) would have had on the accesses
         seen (None: no reuse seen yet to say).  ``anchor``: the capacity the accesses were
         served with; the curve is then scaled through the hit rate they really had there
