@@ -104,6 +104,16 @@ def test_rule6_lru_eviction_on_demand_and_past_the_high_watermark(clock):
     assert store.counters.evictions >= 4
 
 
+def test_rule6_a_promotion_leaves_the_trim_to_the_next_clients_write(clock):
+    store = BlockStore(10 * PAGE_BYTES, clock=clock, high_watermark=0.5, low_watermark=0.5)
+    put(store, [key(i) for i in range(5)])
+    promoted = store.reserve([key(9)], [PAGE_BYTES], Owner.PROMOTER, held=True)
+    store.commit(promoted.reservation_id, [7], Owner.PROMOTER)
+    assert store.counters.evictions == 0 and store.lookup([key(9)]) == (1, False)
+    put(store, [key(10)])  # past the high watermark: trimmed back to the low one
+    assert store.counters.evictions == 2 and store.used_bytes == 5 * PAGE_BYTES
+
+
 def test_rule6_nothing_evictable_means_no_space(clock):
     store = BlockStore(2 * PAGE_BYTES, clock=clock, eviction=NoEviction())
     put(store, [key(1), key(2)])

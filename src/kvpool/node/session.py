@@ -497,8 +497,12 @@ class Session:
 
     async def _pin(self, header: FrameHeader, req: msg.PinRequest) -> None:
         tiers = self.tiers
-        await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
-        result, below = tiers.pin_for_read(req.keys, req.prefix, self.owner, req.lease_ms / 1000)
+        wait_s = self.limits.wait(req.wait_ms / 1000)
+        in_time = await tiers.promote(req.keys, req.prefix, wait_s)
+        lease_s = req.lease_ms / 1000
+        result, below = tiers.pin_for_read(
+            req.keys, req.prefix, self.owner, lease_s, in_time=in_time
+        )
         blocks = result.blocks
         tiers.note_read(blocks)
         response = msg.PinResponse(
@@ -529,8 +533,8 @@ class Session:
 
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
         tiers = self.tiers
-        await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
-        result, below = tiers.pin_for_read(req.keys, req.prefix, self.owner)
+        in_time = await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
+        result, below = tiers.pin_for_read(req.keys, req.prefix, self.owner, in_time=in_time)
         tiers.note_read(result.blocks)
         stage = tiers.stage(below)
         try:

@@ -19,7 +19,9 @@ Rules (each has a test in tests/store/test_pool.py):
    :class:`~kvpool.limits.LeaseLimits`: whatever a caller asks for, a pin, a reservation
    or a write area lasts at most the bound of its kind.
 6. Eviction removes least recently used committed, unpinned blocks: on demand when an
-   allocation fails, and down to the low watermark once usage passes the high watermark.
+   allocation fails, and down to the low watermark once usage passes the high watermark
+   (at a client's commit: a promotion's leaves it to the next, so that the read it serves
+   finds what it brought up).
 7. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
    overwritten (a key names its content).
 8. A reservation the node makes for itself (``held``: a promotion) has no lease.
@@ -310,7 +312,7 @@ class BlockStore:
         self, reservation_id: int, checksums: Checksums, owner: int, origins: Origins = None
     ) -> CommitResult:
         blocks = self.take(reservation_id, owner)
-        return self.publish(blocks, checksums, origins, accessed=owner != Owner.PROMOTER)
+        return self.publish(blocks, checksums, origins, by_client=owner != Owner.PROMOTER)
 
     def take(self, reservation_id: int, owner: int) -> list[Block | None]:
         """End a reservation's lease; its blocks stay pending until :meth:`publish`."""
@@ -325,10 +327,12 @@ class BlockStore:
         checksums: Checksums,
         origins: Origins = None,
         *,
-        accessed: bool = True,
+        by_client: bool = True,
     ) -> CommitResult:
-        """Make taken blocks visible, with checksums the node computed over their bytes
-        (``accessed``: a client wrote them, rule 16; not a promotion from a lower tier)."""
+        """Make taken blocks visible, with checksums the node computed over their bytes.
+        ``by_client`` false: the node's own promotion from a lower tier, which is not an
+        access (rule 16) and does not trim (rule 6): the read it serves pins what it
+        brought up, and the next write trims."""
         if len(checksums) != len(blocks):
             raise BadRequest(f"{len(checksums)} checksums for a reservation of {len(blocks)}")
         if origins is not None and len(origins) != len(checksums):
@@ -345,12 +349,13 @@ class BlockStore:
                 if origins is not None:
                     block.origin = origins[i]
                 slot = self._commit(block, checksum)
-                if accessed:
+                if by_client:
                     self.reuse.access(self.index.hash_of(slot), hit=False)
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
-        self.space.trim()
+        if by_client:
+            self.space.trim()
         self._compact_journal()
         self._changed()
         return result

@@ -49,11 +49,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvpool.buffers import copy_with_checksum
+from kvpool.errors import Status
 from kvpool.protocol.messages import PrefetchResponse
 from kvpool.stats import ESTIMATE_SCALES, TIER_DRAM, HitRateEstimate, PrefetchStats, TierStats
 from kvpool.store.arena import Arena
@@ -74,6 +76,7 @@ PREFETCH_MAX_BYTES = 512 << 20
 REMOTE_KEYS_IN_FLIGHT = 1024
 REMOTE_KEYS_IN_FLIGHT_PER_TENANT = 256
 REMOTE_FETCH_BYTES = 64 << 20  # the most one fetch from other nodes may buffer
+MAX_NO_ROOM_KEYS = 1 << 16  # keys remembered as having found no room in DRAM
 STAGE_BYTES = 8 << 20  # a read's stage for blocks served from below DRAM (or one block)
 MAX_STAGED_BYTES = 128 << 20  # every read's stages together, at most
 
@@ -137,6 +140,9 @@ class Tiers:
         self._remote_keys = 0  # keys asked of other nodes, in flight
         self._tag_to_remote_keys: dict[bytes, int] = {}  # the same, per tenant tag
         self._promoting: dict[bytes, asyncio.Future[int]] = {}
+        # Keys whose latest promotion found no room in DRAM (a read larger than DRAM): the
+        # read serves them from below.  Bounded: the oldest are forgotten first.
+        self._no_room: OrderedDict[bytes, None] = OrderedDict()
         self._io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-tier-read")
         self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-prefetch")
 
@@ -225,24 +231,27 @@ class Tiers:
 
     # -- promotion ------------------------------------------------------------------------
 
-    async def promote(self, keys: Sequence[bytes], prefix: bool, wait_s: float = 0.0) -> None:
+    async def promote(self, keys: Sequence[bytes], prefix: bool, wait_s: float = 0.0) -> bool:
         """Bring the blocks among ``keys`` that are in a lower tier but not in DRAM back
         into DRAM (with ``prefix``, only up to the first block held nowhere), waiting at
-        most ``wait_s`` (0: ``DEFAULT_WAIT_S``) for them."""
+        most ``wait_s`` (0: ``DEFAULT_WAIT_S``) for them; whether they all came (or found
+        no room) in that time."""
         if not self.has_lower:
-            return
+            return True
         waits, wanted = self._plan(keys, prefix)
         if wanted:
             # The read's own blocks in DRAM stay while its others come up (a read larger
             # than DRAM gets what found no room from below).
             waits.append(self._start(wanted, self._io, keep=keys))
         if not waits:
-            return
+            return True
         try:
             async with asyncio.timeout(wait_s or DEFAULT_WAIT_S):
                 await asyncio.shield(asyncio.gather(*waits, return_exceptions=True))
         except TimeoutError:
             self.num_late += 1  # what is not up yet is a miss for this read
+            return False
+        return True
 
     def _plan(
         self, keys: Sequence[bytes], prefix: bool
@@ -284,6 +293,7 @@ class Tiers:
         task = asyncio.ensure_future(self._promote_lower(wanted, lane, keep))
         for key, _, _ in wanted:
             self._promoting[key] = task
+            self._no_room.pop(key, None)
         return task
 
     async def _promote_lower(
@@ -337,6 +347,11 @@ class Tiers:
     ) -> list[int | None]:
         store = self.store
         result = store.reserve(keys, sizes, Owner.PROMOTER, held=True)
+        for key, status in zip(keys, result.statuses, strict=True):
+            if status in (Status.NO_SPACE, Status.OVER_QUOTA):
+                self._no_room[key] = None
+        while len(self._no_room) > MAX_NO_ROOM_KEYS:
+            self._no_room.popitem(last=False)
         checksums: list[int | None] = [None] * len(keys)
         slots = [
             (i, self.arena.slice(block.offset, block.size))
@@ -384,12 +399,21 @@ class Tiers:
     # -- reads that DRAM cannot hold --------------------------------------------------------
 
     def pin_for_read(
-        self, keys: Sequence[bytes], prefix: bool, owner: int, lease_s: float = 0.0
+        self,
+        keys: Sequence[bytes],
+        prefix: bool,
+        owner: int,
+        lease_s: float = 0.0,
+        *,
+        in_time: bool = True,
     ) -> tuple[PinResult, list[Below]]:
         """Pin what DRAM holds of ``keys`` (with ``prefix``, only the leading run of blocks
-        held in some tier), and say which of the others a lower tier serves."""
+        held), and say which of the others a lower tier serves: those their promotion found
+        no room for.  A block still coming up, or that failed to, is a miss for this read,
+        and so is every one when the promotion ran out of the read's time (``in_time``
+        false: the tier is slow, the read's deadline near)."""
         store = self.store
-        if not self.has_lower:
+        if not self.has_lower or not in_time:
             return store.pin(keys, owner, lease_s, prefix=prefix), []
         below: list[Below] = []
         end = len(keys)
@@ -397,7 +421,7 @@ class Tiers:
         for i, (key, held) in enumerate(zip(keys, in_dram, strict=True)):
             if held:
                 continue
-            found = self._stored(key)
+            found = self._stored(key) if key in self._no_room else None
             if found is None:
                 if prefix:
                     end = i
