@@ -14,8 +14,9 @@ times in four.  Signals of a request's shape (its new blocks, their place) separ
   largest: a class twice as likely to be read again keeps its blocks twice as long.
 - **Weights, learned**: :class:`Tuner` follows a spatial sample of the keys (a key is
   sampled if its hash falls under a threshold, SHARDS-style) and counts, per class, how
-  often a sampled block is read again within a horizon of a few times what the node holds.
-  A class's weight is its odds of that, raised to a *strength*, relative to the mean.
+  often a sampled block is used again (read, or written again after it left) within a
+  horizon of a few times what the node holds.  A class's weight is its odds of that,
+  raised to a *strength*, relative to the mean.
 - **Strength, chosen by measurement**: the tuner also runs miniature simulations of the
   cache on the sampled keys (Waldspurger et al., "Cache Modeling and Optimization using
   Miniature Simulations", ATC'17), one per candidate strength, each as large as the node's
@@ -23,16 +24,18 @@ times in four.  Signals of a request's shape (its new blocks, their place) separ
   most lately.  Strength 0 is plain LRU, so where weighting does not pay (a cache large
   enough for nearly everything that comes back) the node falls back to LRU.
 - **Prefixes last**: a block whose writer named its parent (the block before it in its
-  prefix: ``BlockOrigin.parent``) keeps its parent out of the lists while it is held, so a
-  parent never leaves before a descendant that is still held (an extension is useless
-  without its prefix, a prefix useful without its extension).  When its last child leaves,
-  the parent is listed again: at the front of its list, unless it was used after the
-  list's newest block.
+  prefix: ``BlockOrigin.parent``) is that parent's *extension*, and an extension is no use
+  without its prefix.  When a block is chosen, its extensions are offered first, leaves
+  first (:meth:`LearnedPolicy._leaves_first`), and the block after them: where one of them
+  stays (pinned, held for a queued request, or the caller has evicted enough), so does
+  every block it extends.  So a parent never leaves before a descendant still held, and
+  the dead extensions of a prefix that goes leave with it.
 
-Cost: per touch, O(1) (a dictionary probe for the sample; a sampled key costs a step of
-each miniature, O(candidates x classes)); per victim, O(tenant groups x classes).  Memory:
-10 bytes a slot of columns, and the sample's bounded tables (at most ``MAX_FOLLOWED`` keys,
-miniatures of at most ``MINI_BLOCKS`` blocks each).
+Cost: per touch, O(1) (a hash of the key and a dictionary probe for the sample; a sampled
+key costs a step of each miniature, O(candidates x classes)); per victim, O(tenant groups x
+classes), and an extension is visited as it is evicted.  Memory: 17 bytes a slot of columns
+(touches, and the prefix tree's parent, first child and siblings), and the sample's bounded
+tables (at most ``MAX_FOLLOWED`` keys, miniatures of at most ``MINI_BLOCKS`` blocks each).
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ class Tuner:
         # Sampled key -> (class at its last access, when): oldest first.
         self._followed: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._accesses = np.zeros(NUM_CLASSES)  # sampled accesses that left a block in a class
-        self._again = np.zeros(NUM_CLASSES)  # ... and were followed by a read within horizon
+        self._again = np.zeros(NUM_CLASSES)  # ... and whose key was used again within the horizon
         self.miniatures = [Miniature(round(self.rate * self.capacity)) for _ in STRENGTHS]
         self.strength = 0.0
         self.weights = [1.0] * NUM_CLASSES
