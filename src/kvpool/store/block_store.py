@@ -674,8 +674,8 @@ class BlockStore:
     def metadata_bytes(self) -> int:
         """The memory the index takes now, in O(1) (for status and metrics): its columns
         for the slots in use and its key table, the eviction policy's columns, the sampled
-        reuse times, the allocator's tables,
-        and the origins kept.  Pending blocks and leases are few and not counted."""
+        reuse times (their bound), the allocator's tables, and the origins kept.  Pending
+        blocks and leases are few and not counted."""
         return (
             self.index.nbytes()
             + self.eviction.nbytes(self.index.high)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -130,13 +129,9 @@ class ReuseSampler:
         return len(self._followed)
 
     def nbytes(self) -> int:
-        """The memory it takes, about (the followed keys, the histograms)."""
-        return (
-            sys.getsizeof(self._followed)
-            + ENTRY_BYTES * len(self._followed)
-            + self._reused.nbytes
-            + self._censored.nbytes
-        )
+        """The memory it takes at most, about (as many followed keys as it may follow, and
+        the histograms): a node's sample fills up to it and stays there."""
+        return ENTRY_BYTES * self.max_samples + self._reused.nbytes + self._censored.nbytes
 
     @property
     def observed_hit_rate(self) -> float:
