@@ -211,3 +211,33 @@ def put(store: BlockStore, keys: list[bytes]) -> None:
     result = store.reserve(keys, [PAGE_BYTES] * len(keys), owner=1)
     if result.reservation_id:
         store.commit(result.reservation_id, [7] * len(keys), owner=1)
+
+
+def test_evicting_k_blocks_of_chains_visits_o_k_entries():
+    """Chains of 40 blocks, their parents named; the oldest chains' last blocks pinned (so
+    their prefixes stay): evicting one block at a time visits each chain once on the way
+    down, not once per block, and never walks a pinned chain again and again."""
+    num_chains, depth, k = 60, 40, 200
+    policy = LearnedPolicy()
+    store = BlockStore(
+        num_chains * depth * PAGE_BYTES, eviction=policy, high_watermark=1.0, low_watermark=1.0
+    )
+    chains = []
+    for c in range(num_chains):
+        hashes = [b"%03d-%04d" % (c, i) for i in range(depth)]
+        keys = [TAGS[0] + NAMESPACE_REST + h for h in hashes]
+        origins = [
+            BlockOrigin(token_ids=[], parent=hashes[i - 1] if i else b"") for i in range(depth)
+        ]
+        result = store.reserve(keys, [PAGE_BYTES] * depth, owner=1)
+        store.commit(result.reservation_id, [7] * depth, 1, origins)
+        chains.append(keys)
+    for keys in chains[:10]:
+        assert store.pin(keys[-1:], owner=2, lease_s=3600).pin_id
+    policy.num_visited = 0
+    for n in range(k):
+        put(store, [b"x" * 16 + b"%06d" % n])
+    assert store.counters.evictions == k
+    assert policy.num_visited <= 3 * k + 2 * depth * 10, policy.num_visited
+    for keys in chains[:10]:  # a pinned block's prefix stays whole
+        assert store.lookup(keys, count=False)[0] == depth

@@ -184,6 +184,7 @@ class LearnedPolicy(LRUPolicy):
         self.tuner = Tuner(1)
         self._key_of: KeyOf = bytes
         self._num_held = 0
+        self._resume: tuple[int, int] | None = None  # (root, block) where a walk stopped
 
     def bind(self, num_slots: int, key_of: KeyOf) -> None:
         super().bind(num_slots, key_of)
@@ -237,6 +238,8 @@ class LearnedPolicy(LRUPolicy):
         self._append(slot, self._list_of(slot))
 
     def forget(self, slot: int) -> None:
+        if self._resume is not None and slot in self._resume:
+            self._resume = None
         if self._touches[slot]:
             self._num_held -= 1
         self._touches[slot] = 0
@@ -291,18 +294,42 @@ class LearnedPolicy(LRUPolicy):
 
     def _leaves_first(self, root: int) -> Iterator[int]:
         """``root``'s extensions, each after its own (they are no use without it), then
-        ``root``; it stops at the first the caller keeps, with whatever it extends."""
+        ``root``; it stops at the first the caller keeps, with whatever it extends.  Where
+        the caller stopped after an eviction, the next walk from ``root`` goes on from
+        there (one block at a time, a chain is walked down once, not once a block)."""
         node = root
+        if self._resume is not None and self._resume[0] == root:
+            node = self._resume[1]
+        self._resume = None
         while True:
             child = self._first_child[node] - 1
-            while child >= 0:
+            while child >= 0:  # (each step down is a visit too: counted)
+                self.num_visited += 1
                 node, child = child, self._first_child[child] - 1
             parent = self._parent[node] - 1
             self.num_visited += 1
-            yield node
-            if self._touches[node] or node == root:
-                return  # kept: so is every block it extends
+            try:
+                yield node
+            except GeneratorExit:
+                if not self._touches[node] and node != root and parent >= 0:
+                    self._resume = (root, parent)
+                raise
+            if node == root:
+                return
+            if self._touches[node]:  # kept: so is every block it extends, behind the others
+                self._requeue_path(parent, root)
+                return
             node = parent
+
+    def _requeue_path(self, node: int, root: int) -> None:
+        """Move the blocks from ``node`` up to ``root`` (not included) behind the others of
+        their lists: they stay with an extension kept, and a later pass must not walk down
+        to it again from each of them."""
+        while node >= 0 and node != root:
+            self.num_visited += 1
+            if self._listed[node]:
+                self._requeue(node)
+            node = self._parent[node] - 1
 
     def _head(self, allowed: Allowed | None) -> tuple[int, int]:
         """The head, among the lists of the groups ``allowed`` admits now, whose age over
