@@ -23,6 +23,7 @@
    waiting for a core adds at that count, under any daemon.
 
     .venv/bin/python -m benchmarks.scale [fill|clients|floor|all] [--blocks 200000] [--json]
+        [--eviction lru|learned]
         [--clients 1,4,16,32] [--seconds 8] [--profile DIR] [--daemon-nice N]
 """
 
@@ -88,7 +89,7 @@ def _lookup_ms(client: Client, keys: list[bytes]) -> dict[str, float]:
     return {"p50_ms": pct(took, 50), "p99_ms": pct(took, 99)}
 
 
-def fill(blocks: int, evicting: int, step: int) -> dict[str, Any]:
+def fill(blocks: int, evicting: int, step: int, eviction: str = "lru") -> dict[str, Any]:
     """Fill, evict, kill -9 and restart one node; see the module's docstring."""
     run_dir = tempfile.mkdtemp(prefix="kvpool-scale-", dir="/dev/shm")
     ns = Namespace(model="scale")
@@ -97,7 +98,8 @@ def fill(blocks: int, evicting: int, step: int) -> dict[str, Any]:
     payload = np.random.default_rng(0).integers(0, 256, BLOCK, dtype=np.uint8)
     values = [payload] * BATCH
     try:
-        node = NodeProcess.private("scale", memory, run_dir=run_dir).start()
+        extra = ["--eviction", eviction]
+        node = NodeProcess.private("scale", memory, run_dir=run_dir, extra=extra).start()
         with Client(node.unix_address, timeout=60) as client:
             absent = ns.keys(block_id(i, b"absent") for i in range(LOOKUP_KEYS))
             lookup_empty = _lookup_ms(client, absent)
@@ -160,7 +162,7 @@ def fill(blocks: int, evicting: int, step: int) -> dict[str, Any]:
             before = client.exists(sample).count(True)
         node.kill()
         launched = time.perf_counter()
-        again = NodeProcess.private("scale", memory, run_dir=run_dir).start()
+        again = NodeProcess.private("scale", memory, run_dir=run_dir, extra=extra).start()
         ready_s = time.perf_counter() - launched
         with Client(again.unix_address, timeout=60) as client:
             client.health()
@@ -450,6 +452,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16,32")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--eviction", default="lru", help="the node's policy (fill)")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the daemon each clients step")
     parser.add_argument(
         "--daemon-nice", type=int, default=0, help="run the daemon at this nice value (experiment)"
@@ -457,7 +460,8 @@ def main() -> None:
     args = parser.parse_args()
     report: dict[str, Any] = {"cpus": os.cpu_count()}
     if args.what in ("fill", "all"):
-        report["fill"] = fill(args.blocks, args.evicting, min(args.step, args.blocks))
+        step = min(args.step, args.blocks)
+        report["fill"] = fill(args.blocks, args.evicting, step, args.eviction)
     if args.what in ("clients", "all"):
         report["clients"] = clients(
             [int(c) for c in args.clients.split(",")], args.seconds, args.profile, args.daemon_nice

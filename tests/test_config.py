@@ -188,3 +188,14 @@ def test_budgets_come_from_their_settings_and_are_checked():
     with pytest.raises(ConfigError, match="--tenant-buffer-bytes"):
         NodeConfig(budgets=Budgets(buffer_bytes=1 << 20)).validate()
     assert Budgets().local_reserved == 256  # of 4,096: the Unix socket's
+
+
+def test_eviction_names_one_of_the_stores_policies():
+    from kvpool.config import EVICTION_POLICIES
+    from kvpool.store.policies import NAME_TO_POLICY
+
+    assert set(EVICTION_POLICIES) == set(NAME_TO_POLICY)
+    assert node_config_from({"eviction": "learned"}, environ={}).eviction == "learned"
+    assert node_config_from({}, environ={"KVPOOL_EVICTION": "lru"}).eviction == "lru"
+    with pytest.raises(ConfigError, match="--eviction"):
+        node_config_from({"eviction": "random"}, environ={})

@@ -32,6 +32,9 @@ DEFAULT_ADMIN_PORT = 9401
 DEFAULT_MEMORY_BYTES = 1 * GiB
 DEFAULT_HIGH_WATERMARK = 0.95
 DEFAULT_LOW_WATERMARK = 0.90
+DEFAULT_EVICTION = "lru"
+# The eviction policies a node can run (kvpool.store.eviction's EVICTION_POLICIES names them).
+EVICTION_POLICIES = ("lru", "learned")
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_CONNECT_TIMEOUT_S = 1.0
 DEFAULT_ACCESS_ID = "kvpool"
@@ -672,6 +675,11 @@ class NodeConfig:
         "The share eviction brings it back down to (0-1).",
         parse=float,
     )
+    eviction: str = setting(
+        DEFAULT_EVICTION,
+        "--eviction",
+        "Which blocks leave DRAM first: " + ", ".join(EVICTION_POLICIES) + ".",
+    )
     # How fast the node re-hashes the blocks it holds, in bytes a second (0: never): a
     # block damaged in place is dropped (see kvpool.node.sealing).
     scrub_bytes_s: int = setting(
@@ -786,6 +794,10 @@ class NodeConfig:
             raise ConfigError(f"--memory must be at least {format_size(MIN_ARENA_BYTES)}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("watermarks must satisfy 0 < low <= high <= 1")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(
+                f"--eviction {self.eviction!r}: one of {', '.join(EVICTION_POLICIES)}"
+            )
         if self.scrub_bytes_s < 0:
             raise ConfigError("--scrub-rate must be 0 (off) or a size a second")
         if len(self.socket_path.as_posix()) > 100:

@@ -4,6 +4,8 @@ names of the tiers a block can live in.  Plain data, below both the store and th
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 # Where a block lives, as lookups report it, fastest first.
@@ -28,6 +30,20 @@ class NamespaceStats(_Record):
     puts: int = 0
 
 
+# The capacities, as multiples of a tier's own, at which a node estimates its hit rate.
+ESTIMATE_SCALES = (0.5, 1.0, 2.0, 4.0)
+
+
+class HitRateEstimate(_Record):
+    """The hit rate (blocks found in this tier or a faster one) the node estimates it would
+    have had with this tier at ``scale`` times its capacity (the tiers above it as they
+    are), from its sampled accesses (:mod:`kvpool.store.reuse`): what an LRU of that size
+    would have kept."""
+
+    scale: float
+    hit_rate: float
+
+
 class TierStats(_Record):
     """One tier of a node: what it holds and what moved through it."""
 
@@ -42,10 +58,13 @@ class TierStats(_Record):
     dropped: int = 0  # write-backs dropped because the queue was full
     slowed: int = 0  # writes held (backpressure) until the write-back caught up
     promotions: int = 0  # blocks copied from it back into DRAM
+    served: int = 0  # blocks read from it straight into a reply (DRAM had no room)
     evictions: int = 0
     corrupt: int = 0  # blocks found not to match their checksum (never served)
     recovered: int = 0  # blocks found at start (adopted, or re-indexed from disk)
     errors: int = 0  # requests to the tier that failed or ran out of time
+    # What more or less of this tier would buy, at ESTIMATE_SCALES.
+    estimates: Annotated[list[HitRateEstimate], msgspec.Meta(max_length=8)] = []
 
 
 class FormatStats(_Record):

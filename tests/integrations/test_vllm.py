@@ -420,3 +420,52 @@ def test_an_engine_keeps_its_hits_through_a_flood_of_unauthenticated_peers(
     assert load["token_ids"] == reference["S4_prefix"]
     assert hit_fraction(save["counters"], load["counters"], load["prompt_tokens"]) >= 0.9
     assert node.is_running
+
+
+def test_an_engine_loads_a_prefix_larger_than_the_nodes_dram(model, start_node, tmp_path):
+    """A prompt of about 4,000 tokens (8 MiB of KV) saved through a 2 MiB arena to its
+    disk tier as the engine prefills it (chunks of 512 tokens, each of which fits DRAM):
+    run again, the engine loads all of it in one read, the blocks DRAM has no room for
+    read from the disk straight to the engine's connector (one engine process, through
+    run_engine: the suite's shared engines are not there yet)."""
+    node = start_node(
+        name="bigprefix",
+        memory="2MiB",
+        extra=["--disk", str(tmp_path / "disk"), "--disk-size", "16MiB"],
+    )
+    long_prompt = prompts(7, 1, words=600)
+
+    def on_pause(tag: str) -> None:
+        with Client(node.unix_address, timeout=10) as c:
+            evicted = c.stats().evictions
+            assert evicted > 0  # the prompt's blocks overflowed DRAM
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                disk = next(t for t in c.stats().tiers if t.name == "disk")
+                if disk.writes + disk.dropped + disk.refused >= evicted:
+                    break
+                time.sleep(0.05)
+
+    steps = [
+        gen("first", long_prompt),
+        {"op": "pause", "tag": "written"},
+        {"op": "reset_prefix_cache"},
+        gen("loaded", long_prompt),
+    ]
+    first, loaded = (
+        r
+        for r in run_engine(
+            model,
+            steps,
+            connector_config=connector(node.unix_address, timeout=10.0),
+            on_pause=on_pause,
+            engine={"max_num_batched_tokens": 512, "enable_chunked_prefill": True},
+        )
+        if r["op"] == "generate"
+    )
+    assert loaded["token_ids"] == first["token_ids"]
+    assert hit_fraction(first["counters"], loaded["counters"], loaded["prompt_tokens"]) >= 0.95
+    with Client(node.unix_address, timeout=10) as c:
+        stats = c.stats()
+        disk = next(t for t in stats.tiers if t.name == "disk")
+        assert disk.served >= 64  # read straight from disk: DRAM holds 32 of its ~127 blocks

@@ -6,6 +6,7 @@ import os
 import random
 import urllib.request
 
+import numpy as np
 import pytest
 
 from kvpool import Client, Status
@@ -104,18 +105,28 @@ def test_a_full_disk_evicts_its_least_recently_used_blocks(start_node, disk_dir)
 def test_tiers_show_in_status_metrics_and_drain_empties_the_disk(start_node, disk_dir):
     node = disk_node(start_node, disk_dir, name="seen")
     with Client(node.unix_address, timeout=10) as client:
-        fill(client, "st", 64)
+        keys = fill(client, "st", 64)
         wait_written(client, client.stats().evictions)
+        check_all(client, keys[-16:])  # reads: accesses the curve is made of
     status = run_kvpool("status", "--address", node.unix_address, "--json")
     (row,) = json.loads(status.stdout)["nodes"]
     tiers = {t["name"]: t for t in row["tiers"]}
     assert tiers["disk"]["num_blocks"] > 0 and tiers["dram"]["capacity_bytes"] == 8 << 20
+    # What more memory would buy, per tier: a hit rate at each scale of its capacity, never
+    # less with more.
+    for name in ("dram", "disk"):
+        estimates = tiers[name]["estimates"]
+        assert [e["scale"] for e in estimates] == [0.5, 1.0, 2.0, 4.0], tiers[name]
+        rates = [e["hit_rate"] for e in estimates]
+        assert rates == sorted(rates) and rates[0] >= 0 and rates[-1] <= 1
     table = run_kvpool("status", "--address", node.unix_address).stdout
     assert "tiers" in table and "disk" in table and "promotions" in table
+    assert "what more memory would buy" in table
     with urllib.request.urlopen(node.admin_url + "/metrics", timeout=10) as response:
         metrics = response.read().decode()
     assert 'kvpool_tier_blocks{node="seen",tier="disk"}' in metrics
     assert 'kvpool_tier_writes_total{node="seen",tier="disk"}' in metrics
+    assert 'kvpool_tier_estimated_hit_rate{node="seen",scale="4",tier="disk"}' in metrics
     drained = run_kvpool("drain", "--address", node.unix_address)
     assert drained.returncode == 0, drained.stderr
     assert node.proc.wait(30) == 0
@@ -124,3 +135,29 @@ def test_tiers_show_in_status_metrics_and_drain_empties_the_disk(start_node, dis
     assert again.info["disk_blocks"] == 0 and again.info["adopted_blocks"] == 0
     with Client(again.unix_address) as client:
         assert client.get([key("st-0")]).statuses == [Status.NOT_FOUND]
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_one_get_larger_than_dram_returns_every_block_from_disk(start_node, disk_dir, transport):
+    """256 blocks of 1 MiB behind a 64 MiB arena: one get of all of them returns all of
+    them, verified.  DRAM takes what it has room for; the rest is read from disk straight
+    into the reply (same host: the pin says which, and a GET on the socket brings them)."""
+    node = disk_node(start_node, disk_dir, name="big", memory="64MiB", disk="1GiB")
+    with Client(node.unix_address, timeout=30) as client:
+        keys = fill(client, "big", 256, size=MiB)
+        wait_written(client, client.stats().evictions)
+        assert client.lookup(keys) == 256
+        address = node.unix_address if transport == "shm" else node.tcp_address
+    with Client(address, use_shm=transport == "shm", timeout=30) as reader:
+        got = reader.get(keys)
+        assert got.num_found == 256
+        for k, value in zip(keys, got.values, strict=True):
+            assert value is not None and bytes(value) == content(k, MiB).tobytes()
+        buffers = [np.empty(MiB, np.uint8) for _ in keys]  # into the caller's buffers too
+        assert reader.get(keys, buffers, prefix=True).num_prefix == 256
+        assert all(np.array_equal(b, content(k, MiB)) for k, b in zip(keys, buffers, strict=True))
+        disk = tier(reader.stats(), "disk")
+        assert disk.served >= 256 - 64 and disk.corrupt == 0

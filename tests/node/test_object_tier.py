@@ -237,3 +237,34 @@ def test_object_tier_and_prefetch_are_visible(shared: tuple) -> None:
     dom = render(b.admin_url + "/")
     assert '<tr class="tier-object"><td>object</td>' in dom
     assert '<td class="prefetch-useful">3</td>' in dom
+
+
+def test_one_get_larger_than_dram_returns_every_block_from_the_object_store(
+    start_node: NodeFactory, s3_server: S3Server, s3_bucket: str, s3_env: dict, tmp_path: Path
+) -> None:
+    """256 blocks of 1 MiB behind a 64 MiB arena and an 8 MiB disk, most of them in the
+    bucket: one get of all of them returns all of them, verified, the blocks DRAM has no
+    room for read from the object store straight into the reply (same host and TCP)."""
+    node = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "huge", "64MiB")
+    keys = [key(f"huge-{i}") for i in range(256)]
+    with Client(node.tcp_address, use_shm=False, timeout=30) as c:
+        for start in range(0, len(keys), 8):
+            batch = keys[start : start + 8]
+            assert c.put(batch, [content(k, MiB) for k in batch]).all_stored
+            # The disk hands the bucket 4 segments at a time at most (past that it drops
+            # them): let the uploads keep up, no more than DRAM's worth behind the writes.
+            behind = start + len(batch) - 64
+            wait_for(lambda behind=behind: c.stats().tiers[2].writes >= behind, timeout=60)
+        wait_for(lambda: c.lookup(keys) == len(keys))
+        state = c.lookup_state(keys)
+        assert state.num_in(TIER_OBJECT) >= 128 and c.stats().tiers[2].dropped == 0
+    for address, use_shm in ((node.unix_address, True), (node.tcp_address, False)):
+        with Client(address, use_shm=use_shm, timeout=30) as reader:
+            got = reader.get(keys)
+            assert got.num_found == len(keys)
+            for k, value in zip(keys, got.values, strict=True):
+                assert value is not None
+                assert np.array_equal(np.frombuffer(value, np.uint8), content(k, MiB))
+    with Client(node.tcp_address, use_shm=False, timeout=10) as c:
+        objects = c.stats().tiers[2]
+    assert objects.served >= 128 and objects.corrupt == 0

@@ -9,6 +9,7 @@ from kvpool.limits import LeaseLimits
 from kvpool.store.block_store import BlockStore
 from kvpool.store.eviction import LRUPolicy, NoEviction
 from kvpool.store.journal import Journal
+from kvpool.store.leases import Owner
 from tests.helpers import key
 
 
@@ -101,6 +102,16 @@ def test_rule6_lru_eviction_on_demand_and_past_the_high_watermark(clock):
     assert store.lookup([key(0)]) == (1, False)  # pinned and recent: kept
     assert store.lookup([key(1)]) == (0, False)  # oldest: gone
     assert store.counters.evictions >= 4
+
+
+def test_rule6_a_promotion_leaves_the_trim_to_the_next_clients_write(clock):
+    store = BlockStore(10 * PAGE_BYTES, clock=clock, high_watermark=0.5, low_watermark=0.5)
+    put(store, [key(i) for i in range(5)])
+    promoted = store.reserve([key(9)], [PAGE_BYTES], Owner.PROMOTER, held=True)
+    store.commit(promoted.reservation_id, [7], Owner.PROMOTER)
+    assert store.counters.evictions == 0 and store.lookup([key(9)]) == (1, False)
+    put(store, [key(10)])  # past the high watermark: trimmed back to the low one
+    assert store.counters.evictions == 2 and store.used_bytes == 5 * PAGE_BYTES
 
 
 def test_rule6_nothing_evictable_means_no_space(clock):
@@ -256,6 +267,22 @@ def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):
     assert store.reserve_area(8 * PAGE_BYTES, owner=1) is None  # only 4 pages are free
     assert len(store) == 60  # and nothing was evicted for it
     assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
+
+
+def test_rule16_clients_reads_and_writes_are_sampled_the_nodes_own_are_not(store):
+    seen: list[int] = []
+    store.reuse.access = lambda key_hash, hit: seen.append(key_hash)  # type: ignore[method-assign]
+    put(store, [key(1), key(2)])
+    assert len(seen) == 2  # a client's commit
+    store.pin([key(1)], owner=1, lease_s=5)
+    store.touch([key(2)])  # a read through the shared directory
+    assert len(seen) == 4
+    store.pin([key(1), key(2)], Owner.REPLICATOR, lease_s=5)  # the node's own pin
+    store.pin([key(2)], owner=1, lease_s=5, count=False)  # a guard while making room
+    promoted = store.reserve([key(3)], [PAGE_BYTES], Owner.PROMOTER, held=True)
+    store.commit(promoted.reservation_id, [7], Owner.PROMOTER)  # a promotion
+    assert len(seen) == 4
+    assert store.lookup([key(3)]) == (1, False)
 
 
 def test_batches_land_contiguously(store):

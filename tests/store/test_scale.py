@@ -15,8 +15,8 @@ from kvpool.config import PAGE_BYTES
 from kvpool.errors import Status
 from kvpool.store.allocator import SegregatedFitAllocator
 from kvpool.store.block_store import BlockStore
-from kvpool.store.eviction import LRUPolicy
 from kvpool.store.journal import COMPACT_STEP, RECORD, Journal
+from kvpool.store.policies import NAME_TO_POLICY, new_policy
 from kvpool.store.space import TRIM_STEP
 from tests.helpers import rss_anon_kib
 
@@ -27,10 +27,10 @@ C = 4  # entries an eviction may visit per block it evicts (plus a small constan
 
 
 class CountingPolicy:
-    """The store's LRU policy, counting the candidates an eviction pass visits."""
+    """A policy of the store's, counting the candidates an eviction pass visits."""
 
-    def __init__(self) -> None:
-        self.inner = LRUPolicy()
+    def __init__(self, name: str = "lru") -> None:
+        self.inner = new_policy(name)
         self.visited = 0
 
     def victims(self, *args):
@@ -78,8 +78,12 @@ def full_store(policy: CountingPolicy, **kw) -> BlockStore:
     return store
 
 
-def test_evicting_k_blocks_skips_pinned_ones_without_visiting_them():
-    policy = CountingPolicy()
+POLICIES = pytest.mark.parametrize("policy_name", sorted(NAME_TO_POLICY))
+
+
+@POLICIES
+def test_evicting_k_blocks_skips_pinned_ones_without_visiting_them(policy_name):
+    policy = CountingPolicy(policy_name)
     store = full_store(policy)
     pin_the_oldest_half(store)
     for round in range(3):  # not just once: what one pass skipped is not rescanned either
@@ -94,8 +98,9 @@ def test_evicting_k_blocks_skips_pinned_ones_without_visiting_them():
     assert store.lookup([key_of(NUM_BLOCKS)]) == (0, False)  # oldest unpinned: gone
 
 
-def test_the_watermark_trim_visits_what_it_evicts():
-    policy = CountingPolicy()
+@POLICIES
+def test_the_watermark_trim_visits_what_it_evicts(policy_name):
+    policy = CountingPolicy(policy_name)
     store = full_store(policy)
     pin_the_oldest_half(store)
     store.space.high_watermark = (NUM_BLOCKS - 1) / NUM_BLOCKS
@@ -108,8 +113,9 @@ def test_the_watermark_trim_visits_what_it_evicts():
     assert policy.visited <= C * evicted + 8, policy.visited
 
 
-def test_a_tenants_eviction_never_walks_another_tenants_blocks():
-    policy = CountingPolicy()
+@POLICIES
+def test_a_tenants_eviction_never_walks_another_tenants_blocks(policy_name):
+    policy = CountingPolicy(policy_name)
     a, b = b"AAAA", b"BBBB"
     num_b = NUM_BLOCKS - 1000
     store = BlockStore(

@@ -13,7 +13,7 @@ from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TIER_OBJECT, TierStats
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
-from kvpool.tiers.chain import LowerTiers, Tiers
+from kvpool.tiers.chain import MAX_STAGED_BYTES, STAGE_BYTES, LowerTiers, Tiers
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource, Tier
 from tests.helpers import key
@@ -56,6 +56,12 @@ class MemoryTier:
 
     def size_of(self, key: bytes) -> int | None:
         return len(self.blocks[key][0]) if key in self.blocks else None
+
+    def stored(self, key: bytes) -> tuple[int, int] | None:
+        if key not in self.blocks:
+            return None
+        data, checksum = self.blocks[key]
+        return len(data), checksum
 
     def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]:
         out: list[int | None] = []
@@ -177,3 +183,40 @@ def test_the_disk_reports_to_the_sink_it_was_built_with(tmp_path: Path) -> None:
     evicted = {k for k, _ in events.removed} - {written[-1][0]}
     assert evicted and not any(disk.contains(list(evicted)))
     disk.close()
+
+
+def test_a_read_larger_than_dram_is_served_from_below_in_bounded_stages(tmp_path: Path) -> None:
+    """48 blocks of 1 MiB on disk behind a 16 MiB arena: the promotion brings up what
+    fits (and never evicts the read's own blocks), the rest is read from the disk in stages
+    of at most STAGE_BYTES, verified, and no read may stage past MAX_STAGED_BYTES while
+    another holds its stages."""
+    size = 1 << 20
+    disk = DiskTier(tmp_path / "disk", 128 << 20, segment_bytes=16 << 20)
+    written = disk_blocks("big", 48, size)
+    disk.write(written)
+    tiers = chain(tmp_path, disk)
+    keys = [k for k, _, _ in written]
+
+    async def run() -> None:
+        assert await tiers.promote(keys, prefix=True)
+        result, below = tiers.pin_for_read(keys, prefix=True, owner=1)
+        in_dram = [i for i, b in enumerate(result.blocks) if b is not None]
+        assert 8 <= len(in_dram) <= 16 and len(in_dram) + len(below) == len(keys)
+        stage = tiers.stage(below)
+        assert stage is not None and len(stage) == STAGE_BYTES
+        run = below[: STAGE_BYTES // size]
+        views = await tiers.read_below(keys, run, stage)
+        for block, view in zip(run, views, strict=True):
+            assert bytes(view) == bytes(written[block.index][1])
+        others = [tiers.stage(below) for _ in range(MAX_STAGED_BYTES // STAGE_BYTES)]
+        assert others[-1] is None  # the node's bound, counted before anything is allocated
+        assert tiers.staged_bytes <= MAX_STAGED_BYTES
+        for taken in [stage, *others]:
+            if taken is not None:
+                tiers.unstage(taken)
+        assert tiers.staged_bytes == 0
+        tiers.store.unpin(result.pin_id)
+        await tiers.stop()
+
+    asyncio.run(run())
+    assert tiers.stats()[1].served == STAGE_BYTES // size

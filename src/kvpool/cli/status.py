@@ -20,6 +20,7 @@ from kvpool.client.client import Client
 from kvpool.config import client_config_from, format_size
 from kvpool.limits import WRITE_THROUGH_TIMEOUT_S
 from kvpool.protocol.messages import NodeStats
+from kvpool.stats import ESTIMATE_SCALES
 
 
 def shown(text: str) -> Text:
@@ -107,6 +108,7 @@ TIER_COUNTER_COLUMNS = (
     ("dropped", "dropped"),
     ("slowed", "slowed"),
     ("promotions", "promotions"),
+    ("served", "served"),
     ("evictions", "evictions"),
     ("corrupt", "corrupt"),
     ("recovered", "recovered"),
@@ -130,6 +132,23 @@ def tier_table(stats: list[NodeStats]) -> Table:
                 f"{format_size(tier.used_bytes)} ({percent:.0f}%)",
                 *(str(getattr(tier, field)) for _, field in TIER_COUNTER_COLUMNS),
             )
+    return table
+
+
+def estimate_table(stats: list[NodeStats]) -> Table:
+    """Per node and tier: the hit rate it estimates it would have with that tier at each
+    multiple of its capacity (the faster tiers as they are)."""
+    table = Table(title="what more memory would buy (estimated hit rate)")
+    table.add_column("node")
+    table.add_column("tier")
+    for scale in ESTIMATE_SCALES:
+        table.add_column(f"{scale:g}x", justify="right")
+    for node in stats:
+        for tier in node.tiers:
+            rates = {e.scale: e.hit_rate for e in tier.estimates}
+            if rates:
+                cells = [f"{100 * rates[s]:.1f}%" if s in rates else "-" for s in ESTIMATE_SCALES]
+                table.add_row(node.node_id, tier.name, *cells)
     return table
 
 
@@ -259,6 +278,8 @@ def show_status(
         console.print(memory_table(up))
     if any(s.tiers for s in up):
         console.print(tier_table(up))
+    if any(t.estimates for s in up for t in s.tiers):
+        console.print(estimate_table(up))
     if any(s.prefetch for s in up):
         console.print(prefetch_table(up))
     if any(s.formats for s in up):

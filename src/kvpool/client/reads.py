@@ -5,7 +5,9 @@
   block's memory was handed out meanwhile) → ``ops.touch``, which needs no reply.  A key
   the directory does not list, or a copy that raced a removal, sends the whole batch down
   the pinned path.
-- Pinned: ``pin_slots`` → read → ``verify_slots`` → ``ops.unpin``.  A sealed block is
+- Pinned: ``pin_slots`` → read → ``verify_slots`` → ``ops.unpin``; blocks the node said
+  are below DRAM (a read larger than DRAM: it had no room to bring them up) are then
+  received with a GET on the same connection, straight into their buffers.  A sealed block is
   copied without hashing it again: the node hashed those very bytes, nothing writes a
   committed block, and the pin keeps its memory.  What a reader still checks is that the
   pin held: a copy that ended past the pin's lease (which began no earlier than the PIN
@@ -73,6 +75,9 @@ class Slots:
     directory: DirectoryReader | None = None  # listed slots only: where they were found
     locations: list[Location] = field(default_factory=list)
     received: GetResult | None = None  # received over the socket (no arena): the outcome
+    # Pins only: per key, not in the arena but below it, where DRAM had no room for it: a
+    # GET streams it from there (empty: none is).
+    below: list[bool] = field(default_factory=list)
 
     def must_verify(self, verify_all: bool) -> list[bool]:
         """Per key: whether its bytes must be hashed as they are read."""
@@ -148,6 +153,7 @@ def pin_slots(
         response.lease_ms,
         list(response.sealed) if len(response.sealed) == len(keys) else [],
         sent + response.lease_ms / 1000,
+        below=list(response.below) if len(response.below) == len(keys) else [],
     )
 
 
@@ -250,6 +256,10 @@ def read_in_place(
         verify = slots.must_verify(verify_all)
         checksums = yield Compute(lambda: _hash_in_place(slots.views, verify))
         yield from verify_slots(keys, slots, checksums)
+        below = [i for i, is_below in enumerate(slots.below) if is_below]
+        if below:  # not in the arena: received into private buffers, read from there
+            sizes = [0] * len(keys)
+            yield from _get_below(keys, None, below, slots.statuses, sizes, slots.views, wait_ms)
     slots.views = [v.toreadonly() if v is not None else None for v in slots.views]
     return slots
 
@@ -290,7 +300,7 @@ def get_blocks(
             yield from end_read(slots)
             return get_result(slots.statuses, sizes, targets, dsts is None)
         slots = yield from open_read(keys, dsts, arena, None, prefix, wait_ms)
-    return (yield from _get_pinned(keys, dsts, slots, verify_all, copier))
+    return (yield from _get_pinned(keys, dsts, slots, verify_all, copier, wait_ms))
 
 
 def _get_pinned(
@@ -299,6 +309,7 @@ def _get_pinned(
     slots: Slots,
     verify_all: bool,
     copier: Copier,
+    wait_ms: int,
 ) -> Op_[GetResult]:
     sizes = [len(v) if v is not None else 0 for v in slots.views]
     targets = destinations(dsts, sizes, slots.statuses)
@@ -310,4 +321,31 @@ def _get_pinned(
     if isinstance(checksums, BaseException):
         raise checksums
     yield from verify_slots(keys, slots, checksums)
+    below = [i for i, is_below in enumerate(slots.below) if is_below]
+    if below:
+        yield from _get_below(keys, dsts, below, slots.statuses, sizes, targets, wait_ms)
     return get_result(slots.statuses, sizes, targets, dsts is None)
+
+
+def _get_below(
+    keys: Sequence[bytes],
+    dsts: Sequence[memoryview] | None,
+    below: list[int],
+    statuses: list[Status],
+    sizes: list[int],
+    targets: list[memoryview | None],
+    wait_ms: int,
+) -> Op_[None]:
+    """Receive the blocks at ``below`` with a GET, each into its buffer, and put what came
+    into ``statuses``, ``sizes`` and ``targets``."""
+    buffers = [dsts[i] for i in below] if dsts is not None else None
+    got = yield from get_stream([keys[i] for i in below], buffers, False, wait_ms)
+    for j, i in enumerate(below):
+        statuses[i] = got.statuses[j]
+        if got.statuses[j] is not Status.OK:
+            continue
+        sizes[i] = got.sizes[j]
+        if buffers is not None:
+            targets[i] = buffers[j][: got.sizes[j]]
+        else:
+            targets[i] = memoryview(got.values[j] or bytearray())

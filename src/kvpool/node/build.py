@@ -44,10 +44,10 @@ from kvpool.store.accounts import Accounts
 from kvpool.store.arena import Arena, NodeDirLock
 from kvpool.store.block import Block, StoreEvents
 from kvpool.store.block_store import BlockStore
-from kvpool.store.eviction import LRUPolicy
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
 from kvpool.store.leases import LeaseLedger
+from kvpool.store.policies import new_policy
 from kvpool.tenants import Registry
 from kvpool.tiers.build import open_lower_tiers
 from kvpool.tiers.chain import LowerTiers, Tiers
@@ -162,7 +162,7 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         changes = StoreChanges()
         store = BlockStore(
             arena.num_bytes,
-            eviction=QueueAwareEviction(LRUPolicy(), holds),
+            eviction=QueueAwareEviction(new_policy(config.eviction), holds),
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
             ledger=ledger,

@@ -133,6 +133,12 @@ TIER_METRICS = (
     ("counter", "dropped", "Write-backs dropped: the queue was full.", "dropped"),
     ("counter", "slowed", "Writes held until the write-back caught up (backpressure).", "slowed"),
     ("counter", "promotions", "Blocks copied from the tier back into DRAM.", "promotions"),
+    (
+        "counter",
+        "served",
+        "Blocks read from the tier straight into a reply (DRAM had no room).",
+        "served",
+    ),
     ("counter", "evictions", "Blocks evicted from the tier.", "evictions"),
     ("counter", "corrupt", "Blocks of the tier found corrupt (never served).", "corrupt"),
     ("counter", "errors", "Requests to the tier that failed or ran out of time.", "errors"),
@@ -167,6 +173,16 @@ def _tier_families(s: NodeStats) -> Iterator[Metric]:
         for tier in s.tiers:
             family.add_metric([s.node_id, tier.name], getattr(tier, attribute))
         yield family
+    estimated = GaugeMetricFamily(
+        "kvpool_tier_estimated_hit_rate",
+        "The hit rate the node estimates it would have with the tier at `scale` times its "
+        "capacity (faster tiers as they are), from sampled reuse times.",
+        labels=["node", "tier", "scale"],
+    )
+    for tier in s.tiers:
+        for estimate in tier.estimates:
+            estimated.add_metric([s.node_id, tier.name, f"{estimate.scale:g}"], estimate.hit_rate)
+    yield estimated
     if s.prefetch is not None:
         for kind, name, doc, attribute in PREFETCH_METRICS:
             family = families[kind](f"kvpool_prefetch_{name}", doc, labels=["node"])

@@ -79,6 +79,7 @@ from kvpool.store.accounts import NODE, Resource
 from kvpool.store.block import Area, Block
 from kvpool.store.block_store import PinResult
 from kvpool.tenants import Credential, Tenant
+from kvpool.tiers.chain import Below
 from kvpool.tiers.writeback import MAX_BACKPRESSURE_S
 
 log = logging.getLogger("kvpool.node")
@@ -550,8 +551,12 @@ class Session:
 
     async def _pin(self, header: FrameHeader, req: msg.PinRequest) -> None:
         tiers = self.tiers
-        await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
-        result = self.store.pin(req.keys, self.owner, req.lease_ms / 1000, prefix=req.prefix)
+        wait_s = self.limits.wait(req.wait_ms / 1000)
+        in_time = await tiers.promote(req.keys, req.prefix, wait_s)
+        lease_s = req.lease_ms / 1000
+        result, below = tiers.pin_for_read(
+            req.keys, req.prefix, self.owner, lease_s, in_time=in_time
+        )
         blocks = result.blocks
         tiers.note_read(blocks)
         response = msg.PinResponse(
@@ -563,6 +568,10 @@ class Session:
             lease_ms=int(result.lease_s * 1000),
             sealed=[b is not None and b.sealed for b in blocks],
         )
+        if below:  # not in the arena: the client reads these with a GET, from below DRAM
+            response.below = [False] * len(blocks)
+            for block in below:
+                response.below[block.index] = True
         self.services.traffic.sent(sum(response.sizes))
         await self._reply(header, Op.PIN, response)
 
@@ -578,26 +587,83 @@ class Session:
 
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
         tiers = self.tiers
-        await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
-        result = self.store.pin(req.keys, self.owner, prefix=req.prefix)
+        in_time = await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
+        result, below = tiers.pin_for_read(req.keys, req.prefix, self.owner, in_time=in_time)
         tiers.note_read(result.blocks)
+        stage = tiers.stage(below)
         try:
-            await self._send_pinned(header, result)
+            await self._send_blocks(header, req.keys, result, below, stage)
         finally:
             if result.pin_id:
                 self.store.unpin(result.pin_id)
+            if stage is not None:
+                tiers.unstage(stage)
 
-    async def _send_pinned(self, header: FrameHeader, result: PinResult) -> None:
+    async def _send_blocks(
+        self,
+        header: FrameHeader,
+        keys: Sequence[bytes],
+        result: PinResult,
+        below: Sequence[Below],
+        stage: bytearray | None,
+    ) -> None:
+        """A GET's reply: the pinned blocks from the arena, and ``below``, which a lower
+        tier serves, read into ``stage`` a stage at a time, in the keys' order (no stage:
+        none was free, and DRAM's blocks are all the reply has)."""
         blocks = result.blocks
-        statuses = [int(Status.OK if b is not None else Status.NOT_FOUND) for b in blocks]
+        if stage is None:
+            below = []
         sizes = [b.size if b is not None else 0 for b in blocks]
         checksums = [b.checksum if b is not None else 0 for b in blocks]
-        views = [self.arena.slice(b.offset, b.size) for b in blocks if b is not None]
+        for block in below:
+            sizes[block.index], checksums[block.index] = block.size, block.checksum
+        statuses = [int(Status.OK if b is not None else Status.NOT_FOUND) for b in blocks]
+        for block in below:
+            statuses[block.index] = int(Status.OK)
         total = sum(sizes)
         response = msg.GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
+        views = [self.arena.slice(b.offset, b.size) for b in blocks if b is not None]
         async with self._within_lease(result.lease_s, "sending a GET payload"):
-            await self._reply(header, Op.GET, response, views, total)
+            if stage is None or not below:
+                await self._reply(header, Op.GET, response, views, total)
+            else:
+                await self._reply(header, Op.GET, response, (), total)
+                await self._send_in_order(keys, blocks, below, stage)
         self.services.traffic.sent(total)
+
+    async def _send_in_order(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Block | None],
+        below: Sequence[Below],
+        stage: bytearray,
+    ) -> None:
+        """The payload of a reply that mixes pinned blocks and blocks from below DRAM: runs
+        of arena views as they are, runs of lower-tier blocks through ``stage``."""
+        index_to_below = {b.index: b for b in below}
+        views: list[memoryview] = []  # arena views not sent yet
+        run: list[Below] = []  # lower-tier blocks not read yet
+        run_bytes = 0
+        for i, block in enumerate(blocks):
+            lower = index_to_below.get(i)
+            if block is not None:
+                if run:
+                    await self.channel.send(await self.tiers.read_below(keys, run, stage))
+                    run, run_bytes = [], 0
+                views.append(self.arena.slice(block.offset, block.size))
+            elif lower is not None:
+                if views:
+                    await self.channel.send(views)
+                    views = []
+                if run and run_bytes + lower.size > len(stage):
+                    await self.channel.send(await self.tiers.read_below(keys, run, stage))
+                    run, run_bytes = [], 0
+                run.append(lower)
+                run_bytes += lower.size
+        if views:
+            await self.channel.send(views)
+        if run:
+            await self.channel.send(await self.tiers.read_below(keys, run, stage))
 
     @contextlib.asynccontextmanager
     async def _within_lease(self, lease_s: float, what: str) -> Any:

@@ -318,6 +318,9 @@ class PinResponse(Message):
     # Per key: the node hashed the block's arena bytes itself, so a same-host reader need
     # not hash them again (empty: none is).
     sealed: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
+    # Per key: not in the arena, but a lower tier holds it, and DRAM had no room to bring
+    # it up: read it with a GET, which streams it from there (empty: none is).
+    below: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)] = []
 
 
 class UnpinRequest(Message):

@@ -19,7 +19,9 @@ Rules (each has a test in tests/store/test_pool.py):
    :class:`~kvpool.limits.LeaseLimits`: whatever a caller asks for, a pin, a reservation
    or a write area lasts at most the bound of its kind.
 6. Eviction removes least recently used committed, unpinned blocks: on demand when an
-   allocation fails, and down to the low watermark once usage passes the high watermark.
+   allocation fails, and down to the low watermark once usage passes the high watermark
+   (at a client's commit: a promotion's leaves it to the next, so that the read it serves
+   finds what it brought up).
 7. A put of a key that is committed or pending reports EXISTS or PENDING; nothing is
    overwritten (a key names its content).
 8. A reservation the node makes for itself (``held``: a promotion) has no lease.
@@ -42,6 +44,9 @@ Rules (each has a test in tests/store/test_pool.py):
     are rate-limited there (``QuotaExceeded`` past the rate).
 17. ``on_change`` hears the keys whose presence a waiting lookup may wait for: blocks
     committed, and reservations that ended without a commit (never a rescan of all).
+18. The clients' reads (pins, directory reads) and writes (commits) are the accesses
+    :class:`~kvpool.store.reuse.ReuseSampler` samples; the node's own (promotions, the
+    pins of its write-through) are not.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from kvpool.directory import DirectoryWriter, NoDirectory
 from kvpool.errors import BadRequest, LeaseExpired, QuotaExceeded, Status
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import LeaseLimits
+from kvpool.stats import ESTIMATE_SCALES
 from kvpool.store.accounts import Accounts, Resource
 from kvpool.store.allocator import Allocator, SegregatedFitAllocator
 from kvpool.store.areas import WriteAreas
@@ -77,9 +83,10 @@ from kvpool.store.block import (
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
 from kvpool.store.index import KEY_WIDTH, BlockIndex, counted_prefixes
 from kvpool.store.journal import Entry, Journal, NoJournal
-from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
+from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 from kvpool.store.namespaces import NamespaceTable, is_label
 from kvpool.store.quotas import Quotas
+from kvpool.store.reuse import ReuseSampler
 from kvpool.store.space import Space
 from kvpool.tenants import TAG_BYTES
 
@@ -146,6 +153,9 @@ class BlockStore:
         self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
         self.areas = WriteAreas(self.allocator, self.ledger)
         self.space = Space(self.allocator, self.eviction, self, high_watermark, low_watermark)
+        # The clients' accesses, sampled: what more or less memory would buy (rule 16).
+        self.reuse = ReuseSampler()
+        self.reuse.cover(ESTIMATE_SCALES[-1] * self.index.max_blocks)
         # Told of changes only after adopting: adopted blocks were announced when stored.
         self.events: StoreEvents | None = None
         self._adopt()
@@ -326,7 +336,8 @@ class BlockStore:
     def commit(
         self, reservation_id: int, checksums: Checksums, owner: int, origins: Origins = None
     ) -> CommitResult:
-        return self.publish(self.take(reservation_id, owner), checksums, origins)
+        blocks = self.take(reservation_id, owner)
+        return self.publish(blocks, checksums, origins, by_client=owner != Owner.PROMOTER)
 
     def take(self, reservation_id: int, owner: int) -> list[Block | None]:
         """End a reservation's lease; its blocks stay pending until :meth:`publish`."""
@@ -336,9 +347,17 @@ class BlockStore:
         return reservation.blocks
 
     def publish(
-        self, blocks: Sequence[Block | None], checksums: Checksums, origins: Origins = None
+        self,
+        blocks: Sequence[Block | None],
+        checksums: Checksums,
+        origins: Origins = None,
+        *,
+        by_client: bool = True,
     ) -> CommitResult:
-        """Make taken blocks visible, with checksums the node computed over their bytes."""
+        """Make taken blocks visible, with checksums the node computed over their bytes.
+        ``by_client`` false: the node's own promotion from a lower tier, which is not an
+        access (rule 16) and does not trim (rule 6): the read it serves pins what it
+        brought up, and the next write trims."""
         if len(checksums) != len(blocks):
             raise BadRequest(f"{len(checksums)} checksums for a reservation of {len(blocks)}")
         if origins is not None and len(origins) != len(checksums):
@@ -355,12 +374,15 @@ class BlockStore:
             else:
                 if origins is not None:
                     block.origin = origins[i]
-                self._commit(block, checksum)
+                slot = self._commit(block, checksum)
                 self._count_journal(block.key)
+                if by_client:
+                    self.reuse.access(self.index.hash_of(slot), hit=False)
                 result.statuses.append(Status.OK)
                 result.committed.append(block)
         self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
-        self.space.trim()
+        if by_client:
+            self.space.trim()
         self._compact_journal()
         self._changed([b.key for b in blocks if b is not None])
         return result
@@ -378,8 +400,9 @@ class BlockStore:
                 self._fail(block)
         self._changed([b.key for b in reservation.blocks if b is not None])
 
-    def _commit(self, block: Block, checksum: int) -> None:
-        """A pending block becomes a row of the index (the object goes, once told of)."""
+    def _commit(self, block: Block, checksum: int) -> int:
+        """A pending block becomes a row of the index (the object goes, once told of); its
+        slot."""
         if self._pending.get(block.key) is block:
             del self._pending[block.key]
         block.state = BlockState.COMMITTED
@@ -393,10 +416,22 @@ class BlockStore:
             self._origins[block.key] = block.origin
         self.committed_bytes += block.size
         self.eviction.touch(slot)
+        parent = self._parent_of(block)
+        if parent >= 0:
+            self.eviction.link(slot, parent)
         self.namespaces.added(block.key, block.size)
         self.counters.puts += 1
         if self.events is not None:
             self.events.stored(block)
+        return slot
+
+    def _parent_of(self, block: Block) -> int:
+        """The slot of the block whose prefix this one extends, as its writer said (its
+        origin's parent hash, in the block's namespace); -1 if none is held."""
+        origin = block.origin
+        if origin is None or not origin.parent:
+            return -1
+        return self.index.find(block.key[:NAMESPACE_ID_BYTES] + origin.parent)
 
     def seal(self, block: Block) -> None:
         """The node verified a committed block's bytes itself (the scrubber): same-host
@@ -471,10 +506,17 @@ class BlockStore:
         self.namespaces.looked_up(keys, num_prefix)
 
     def pin(
-        self, keys: Sequence[bytes], owner: int, lease_s: float = 0.0, *, prefix: bool = False
+        self,
+        keys: Sequence[bytes],
+        owner: int,
+        lease_s: float = 0.0,
+        *,
+        prefix: bool = False,
+        count: bool = True,
     ) -> PinResult:
         """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``) for
-        at most the policy's pin lease (``lease_s`` 0: exactly that)."""
+        at most the policy's pin lease (``lease_s`` 0: exactly that); ``count``: as reads
+        (not the node's own guard while it makes room)."""
         found: list[Block | None] = []
         pinned: list[int] = []
         index, origins = self.index, self._origins
@@ -484,12 +526,15 @@ class BlockStore:
             if slot < 0 or past_a_miss:
                 found.append(None)
                 continue
-            if not index.add_pin(slot):
+            if not index.add_pin(slot, read=count):
                 self.eviction.remove(slot)  # out of the LRU while pinned: eviction never visits it
+            if count and owner > 0:  # a client's read (the node's own pins are not accesses)
+                self.reuse.access(index.hash_of(slot), hit=True)
             found.append(index.block(slot, origins.get(key)))
             pinned.append(slot)
-        self.counters.get_hits += len(pinned)
-        self.counters.get_misses += len(keys) - len(pinned)
+        if count:
+            self.counters.get_hits += len(pinned)
+            self.counters.get_misses += len(keys) - len(pinned)
         granted, deadline = self.ledger.deadline(LeaseKind.PIN, lease_s)
         if not pinned:
             return PinResult(0, found, granted)
@@ -505,6 +550,7 @@ class BlockStore:
             slot = index.find(key)
             if slot >= 0:
                 index.add_read(slot)
+                self.reuse.access(index.hash_of(slot), hit=True)
                 if not index.num_pins(slot):
                     self.eviction.touch(slot)
                 blocks.append(index.block(slot, self._origins.get(key)))
@@ -583,6 +629,7 @@ class BlockStore:
             self.directory.withdraw(key)  # before the memory can be handed out again
         index.unlink(slot)
         self.eviction.remove(slot)
+        self.eviction.forget(slot)
         self.journal.removed([key])
         self._count_journal(key)
         origin = self._origins.pop(key, None)
@@ -691,11 +738,13 @@ class BlockStore:
 
     def metadata_bytes(self) -> int:
         """The memory the index takes now, in O(1) (for status and metrics): its columns
-        for the slots in use and its key table, the LRU's columns, the allocator's tables,
-        and the origins kept.  Pending blocks and leases are few and not counted."""
+        for the slots in use and its key table, the eviction policy's columns, the sampled
+        reuse times (their bound), the allocator's tables, and the origins kept.  Pending
+        blocks and leases are few and not counted."""
         return (
             self.index.nbytes()
             + self.eviction.nbytes(self.index.high)
+            + self.reuse.nbytes()
             + sys.getsizeof(self.allocator)
             + sys.getsizeof(self._pending)
             + sys.getsizeof(self._origins)

@@ -3,12 +3,18 @@
 The interface (:class:`EvictionPolicy`) speaks of *slots*, the rows of the store's index
 (:mod:`kvpool.store.index`): ``bind(num_slots, key_of)`` once, before use; ``touch(slot)``
 when a block becomes evictable (committed, or its last pin dropped) or is read,
-``remove(slot)`` when it leaves the store or stops being evictable (pinned), and
+``remove(slot)`` when it leaves the store or stops being evictable (pinned), ``forget(slot)``
+after ``remove`` when it left the store, ``link(slot, parent)`` when a committed block is
+known to extend the prefix that ends at ``parent`` (a live slot: its writer said so), and
 ``victims()`` yields candidate slots, the best victim first.  The caller touches only live
 slots and removes each slot it touched before the slot is reused.  A candidate the caller
 neither removes nor touches before asking for the next one (a block a queued request holds)
 is moved behind the others, so that no pass, and no later one, visits it again before the
 rest: an eviction of k blocks visits O(k) entries, never the whole index.
+
+Policies: :class:`LRUPolicy` (the reference, ``--eviction lru``), :class:`NoEviction`, and
+:class:`~kvpool.store.learned.LearnedPolicy` (``--eviction learned``); a node builds the one
+its configuration names with :func:`kvpool.store.policies.new_policy`.
 
 Blocks fall into *groups* (a tenant's keys, when the store has quotas: ``regroup``), each
 its own LRU list, so that a pass limited to some groups (``victims(allowed)``, e.g. one
@@ -39,6 +45,10 @@ class EvictionPolicy(Protocol):
     def touch(self, slot: int) -> None: ...
 
     def remove(self, slot: int) -> None: ...
+
+    def forget(self, slot: int) -> None: ...
+
+    def link(self, slot: int, parent: int) -> None: ...
 
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]: ...
 
@@ -103,6 +113,12 @@ class LRUPolicy:
         listed = self._listed[slot]
         if listed:
             self._unlink(slot, listed - 1)
+
+    def forget(self, slot: int) -> None:
+        """The slot's block left the store (LRU keeps nothing more of it)."""
+
+    def link(self, slot: int, parent: int) -> None:
+        """A block extends another's prefix (LRU orders by recency alone)."""
 
     def _number(self, group: Group) -> int:
         number = self._numbers.get(group)
@@ -196,18 +212,22 @@ class LRUPolicy:
 
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         # Always the head of a list: the caller removes it (evicted) or it is moved behind
-        # the others (kept), so no pass rescans what it skipped.  At most one visit per
-        # entry held at the start, so that a pass over blocks all kept ends.
+        # the others (kept), so no pass rescans what it skipped.  At most one visit kept per
+        # entry listed at the start, so that a pass over blocks all kept ends.
         budget = self._size
         while budget > 0:
             slot, number = self._head(allowed)
             if slot == NONE:
                 return
-            budget -= 1
             self.num_visited += 1
             yield slot
             if self._heads[number] == slot:
-                self.touch(slot)  # kept: behind the others
+                budget -= 1
+                self._requeue(slot)  # kept: behind the others
+
+    def _requeue(self, slot: int) -> None:
+        """A candidate the caller kept goes behind the others."""
+        self.touch(slot)
 
 
 class NoEviction:
@@ -223,6 +243,12 @@ class NoEviction:
         pass
 
     def remove(self, slot: int) -> None:
+        pass
+
+    def forget(self, slot: int) -> None:
+        pass
+
+    def link(self, slot: int, parent: int) -> None:
         pass
 
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:

@@ -152,6 +152,12 @@ class QueueAwareEviction:
     def remove(self, slot: int) -> None:
         self.inner.remove(slot)
 
+    def forget(self, slot: int) -> None:
+        self.inner.forget(slot)
+
+    def link(self, slot: int, parent: int) -> None:
+        self.inner.link(slot, parent)
+
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         # A held block skipped here is moved behind the others by the inner policy.
         is_held, key_of = self.holds.is_held, self._key_of

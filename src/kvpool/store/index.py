@@ -180,6 +180,10 @@ class BlockIndex:
     def offset(self, slot: int) -> int:
         return self._offsets[slot]
 
+    def hash_of(self, slot: int) -> int:
+        """Python's hash of the slot's key (random per process: for sampling, never kept)."""
+        return self._hashes[slot]
+
     def size(self, slot: int) -> int:
         return self._sizes[slot]
 
@@ -204,11 +208,13 @@ class BlockIndex:
     def num_pins(self, slot: int) -> int:
         return self._pins[slot]
 
-    def add_pin(self, slot: int) -> int:
-        """One more pin (and read) of the slot's block; the pins it had before."""
+    def add_pin(self, slot: int, *, read: bool = True) -> int:
+        """One more pin (and, with ``read``, read) of the slot's block; the pins it had
+        before."""
         pins = self._pins[slot]
         self._pins[slot] = pins + 1
-        self.add_read(slot)
+        if read:
+            self.add_read(slot)
         return pins
 
     def drop_pin(self, slot: int) -> int:

@@ -20,6 +20,14 @@ source that only prefetches ask.
   one promotion.  A promotion runs as a task of its own, so a reader that goes away (or
   stops waiting at its deadline) cannot cut it short while its thread still writes into
   the arena; the reader waits at most ``wait_s`` and then finds what has arrived.
+- **Reads larger than DRAM** (:meth:`Tiers.pin_for_read`): what a read's promotion could
+  not bring up (DRAM had no room for the whole batch) is read from its lower tier straight
+  into the reply, a bounded stage at a time (:meth:`Tiers.read_below`): over the
+  connection's socket, into the caller's buffers, verified as it arrives.  A reply
+  announces each block's size and checksum (the tier's index has both) before its bytes; a
+  block its tier lost in between goes out as zeros, which the reader's check refuses.  At
+  most ``MAX_STAGED_BYTES`` are staged on the node at once, ``STAGE_BYTES`` (or one block)
+  per read; a read that finds none left is served what DRAM holds.
 - **Prefetch**: the same promotion, started ahead of the read for a request that is still
   queued, and below the priority of real reads: it has one I/O thread of its own where
   reads have ``READ_THREADS``, and at most ``PREFETCH_MAX_BYTES`` in flight (the rest is
@@ -42,16 +50,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvpool.buffers import copy_with_checksum
+from kvpool.errors import Status
 from kvpool.protocol.messages import PrefetchResponse
-from kvpool.stats import TIER_DRAM, PrefetchStats, TierStats
+from kvpool.stats import ESTIMATE_SCALES, TIER_DRAM, HitRateEstimate, PrefetchStats, TierStats
 from kvpool.store.accounts import Resource
 from kvpool.store.arena import Arena
-from kvpool.store.block import Block
+from kvpool.store.block import Block, PinResult
 from kvpool.store.block_store import BlockStore
 from kvpool.store.holds import Holds
 from kvpool.store.leases import Owner
@@ -70,11 +80,24 @@ REMOTE_KEYS_IN_FLIGHT_PER_TENANT = 256
 REMOTE_FETCH_BYTES = 64 << 20  # the most one fetch from other nodes may buffer
 # A lookup past DRAM asks the lower tiers this many keys at a time, up to the first miss.
 LOOKUP_CHUNK = 256
+MAX_NO_ROOM_KEYS = 1 << 16  # keys remembered as having found no room in DRAM
+STAGE_BYTES = 8 << 20  # a read's stage for blocks served from below DRAM (or one block)
+MAX_STAGED_BYTES = 128 << 20  # every read's stages together, at most
 
 # Fills reserved slots, given as ``(index, destination)``: per slot, its checksum or None.
 Fill = Callable[[list[tuple[int, memoryview]]], list[int | None]]
 # A promotion under way: it comes to the keys that came up.
 Promotion = asyncio.Future[list[bytes]]
+
+
+@dataclass(slots=True)
+class Below:
+    """A block of a read that a lower tier serves (DRAM had no room for it)."""
+
+    index: int  # in the read's keys
+    size: int
+    checksum: int
+    tier_id: int
 
 
 @dataclass
@@ -118,14 +141,19 @@ class Tiers:
         )
         self.hits = {TIER_DRAM: 0} | {tier.tier_id: 0 for tier in self.chain}
         self.promoted = {tier.tier_id: 0 for tier in self.chain}
+        self.served = {tier.tier_id: 0 for tier in self.chain}  # straight into replies
         self.promoted_remote = 0  # blocks a prefetch copied from other nodes
         self.num_late = 0  # reads that stopped waiting for a promotion at their deadline
         self.prefetched = PrefetchStats()
         self._prefetch_bytes = 0  # in flight
+        self.staged_bytes = 0  # stages of reads served from below DRAM, now
         self._remote_keys = 0  # keys asked of other nodes, in flight
         self._tag_to_remote_keys: dict[bytes, int] = {}  # the same, per tenant tag
         # Promotions under way, by key: each comes to the keys that came up.
         self._promoting: dict[bytes, Promotion] = {}
+        # Keys whose latest promotion found no room in DRAM (a read larger than DRAM): the
+        # read serves them from below.  Bounded: the oldest are forgotten first.
+        self._no_room: OrderedDict[bytes, None] = OrderedDict()
         self._io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-tier-read")
         self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="kvpool-prefetch")
 
@@ -221,22 +249,27 @@ class Tiers:
 
     # -- promotion ------------------------------------------------------------------------
 
-    async def promote(self, keys: Sequence[bytes], prefix: bool, wait_s: float = 0.0) -> None:
+    async def promote(self, keys: Sequence[bytes], prefix: bool, wait_s: float = 0.0) -> bool:
         """Bring the blocks among ``keys`` that are in a lower tier but not in DRAM back
         into DRAM (with ``prefix``, only up to the first block held nowhere), waiting at
-        most ``wait_s`` (0: ``DEFAULT_WAIT_S``) for them."""
+        most ``wait_s`` (0: ``DEFAULT_WAIT_S``) for them; whether they all came (or found
+        no room) in that time."""
         if not self.has_lower:
-            return
+            return True
         waits, wanted = self._plan(keys, prefix)
         if wanted:
-            waits.append(self._start(wanted, self._io))
+            # The read's own blocks in DRAM stay while its others come up (a read larger
+            # than DRAM gets what found no room from below).
+            waits.append(self._start(wanted, self._io, keep=keys))
         if not waits:
-            return
+            return True
         try:
             async with asyncio.timeout(wait_s or DEFAULT_WAIT_S):
                 await asyncio.shield(asyncio.gather(*waits, return_exceptions=True))
         except TimeoutError:
             self.num_late += 1  # what is not up yet is a miss for this read
+            return False
+        return True
 
     def _plan(
         self, keys: Sequence[bytes], prefix: bool
@@ -269,14 +302,20 @@ class Tiers:
                 return size, tier.tier_id
         return None
 
-    def _start(self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor) -> Promotion:
-        task = asyncio.ensure_future(self._promote_lower(wanted, lane))
+    def _start(
+        self,
+        wanted: list[tuple[bytes, int, int]],
+        lane: ThreadPoolExecutor,
+        keep: Sequence[bytes] = (),
+    ) -> Promotion:
+        task = asyncio.ensure_future(self._promote_lower(wanted, lane, keep))
         for key, _, _ in wanted:
             self._promoting[key] = task
+            self._no_room.pop(key, None)
         return task
 
     async def _promote_lower(
-        self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor
+        self, wanted: list[tuple[bytes, int, int]], lane: ThreadPoolExecutor, keep: Sequence[bytes]
     ) -> list[bytes]:
         """Promote ``(key, size, tier)`` blocks from the lower tiers; the keys that came up."""
         keys = [k for k, _, _ in wanted]
@@ -287,6 +326,7 @@ class Tiers:
                 [size for _, size, _ in wanted],
                 lambda slots: self._read(wanted, slots, served),
                 lane,
+                keep,
             )
         finally:
             for key in keys:
@@ -299,14 +339,37 @@ class Tiers:
         return promoted
 
     async def _promote(
-        self, keys: list[bytes], sizes: list[int], fill: Fill, lane: ThreadPoolExecutor
+        self,
+        keys: list[bytes],
+        sizes: list[int],
+        fill: Fill,
+        lane: ThreadPoolExecutor,
+        keep: Sequence[bytes] = (),
     ) -> list[int | None]:
         """The one promotion path: reserve slots for ``keys`` under the node's own owner,
         ``fill`` them on ``lane`` (it verifies, or computes, each checksum), then commit
         what arrived.  Per key, its checksum, or None where it did not come up (already
-        stored or pending, no room, or not read)."""
+        stored or pending, no room, or not read).  The blocks of ``keep`` in DRAM stay
+        until the commit (and the trim after it) is done: a read larger than DRAM must not
+        evict what it is about to read."""
+        store = self.store
+        guard = store.pin(keep, Owner.PROMOTER, count=False) if keep else None
+        try:
+            return await self._promote_kept(keys, sizes, fill, lane)
+        finally:
+            if guard is not None and guard.pin_id:
+                store.unpin(guard.pin_id)
+
+    async def _promote_kept(
+        self, keys: list[bytes], sizes: list[int], fill: Fill, lane: ThreadPoolExecutor
+    ) -> list[int | None]:
         store = self.store
         result = store.reserve(keys, sizes, Owner.PROMOTER, held=True)
+        for key, status in zip(keys, result.statuses, strict=True):
+            if status in (Status.NO_SPACE, Status.OVER_QUOTA):
+                self._no_room[key] = None
+        while len(self._no_room) > MAX_NO_ROOM_KEYS:
+            self._no_room.popitem(last=False)
         checksums: list[int | None] = [None] * len(keys)
         slots = [
             (i, self.arena.slice(block.offset, block.size))
@@ -350,6 +413,91 @@ class Tiers:
                     checksums[j] = checksum
                     served[slots[j][0]] = tier.tier_id
         return checksums
+
+    # -- reads that DRAM cannot hold --------------------------------------------------------
+
+    def pin_for_read(
+        self,
+        keys: Sequence[bytes],
+        prefix: bool,
+        owner: int,
+        lease_s: float = 0.0,
+        *,
+        in_time: bool = True,
+    ) -> tuple[PinResult, list[Below]]:
+        """Pin what DRAM holds of ``keys`` (with ``prefix``, only the leading run of blocks
+        held), and say which of the others a lower tier serves: those their promotion found
+        no room for.  A block still coming up, or that failed to, is a miss for this read,
+        and so is every one when the promotion ran out of the read's time (``in_time``
+        false: the tier is slow, the read's deadline near)."""
+        store = self.store
+        if not self.has_lower or not in_time:
+            return store.pin(keys, owner, lease_s, prefix=prefix), []
+        below: list[Below] = []
+        end = len(keys)
+        in_dram = store.lookup_mask(keys, count=False)
+        for i, (key, held) in enumerate(zip(keys, in_dram, strict=True)):
+            if held:
+                continue
+            found = self._stored(key) if key in self._no_room else None
+            if found is None:
+                if prefix:
+                    end = i
+                    break
+                continue
+            below.append(Below(i, *found))
+        result = store.pin(keys[:end], owner, lease_s)
+        result.blocks += [None] * (len(keys) - end)
+        # A block that left DRAM between the lookup and the pin is not served at all.
+        return result, [b for b in below if result.blocks[b.index] is None]
+
+    def _stored(self, key: bytes) -> tuple[int, int, int] | None:
+        """The size and checksum of the block and the first lower tier that holds it."""
+        for tier in self.chain:
+            found = tier.stored(key)
+            if found is not None:
+                return (*found, tier.tier_id)
+        return None
+
+    def stage(self, below: Sequence[Below]) -> bytearray | None:
+        """Room to read ``below`` through, a stage at a time (None: every stage is taken:
+        the read is served what DRAM holds).  Give it back with :meth:`unstage`."""
+        if not below:
+            return None
+        largest = max(b.size for b in below)
+        num_bytes = max(min(STAGE_BYTES, sum(b.size for b in below)), largest)
+        # One block larger than the bound still goes when nothing else is staged: it came
+        # from this node's DRAM, so it is no larger than the arena.
+        if self.staged_bytes and self.staged_bytes + num_bytes > MAX_STAGED_BYTES:
+            return None
+        self.staged_bytes += num_bytes
+        return bytearray(num_bytes)
+
+    def unstage(self, stage: bytearray) -> None:
+        self.staged_bytes -= len(stage)
+
+    async def read_below(
+        self, keys: Sequence[bytes], below: Sequence[Below], stage: bytearray
+    ) -> list[memoryview]:
+        """Read ``below`` (blocks that fit ``stage`` one after another) from their tiers
+        into it, verified, on the read threads; each block's bytes (zeros where its tier
+        lost it since: the reader's check refuses them)."""
+        views: list[memoryview] = []
+        offset = 0
+        for block in below:
+            views.append(memoryview(stage)[offset : offset + block.size])
+            offset += block.size
+        wanted = [(keys[b.index], b.size, b.tier_id) for b in below]
+        slots = list(enumerate(views))
+        served: list[int | None] = [None] * len(wanted)
+        loop = asyncio.get_running_loop()
+        checksums = await loop.run_in_executor(self._io, lambda: self._read(wanted, slots, served))
+        for view, block, checksum, tier_id in zip(views, below, checksums, served, strict=True):
+            if tier_id is None or checksum != block.checksum:
+                view[:] = bytes(len(view))
+            else:
+                self.served[tier_id] += 1
+        return views
 
     # -- prefetch -------------------------------------------------------------------------
 
@@ -583,12 +731,37 @@ class Tiers:
             stats = tier.stats()
             stats.hits = self.hits[tier.tier_id]
             stats.promotions = self.promoted[tier.tier_id]
+            stats.served = self.served[tier.tier_id]
             if writeback is not None and tier is writeback.disk:
                 stats.refused = writeback.num_refused
                 stats.dropped = writeback.num_dropped
                 stats.slowed = writeback.num_waits
             tiers.append(stats)
+        self._estimate(tiers)
         return tiers
+
+    def _estimate(self, tiers: list[TierStats]) -> None:
+        """Each tier's :class:`HitRateEstimate`: the hit rate with the tier at each of
+        ESTIMATE_SCALES times its capacity and the tiers above it as they are, read off the
+        store's sampled curve, anchored at the hit rate the node really had with all its
+        tiers (nothing while a tier holds nothing to say how large its blocks are)."""
+        reuse = self.store.reuse
+        if not all(stats.num_blocks for stats in tiers):
+            return
+        # In blocks of the room each tier's blocks take on average; the reads the node
+        # served came from all of them together.
+        sizes = [s.capacity_bytes * s.num_blocks / max(s.used_bytes, 1) for s in tiers]
+        above = 0.0  # blocks the faster tiers hold at capacity
+        for stats, blocks in zip(tiers, sizes, strict=True):
+            capacities = [above + scale * blocks for scale in ESTIMATE_SCALES]
+            reuse.cover(capacities[-1])
+            rates = reuse.hit_rates(capacities, anchor=sum(sizes))
+            stats.estimates = [
+                HitRateEstimate(scale=scale, hit_rate=round(rate, 4))
+                for scale, rate in zip(ESTIMATE_SCALES, rates, strict=True)
+                if rate is not None
+            ]
+            above += blocks
 
     def prefetch_stats(self) -> PrefetchStats:
         stats = self.prefetched

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
+import msgspec
+
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TierStats
 
@@ -51,7 +53,8 @@ class Tier(Protocol):
 
     What a caller guarantees:
 
-    - ``contains``, ``may_hold``, ``size_of`` and ``stats`` may come from the event loop;
+    - ``contains``, ``may_hold``, ``size_of``, ``stored`` and ``stats`` may come from the
+      event loop;
       ``read_many``, ``delete`` and ``close`` come from a worker thread (they block on I/O).
     - Each destination given to ``read_many`` is at least the block's size and is not read
       by anyone until ``read_many`` returns.
@@ -59,8 +62,8 @@ class Tier(Protocol):
 
     What an implementation must do:
 
-    - Answer ``contains``, ``may_hold`` and ``size_of`` from memory alone: never I/O,
-      never a request.
+    - Answer ``contains``, ``may_hold``, ``size_of`` and ``stored`` from memory alone:
+      never I/O, never a request.
     - Make a ``delete`` last: the block is not served again, after a restart either, nor
       by another node reading a shared tier (its bytes may go later, with its segment or
       pack); it leaves the index before ``delete`` returns.
@@ -90,6 +93,9 @@ class Tier(Protocol):
         blocks no lower tier has needs no thread)."""
 
     def size_of(self, key: bytes) -> int | None: ...
+
+    def stored(self, key: bytes) -> tuple[int, int] | None:
+        """The block's size and checksum, from memory (None: not held)."""
 
     def read_many(self, jobs: Sequence[tuple[bytes, memoryview]]) -> list[int | None]: ...
 
@@ -126,6 +132,9 @@ class _Located(Protocol):
     @property
     def size(self) -> int: ...
 
+    @property
+    def checksum(self) -> int: ...
+
 
 L = TypeVar("L", bound=_Located)
 
@@ -151,12 +160,17 @@ class KeyIndex(Generic[L]):
         location = self.location(key)
         return None if location is None else location.size
 
+    def stored(self, key: bytes) -> tuple[int, int] | None:
+        location = self.location(key)
+        return None if location is None else (location.size, location.checksum)
+
     def __len__(self) -> int:
         return len(self._index)
 
     def _stats(self, name: str, capacity: int, used_bytes: int, **moved: int) -> TierStats:
         """The tier's :class:`~kvpool.stats.TierStats`: what it holds (from the index), and
         ``moved``, its counters of what went through it."""
-        return TierStats(
-            name=name, capacity_bytes=capacity, used_bytes=used_bytes, num_blocks=len(self), **moved
+        held = TierStats(
+            name=name, capacity_bytes=capacity, used_bytes=used_bytes, num_blocks=len(self)
         )
+        return msgspec.structs.replace(held, **moved)

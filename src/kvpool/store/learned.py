@@ -1,0 +1,389 @@
+"""``--eviction learned``: least recently used, weighted by what the node learns of which
+blocks are read again, and never a prefix before its extensions.
+
+Measured on Mooncake's conversation trace (docs/benchmarks.md, "The pool's value on real
+traffic"), the one signal the pool sees that separates blocks read again from the rest is
+how often a block was read since it was written: a block never read comes back about a
+quarter of the time, one read once four times in ten, one read three times or more three
+times in four.  Signals of a request's shape (its new blocks, their place) separate less.
+
+- **Classes**: a block's class is how often it was read since it was written (0, 1, 2, 3 or
+  more: ``NUM_CLASSES``).  Each (tenant group, class) is an LRU list (the lists of
+  :class:`~kvpool.store.eviction.LRUPolicy`), and the victim is the head, among the lists a
+  pass may take from, whose age (touches since its last) divided by its class's *weight* is
+  largest: a class twice as likely to be read again keeps its blocks twice as long.
+- **Weights, learned**: :class:`Tuner` follows a spatial sample of the keys (a key is
+  sampled if its hash falls under a threshold, SHARDS-style) and counts, per class, how
+  often a sampled block is used again (read, or written again after it left) within a
+  horizon of a few times what the node holds.  A class's weight is its odds of that,
+  raised to a *strength*, relative to the mean.
+- **Strength, chosen by measurement**: the tuner also runs miniature simulations of the
+  cache on the sampled keys (Waldspurger et al., "Cache Modeling and Optimization using
+  Miniature Simulations", ATC'17), one per candidate strength, each as large as the node's
+  memory times the sampling rate; the node follows the candidate whose miniature hit the
+  most lately.  Strength 0 is plain LRU, so where weighting does not pay (a cache large
+  enough for nearly everything that comes back) the node falls back to LRU.
+- **Prefixes last**: a block whose writer named its parent (the block before it in its
+  prefix: ``BlockOrigin.parent``) is that parent's *extension*, and an extension is no use
+  without its prefix.  When a block is chosen, its extensions are offered first, leaves
+  first (:meth:`LearnedPolicy._leaves_first`), and the block after them: where one of them
+  stays (pinned, held for a queued request, or the caller has evicted enough), so does
+  every block it extends.  So a parent never leaves before a descendant still held, and
+  the dead extensions of a prefix that goes leave with it.
+
+Cost: per touch, O(1) (a hash of the key and a dictionary probe for the sample; a sampled
+key costs a step of each miniature, O(candidates x classes)); per victim, O(tenant groups x
+classes), and an extension is visited as it is evicted.  Memory: 17 bytes a slot of columns
+(touches, and the prefix tree's parent, first child and siblings), and the sample's bounded
+tables (at most ``MAX_FOLLOWED`` keys, miniatures of at most ``MINI_BLOCKS`` blocks each).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import cast
+
+import numpy as np
+
+from kvpool.store.eviction import NONE, Allowed, Group, GroupOf, KeyOf, LRUPolicy
+from kvpool.store.index import Reserved
+
+NUM_CLASSES = 4  # reads since written: 0, 1, 2, 3 or more
+STRENGTHS = (0.0, 0.25, 0.5, 0.75)  # candidate exponents of the classes' odds
+MINI_BLOCKS = 1024  # blocks a miniature holds at most (the sampling rate follows from it)
+MAX_FOLLOWED = 8 * MINI_BLOCKS  # sampled keys followed at most (a read-again horizon of 8x)
+RETUNE_EVERY = 2048  # sampled accesses between choices of the weights
+DECAY = 0.7  # of the miniatures' hits, at each choice
+ODDS_DECAY = 0.95  # of the classes' counts, at each choice
+HASH_BITS = 32
+HASH_MASK = (1 << HASH_BITS) - 1
+
+
+class Miniature:
+    """A cache of ``capacity`` sampled keys run by the weighted-age rule with one set of
+    class weights: how many of the sampled accesses it would have hit."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.lists: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(NUM_CLASSES)]
+        self.where: dict[int, int] = {}  # key -> its class
+        self.reads: dict[int, int] = {}  # key -> reads since it came in
+        self.hits = 0.0
+
+    def access(self, key: int, now: int, weights: list[float]) -> None:
+        cls = self.where.get(key)
+        if cls is not None:
+            self.hits += 1
+            del self.lists[cls][key]
+            reads = self.reads[key] = self.reads[key] + 1
+        else:
+            if len(self.where) >= self.capacity:
+                self._evict(now, weights)
+            reads = self.reads[key] = 0
+        cls = min(reads, NUM_CLASSES - 1)
+        self.where[key] = cls
+        self.lists[cls][key] = now
+
+    def _evict(self, now: int, weights: list[float]) -> None:
+        best, best_score = -1, -1.0
+        for cls, ordered in enumerate(self.lists):
+            if ordered:
+                score = (now - next(iter(ordered.values()))) / weights[cls]
+                if score > best_score:
+                    best, best_score = cls, score
+        key, _ = self.lists[best].popitem(last=False)
+        del self.where[key]
+        del self.reads[key]
+
+
+class Tuner:
+    """Learns the class weights from a spatial sample of the keys (see the module)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._start(capacity)
+
+    def _start(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.rate = min(1.0, MINI_BLOCKS / self.capacity)
+        self._threshold = int(self.rate * (1 << HASH_BITS))
+        self.now = 0  # sampled accesses
+        # Sampled key -> (class at its last access, when): oldest first.
+        self._followed: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._accesses = np.zeros(NUM_CLASSES)  # sampled accesses that left a block in a class
+        self._again = np.zeros(NUM_CLASSES)  # ... and whose key was used again within the horizon
+        self.miniatures = [Miniature(round(self.rate * self.capacity)) for _ in STRENGTHS]
+        self.strength = 0.0
+        self.weights = [1.0] * NUM_CLASSES
+        self._candidate_weights = [self.weights] * len(STRENGTHS)
+
+    def resize(self, capacity: int) -> None:
+        """The node holds about ``capacity`` blocks: sample for miniatures of that times the
+        rate (starting over, if the rate changes much)."""
+        if capacity < 2 * self.capacity and 2 * capacity > self.capacity:
+            return
+        self._start(capacity)
+
+    def access(self, key_hash: int, cls: int) -> None:
+        """A touch of a key that leaves it in class ``cls`` (``cls`` > 0: it was a read)."""
+        if key_hash & HASH_MASK >= self._threshold:
+            return
+        self.now += 1
+        now = self.now
+        followed = self._followed
+        last = followed.pop(key_hash, None)
+        if last is not None:  # used again within the horizon (read, or written again)
+            self._again[last[0]] += 1
+        followed[key_hash] = (cls, now)
+        self._accesses[cls] += 1
+        horizon = len(self.miniatures[0].where) * (MAX_FOLLOWED // MINI_BLOCKS)
+        while len(followed) > MAX_FOLLOWED or (
+            followed and now - next(iter(followed.values()))[1] > max(horizon, 1)
+        ):
+            followed.popitem(last=False)
+        for miniature, weights in zip(self.miniatures, self._candidate_weights, strict=True):
+            miniature.access(key_hash, now, weights)
+        if now % RETUNE_EVERY == 0:
+            self._retune()
+
+    def nbytes(self) -> int:
+        """About the memory it takes: the followed keys and the miniatures' tables."""
+        entries = len(self._followed) + 3 * sum(len(m.where) for m in self.miniatures)
+        return 100 * entries
+
+    def _retune(self) -> None:
+        """Weights for every candidate strength from the classes' odds of a read again;
+        the node's from the candidate whose miniature hit the most lately."""
+        chances = (self._again + 1) / (self._accesses + 2)
+        odds = np.minimum(chances, 0.95) / (1 - np.minimum(chances, 0.95))
+        share = self._accesses / max(self._accesses.sum(), 1)
+        self._candidate_weights = []
+        for strength in STRENGTHS:
+            raw = odds**strength
+            mean = float((raw * share).sum()) or 1.0
+            self._candidate_weights.append([float(w) / mean for w in raw])
+        best = max(range(len(STRENGTHS)), key=lambda i: self.miniatures[i].hits)
+        self.strength = STRENGTHS[best]
+        self.weights = self._candidate_weights[best]
+        for miniature in self.miniatures:
+            miniature.hits *= DECAY
+        self._accesses *= ODDS_DECAY
+        self._again *= ODDS_DECAY
+
+
+class LearnedPolicy(LRUPolicy):
+    """See the module's docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Per list (by number): its tenant group and its class.  List 0: nobody's, class 0.
+        self._numbers = {(None, 0): 0}
+        self._groups = [(None, 0)]
+        self._list_groups: list[Group] = [None]
+        self._list_classes: list[int] = [0]
+        self.tuner = Tuner(1)
+        self._key_of: KeyOf = bytes
+        self._num_held = 0
+        self._resume: tuple[int, int] | None = None  # (root, block) where a walk stopped
+
+    def bind(self, num_slots: int, key_of: KeyOf) -> None:
+        super().bind(num_slots, key_of)
+        self._key_of = key_of
+        space = Reserved(num_slots)
+        # Per slot: touches since written (saturating; 0: not held); the prefix tree of the
+        # blocks whose writers named their parents: parent, first child, next and previous
+        # sibling, each a slot + 1 (0: none, so that untouched pages stay unused).
+        self._touches_column, self._touches = space.column(np.uint8)
+        _, self._parent = space.column(np.int32)
+        _, self._first_child = space.column(np.int32)
+        _, self._next_sibling = space.column(np.int32)
+        _, self._prev_sibling = space.column(np.int32)
+        self.tuner = Tuner(num_slots)
+        self._num_held = 0
+
+    def nbytes(self, num_slots: int) -> int:
+        columns = num_slots * (1 + 4 * 4)
+        return super().nbytes(num_slots) + columns + self.tuner.nbytes()
+
+    def _number(self, group: Group) -> int:
+        """The number of the list of ``(tenant group, class)``."""
+        number = self._numbers.get(group)
+        if number is None:
+            number = super()._number(group)
+            tenant_group, cls = cast(tuple[Group, int], group)
+            self._list_groups.append(tenant_group)
+            self._list_classes.append(cls)
+        return number
+
+    def _list_of(self, slot: int) -> int:
+        cls = min(self._touches[slot] - 1, NUM_CLASSES - 1)
+        return self._number((self._group_of(slot), cls))
+
+    # -- what the store tells -------------------------------------------------------------
+
+    def touch(self, slot: int) -> None:
+        touches = self._touches[slot]
+        if not touches:  # a block the store holds from now on
+            self._num_held += 1
+            touches = 1
+        elif touches < 255:
+            touches += 1
+        self._touches[slot] = touches
+        self.tuner.access(hash(self._key_of(slot)), min(touches - 1, NUM_CLASSES - 1))
+        listed = self._listed[slot]
+        if listed:
+            self._unlink(slot, listed - 1)
+        self._clock += 1
+        self._stamp[slot] = self._clock
+        self._append(slot, self._list_of(slot))
+
+    def forget(self, slot: int) -> None:
+        if self._resume is not None and slot in self._resume:
+            self._resume = None
+        if self._touches[slot]:
+            self._num_held -= 1
+        self._touches[slot] = 0
+        self._detach(slot)
+        child = self._first_child[slot] - 1  # a deleted prefix's extensions: roots now
+        while child >= 0:
+            following = self._next_sibling[child] - 1
+            self._parent[child] = self._prev_sibling[child] = self._next_sibling[child] = 0
+            child = following
+        self._first_child[slot] = 0
+
+    def _detach(self, slot: int) -> None:
+        """Take the slot out of its parent's children."""
+        parent = self._parent[slot] - 1
+        if parent < 0:
+            return
+        before, after = self._prev_sibling[slot], self._next_sibling[slot]  # (+ 1)
+        if before:
+            self._next_sibling[before - 1] = after
+        else:
+            self._first_child[parent] = after
+        if after:
+            self._prev_sibling[after - 1] = before
+        self._parent[slot] = self._prev_sibling[slot] = self._next_sibling[slot] = 0
+
+    def link(self, slot: int, parent: int) -> None:
+        if parent == slot or not self._touches[parent] or self._parent[slot]:
+            return
+        if self._first_child[slot]:
+            return  # (a block with extensions already is not a new one: no cycles)
+        first = self._first_child[parent]
+        self._parent[slot] = parent + 1
+        self._next_sibling[slot] = first
+        if first:
+            self._prev_sibling[first - 1] = slot + 1
+        self._first_child[parent] = slot + 1
+
+    # -- choosing victims -------------------------------------------------------------------
+
+    def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
+        # The miniatures simulate the memory the node really holds (known once it evicts).
+        self.tuner.resize(self._num_held)
+        budget = self._size
+        while budget > 0:
+            slot, number = self._head(allowed)
+            if slot == NONE:
+                return
+            yield from self._leaves_first(slot)
+            if self._touches[slot] and self._heads[number] == slot:
+                budget -= 1
+                self._requeue(slot)  # kept (or an extension of it is): behind the others
+
+    def _leaves_first(self, root: int) -> Iterator[int]:
+        """``root``'s extensions, each after its own (they are no use without it), then
+        ``root``; it stops at the first the caller keeps, with whatever it extends.  Where
+        the caller stopped after an eviction, the next walk from ``root`` goes on from
+        there (one block at a time, a chain is walked down once, not once a block)."""
+        node = root
+        if self._resume is not None and self._resume[0] == root:
+            node = self._resume[1]
+        self._resume = None
+        while True:
+            child = self._first_child[node] - 1
+            while child >= 0:  # (each step down is a visit too: counted)
+                self.num_visited += 1
+                node, child = child, self._first_child[child] - 1
+            parent = self._parent[node] - 1
+            self.num_visited += 1
+            try:
+                yield node
+            except GeneratorExit:
+                if not self._touches[node] and node != root and parent >= 0:
+                    self._resume = (root, parent)
+                raise
+            if node == root:
+                return
+            if self._touches[node]:  # kept: so is every block it extends, behind the others
+                self._requeue_path(parent, root)
+                return
+            node = parent
+
+    def _requeue_path(self, node: int, root: int) -> None:
+        """Move the blocks from ``node`` up to ``root`` (not included) behind the others of
+        their lists: they stay with an extension kept, and a later pass must not walk down
+        to it again from each of them."""
+        while node >= 0 and node != root:
+            self.num_visited += 1
+            if self._listed[node]:
+                self._requeue(node)
+            node = self._parent[node] - 1
+
+    def _head(self, allowed: Allowed | None) -> tuple[int, int]:
+        """The head, among the lists of the groups ``allowed`` admits now, whose age over
+        its class's weight is largest, and its list's number (NONE, NONE: none)."""
+        best, best_number, best_score = NONE, NONE, -1.0
+        stamp, clock, weights = self._stamp, self._clock, self.tuner.weights
+        groups, classes = self._list_groups, self._list_classes
+        for number, head in enumerate(self._heads):
+            if head == NONE or (allowed is not None and not allowed(groups[number])):
+                continue
+            score = (clock - stamp[head]) / weights[classes[number]]
+            if score > best_score:
+                best, best_number, best_score = head, number, score
+        return best, best_number
+
+    def _requeue(self, slot: int) -> None:
+        """A candidate the caller kept goes behind the others of its list (not a read)."""
+        number = self._listed[slot] - 1
+        self._unlink(slot, number)
+        self._clock += 1
+        self._stamp[slot] = self._clock
+        self._append(slot, number)
+
+    # -- groups and restarts ----------------------------------------------------------------
+
+    def regroup(self, group_of: GroupOf | None) -> None:
+        """Sort the listed slots into new groups, keeping their order and classes (at a
+        reload of the tenants: it visits every listed slot once)."""
+        listed = np.flatnonzero(self._listed_column)
+        order = listed[np.argsort(self._stamps[listed], kind="stable")]
+        self._listed_column[order] = 0
+        self._group_of = group_of or _nobody
+        self._numbers, self._groups = {(None, 0): 0}, [(None, 0)]
+        self._list_groups, self._list_classes = [None], [0]
+        self._heads, self._tails = [NONE], [NONE]
+        self._size = 0
+        for slot in order.tolist():
+            self._append(slot, self._list_of(slot))
+
+    def adopt(self, slots: np.ndarray) -> None:
+        """A warm restart's blocks, oldest first: held, never read (what they were is not
+        kept), listed in order."""
+        if not len(slots):
+            return
+        self._touches_column[slots] = 1
+        self._num_held += len(slots)
+        if self._size or len(self._groups) > 1:
+            for slot in slots.tolist():
+                self._clock += 1
+                self._stamp[slot] = self._clock
+                self._append(slot, self._list_of(slot))
+            return
+        self._link_in_order(slots, 0)
+
+
+def _nobody(slot: int) -> Group:
+    return None
