@@ -70,7 +70,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
-        time.sleep(0.1)
+        time.sleep(0.02)
 
 
 def fill(client: Client, prefix: str, n: int) -> list[bytes]:
