@@ -3,6 +3,7 @@
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -58,26 +59,37 @@ def test_calls_respect_their_deadline_when_the_node_is_frozen(node):
 def test_many_threads_through_a_restart(start_node):
     first = start_node(name="busy")
     errors, done = [], threading.Event()
+    rounds: Counter = Counter()  # by (thread, "ok" or "down")
     with Client(first.unix_address, timeout=2) as c:
 
-        def loop():
+        def loop(n: int) -> None:
             while not done.is_set():
                 try:
                     c.put([key("t")], [b"v"])
                     c.lookup([key("t")])
+                    rounds[n, "ok"] += 1
                 except TransportError:
-                    pass
+                    rounds[n, "down"] += 1
                 except BaseException as exc:
                     errors.append(exc)
 
-        threads = [threading.Thread(target=loop) for _ in range(4)]
+        def wait_each(outcome: str) -> None:
+            """Until each thread has had a round with ``outcome`` from now on."""
+            since = Counter(rounds)
+            deadline = time.monotonic() + 30
+            while any(rounds[n, outcome] <= since[n, outcome] for n in range(4)):
+                assert time.monotonic() < deadline and not errors, (outcome, rounds, errors[:3])
+                time.sleep(0.01)
+
+        threads = [threading.Thread(target=loop, args=(n,)) for n in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        wait_each("ok")
         first.stop()
-        time.sleep(0.2)
+        wait_each("down")
         start_node(name="busy")
-        time.sleep(0.5)
+        wait_each("ok")  # each thread recovered on its own ...
+        wait_each("ok")  # ... and goes on
         done.set()
         for t in threads:
             t.join(10)
