@@ -59,7 +59,9 @@ def test_calls_respect_their_deadline_when_the_node_is_frozen(node):
 def test_many_threads_through_a_restart(start_node):
     first = start_node(name="busy")
     errors, done = [], threading.Event()
-    rounds: Counter = Counter()  # by (thread, "ok" or "down")
+    # By (thread, "ok" or "down"); every key there before the threads start, so that a copy
+    # taken while they count sees no key added.
+    rounds = Counter({(n, outcome): 0 for n in range(4) for outcome in ("ok", "down")})
     with Client(first.unix_address, timeout=2) as c:
 
         def loop(n: int) -> None:

@@ -241,7 +241,7 @@ class Etcd:
                 socket.create_connection(("127.0.0.1", self.port), 0.5),
             ):
                 return
-            time.sleep(0.1)
+            time.sleep(0.02)
         self.close()
         raise RuntimeError("etcd did not start")
 
