@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from kvpool.harness.process import NodeProcess
 from kvpool.stats import TIER_DRAM, TIER_OBJECT
 from tests.conftest import NodeFactory
 from tests.helpers import content, key
+from tests.nodes import own_node
 from tests.s3server import S3Server
 
 BLOCK = 256 << 10
@@ -105,23 +104,13 @@ def written(
     disk for it, the node then dead (SIGKILL).  The module's tests share it: each reads it
     from nodes of its own, on hosts of their own."""
     bucket = s3_server.make_bucket(f"kvpool-test-{secrets.token_hex(6)}")
-    run_dir = Path(tempfile.mkdtemp(prefix="kvpool-test-", dir="/dev/shm"))
     disk = tmp_path_factory.mktemp("host-a") / "disk"
-    a = NodeProcess.private(
-        "a",
-        "8MiB",
-        run_dir=str(run_dir),
-        extra=serve_args(s3_server, bucket, disk, "host-a"),
-        env={**os.environ, **s3_env_of(s3_server)},
-    )
-    try:
-        a.start()
+    args = serve_args(s3_server, bucket, disk, "host-a")
+    with own_node("a", "8MiB", extra=args, env=s3_env_of(s3_server)) as a:
         with Client(a.tcp_address, use_shm=False, timeout=10) as c:
             prefix = fill(c, "prefix", 12)
         written_to_bucket(a, prefix)
-    finally:
         a.kill()
-        shutil.rmtree(run_dir, ignore_errors=True)
     yield bucket, prefix
 
 
