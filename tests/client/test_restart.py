@@ -86,14 +86,16 @@ def test_many_threads_through_a_restart(start_node):
         threads = [threading.Thread(target=loop, args=(n,)) for n in range(4)]
         for t in threads:
             t.start()
-        wait_each("ok")
-        first.stop()
-        wait_each("down")
-        start_node(name="busy")
-        wait_each("ok")  # each thread recovered on its own ...
-        wait_each("ok")  # ... and goes on
-        done.set()
-        for t in threads:
-            t.join(10)
+        try:
+            wait_each("ok")
+            first.stop()
+            wait_each("down")
+            start_node(name="busy")
+            wait_each("ok")  # each thread recovered on its own ...
+            wait_each("ok")  # ... and goes on
+        finally:
+            done.set()
+            for t in threads:
+                t.join(10)
         assert not errors, errors[:3]
         assert c.lookup([key("t")]) == 1

@@ -64,20 +64,22 @@ def _restart_under_load(start_node, stop_node) -> None:
             assert time.monotonic() < deadline, f"{what}: {calls}"
             time.sleep(0.01)
 
-    deadline = time.monotonic() + 30
-    while len(acked) < 150 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    before = set(acked)
-    stop_node(node)  # mid-run: puts and gets in flight
-    wait_each("failed", Counter(calls), "a writer never saw the node go")
-    acknowledged = set(acked)  # everything a writer was told is stored, up to the end
-    restarted = start_node(name="warm", memory="48MiB")
-    assert restarted.info["adopted_blocks"] > 0
-    wait_each("ok", Counter(calls), "a writer did not reconnect on its own and go on")
-    wait_each("ok", Counter(calls), "a writer did not go on")  # and one more round each
-    stop.set()
-    for t in threads:
-        t.join(30)
+    try:
+        deadline = time.monotonic() + 30
+        while len(acked) < 150 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = set(acked)
+        stop_node(node)  # mid-run: puts and gets in flight
+        wait_each("failed", Counter(calls), "a writer never saw the node go")
+        acknowledged = set(acked)  # everything a writer was told is stored, up to the end
+        restarted = start_node(name="warm", memory="48MiB")
+        assert restarted.info["adopted_blocks"] > 0
+        wait_each("ok", Counter(calls), "a writer did not reconnect on its own and go on")
+        wait_each("ok", Counter(calls), "a writer did not go on")  # and one more round each
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
     assert len(before) >= 150 and not errors, errors[:3]
     with Client(restarted.unix_address, timeout=10) as client:
         stats = client.stats()
