@@ -87,8 +87,14 @@ async def _sequential(urls: list[str], num_requests: int, chunks: int) -> dict[s
 
 
 def run(
-    num_requests: int = 1000, num_engines: int = 2, chunks: int = 8, delay: float = 0.01
+    num_requests: int = 1000,
+    num_engines: int = 2,
+    chunks: int = 8,
+    delay: float = 0.01,
+    num_quiet: int = 200,
 ) -> dict[str, Any]:
+    """``num_quiet``: the requests sent one at a time, each way, after the burst (each
+    takes its whole stream: ``chunks`` chunks ``delay`` apart)."""
     from tests.router.servers import FakeEngine, RouterProc
 
     engines = [FakeEngine(name=f"e{i}") for i in range(num_engines)]
@@ -102,8 +108,8 @@ def run(
         asyncio.run(_fire([router.url], 50, chunks))  # warm up connections
         direct = asyncio.run(_fire([e.url for e in engines], num_requests, chunks))
         routed = asyncio.run(_fire([router.url], num_requests, chunks))
-        quiet_direct = asyncio.run(_sequential([e.url for e in engines], 200, chunks))
-        quiet_routed = asyncio.run(_sequential([router.url], 200, chunks))
+        quiet_direct = asyncio.run(_sequential([e.url for e in engines], num_quiet, chunks))
+        quiet_routed = asyncio.run(_sequential([router.url], num_quiet, chunks))
     finally:
         if router is not None:
             router.stop()

@@ -387,7 +387,7 @@ class S3Server:
                     f"radosgw did not answer on {self.endpoint} within {READY_TIMEOUT:g} s\n"
                     + self._log_tails()
                 )
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     def _create_user(self) -> None:
         self.access_key = "KV" + secrets.token_hex(9).upper()

@@ -54,7 +54,7 @@ def wait_written(client: Client, expected: int, timeout: float = 20) -> TierStat
         disk = tier(client.stats(), "disk")
         if disk.writes + disk.dropped + disk.refused >= expected:
             return disk
-        time.sleep(0.05)
+        time.sleep(0.02)
     return tier(client.stats(), "disk")
 
 

@@ -84,7 +84,9 @@ def test_32_clients_hammering_the_same_keys(node):
 def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
     node = start_node(name="tight", memory="8MiB")
     errors: list[BaseException] = []
-    stop = time.monotonic() + 8
+    # A count of writes, not a time: 600 puts of 4 blocks (about 240 MiB through 8 MiB, some
+    # 2,000 evictions), read all along; what 8 s gave on an idle machine was 2,000 puts.
+    writes_done = threading.Event()
 
     def writer(n: int) -> None:
         rng = random.Random(n)
@@ -92,7 +94,7 @@ def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
             with Client(
                 node.unix_address if n % 2 else node.tcp_address, use_shm=bool(n % 2), timeout=20
             ) as c:
-                while time.monotonic() < stop:
+                for _ in range(150):
                     batch = [key(f"ev-{rng.randrange(400)}") for _ in range(4)]
                     c.put(batch, [content(k, size_of(k, 1000, 400_000)) for k in batch])
         except BaseException as exc:
@@ -104,7 +106,7 @@ def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
             with Client(
                 node.unix_address if n % 2 else node.tcp_address, use_shm=bool(n % 2), timeout=20
             ) as c:
-                while time.monotonic() < stop:
+                while not writes_done.is_set():
                     batch = [key(f"ev-{rng.randrange(400)}") for _ in range(6)]
                     got = c.get(batch)
                     for k, status, value in zip(batch, got.statuses, got.values, strict=True):
@@ -114,11 +116,14 @@ def test_eviction_under_pressure_never_serves_wrong_or_torn_blocks(start_node):
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
-    threads += [threading.Thread(target=reader, args=(n,)) for n in range(4)]
-    for t in threads:
+    writers = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    readers = [threading.Thread(target=reader, args=(n,)) for n in range(4)]
+    for t in writers + readers:
         t.start()
-    for t in threads:
+    for t in writers:
+        t.join(120)
+    writes_done.set()
+    for t in readers:
         t.join(60)
     assert not errors, errors[:3]
     with Client(node.unix_address) as c:
@@ -150,13 +155,24 @@ def test_pins_protect_blocks_until_their_lease_expires(start_node):
     with Client(node.unix_address) as c:
         c.put([key("precious")], [content(key("precious"), 100_000)])
         holder = _raw(node, c)
-        pinned = holder.run(_pin([key("precious")], lease_ms=1500), time.monotonic() + 5)
-        assert pinned.statuses == [Status.OK]
-        _fill(c, "flood-1", 12 << 20)
+        block, pin_id = 256 << 10, 0
+        for i in range((12 << 20) // block):  # 3x the arena of writes
+            # Before each write the holder takes a new pin of 1.5 s and lets the one it held
+            # go: a loaded machine's flood may outlast one lease, a single write never does.
+            pinned = holder.run(_pin([key("precious")], lease_ms=1500), time.monotonic() + 5)
+            pinned_at = time.monotonic()
+            assert pinned.statuses == [Status.OK]
+            if pin_id:
+                holder.run(ops.unpin(pin_id), time.monotonic() + 5)
+            pin_id = pinned.pin_id
+            c.put([key(f"flood-1-{i}")], [np.zeros(block, np.uint8)])
         assert c.lookup([key("precious")]) == 1  # pinned: survived 3x the arena of writes
-        assert c.stats().num_pinned == 1
-        time.sleep(2.0)  # the holder never unpins: its lease expires
-        assert c.stats().num_pinned == 0
+        # (Asked on the holder's connection: after its last UNPIN, which has no reply.)
+        assert holder.run(ops.stats(), time.monotonic() + 5).num_pinned == 1
+        deadline = pinned_at + 10  # the holder never unpins: its last lease (1.5 s) expires
+        while c.stats().num_pinned and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.stats().num_pinned == 0 and time.monotonic() - pinned_at >= 1.0
         _fill(c, "flood-2", 12 << 20)
         assert c.lookup([key("precious")]) == 0
         holder.close()
@@ -248,7 +264,9 @@ def test_reservations_that_time_out_are_reclaimed(start_node):
 
         assert writer.run(reserve(), time.monotonic() + 5).statuses == [Status.OK]
         assert c.stats().reserved_bytes == 1 << 20
-        time.sleep(0.8)
+        deadline = time.monotonic() + 0.8  # its lease of 0.3 s, and the node's next sweep
+        while c.stats().reserved_bytes and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert c.stats().reserved_bytes == 0
         assert c.put([key("zombie")], [b"z"]).statuses == [Status.OK]  # the key is free again
         writer.close()

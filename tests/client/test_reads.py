@@ -32,7 +32,7 @@ def op_count(node: Any, op: str) -> float:
 def wait_for_count(node: Any, op: str, want: float) -> float:
     deadline = time.monotonic() + 10
     while (got := op_count(node, op)) < want and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.02)
     return got
 
 

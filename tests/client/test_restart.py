@@ -3,6 +3,7 @@
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -58,28 +59,43 @@ def test_calls_respect_their_deadline_when_the_node_is_frozen(node):
 def test_many_threads_through_a_restart(start_node):
     first = start_node(name="busy")
     errors, done = [], threading.Event()
+    # By (thread, "ok" or "down"); every key there before the threads start, so that a copy
+    # taken while they count sees no key added.
+    rounds = Counter({(n, outcome): 0 for n in range(4) for outcome in ("ok", "down")})
     with Client(first.unix_address, timeout=2) as c:
 
-        def loop():
+        def loop(n: int) -> None:
             while not done.is_set():
                 try:
                     c.put([key("t")], [b"v"])
                     c.lookup([key("t")])
+                    rounds[n, "ok"] += 1
                 except TransportError:
-                    pass
+                    rounds[n, "down"] += 1
                 except BaseException as exc:
                     errors.append(exc)
 
-        threads = [threading.Thread(target=loop) for _ in range(4)]
+        def wait_each(outcome: str) -> None:
+            """Until each thread has had a round with ``outcome`` from now on."""
+            since = Counter(rounds)
+            deadline = time.monotonic() + 30
+            while any(rounds[n, outcome] <= since[n, outcome] for n in range(4)):
+                assert time.monotonic() < deadline and not errors, (outcome, rounds, errors[:3])
+                time.sleep(0.01)
+
+        threads = [threading.Thread(target=loop, args=(n,)) for n in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
-        first.stop()
-        time.sleep(0.2)
-        start_node(name="busy")
-        time.sleep(0.5)
-        done.set()
-        for t in threads:
-            t.join(10)
+        try:
+            wait_each("ok")
+            first.stop()
+            wait_each("down")
+            start_node(name="busy")
+            wait_each("ok")  # each thread recovered on its own ...
+            wait_each("ok")  # ... and goes on
+        finally:
+            done.set()
+            for t in threads:
+                t.join(10)
         assert not errors, errors[:3]
         assert c.lookup([key("t")]) == 1

@@ -13,6 +13,7 @@ import fcntl
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -186,9 +187,13 @@ class Fabric:
         return host
 
     def close(self) -> None:
+        nodes = [node for host in self.hosts for node in host.nodes]
+        for node in nodes:  # all told at once (each takes a moment to stop), then waited for
+            node.signal(signal.SIGCONT)
+            node.signal(signal.SIGTERM)
+        for node in nodes:
+            node.stop()
         for host in self.hosts:
-            for node in host.nodes:
-                node.stop()
             if host.netns:
                 with contextlib.suppress(subprocess.CalledProcessError):
                     _ip("netns", "del", host.netns)
@@ -241,7 +246,7 @@ class Etcd:
                 socket.create_connection(("127.0.0.1", self.port), 0.5),
             ):
                 return
-            time.sleep(0.1)
+            time.sleep(0.02)
         self.close()
         raise RuntimeError("etcd did not start")
 

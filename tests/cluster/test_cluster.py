@@ -35,7 +35,7 @@ def etcd(fabric):
     e.close()
 
 
-def wait_for(predicate, timeout=15.0, interval=0.1):
+def wait_for(predicate, timeout=15.0, interval=0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -240,19 +240,20 @@ def test_a_writer_in_a_cluster_goes_on_through_the_homes(fabric):
 def test_etcd_membership_join_leave_and_rejoin(fabric, etcd):
     hosts = [fabric.add_host(n) for n in ("a", "b", "c", "d")]
     etcd_url = etcd.endpoint
+    ttl = ["--etcd-ttl", "3"]  # the membership lease (5 s by default): how long a dead node stays
     for host in hosts[:3]:
-        host.start_node(etcd=etcd_url)
+        host.start_node(etcd=etcd_url, extra=ttl)
     with Client(**hosts[0].client_options(etcd=etcd_url)) as client:
         members = lambda: {m.tcp_address for m in client.cluster.members()}  # noqa: E731
         assert wait_for(lambda: len(members()) == 3)
-        # A node that dies stops heartbeating: it leaves within its lease TTL (5 s).
+        # A node that dies stops heartbeating: it leaves within its lease TTL (3 s).
         killed = hosts[2].nodes[-1]
         killed.kill()
         started = time.monotonic()
         assert wait_for(lambda: hosts[2].tcp_address not in members(), timeout=12)
-        assert time.monotonic() - started < 9
+        assert time.monotonic() - started < 3 + 4
         # A joining node is used without restarting anyone.
-        hosts[3].start_node(etcd=etcd_url)
+        hosts[3].start_node(etcd=etcd_url, extra=ttl)
         assert wait_for(lambda: hosts[3].tcp_address in members())
         keys = [key(f"j{i}") for i in range(40)]
         client.put(keys, [b"v" * 100] * 40)
@@ -265,7 +266,7 @@ def test_etcd_membership_join_leave_and_rejoin(fabric, etcd):
         with Client(**hosts[3].client_options()) as on_new:
             assert wait_for(lambda: all(on_new.local.exists(new_home)))
         # A restarted node rejoins; a cleanly stopped one leaves at once.
-        hosts[2].start_node(etcd=etcd_url)
+        hosts[2].start_node(etcd=etcd_url, extra=ttl)
         assert wait_for(lambda: hosts[2].tcp_address in members())
         hosts[1].nodes[-1].stop()
         assert wait_for(lambda: hosts[1].tcp_address not in members(), timeout=3)
@@ -312,6 +313,9 @@ def test_chaos_never_wrong_bytes_never_past_deadlines(fabric, etcd):
     errors: list[BaseException] = []
     slow: list[float] = []
     counts = Counter()
+    # By worker: calls finished, and ("timed out", worker).  Every key is there before the
+    # workers start: a copy taken while they count sees no key added.
+    calls = Counter(dict.fromkeys([*range(6), *(("timed out", n) for n in range(6))], 0))
     stop = threading.Event()
 
     def worker(n: int) -> None:
@@ -359,24 +363,44 @@ def test_chaos_never_wrong_bytes_never_past_deadlines(fabric, etcd):
                     elapsed = time.monotonic() - started
                     if elapsed > deadline_s + margin_s:
                         slow.append(elapsed)
+                    if elapsed >= 0.9 * deadline_s:
+                        calls["timed out", n] += 1
+                    calls[n] += 1
         except BaseException as exc:
             errors.append(exc)
+
+    def until(what: str, done) -> None:
+        """Until ``done(calls since now)`` holds, the workers running on (bounded)."""
+        since = Counter(calls)
+        deadline = time.monotonic() + 60
+        while not done(calls - since):
+            assert not errors, errors[:3]
+            assert time.monotonic() < deadline, f"{what}: {calls - since}"
+            time.sleep(0.01)
+
+    def each(num_calls: int):
+        """Every worker has finished ``num_calls`` more calls."""
+        return lambda new: all(new[n] >= num_calls for n in range(6))
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
     for t in threads:
         t.start()
     try:
-        time.sleep(2)
+        # Each phase lasts until every worker has made calls in it (a count, not a time).
+        until("warming up", each(20))
         hosts[2].nodes[-1].kill()  # kill
-        time.sleep(2)
+        until("with c killed", each(20))
         frozen = hosts[1].nodes[-1]
         frozen.signal(signal.SIGSTOP)  # freeze (a client's own local node, even)
-        time.sleep(3)
+        # Until each worker on host b has had a call run into the frozen node's deadline.
+        until("with b frozen", lambda new: all(new["timed out", n] for n in (1, 3, 5)))
         frozen.signal(signal.SIGCONT)
-        time.sleep(1)
+        until("with b thawed", each(20))
         hosts[2].start_node(etcd=etcd.endpoint, memory="32MiB")  # restart
         hosts[3].start_node(etcd=etcd.endpoint, memory="32MiB")  # add
-        time.sleep(3)
+        with Client(**hosts[0].client_options(etcd=etcd.endpoint)) as observer:
+            assert wait_for(lambda: len(observer.cluster.members()) == 4)
+        until("with c back and d added", each(20))
     finally:
         stop.set()
         for t in threads:

@@ -76,8 +76,7 @@ class Subscriber:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.sock.connect(endpoint)
-        time.sleep(0.3)  # a SUB socket misses what is sent before it is connected
+        self.sock.connect(endpoint)  # it misses what is sent before it is subscribed: sync
 
     def frames(self, until, timeout=10.0):
         """Received ``[topic, seq, payload]`` frames until ``until(all so far)``."""
@@ -140,7 +139,7 @@ class Replayer:
             if until(got):
                 return got
             assert time.monotonic() < deadline, f"timed out with {len(got)} batches"
-            time.sleep(0.1)
+            time.sleep(0.02)
 
     def close(self):
         pass
@@ -216,7 +215,7 @@ def test_replay_returns_buffered_batches_then_the_end_marker(start_node):
                 break
             events += decoder.decode(payload).events
         req.close(linger=0)
-        time.sleep(0.1)
+        time.sleep(0.02)
     # A node that starts empty says so first, so that a consumer drops what it knew.
     assert isinstance(events[0], AllBlocksCleared)
     assert [e.block_hashes[0] for e in events if isinstance(e, BlockStored)] == [

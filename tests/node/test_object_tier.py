@@ -8,8 +8,9 @@ never a shared arena).
 from __future__ import annotations
 
 import os
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from kvpool.harness.process import NodeProcess
 from kvpool.stats import TIER_DRAM, TIER_OBJECT
 from tests.conftest import NodeFactory
 from tests.helpers import content, key
+from tests.nodes import own_node
 from tests.s3server import S3Server
 
 BLOCK = 256 << 10
@@ -43,13 +45,17 @@ def serve_args(server: S3Server, bucket: str, disk: Path, host: str) -> list[str
     ]
 
 
+def s3_env_of(server: S3Server) -> dict[str, str]:
+    return {
+        "AWS_ACCESS_KEY_ID": server.access_key,
+        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+        "AWS_REGION": server.region,
+    }
+
+
 @pytest.fixture
 def s3_env(s3_server: S3Server) -> dict[str, str]:
-    return {
-        "AWS_ACCESS_KEY_ID": s3_server.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
-        "AWS_REGION": s3_server.region,
-    }
+    return s3_env_of(s3_server)
 
 
 def start_host(
@@ -61,7 +67,9 @@ def start_host(
     name: str,
     memory: str = "8MiB",
 ) -> NodeProcess:
-    args = serve_args(s3_server, bucket, tmp_path / f"disk-{name}", f"host-{name}")
+    """A node named ``name`` on a host of its own (an id no other test's node has)."""
+    host = f"host-{name}-{secrets.token_hex(3)}"
+    args = serve_args(s3_server, bucket, tmp_path / f"disk-{name}", host)
     return start_node(name, memory, extra=args, env=env)
 
 
@@ -70,7 +78,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
-        time.sleep(0.1)
+        time.sleep(0.02)
 
 
 def fill(client: Client, prefix: str, n: int) -> list[bytes]:
@@ -88,20 +96,38 @@ def written_to_bucket(node: NodeProcess, prefix_keys: list[bytes]) -> None:
         wait_for(lambda: c.stats().tiers[2].writes >= len(prefix_keys))
 
 
+@pytest.fixture(scope="module")
+def written(
+    s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, list[bytes]]]:
+    """A bucket, and the 12-block prefix a node on host A wrote that has left its DRAM and
+    disk for it, the node then dead (SIGKILL).  The module's tests share it: each reads it
+    from nodes of its own, on hosts of their own."""
+    bucket = s3_server.make_bucket(f"kvpool-test-{secrets.token_hex(6)}")
+    disk = tmp_path_factory.mktemp("host-a") / "disk"
+    args = serve_args(s3_server, bucket, disk, "host-a")
+    with own_node("a", "8MiB", extra=args, env=s3_env_of(s3_server)) as a:
+        with Client(a.tcp_address, use_shm=False, timeout=10) as c:
+            prefix = fill(c, "prefix", 12)
+        written_to_bucket(a, prefix)
+        a.kill()
+    yield bucket, prefix
+
+
 @pytest.fixture
 def shared(
-    start_node: NodeFactory, s3_server: S3Server, s3_bucket: str, s3_env: dict, tmp_path: Path
+    start_node: NodeFactory,
+    s3_server: S3Server,
+    written: tuple[str, list[bytes]],
+    s3_env: dict,
+    tmp_path: Path,
 ) -> tuple[list[bytes], Callable[..., NodeProcess]]:
-    """A node on host A wrote a 12-block prefix that has left its DRAM and disk for the
-    bucket, then died (SIGKILL); a factory for nodes on other hosts."""
-    a = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "a")
-    with Client(a.tcp_address, use_shm=False, timeout=10) as c:
-        prefix = fill(c, "prefix", 12)
-    written_to_bucket(a, prefix)
-    a.kill()
+    """The prefix host A wrote to the bucket (``written``); a factory for nodes on other
+    hosts."""
+    bucket, prefix = written
 
     def other(name: str, memory: str = "8MiB") -> NodeProcess:
-        return start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, name, memory)
+        return start_host(start_node, s3_server, bucket, s3_env, tmp_path, name, memory)
 
     return prefix, other
 

@@ -4,6 +4,7 @@ import os
 import random
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -12,9 +13,12 @@ from tests.commands import run_kvpool
 from tests.helpers import content, key, size_of
 
 
-def _load(address: str, tag: str, stop: threading.Event, acked: set, errors: list) -> None:
+def _load(
+    address: str, tag: str, stop: threading.Event, acked: set, errors: list, calls: Counter
+) -> None:
     """Put and get deterministic blocks until stopped: a block's bytes derive from its key,
-    so any reader can tell a right block from a wrong or torn one."""
+    so any reader can tell a right block from a wrong or torn one.  ``calls`` counts, by
+    ``(tag, outcome)``, the put rounds that were acknowledged ("ok") and those that failed."""
     rng = random.Random(tag)
     with Client(address, timeout=2) as client:
         i = 0
@@ -33,32 +37,49 @@ def _load(address: str, tag: str, stop: threading.Event, acked: set, errors: lis
                 for k, value in zip(sample, got.values, strict=True):
                     if value is not None and bytes(value) != content(k, len(value)).tobytes():
                         errors.append(f"wrong bytes for {k.hex()}")
+                calls[tag, "ok"] += 1
             except KVPoolError:
+                calls[tag, "failed"] += 1
                 time.sleep(0.05)  # the node is down: keep trying, as an engine would
 
 
 def _restart_under_load(start_node, stop_node) -> None:
     node = start_node(name="warm", memory="48MiB")
+    tags = [f"w{t}" for t in range(3)]
+    # Every key is there before the writers start: a copy taken while they count sees no
+    # key added.
+    calls = Counter({(tag, outcome): 0 for tag in tags for outcome in ("ok", "failed")})
     stop, acked, errors = threading.Event(), set(), []
     threads = [
-        threading.Thread(target=_load, args=(node.unix_address, f"w{t}", stop, acked, errors))
-        for t in range(3)
+        threading.Thread(target=_load, args=(node.unix_address, tag, stop, acked, errors, calls))
+        for tag in tags
     ]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while len(acked) < 150 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    before = set(acked)
-    stop_node(node)  # mid-run: puts and gets in flight
-    time.sleep(0.3)
-    acknowledged = set(acked)  # everything a writer was told is stored, up to the end
-    restarted = start_node(name="warm", memory="48MiB")
-    assert restarted.info["adopted_blocks"] > 0
-    time.sleep(1.0)  # the writers reconnect on their own and go on
-    stop.set()
-    for t in threads:
-        t.join(30)
+
+    def wait_each(outcome: str, since: Counter, what: str) -> None:
+        """Until every writer has had a call with ``outcome`` after ``since``."""
+        deadline = time.monotonic() + 30
+        while any(calls[tag, outcome] <= since[tag, outcome] for tag in tags):
+            assert time.monotonic() < deadline, f"{what}: {calls}"
+            time.sleep(0.01)
+
+    try:
+        deadline = time.monotonic() + 30
+        while len(acked) < 150 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = set(acked)
+        stop_node(node)  # mid-run: puts and gets in flight
+        wait_each("failed", Counter(calls), "a writer never saw the node go")
+        acknowledged = set(acked)  # everything a writer was told is stored, up to the end
+        restarted = start_node(name="warm", memory="48MiB")
+        assert restarted.info["adopted_blocks"] > 0
+        wait_each("ok", Counter(calls), "a writer did not reconnect on its own and go on")
+        wait_each("ok", Counter(calls), "a writer did not go on")  # and one more round each
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
     assert len(before) >= 150 and not errors, errors[:3]
     with Client(restarted.unix_address, timeout=10) as client:
         stats = client.stats()

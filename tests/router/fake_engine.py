@@ -8,7 +8,8 @@ serves /health and vLLM-style /metrics, and records what it received.
 ``{"drop": n}`` drops the next n streams after their headers, before any chunk,
 ``{"hang": true}`` never answers, ``{"running": r, "waiting": w}`` sets the reported load,
 ``{"healthy": false}`` fails /health, ``{"health_delay": s}`` answers it s seconds late,
-``{"chunks": n, "delay": s}`` shapes the stream.
+``{"chunks": n, "delay": s}`` shapes the stream.  ``POST /_reset`` restores the defaults and
+empties the log (a stand-in shared by several tests is handed to each as new).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 from aiohttp import web
 
-STATE = {
+DEFAULTS = {
     "fail": 0,
     "drop": 0,
     "hang": False,
@@ -33,6 +34,7 @@ STATE = {
     "first_delay": 0.0,
     "name": "fake",
 }
+STATE = dict(DEFAULTS)
 LOG: list[dict] = []
 
 
@@ -130,6 +132,12 @@ async def configure(request: web.Request) -> web.Response:
     return web.json_response(STATE)
 
 
+async def reset(request: web.Request) -> web.Response:
+    STATE.update({**DEFAULTS, "name": STATE["name"]})
+    LOG.clear()
+    return web.json_response(STATE)
+
+
 async def log(request: web.Request) -> web.Response:
     return web.json_response(LOG)
 
@@ -147,6 +155,7 @@ def main() -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/_config", configure)
+    app.router.add_post("/_reset", reset)
     app.router.add_get("/_log", log)
     web.run_app(
         app,

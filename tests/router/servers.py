@@ -78,6 +78,10 @@ class FakeEngine(Proc):
     def configure(self, **state: object) -> None:
         post(f"{self.url}/_config", state)
 
+    def reset(self) -> None:
+        """Back to the defaults, its log empty."""
+        post(f"{self.url}/_reset", {})
+
     def log(self) -> list[dict]:
         return get_json(f"{self.url}/_log")
 

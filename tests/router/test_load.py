@@ -4,7 +4,9 @@ from benchmarks.router_load import run
 
 
 def test_a_thousand_concurrent_streams_all_complete():
-    result = run(num_requests=1000, num_engines=2, chunks=8, delay=0.01)
+    # 20 requests one at a time each way, not the benchmark's 200: each takes its whole
+    # stream (80 ms), and the test asserts only that they were measured.
+    result = run(num_requests=1000, num_engines=2, chunks=8, delay=0.01, num_quiet=20)
     routed = result["router"]
     assert routed["errors"] == 0, routed["error_kinds"]
     assert routed["completed"] == 1000

@@ -17,25 +17,54 @@ from kvpool.router.engines import Engine, attempts
 from tests.router.servers import FakeEngine, RouterProc, get_json, post
 
 
-@pytest.fixture
-def fakes():
-    started: list[FakeEngine] = []
-
-    def make(n: int) -> list[FakeEngine]:
-        for _ in range(n):
-            started.append(FakeEngine(name=f"e{len(started)}"))
-        return started[-n:]
-
-    yield make
-    for fake in started:
+@pytest.fixture(scope="module")
+def fake_pool():
+    """Stand-in engines shared by the module's tests: a process start is most of a test's
+    time, and a stand-in is reset to new between tests (``fakes``)."""
+    pool: list[FakeEngine] = []
+    yield pool
+    for fake in pool:
         fake.stop()
 
 
 @pytest.fixture
-def routers():
+def fakes(fake_pool):
+    """``fakes(n)``: n stand-in engines of the shared pool, each as new (default behaviour,
+    empty log); one a test killed is replaced by a new process."""
+    handed = 0
+
+    def make(n: int) -> list[FakeEngine]:
+        nonlocal handed
+        for i in range(handed, handed + n):
+            if i == len(fake_pool):
+                fake_pool.append(FakeEngine(name=f"e{i}"))
+            elif fake_pool[i].proc.poll() is not None:  # killed by an earlier test
+                fake_pool[i].stop()
+                fake_pool[i] = FakeEngine(name=f"e{i}")
+            else:
+                fake_pool[i].reset()
+        handed += n
+        return fake_pool[handed - n : handed]
+
+    return make
+
+
+@pytest.fixture
+def routers(tmp_path):
     started: list[RouterProc] = []
 
-    def make(engines: list[str], *args: str, env: dict[str, str] | None = None) -> RouterProc:
+    def make(
+        engines: list[str],
+        *args: str,
+        env: dict[str, str] | None = None,
+        health_interval: float | None = None,
+    ) -> RouterProc:
+        """``health_interval``: check the engines this often (the settings file's
+        ``health_interval``; 1 s by default), for a test that waits on their checks."""
+        if health_interval is not None:
+            settings = tmp_path / f"router-{len(started)}.toml"
+            settings.write_text(f"health_interval = {health_interval}\n")
+            args = (*args, "--config", str(settings))
         router = RouterProc(engines, *args, env=env)
         started.append(router)
         return router
@@ -43,6 +72,30 @@ def routers():
     yield make
     for router in started:
         router.stop()
+
+
+def engine_state(router: RouterProc, url: str) -> dict:
+    """The router's account of one engine (``GET /admin/engines``)."""
+    engines = get_json(router.url + "/admin/engines")["engines"]
+    return next(e for e in engines if e["url"] == url)
+
+
+def wait_engine(router: RouterProc, url: str, until, what: str, timeout: float = 30) -> dict:
+    """The engine's state once ``until(state)`` holds, polled every 20 ms."""
+    deadline = time.monotonic() + timeout
+    while not until(state := engine_state(router, url)):
+        assert time.monotonic() < deadline, f"{what}: {state}"
+        time.sleep(0.02)
+    return state
+
+
+def wait_logged(router: RouterProc, *texts: str, timeout: float = 10) -> list[str]:
+    """The router's output lines holding one of ``texts``, once there is one."""
+    deadline = time.monotonic() + timeout
+    while not (lines := [line for line in router.output if any(t in line for t in texts)]):
+        assert time.monotonic() < deadline, f"the router never logged any of {texts}"
+        time.sleep(0.02)
+    return lines
 
 
 def complete(
@@ -107,7 +160,8 @@ def test_least_load_uses_the_engines_metrics(fakes, routers):
     a, b = fakes(2)
     a.configure(running=8, waiting=4)
     router = routers([a.url, b.url], "--policy", "least_load")
-    time.sleep(1.5)  # one metrics scrape
+    loaded = lambda e: (e["running"], e["waiting"]) == (8, 4)  # noqa: E731
+    wait_engine(router, a.url, loaded, "no metrics scrape read a's load")
     assert {complete(router)[0] for _ in range(5)} == {b.url}
 
 
@@ -126,12 +180,13 @@ def test_session_affinity_by_header_and_user(fakes, routers):
 
 def test_unhealthy_and_killed_engines_are_skipped_and_taken_back(fakes, routers):
     a, b = fakes(2)
-    router = routers([a.url, b.url], "--policy", "round_robin")
+    router = routers([a.url, b.url], "--policy", "round_robin", health_interval=0.1)
     b.configure(healthy=False)
-    time.sleep(1.5)
+    wait_engine(router, b.url, lambda e: not e["healthy"], "a failed check left b in")
     assert {complete(router)[0] for _ in range(4)} == {a.url}
     b.configure(healthy=True)
-    time.sleep(3)  # two successful checks
+    back = wait_engine(router, b.url, lambda e: e["healthy"], "b was never taken back")
+    assert back["successes"] >= 2  # two successful checks
     assert b.url in {complete(router)[0] for _ in range(4)}
     a.kill()
     results = [complete(router)[0] for _ in range(6)]  # the first may hit dead a: retried on b
@@ -139,18 +194,18 @@ def test_unhealthy_and_killed_engines_are_skipped_and_taken_back(fakes, routers)
 
 
 def test_a_slow_health_check_leaves_the_engine_in_and_a_run_of_them_takes_it_out(fakes, routers):
-    """A busy engine answers its health checks late (the router waits 2 s, every second):
-    it stays in rotation until three checks in a row have timed out."""
+    """A busy engine answers its health checks late (the router waits 2 s for each): it
+    stays in rotation until three checks in a row have timed out."""
     a, b = fakes(2)
-    router = routers([a.url, b.url], "--policy", "round_robin")
+    router = routers([a.url, b.url], "--policy", "round_robin", health_interval=0.1)
     a.configure(health_delay=3)
-    time.sleep(4)  # at most two of a's checks have timed out by now (each takes 2 s)
+    two = wait_engine(router, a.url, lambda e: e["slow_checks_in_a_row"] >= 2, "no slow check")
+    assert two["slow_checks_in_a_row"] == 2 and two["healthy"]  # the third takes 2 s more
     assert {complete(router)[0] for _ in range(4)} == {a.url, b.url}
-    deadline = time.monotonic() + 60
-    engines = lambda: get_json(router.url + "/admin/engines")["engines"]  # noqa: E731
-    while next(e for e in engines() if e["url"] == a.url)["healthy"]:
-        assert time.monotonic() < deadline, "three timed-out checks left a in rotation"
-        time.sleep(0.2)
+    out = wait_engine(
+        router, a.url, lambda e: not e["healthy"], "three timed-out checks left a in rotation", 60
+    )
+    assert out["slow_checks_in_a_row"] >= 3
     assert {complete(router)[0] for _ in range(4)} == {b.url}
 
 
@@ -187,11 +242,12 @@ def test_a_stream_that_dies_before_its_first_chunk_is_retried(fakes, routers):
         )
         assert engine == b.url and body.rstrip().endswith("data: [DONE]")
     a.configure(drop=0)
-    time.sleep(2.5)  # a is taken back after its health checks
+    wait_engine(router, a.url, lambda e: e["healthy"], "a was not taken back after its checks")
     assert {complete(router)[0] for _ in range(4)} == {a.url, b.url}
     # A 500 is retried too, but one bad answer does not take an engine out of rotation.
     b.configure(fail=1)
     assert [complete(router)[0] for _ in range(2)] == [a.url, a.url]  # b's 500: retried on a
+    assert engine_state(router, b.url)["healthy"]  # still in (taking it back takes two checks)
     assert {complete(router)[0] for _ in range(4)} == {a.url, b.url}  # no health check since
 
 
@@ -232,8 +288,7 @@ def test_prefill_decode_disaggregation(fakes, routers):
     p2.configure(fail=100)
     engine, text = complete(router, body=body)
     assert engine == d.url and "[DONE]" in text
-    time.sleep(0.2)
-    assert any("falling back" in line or "decode alone" in line for line in router.output)
+    assert wait_logged(router, "falling back", "decode alone")
 
 
 def test_one_prefill_and_one_decode_ride_out_single_failures(fakes, routers):
@@ -272,7 +327,7 @@ def test_one_prefill_and_one_decode_ride_out_single_failures(fakes, routers):
     failed.value.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and get_json_status(router.url + "/health") == 200:
-        time.sleep(0.2)
+        time.sleep(0.02)
     assert get_json_status(router.url + "/health") == 503
 
 
@@ -293,7 +348,7 @@ def test_routing_decisions_are_explained(fakes, routers):
     a, b = fakes(2)
     a.configure(running=3)
     router = routers([a.url, b.url], "--policy", "least_load", "--log-level", "debug")
-    time.sleep(1.5)  # a health check has read the engines' load
+    wait_engine(router, a.url, lambda e: e["running"] == 3, "no health check read a's load")
     request = urllib.request.Request(
         router.url + "/v1/completions",
         data=json.dumps({"model": "m", "prompt": "why", "max_tokens": 2}).encode(),
@@ -302,8 +357,7 @@ def test_routing_decisions_are_explained(fakes, routers):
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.headers["x-kvpool-engine"] == b.url
         assert response.headers["x-kvpool-route"] == "policy=least_load; load=0"
-    time.sleep(0.2)
-    decisions = [line for line in router.output if "route /v1/completions to" in line]
+    decisions = wait_logged(router, "route /v1/completions to")
     assert decisions and b.url in decisions[-1] and "load=3" in decisions[-1]
 
 
@@ -324,7 +378,7 @@ def test_a_client_that_disconnects_cancels_the_upstream_request(fakes, routers):
     asyncio.run(go())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not a.log()[-1]["cancelled"]:
-        time.sleep(0.1)
+        time.sleep(0.02)
     entry = a.log()[-1]
     assert entry["cancelled"] and not entry["done"]
 
@@ -348,7 +402,10 @@ def test_engines_added_and_removed_at_run_time_with_drain(fakes, routers):
     threads = [threading.Thread(target=slow) for _ in range(2)]  # one on each engine
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while not all(any(e["body"]["prompt"] == "s" for e in f.log()) for f in (a, b)):
+        assert time.monotonic() < deadline, "the slow requests never reached both engines"
+        time.sleep(0.02)
     started = time.monotonic()
     removed = post(f"{router.url}/admin/engines?url={b.url}", {}, method="DELETE")
     assert removed["drained"] and time.monotonic() - started > 0.5

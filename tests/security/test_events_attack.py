@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from kvpool.keys import BlockOrigin, Namespace, chained_hashes
 from tests.commands import said, serve
@@ -53,16 +54,41 @@ def stored_hashes(events: list[dict]) -> set[int]:
     return {h for e in events if e.get("type") == "BlockStored" for h in e["block_hashes"]}
 
 
+# A socket's handshake with the node, as its monitor reports it: admitted or refused.
+HANDSHAKES = {
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: True,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: False,  # a CURVE key the node's ZAP handler refused
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: False,  # no CURVE, to a CURVE socket
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: False,
+}
+
+
+def is_admitted(monitor: zmq.Socket, timeout: float = 20.0) -> bool:
+    """Whether the node admitted the socket ``monitor`` watches (made before it connected),
+    from the socket's own handshake event."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0 and monitor.poll(int(left * 1000)), "no handshake with the node"
+        event = recv_monitor_message(monitor)["event"]
+        if event in HANDSHAKES:
+            return HANDSHAKES[event]
+
+
 def replay(endpoint: str, keys: tuple[bytes, bytes, bytes] | None = None) -> list[bytes]:
-    """Every payload the replay socket gives this client (None: no answer at all)."""
+    """Every payload the replay socket gives this client (none where the node refuses its
+    handshake: it can never be answered)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     if keys is not None:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+    monitor = sock.get_monitor_socket()
     sock.connect(endpoint)
     sock.send_multipart([b"", (0).to_bytes(8, "big")])
     payloads: list[bytes] = []
     try:
+        if not is_admitted(monitor):
+            return payloads
         while sock.poll(3000):
             _, _, seq, payload = sock.recv_multipart()
             if seq == END:
@@ -70,6 +96,8 @@ def replay(endpoint: str, keys: tuple[bytes, bytes, bytes] | None = None) -> lis
             payloads.append(payload)
         return payloads
     finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
 
@@ -150,36 +178,76 @@ def test_with_tenants_each_reads_its_own_blocks_only(start_node: NodeFactory, tm
         public, secret = pairs[name]
         return public, secret, server_public
 
-    def subscribe(endpoint: str, name: str) -> zmq.Socket:
+    monitors: dict[str, zmq.Socket] = {}
+
+    def subscribe(endpoint: str, name: str, label: str) -> zmq.Socket:
         sock = ctx.socket(zmq.SUB)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys_of(name)
         sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: a prefix is no boundary
+        monitors[label] = sock.get_monitor_socket()
         sock.connect(endpoint)
         return sock
 
     ctx = zmq.Context()
     subs = {
-        "operator": subscribe(info["kv_events"], "operator"),
-        "alpha": subscribe(streams["alpha"], "alpha"),
-        "beta on alpha's stream": subscribe(streams["alpha"], "beta"),
-        "beta on the operator's": subscribe(info["kv_events"], "beta"),
-        "stranger": subscribe(info["kv_events"], "stranger"),
+        label: subscribe(endpoint, name, label)
+        for label, endpoint, name in (
+            ("operator", info["kv_events"], "operator"),
+            ("alpha", streams["alpha"], "alpha"),
+            ("beta on alpha's stream", streams["alpha"], "beta"),
+            ("beta on the operator's", info["kv_events"], "beta"),
+            ("stranger", info["kv_events"], "stranger"),
+        )
     }
-    time.sleep(1.0)  # CURVE handshakes, subscriptions
-    alpha_keys, alpha_origins, alpha_hashes = blocks(2)
-    beta_keys, beta_origins, beta_hashes = blocks(3)
-    with client(node.tcp_address, alpha) as pool:
-        assert pool.put(alpha_keys, [b"a" * 64] * 3, origins=alpha_origins).all_stored
-    with client(node.tcp_address, beta) as pool:
-        assert pool.put(beta_keys, [b"b" * 64] * 3, origins=beta_origins).all_stored
-    time.sleep(1.5)
-    read: dict[str, set[int]] = {}
-    for name, sock in subs.items():
-        events = []
-        while sock.poll(200):
-            events += decode(sock.recv_multipart()[2])
-        read[name] = stored_hashes(events)
+    events: dict[str, list[dict]] = {label: [] for label in subs}
+
+    def receive(label: str, wait_ms: int) -> None:
+        while subs[label].poll(wait_ms):
+            events[label] += decode(subs[label].recv_multipart()[2])
+            wait_ms = 0
+
+    def probe(pool, seeds: range, each_s: float) -> None:
+        """Alpha stores probe blocks, one a seed, ``each_s`` apart, until the operator's
+        and alpha's subscribers have each received one: a socket delivers in order, so
+        what was published before that probe has reached them too."""
+        waiting, sent = {"operator", "alpha"}, set()
+        for seed in seeds:
+            keys, origins, hashes = blocks(seed, 1)
+            assert pool.put(keys, [b"p" * 64], origins=origins).all_stored
+            sent |= hashes
+            deadline = time.monotonic() + each_s
+            while waiting and time.monotonic() < deadline:
+                for label in list(waiting):
+                    receive(label, 20)
+                    if sent & stored_hashes(events[label]):
+                        waiting.remove(label)
+            if not waiting:
+                return
+        raise AssertionError(f"{sorted(waiting)} never received a probe")
+
     try:
+        # CURVE handshakes: the node's ZAP handler admits the listed keys, each on its own
+        # socket, and refuses the others (they can never read a thing).
+        admitted = {label: is_admitted(monitor) for label, monitor in monitors.items()}
+        assert admitted == {
+            "operator": True,
+            "alpha": True,
+            "beta on alpha's stream": False,
+            "beta on the operator's": False,
+            "stranger": False,
+        }, admitted
+        alpha_keys, alpha_origins, alpha_hashes = blocks(2)
+        beta_keys, beta_origins, beta_hashes = blocks(3)
+        with client(node.tcp_address, alpha) as pool:
+            probe(pool, range(100, 130), 1.0)  # until the subscriptions reached the node
+            assert pool.put(alpha_keys, [b"a" * 64] * 3, origins=alpha_origins).all_stored
+        with client(node.tcp_address, beta) as pool:
+            assert pool.put(beta_keys, [b"b" * 64] * 3, origins=beta_origins).all_stored
+        with client(node.tcp_address, alpha) as pool:
+            probe(pool, range(200, 201), 30.0)  # what was published before it has arrived
+        for label in subs:
+            receive(label, 0)
+        read = {label: stored_hashes(events[label]) for label in subs}
         assert read["operator"] >= alpha_hashes | beta_hashes  # the operator's router
         assert read["alpha"] >= alpha_hashes and not read["alpha"] & beta_hashes
         assert not read["beta on alpha's stream"], "beta read alpha's stream"
@@ -201,5 +269,8 @@ def test_with_tenants_each_reads_its_own_blocks_only(start_node: NodeFactory, tm
         ), "a client without CURVE was answered"
     finally:
         for sock in subs.values():
+            sock.disable_monitor()
             sock.close(linger=0)
+        for monitor in monitors.values():
+            monitor.close(linger=0)
         ctx.term()

@@ -201,13 +201,13 @@ def test_a_delete_reaches_the_home_node_that_got_a_write_through_copy(start_node
         assert writer.put(keys, [content(k, 4096) for k in keys]).all_stored
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and home.get(keys).num_found < 10:
-            time.sleep(0.1)
+            time.sleep(0.02)
         at_b = [k for k, v in zip(keys, home.get(keys).values, strict=True) if v is not None]
         assert len(at_b) >= 10  # rendezvous puts about half of them at b
         writer.delete(keys)  # a client that knows only its local node
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and home.get(at_b).num_found:
-            time.sleep(0.1)
+            time.sleep(0.02)
         assert home.get(at_b).num_found == 0, "the home kept its write-through copies"
 
 
@@ -215,7 +215,7 @@ def test_a_delete_reaches_the_home_node_that_got_a_write_through_copy(start_node
 
 
 def test_a_tenant_churning_within_its_quota_never_evicts_anothers_disk_blocks(start_node, tmp_path):
-    from tests.security.tenants import TenantsFile, client
+    from tests.security.tenants import CLUSTER, TenantsFile, client
 
     tenants = TenantsFile(tmp_path / "tenants.toml")
     alpha = tenants.add("alpha", quota="4MiB")[0]
@@ -235,11 +235,12 @@ def test_a_tenant_churning_within_its_quota_never_evicts_anothers_disk_blocks(st
         held = fill(victim, "beta", 40, pause=0.02)  # 10 MiB past a 4 MiB quota: ~6 MiB to disk
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(on_disk(victim, held)) < 16:
-            time.sleep(0.1)
+            time.sleep(0.02)
         before = on_disk(victim, held)
         assert len(before) >= 16
         churned = fill(churner, "alpha", 240, pause=0.02)  # 60 MiB through alpha's 4 MiB quota
-        time.sleep(2)  # the write-back settles
+        with client(node.tcp_address, CLUSTER) as operator:  # the whole node's counts
+            wait_written(operator, operator.stats().evictions, timeout=30)  # the write-back
         after = on_disk(victim, before)
         assert len(after) == len(before), (
             f"alpha's churn evicted beta's disk blocks: {len(before)} -> {len(after)}"
@@ -317,8 +318,11 @@ def test_a_block_deleted_on_its_way_to_disk_does_not_land_there(tmp_path):
     try:
         with disk._writer:  # the disk is busy: the write-back's writer waits on it
             assert writeback.offer(blocks[0])
-            time.sleep(0.2)  # the writer took the first and waits; the second stays queued
-            assert writeback.offer(blocks[1])
+            deadline = time.monotonic() + 10
+            while writeback._queue:  # until the writer took the first (and waits on the disk)
+                assert time.monotonic() < deadline, "the write-back never took the first block"
+                time.sleep(0.01)
+            assert writeback.offer(blocks[1])  # the second stays queued
             writeback.discard([blocks[1].key])  # a DELETE of it
     finally:
         writeback.stop()

@@ -111,7 +111,7 @@ def test_mutual_tls_on_the_data_port_and_the_admin(start_node: NodeFactory, pki,
         deadline = time.monotonic() + 10
         while served_serial_mtls(node.tcp_address, pki) != renewed.serial:
             assert time.monotonic() < deadline, "the renewed certificate was not served"
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert kept.lookup(names) == 4
     with tls_client(node, pki) as c:
         assert [bytes(v) for v in c.get(names).values] == blocks

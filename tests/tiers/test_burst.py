@@ -15,7 +15,7 @@ from kvpool.tiers.admission import PRESSURE_FILL, AdmitAll
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.writeback import WriteBack
 from tests.helpers import content, key
-from tests.tiered import check_all, disk_node, tier
+from tests.tiered import check_all, disk_node, tier, wait_written
 
 BLOCK = 1 << 20
 BATCH = 16
@@ -24,7 +24,8 @@ NUM_BLOCKS = 96  # 96 MiB through a 16 MiB arena
 
 def wait_idle(client, timeout=60):
     """Until the disk's write-back is done: what it wrote or turned away stops changing
-    (blocks promoted from disk and evicted again are not written twice, nor counted)."""
+    (blocks promoted from disk and evicted again are not written twice, nor counted; where
+    nothing was read, :func:`tests.tiered.wait_written` knows exactly when it is done)."""
     deadline = time.monotonic() + timeout
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
@@ -47,7 +48,7 @@ def test_a_burst_larger_than_dram_is_kept_on_disk_also_after_sigkill(start_node,
         for start in range(0, NUM_BLOCKS, BATCH):
             batch = keys[start : start + BATCH]
             client.put(batch, [values[k] for k in batch])
-        wait_idle(client)
+        wait_written(client, client.stats().evictions, timeout=60)  # nothing read yet
         kept = check_all(client, keys, BLOCK)
         wait_idle(client)  # the reads promoted blocks: what they evicted goes to disk too
     assert kept >= 0.94 * NUM_BLOCKS, f"{kept} of {NUM_BLOCKS} kept"
@@ -96,7 +97,7 @@ def test_the_writer_is_told_how_many_blocks_its_puts_evictions_lost(start_node, 
         for start in range(0, 128, 8):
             batch = keys[start : start + 8]
             calm.append(local.put(batch, [content(k, BLOCK) for k in batch]))
-            wait_idle(local)
+            wait_written(local, local.stats().evictions, timeout=60)  # nothing is read here
         assert all(r.all_stored for r in calm)
         assert local.stats().evictions > 0  # the watermark evicted, and the disk took them
         assert [r.num_not_kept for r in calm] == [0] * len(calm)
@@ -114,7 +115,7 @@ def test_the_writer_is_told_how_many_blocks_its_puts_evictions_lost(start_node, 
                 result = local.put(batch, values)  # RESERVE or AREA, then COMMIT
             assert result.all_stored
             told += result.num_not_kept
-        wait_idle(local)
+        wait_written(local, local.stats().evictions, timeout=60)
         counted = not_kept(local)
     assert counted > 0  # the burst lost blocks: the write-back turned some away
     assert told == counted, f"writers told of {told} lost blocks, the node counted {counted}"

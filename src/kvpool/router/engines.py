@@ -104,6 +104,11 @@ class Engine:
             "kv_usage": self.kv_usage,
             "requests": self.num_requests,
             "failures": self.num_failures,
+            # Where the health checks stand: how close the engine is to being taken out
+            # (or, out, to being taken back).
+            "successes": self.successes,
+            "failures_in_a_row": self.failures_in_a_row,
+            "slow_checks_in_a_row": self.slow_checks_in_a_row,
         }
 
 
