@@ -79,6 +79,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "tenant_buffer_bytes": ("32MiB", 32 * MiB),
     "tenant_parked_keys": ("1000", 1000),
     "tenant_label_rate": ("0.5", 0.5),
+    "eviction": ("learned", "learned"),
 }
 
 # What a setting needs beside it to make a valid configuration.
