@@ -255,16 +255,23 @@ def test_etcd_membership_join_leave_and_rejoin(fabric, etcd):
         # A joining node is used without restarting anyone.
         hosts[3].start_node(etcd=etcd_url, extra=ttl)
         assert wait_for(lambda: hosts[3].tcp_address in members())
-        keys = [key(f"j{i}") for i in range(40)]
-        client.put(keys, [b"v" * 100] * 40)
-        new_home = [
-            k
-            for k in keys
-            if homes(k, client.cluster.members())[0].tcp_address == hosts[3].tcp_address
-        ]
-        assert new_home
+        # The writer's node writes through by its own view of the membership, which may hear
+        # of the new node after this client did: a batch of new keys a round, until one
+        # batch's blocks whose home is the new node are all on it (bounded).
+        deadline, landed, batch = time.monotonic() + 20, False, 0
         with Client(**hosts[3].client_options()) as on_new:
-            assert wait_for(lambda: all(on_new.local.exists(new_home)))
+            while not landed:
+                assert time.monotonic() < deadline, "the joined node never got its blocks"
+                keys = [key(f"j{batch}-{i}") for i in range(40)]
+                client.put(keys, [b"v" * 100] * 40)
+                new_home = [
+                    k
+                    for k in keys
+                    if homes(k, client.cluster.members())[0].tcp_address == hosts[3].tcp_address
+                ]
+                assert new_home
+                landed = wait_for(lambda ks=new_home: all(on_new.local.exists(ks)), timeout=3)
+                batch += 1
         # A restarted node rejoins; a cleanly stopped one leaves at once.
         hosts[2].start_node(etcd=etcd_url, extra=ttl)
         assert wait_for(lambda: hosts[2].tcp_address in members())
