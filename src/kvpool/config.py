@@ -953,7 +953,7 @@ def client_config_from(
         if isinstance(value, str) and parse is not str:
             try:
                 value = parse(value)  # type: ignore[operator]
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, ConfigError) as exc:
                 raise ConfigError(f"{given}={value!r}: {exc}") from exc
         values[name] = tuple(value) if name == "peers" and isinstance(value, list) else value
     key_file = values.get("access_key_file")

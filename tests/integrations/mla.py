@@ -2,34 +2,34 @@
 reference answers, shared by the MLA tests (prefill/decode through the router, the guide's
 EMS connector).
 
-What an engine that loads an MLA prefix from the pool must answer.  Two properties of vLLM's
-own MLA kernels on this CPU backend (AMX_MLA), seen with no connector at all:
+What an engine that loads an MLA prefix from the pool must answer: what the engine alone
+answers.  Two properties of vLLM's own MLA kernels on CPUs, seen with no connector at all:
 
 - they are not batch-invariant: a prompt can give other greedy tokens alone than in a batch
   (near-ties flip with the batch's composition).  So every MLA test asks one prompt at a time
   (one per generate step, or one request at a time over HTTP).
-- continuing a cached prefix runs another kernel path than a fresh prefill, and can give
-  other greedy tokens: of :data:`PROMPTS`, the first answers differently from its third
-  token on when the engine asks it again from its own prefix cache; the second answers the
-  same.  A request that loads its prefix from the pool is such a continuation.
+- on a host with AMX (vLLM's AMX_MLA kernels, its own prefix cache on), continuing a cached
+  prefix runs another kernel path than a fresh prefill, and can give other greedy tokens: of
+  :data:`PROMPTS`, the first answers differently from its third token on when the engine asks
+  it again from its own prefix cache; the second answers the same.  A request that loads its
+  prefix from the pool is such a continuation, so its reference is ``again``: what the engine
+  alone answers the second time it is asked a prompt.
 
-So the reference is what one engine without a connector answers the second time it is asked
-a prompt (``again``, its own prefix cache on); ``fresh`` is its first answer.  Where vLLM
-keeps no prefix cache of its own (its reference MLA kernels, on a host without AMX), ``again``
-is what the engine answers when vLLM's own reference connector loads the prefix: on such a
-host the tiny model's first prompt answers from its first token on differently after a load
-by vLLM's connector and by kvpool alike (the same tokens), than fresh.
+Elsewhere vLLM runs its reference MLA kernels (CPU_MLA: no prefix cache of its own), which
+continue a prefix they did not compute wrongly (docs/declined-backends.md): kvpool loads
+nothing into such an engine (``declined``), and the reference for every request is the
+engine's fresh answer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvpool.integrations.vllm.backends import declined_reason
 from tests.integrations.engine import (
     BLOCK_SIZE,
     EnginePool,
     kept_own_prefix,
-    loaded_by_vllm,
     prompts,
 )
 
@@ -72,22 +72,28 @@ def token_ids(results: list[dict[str, Any]]) -> list[list[int]]:
 
 def reference_answers(model: str, engines: EnginePool) -> dict[str, Any]:
     """Per prompt of :data:`PROMPTS`, asked one at a time by one engine without a connector
-    (the session's shared one): ``fresh`` and ``again`` (token ids), ``again_texts``, and
-    ``prompt_tokens``."""
-    steps = []
+    (the session's shared one): ``fresh`` and ``again`` (token ids; ``again`` is what an
+    engine that loads the prompt's prefix from the pool must answer), ``again_texts``,
+    ``prompt_tokens``, the engine's ``attention_backends`` and ``declined`` (why kvpool loads
+    nothing into it, "" when it does)."""
+    steps: list[dict[str, Any]] = [{"op": "attention_backends"}]
     for i, prompt in enumerate(PROMPTS):
         steps += [generate(f"fresh{i}", [prompt]), generate(f"again{i}", [prompt])]
     results = {r["name"]: r for r in engines.run(model, steps, engine=ENGINE)}
-    again = [results[f"again{i}"] for i in range(len(PROMPTS))]
-    own_prefix = kept_own_prefix(again)
-    if not own_prefix:  # its reference kernels: no prefix cache of its own
-        again = loaded_by_vllm(model, PROMPTS, MAX_TOKENS, ENGINE)
+    backends = results["attention_backends"]["attention_backends"]
+    declined = declined_reason(backends)
+    # Where kvpool loads, vLLM keeps a prefix cache of its own: ``again`` continues it.
+    kind = "fresh" if declined else "again"
+    answers = [results[f"{kind}{i}"] for i in range(len(PROMPTS))]
+    if not declined:
+        assert kept_own_prefix(answers), f"{backends}: no MLA prefix cache of vLLM's own"
     return {
         "fresh": [results[f"fresh{i}"]["token_ids"][0] for i in range(len(PROMPTS))],
-        "again": [r["token_ids"][0] for r in again],
-        "again_texts": [r["texts"][0] for r in again],
-        "prompt_tokens": [r["prompt_tokens"][0] for r in again],
-        "own_prefix": own_prefix,  # whether vLLM keeps an MLA prefix cache of its own here
+        "again": [r["token_ids"][0] for r in answers],
+        "again_texts": [r["texts"][0] for r in answers],
+        "prompt_tokens": [r["prompt_tokens"][0] for r in answers],
+        "attention_backends": backends,
+        "declined": declined,
     }
 
 

@@ -10,12 +10,12 @@ that loaded the prefix from the pool must answer exactly as the engine's own pre
 does.  The two differ for some prompts on vLLM's AMX MLA kernels (a cached prefix is attended
 in a different split from a fresh prefill; measured on this kind of host for one prompt in
 three), never by more than the engine itself does: the KV the pool hands back is the
-engine's own, byte for byte.  Where the engine keeps no prefix cache (its reference MLA
-kernels, on a host without AMX), the reference for a load is the engine's answer after vLLM's
-own reference connector (``ExampleConnector``) loaded the prefix: there the MoE model's first
-prompt answers differently from fresh, the same after either connector's load.  One prompt
-per generate step: those kernels are not batch-invariant either (the same prompt, with no
-cache at all, answers differently alone and in a batch of three).
+engine's own, byte for byte (test_bytes_vllm.py).  An engine whose attention backend kvpool
+declines (vLLM's reference MLA kernels, on a host without AMX or asked for: they continue a
+prefix they did not compute wrongly, docs/declined-backends.md) loads nothing: it answers as
+fresh, and says why.  One prompt per generate step: those kernels are not batch-invariant
+either (the same prompt, with no cache at all, answers differently alone and in a batch of
+three).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from typing import Any
 
 import pytest
 
+from kvpool import Client
 from kvpool.harness.engine import EngineProcess
+from kvpool.integrations.vllm.backends import DECLINED_LOG, declined_reason
 from tests.integrations.engine import (
     ENGINE,
     connector,
     flip_one_byte,
     kept_own_prefix,
-    loaded_by_vllm,
     prompts,
     restart_node,
     run_engine,
@@ -47,7 +48,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # its AMX MLA kernels (block size 32, its own prefix cache on) ...
     "deepseek-v3": {},
     # ... and elsewhere its reference MLA kernels (block size forced to 16, its own prefix
-    # cache and chunked prefill off): both run here, whatever this host has.
+    # cache and chunked prefill off), which kvpool declines: both run here, whatever this
+    # host has.
     "deepseek-v3/reference-kernels": {"attention_backend": "CPU_MLA"},
     # ... with mixture-of-experts layers (Kimi-K2.5's shape).
     "deepseek-v3-moe": {},
@@ -55,6 +57,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": {},
     # ... and gated-delta-net linear attention (vLLM picks a block size of 160 here).
     "qwen3-next": {},
+    # One KV cache group of another kind than full attention: a sliding window in every
+    # layer, and a recurrent state in every layer (a pure state-space model's cache).
+    "gemma3-sliding": {},
+    "qwen3-next-linear": {},
 }
 
 
@@ -79,7 +85,9 @@ def _loaded(results: list[dict[str, Any]], tag: str) -> list[tuple[int, int]]:
     return out
 
 
-HYBRIDS = {"gemma3", "qwen3-next"}
+# Families with a group that keeps only some blocks of a prefix (a sliding window's last, a
+# recurrent state's at block boundaries).
+PARTIAL = {"gemma3", "qwen3-next", "gemma3-sliding", "qwen3-next-linear"}
 
 # The heaviest variants run in `make test` and CI only (the `extended` marker).
 EXTENDED = {"deepseek-v3/reference-kernels", "deepseek-v3-moe"}
@@ -94,14 +102,15 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
     model = family_model(family)
     engine = FAMILIES[case]
     # The engine alone: a shared one (the hybrid tests ask it too).
-    plain = engines.run(model, [*_steps("fresh"), *_steps("again")], engine=engine)
+    plain = engines.run(
+        model, [{"op": "attention_backends"}, *_steps("fresh"), *_steps("again")], engine=engine
+    )
     fresh, again = _outputs(plain, "fresh"), _outputs(plain, "again")
-    if family not in HYBRIDS and not kept_own_prefix(
-        [r for r in plain if r["name"].startswith("again")]
-    ):
-        # No prefix cache of its own (vLLM's reference MLA kernels): a load by vLLM's own
-        # connector is the reference for a load.
-        again = [r["token_ids"][0] for r in loaded_by_vllm(model, PROMPTS, 12, engine)]
+    declined = declined_reason(plain[0]["attention_backends"])
+    if declined:
+        again = fresh  # nothing is loaded: every request is computed, as fresh
+    elif family not in PARTIAL:
+        assert kept_own_prefix([r for r in plain if r["name"].startswith("again")])
 
     name = "fam-" + case.replace("/", "-")
     state = {"node": start_node(name=name, memory="256MiB", extra=NO_SCRUB)}
@@ -110,6 +119,9 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
         model, _steps("save"), engine=engine, connector_config=connector(address, "kv_producer")
     )
     assert _outputs(saved, "save") == fresh
+    if declined:
+        _assert_declined(model, engine, address, fresh)
+        return
 
     damaged: list[bytes] = []
 
@@ -125,7 +137,7 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
             # (a block of one of its groups cannot be told apart), another model's from that
             # block on.  The first block of a prompt makes either the engine's own fresh
             # prefill; a hybrid's sliding window does not read it, so there the last.
-            damaged.append(flip_one_byte(state["node"], family, newest=family in HYBRIDS))
+            damaged.append(flip_one_byte(state["node"], family, newest=family in PARTIAL))
 
     steps = [
         *_steps("load"),
@@ -167,3 +179,19 @@ def test_a_family_saved_by_a_producer_loads_in_a_consumer(case, family_model, st
     damaged_pass = [r for r in results if r["name"].startswith("damaged")]
     assert damaged_pass[-1]["counters"]["kvpool_load_errors"] > 0
     assert "missing or corrupt" in log
+
+
+def _assert_declined(
+    model: str, engine: dict[str, Any], address: str, fresh: list[list[int]]
+) -> None:
+    """An engine whose backend kvpool declines, on a pool that holds its prompts' blocks:
+    every request a miss, answered as computed fresh, and one log line saying why."""
+    with Client(address) as client:
+        assert client.stats().num_blocks > 0  # the saver's blocks are there to be loaded
+    config = connector(address, "kv_consumer", lookup_timeout=2.0)
+    results = run_engine(model, _steps("load"), engine=engine, connector_config=config)
+    assert _outputs(results, "load") == fresh
+    assert [loaded for loaded, _ in _loaded(results, "load")] == [0] * len(PROMPTS)
+    assert results[-1]["counters"]["kvpool_blocks_loaded"] == 0
+    log = results[0]["log"]
+    assert sum(DECLINED_LOG in line for line in log.splitlines()) == 1, log

@@ -89,9 +89,15 @@ def test_groups_of_vllms_kv_cache_config():
         block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
     )
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))
-    # One group (the hybrid allocator off, or a plain model): the engine's only group.
-    assert cache_groups(config(full), BS) == [CacheGroup(0, FULL)]
+    # One group (the hybrid allocator off, or a plain model): the engine's only group, of
+    # its own kind: a model whose every layer has a window, a pure state-space model.
+    assert [(g.kind, g.page_bytes) for g in cache_groups(config(full), BS)] == [
+        (FULL, full.page_size_bytes)
+    ]
     assert cache_groups(SimpleNamespace(), BS) == [CacheGroup(0, FULL)]
+    assert [(g.kind, g.sliding_window) for g in cache_groups(config(window), BS)] == [
+        (SLIDING, 128)
+    ]
     assert [(g.kind, g.sliding_window) for g in cache_groups(config(window, full), BS)] == [
         (SLIDING, 128),
         (FULL, 0),
@@ -101,6 +107,10 @@ def test_groups_of_vllms_kv_cache_config():
         block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
     )
     assert [g.kind for g in cache_groups(config(aligned, full), BS)] == [STATE, FULL]
+    assert [g.kind for g in cache_groups(config(aligned), BS)] == [STATE]
+    # A state kept only for the running request (no prefix caching): nothing to reuse.
+    (alone,) = cache_groups(config(mamba), BS)
+    assert alone.kind == UNSUPPORTED and "cache mode none" in unsupported_reason([alone])
     # Hashes finer than a block, or a group of another block size: nothing is keyed right.
     assert {g.kind for g in cache_groups(config(window, full, hash_block_size=16), BS)} == {
         UNSUPPORTED

@@ -28,11 +28,11 @@ import pytest
 
 from kvpool import Client
 from kvpool.harness.runner import omp_binding
+from kvpool.integrations.vllm.backends import DECLINED_LOG
 from tests.integrations.engine import (
     BLOCK_SIZE,
     connector,
     kept_own_prefix,
-    loaded_by_vllm,
     prompts,
     run_engine,
 )
@@ -135,7 +135,8 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(
 
     The reference is the rank that computed the prompt, asked twice: the Llama's loaded
     outputs must equal its computed ones; MLA's (whose outputs vLLM's own prefix cache may
-    change on this host, see the TP=2 MLA test) the rank's second, prefix-cached run."""
+    change on this host, see the TP=2 MLA test) the rank's second, prefix-cached run; where
+    vLLM runs its reference MLA kernels, kvpool loads nothing (docs/declined-backends.md)."""
     model = request.getfixturevalue("model" if family == "llama" else "mla_model")
     node = start_node(name="dp", memory="256MiB")
     engine_args = list(ENGINE_ARGS)
@@ -157,20 +158,18 @@ def test_data_parallel_2_each_rank_loads_what_the_other_saved(
         hits_after = per_engine(server, "vllm:external_prefix_cache_hits_total")
     finally:
         server.stop()
-    # Whether vLLM keeps an MLA prefix cache of its own on this host (its AMX kernels do).
-    own_prefix = reference == "cached" and request.getfixturevalue("mla_reference")["own_prefix"]
-    if reference == "cached" and not own_prefix:
-        # No MLA prefix cache of vLLM's own on this host (its reference kernels): the
-        # reference for a load is a load by vLLM's own connector, on one engine like a rank.
-        for name, batch in (("P", P), ("Q", Q)):
-            loads = loaded_by_vllm(model, batch, MAX_TOKENS, {"dtype": dtype})
-            runs["cached"][name] = [r["texts"][0] for r in loads]
+    if reference == "cached" and request.getfixturevalue("mla_reference")["declined"]:
+        # vLLM's reference MLA kernels here: kvpool loads nothing into either rank, which
+        # answer as they computed.
+        assert loaded_p == runs["computed"]["P"]
+        assert loaded_q == runs["computed"]["Q"]
+        assert sum(hits_after.values()) == 0, hits_after
+        return
     assert loaded_p == runs[reference]["P"]
     assert loaded_q == runs[reference]["Q"]
     assert sorted(hits_after) == ["0", "1"], hits_after
-    if reference == "computed" or own_prefix:
-        # The second ask came from the rank's own prefix cache (without one, from the pool).
-        assert hits_before.get("0", 0) == 0 and hits_before.get("1", 0) == 0, hits_before
+    # The second ask came from the rank's own prefix cache (without one, from the pool).
+    assert hits_before.get("0", 0) == 0 and hits_before.get("1", 0) == 0, hits_before
     # Each rank loaded nearly every full block of the prompts it was sent (~63 per prompt).
     min_tokens = 60 * BLOCK_SIZE
     assert hits_after["1"] >= len(P) * min_tokens, hits_after
@@ -187,7 +186,9 @@ def outputs(results: list[dict], name: str) -> list[list[int]]:
     return [r["token_ids"][0] for r in results if str(r["name"]).startswith(name)]
 
 
-def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, start_node):
+def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(
+    mla_model, mla_reference, start_node
+):
     """TP=2 MLA (DeepSeek-V3 shape): the latent KV is the same on every rank, so rank 0
     saves one copy of each block under one namespace (rank 0's: engines of another TP size
     miss it, :meth:`Namespace.for_rank`), and a fresh TP=2 engine loads it into both ranks.
@@ -201,11 +202,10 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
     reference = run_engine(
         mla_model, [*one_by_one("fresh", P), *one_by_one("cached", P)], engine=TP2
     )
-    cached = [r for r in reference if r["name"].startswith("cached")]
-    if not kept_own_prefix(cached):
-        # No MLA prefix cache of vLLM's own on this host (its reference kernels): the
-        # reference for a load is a load by vLLM's own connector, at the same TP=2.
-        cached = loaded_by_vllm(mla_model, P, MAX_TOKENS, TP2)
+    declined = mla_reference["declined"]  # vLLM's reference MLA kernels: nothing is loaded
+    cached = [r for r in reference if r["name"].startswith("fresh" if declined else "cached")]
+    if not declined:
+        assert kept_own_prefix(cached)
     node = start_node(name="mla", memory="256MiB")
     config = connector(node.unix_address, **SAVE_ROOM)
 
@@ -224,6 +224,10 @@ def test_mla_tensor_parallel_2_saves_one_copy_that_every_rank_loads(mla_model, s
 
     loaded = run_engine(mla_model, one_by_one("P", P), engine=TP2, connector_config=config)
     assert outputs(loaded, "P") == [r["token_ids"][0] for r in cached]
+    if declined:
+        assert hits(loaded[-1]) == 0 and loaded[-1]["counters"]["kvpool_blocks_loaded"] == 0
+        assert DECLINED_LOG in loaded[0]["log"]
+        return
     assert hits(loaded[-1]) == loadable_tokens([r["prompt_tokens"][0] for r in loaded], block_size)
     assert loaded[-1]["counters"]["kvpool_blocks_loaded"] == 2 * num_loadable  # both ranks
     assert loaded[-1]["counters"]["kvpool_load_errors"] == 0

@@ -31,15 +31,29 @@ def request(rid, num_blocks, first_token=0):
     )
 
 
-def scheduler(node, role="kv_consumer", **extra):
+def scheduler(node, role="kv_consumer", groups=None, backends=("CPU_ATTN",), **extra):
+    """A scheduler half whose workers said they run ``backends`` (vLLM's handshake)."""
     config = connector_config({"address": node.unix_address, **extra}, environ={})
-    return KVPoolScheduler(
+    sched = KVPoolScheduler(
         config,
         {(0, 0): NS},
         BS,
         can_load=role != "kv_producer",
         can_save=role != "kv_consumer",
         wait_for_pending=role == "kv_consumer",
+        groups=groups,
+    )
+    sched.set_attention_backends(backends)
+    return sched
+
+
+def step_output(**fields):
+    """A scheduler output with nothing scheduled, but ``fields``."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={},
+        **fields,
     )
 
 
@@ -246,16 +260,7 @@ def test_hybrid_groups_match_and_load_only_what_the_engine_reads(node, client):
     req = request("h1", 8)  # 8 full blocks and a token
     client.put(full_ns.keys(req.block_hashes), [b"f"] * 8)
     client.put(window_ns.keys(req.block_hashes[6:8]), [b"w"] * 2)
-    config = connector_config({"address": node.unix_address}, environ={})
-    sched = KVPoolScheduler(
-        config,
-        {(0, 0): NS},
-        BS,
-        can_load=True,
-        can_save=True,
-        wait_for_pending=False,
-        groups=groups,
-    )
+    sched = scheduler(node, "kv_both", groups=groups)
     sched.on_new_request(req)
     # Hybrid loads run off the step: vLLM takes their failures per request.
     assert sched.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
@@ -286,16 +291,7 @@ def test_an_engine_with_a_group_the_pool_cannot_reuse_is_offered_nothing(node, c
 
     # E.g. Mamba outside vLLM's align mode: no state is kept at block boundaries.
     groups = [CacheGroup(0, FULL), CacheGroup(1, UNSUPPORTED, spec_name="MambaSpec")]
-    config = connector_config({"address": node.unix_address}, environ={})
-    sched = KVPoolScheduler(
-        config,
-        {(0, 0): NS},
-        BS,
-        can_load=True,
-        can_save=True,
-        wait_for_pending=False,
-        groups=groups,
-    )
+    sched = scheduler(node, "kv_both", groups=groups)
     req = request("m1", 4)
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -315,16 +311,7 @@ def test_a_recurrent_state_is_matched_at_the_prefix_end_and_saved_from_vllms_han
 
     groups = [CacheGroup(0, STATE), CacheGroup(1, FULL)]
     state_ns, full_ns = (group_namespace(NS, g, 2) for g in groups)
-    config = connector_config({"address": node.unix_address}, environ={})
-    sched = KVPoolScheduler(
-        config,
-        {(0, 0): NS},
-        BS,
-        can_load=True,
-        can_save=True,
-        wait_for_pending=False,
-        groups=groups,
-    )
+    sched = scheduler(node, "kv_both", groups=groups)
     req = request("s1", 8, first_token=3000)
     client.put(full_ns.keys(req.block_hashes), [b"f"] * 8)
     client.put(state_ns.keys([req.block_hashes[i] for i in (3, 7)]), [b"s"] * 2)
@@ -356,4 +343,81 @@ def test_a_recurrent_state_is_matched_at_the_prefix_end_and_saved_from_vllms_han
     # Only the state group's hand-off at a prompt block's end: block 1's state, in block 51.
     assert save.block_ids == [51] and save.groups == [0]
     assert save.block_hashes == [other.block_hashes[1]]
+    sched.shutdown()
+
+
+def test_an_engine_whose_backend_is_declined_loads_nothing_but_still_saves(node, client, caplog):
+    """CPU_MLA cannot continue a prefix it did not compute (kvpool.integrations.vllm.
+    backends): a miss for every request, said once; the pool's blocks are not saved
+    again, and new blocks are saved for engines that can load them."""
+    req = request("d1", 6, first_token=5000)
+    client.put(NS.keys(req.block_hashes[:4]), [b"x"] * 4)
+    sched = scheduler(node, "kv_both", backends=("CPU_MLA",))
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert sched._requests["d1"].next_save_block == 4  # blocks 4 and 5 are saved
+    assert sched.can_save and "CPU_MLA" in sched.declined
+    warnings = [r.getMessage() for r in caplog.records if "no prefix is loaded" in r.getMessage()]
+    assert len(warnings) == 1 and "CPU_MLA" in warnings[0], warnings
+    sched.shutdown()
+
+
+def test_nothing_is_loaded_until_the_workers_say_which_backends_they_run(node, client):
+    req = request("d2", 3, first_token=6000)
+    client.put(NS.keys(req.block_hashes), [b"x"] * 3)
+    sched = scheduler(node, "kv_both", backends=())  # no handshake (yet)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.set_attention_backends(["CPU_ATTN", "CPU_ATTN"])
+    assert sched.attention_backends == ("CPU_ATTN",)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, IS_ASYNC)
+    sched.shutdown()
+
+
+def test_an_engine_of_one_sliding_window_group_loads_its_window_only(node, client):
+    """Every layer with a window of 64 tokens (vLLM's allocator not hybrid: one group): the
+    keys stay the engine's one namespace, the load skips vLLM's null blocks before the
+    window, and it runs off the step (a failed block is recomputed with its request)."""
+    from kvpool.integrations.vllm.groups import SLIDING, CacheGroup
+
+    req = request("w1", 8, first_token=7000)
+    client.put(NS.keys(req.block_hashes[6:8]), [b"w"] * 2)  # only the window's blocks
+    sched = scheduler(node, "kv_both", groups=[CacheGroup(0, SLIDING, 64)])
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
+    table = [0] * 6 + [26, 27, 28]
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (table,)), 8 * BS)
+    (job,) = sched._loads
+    assert job.block_ids == [26, 27] and job.groups is None and job.is_async
+    assert job.block_hashes == req.block_hashes[6:8]
+    # Saves skip null blocks too, and name each block saved for the KV events.
+    req.all_token_ids = list(range(7000, 7000 + 8 * BS + 1))
+    output = step_output(
+        kv_connector_block_state=SimpleNamespace(
+            get_block_ids=lambda req_id: ([0, 0, 0, 0, 0, 0, 26, 27, 28],),
+            boundary_state_offloads={},
+        )
+    )
+    output.scheduled_new_reqs = [SimpleNamespace(req_id="w1", num_computed_tokens=0)]
+    output.num_scheduled_tokens = {"w1": 8 * BS + 1}
+    sched._requests["w1"].next_save_block = 0
+    (save,) = sched.build_connector_meta(output).saves
+    assert save.block_ids == [26, 27] and save.block_hashes == req.block_hashes[6:8]
+    assert [o.token_ids[0] for o in save.origins] == [7000 + 6 * BS, 7000 + 7 * BS]
+    sched.shutdown()
+
+
+def test_a_pure_state_space_engine_loads_the_state_at_the_prefix_end(node, client):
+    from kvpool.integrations.vllm.groups import STATE, CacheGroup
+
+    req = request("g1", 8, first_token=8000)
+    client.put(NS.keys([req.block_hashes[i] for i in (3, 7)]), [b"s"] * 2)
+    sched = scheduler(node, "kv_both", groups=[CacheGroup(0, STATE)])
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
+    table = [0] * 7 + [41, 42]
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (table,)), 8 * BS)
+    (job,) = sched._loads
+    assert job.block_ids == [41] and job.block_hashes == [req.block_hashes[7]] and job.is_async
     sched.shutdown()

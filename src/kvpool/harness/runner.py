@@ -13,12 +13,21 @@ Once it is built the runner prints ``KVPOOL_RESULT {"op": "ready", ...}`` and re
 stdin, one JSON line each, until stdin closes::
 
     {"steps": [{"op": "generate", "name": "...", "prompts": [...], "max_tokens": 16},
+               {"op": "generate", ..., "read_blocks": true},
                {"op": "chat", "name": "...", "conversations": [[user turns], ...],
                 "max_tokens": 16, "system": "..."},
                {"op": "reset_prefix_cache"},
+               {"op": "clear_kv_cache"},
+               {"op": "attention_backends"},
                {"op": "pause", "tag": "..."}]}
 
-Each step prints ``KVPOOL_RESULT {json}`` and the plan ends with ``KVPOOL_DONE``; ``pause``
+``read_blocks`` adds ``blocks``: per prompt, a digest of each block the engine's paged cache
+holds for it, and ``null_block_bytes``: the nonzero bytes in vLLM's null block
+(:mod:`kvpool.harness.paged`, an in-process engine only); ``clear_kv_cache``
+empties the engine's prefix cache and zeroes its whole paged cache (so that a block read
+later holds only what was written since); ``attention_backends`` names the backends vLLM
+selected for the model's layers (an in-process engine only).  Each step prints
+``KVPOOL_RESULT {json}`` and the plan ends with ``KVPOOL_DONE``; ``pause``
 prints ``KVPOOL_PAUSE tag`` and waits for a line on stdin (so that a test can kill or corrupt
 the pool between steps).  Every plan starts as a fresh engine would: with an empty prefix
 cache of the engine's own, and counters (the external prefix-cache counters vLLM keeps, the
@@ -142,6 +151,18 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _generate_and_read(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    # vLLM's internals, read by this step only: imported here, never by an engine that
+    # does not ask (an earlier release's kvpool may be first on the path).
+    from kvpool.harness import paged
+
+    with paged.finished_requests(llm) as finished:
+        result = _generate(llm, step)
+    result["blocks"] = paged.read_finished(llm, finished, result["prompt_token_ids"])
+    result["null_block_bytes"] = paged.null_block_bytes(llm)
+    return result
+
+
 def _chat(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     """Multi-turn conversations, interleaved turn by turn, one request at a time, so that
     each time to first token is one request's own."""
@@ -214,12 +235,22 @@ def run_plan(llm: Any, steps: list[dict[str, Any]], stdin: IO[str]) -> None:
     for step in steps:
         op = step["op"]
         result: dict[str, Any] = {"op": op, "name": step.get("name", op)}
-        if op == "generate":
+        if op == "generate" and step.get("read_blocks"):
+            result.update(_generate_and_read(llm, step))
+        elif op == "generate":
             result.update(_generate(llm, step))
         elif op == "chat":
             result.update(_chat(llm, step))
         elif op == "reset_prefix_cache":
             result["ok"] = bool(llm.reset_prefix_cache())
+        elif op == "clear_kv_cache":
+            from kvpool.harness import paged  # vLLM's internals: only when asked
+
+            paged.clear(llm)
+        elif op == "attention_backends":
+            from kvpool.harness import paged
+
+            result["attention_backends"] = list(paged.attention_backends(llm))
         elif op == "pause":
             _emit(PAUSE_PREFIX + str(step.get("tag", "")))
             stdin.readline()

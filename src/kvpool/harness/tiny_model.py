@@ -18,9 +18,16 @@ tokenizer trained on CPython's own stdlib sources and a minimal chat template:
     Gemma-3's shape: sliding-window layers (window 128) interleaved with full attention.
 ``qwen3-next``
     Qwen3-Next's shape: gated-delta-net linear attention, one full-attention layer in
-    four, mixture-of-experts MLPs. The outputs are meaningless but, with greedy
-sampling, deterministic -- so a KV connector that restores the right KV reproduces them
-exactly, while wrong KV visibly changes them.
+    four, mixture-of-experts MLPs.
+``gemma3-sliding``
+    Gemma-3's shape with a sliding window in every layer: one KV cache group, of sliding
+    window attention.
+``qwen3-next-linear``
+    Qwen3-Next's shape with linear attention in every layer: one group of recurrent state
+    only, as a pure state-space model has.
+
+The outputs are meaningless but, with greedy sampling, deterministic -- so a KV connector
+that restores the right KV reproduces them exactly, while wrong KV visibly changes them.
 
 The build is reproducible for a given Python / torch / transformers / tokenizers
 installation, takes a few seconds, and is atomic: it happens in a temporary directory
@@ -193,7 +200,7 @@ def _deepseek_v3(ids: dict[str, Any], *, moe: bool = False) -> Any:
     return DeepseekV3ForCausalLM(config)
 
 
-def _gemma3(ids: dict[str, Any]) -> Any:
+def _gemma3(ids: dict[str, Any], *, layer_types: list[str] | None = None) -> Any:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
@@ -205,14 +212,14 @@ def _gemma3(ids: dict[str, Any]) -> Any:
         head_dim=64,
         query_pre_attn_scalar=64,
         sliding_window=128,
-        layer_types=["sliding_attention", "full_attention"] * 2,
+        layer_types=layer_types or ["sliding_attention", "full_attention"] * 2,
         **_COMMON,
         **ids,
     )
     return Gemma3ForCausalLM(config)
 
 
-def _qwen3_next(ids: dict[str, Any]) -> Any:
+def _qwen3_next(ids: dict[str, Any], *, layer_types: list[str] | None = None) -> Any:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
@@ -222,7 +229,7 @@ def _qwen3_next(ids: dict[str, Any]) -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        layer_types=layer_types or ["linear_attention"] * 3 + ["full_attention"],
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=64,
@@ -252,6 +259,8 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "deepseek-v3-moe": functools.partial(_deepseek_v3, moe=True),
     "gemma3": _gemma3,
     "qwen3-next": _qwen3_next,
+    "gemma3-sliding": functools.partial(_gemma3, layer_types=["sliding_attention"] * 4),
+    "qwen3-next-linear": functools.partial(_qwen3_next, layer_types=["linear_attention"] * 4),
 }
 
 

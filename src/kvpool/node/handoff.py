@@ -37,9 +37,9 @@ from kvpool.cluster.placement import Placement
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, Status
 from kvpool.limits import WRITE_THROUGH_DOWN_S, WRITE_THROUGH_TIMEOUT_S
+from kvpool.node.peers import pinned_for_send
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
-from kvpool.store.leases import Owner
 
 log = logging.getLogger("kvpool.cluster")
 
@@ -117,28 +117,23 @@ class Handoff:
         if self._down.is_down(node_id, time.monotonic()):
             result.num_failed += len(keys)
             return
-        pinned = self.store.pin(keys, Owner.REPLICATOR)
         try:
-            present = [(k, b) for k, b in zip(keys, pinned.blocks, strict=True) if b is not None]
-            if not present:
-                return
-            views = [self.arena.slice(b.offset, b.size) for _, b in present]
-            timeout = min(WRITE_THROUGH_TIMEOUT_S, pinned.lease_s / 2, end - time.monotonic())
-            client = self._client(self.targets[node_id])
-            put = await client.put([k for k, _ in present], views, timeout=max(timeout, 0.1))
-            for (_, block), status in zip(present, put.statuses, strict=True):
+            with pinned_for_send(self.store, self.arena, keys) as send:
+                if not send.keys:
+                    return
+                timeout = min(WRITE_THROUGH_TIMEOUT_S, send.lease_s / 2, end - time.monotonic())
+                client = self._client(self.targets[node_id])
+                put = await client.put(send.keys, send.views, timeout=max(timeout, 0.1))
+            for size, status in zip(send.sizes, put.statuses, strict=True):
                 if status in STORED:
                     result.num_blocks += 1
-                    result.num_bytes += block.size
+                    result.num_bytes += size
                 else:
                     result.num_failed += 1
         except KVPoolError as exc:
             result.num_failed += len(keys)
             self._down.failed(node_id)
             log.warning("handoff of %d blocks to %s failed: %s", len(keys), node_id, exc)
-        finally:
-            if pinned.pin_id:
-                self.store.unpin(pinned.pin_id)
 
     def _client(self, member: Member) -> AsyncClient:
         client = self._clients.get(member.node_id)

@@ -15,7 +15,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from kvpool.client import ops
 from kvpool.client.aio import AsyncClient
@@ -34,6 +35,36 @@ log = logging.getLogger("kvpool.cluster")
 MAX_QUEUED_KEYS = 65536
 BATCH_KEYS = 256
 FETCH_TIMEOUT_S = 5.0  # a prefetch's read from another node
+
+
+@dataclass
+class PinnedSend:
+    """The blocks of some keys that the store holds, pinned for a send to another node:
+    their keys, sizes and arena views (in the keys' order, absent ones left out), and how
+    long the pin lasts."""
+
+    lease_s: float
+    keys: list[bytes] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    views: list[memoryview] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def pinned_for_send(store: BlockStore, arena: Arena, keys: list[bytes]) -> Iterator[PinnedSend]:
+    """Pin the blocks of ``keys`` that ``store`` holds while the caller sends them (the
+    store's pin lease bounds how long: a send must end within it), and unpin them after."""
+    pinned = store.pin(keys, Owner.REPLICATOR)
+    try:
+        send = PinnedSend(pinned.lease_s)
+        for key, block in zip(keys, pinned.blocks, strict=True):
+            if block is not None:
+                send.keys.append(key)
+                send.sizes.append(block.size)
+                send.views.append(arena.slice(block.offset, block.size))
+        yield send
+    finally:
+        if pinned.pin_id:
+            store.unpin(pinned.pin_id)
 
 
 def peer_client_config(config: NodeConfig) -> ClientConfig:
@@ -176,23 +207,18 @@ class NodeAgent:
     async def _send(self, target: Member, keys: list[bytes]) -> None:
         # Pinned for as long as the send may take: the store's pin lease bounds it, and the
         # client's own deadline (the write-through timeout) is shorter.
-        pinned = self.store.pin(keys, Owner.REPLICATOR)
         try:
-            present = [(k, b) for k, b in zip(keys, pinned.blocks, strict=True) if b is not None]
-            if not present:
-                return
-            views = [self.arena.slice(b.offset, b.size) for _, b in present]
-            client = self._peer(target)
-            timeout = min(WRITE_THROUGH_TIMEOUT_S, pinned.lease_s / 2)
-            result = await client.put([k for k, _ in present], views, timeout=timeout)
-            self.num_replicated += result.num_stored
+            with pinned_for_send(self.store, self.arena, keys) as send:
+                if not send.keys:
+                    return
+                client = self._peer(target)
+                timeout = min(WRITE_THROUGH_TIMEOUT_S, send.lease_s / 2)
+                result = await client.put(send.keys, send.views, timeout=timeout)
+                self.num_replicated += result.num_stored
         except KVPoolError as exc:
             self.num_failed += len(keys)
             self._down.failed(target.node_id)
             log.debug("write-through of %d blocks to %s failed: %s", len(keys), target.node_id, exc)
-        finally:
-            if pinned.pin_id:
-                self.store.unpin(pinned.pin_id)
 
     # -- deletes ----------------------------------------------------------------------------
 

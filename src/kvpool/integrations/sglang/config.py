@@ -40,7 +40,6 @@ from kvpool.config import (
     ClientConfig,
     client_config_from,
     options_from_env,
-    parse_bool,
 )
 from kvpool.errors import ConfigError
 
@@ -60,7 +59,6 @@ _HEALTH_FIELDS = {
     "health_max_flaps": ("max_flaps", int),
     "health_max_slow": ("max_slow", int),
 }
-_BOOL_CLIENT_KEYS = ("write_rcache", "read_local_only", "use_shm", "verify_reads", "tls")
 
 
 @dataclass(frozen=True)
@@ -101,13 +99,8 @@ def storage_config(
             values[key] = value
         else:
             raise ConfigError(f"unknown kvpool key {key!r} in the HiCache storage extra config")
-    for key in _BOOL_CLIENT_KEYS:
-        if key in client_options:
-            client_options[key] = parse_bool(client_options[key], key)  # type: ignore[arg-type]
-    if isinstance(client_options.get("peers"), str):
-        client_options["peers"] = [
-            p.strip() for p in str(client_options["peers"]).split(",") if p.strip()
-        ]
+    # Strings (a boolean, a comma-separated list of peers) are parsed as the environment
+    # variables of the same options are.
     client = client_config_from(client_options, environ)
     try:
         health = HealthPolicy(

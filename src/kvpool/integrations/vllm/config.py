@@ -147,13 +147,8 @@ def connector_config(
             values[key] = value
         else:
             raise ConfigError(f"unknown kv_connector_extra_config key {key!r}")
-    for key in ("write_rcache", "read_local_only", "use_shm", "verify_reads"):
-        if key in client_options:
-            client_options[key] = parse_bool(client_options[key], key)  # type: ignore[arg-type]
-    if isinstance(client_options.get("peers"), str):
-        client_options["peers"] = [
-            p.strip() for p in str(client_options["peers"]).split(",") if p.strip()
-        ]
+    # Strings (a boolean, a comma-separated list of peers) are parsed as the environment
+    # variables of the same options are.
     client = client_config_from(client_options, environ)
     try:
         health = HealthPolicy(

@@ -15,6 +15,10 @@ is still saving.
 The hooks, in the order vLLM calls them, and what each promises:
 
 Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensors):
+    set_xfer_handshake_metadata()  once, at start, before any request: the attention
+                                 backends the workers run.  An engine whose backend cannot
+                                 continue a prefix it did not compute (:mod:`.backends`) is
+                                 offered no load; until the workers have said, none is.
     on_new_request()             once per request, when it arrives.
     get_num_new_matched_tokens() the tokens past the engine's own prefix-cache hit that the
                                  pool can load (asynchronously), or ``None`` to be asked
@@ -36,6 +40,8 @@ Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensor
 
 Worker side (:mod:`.worker`; transfers in flight only):
     register_kv_caches()         once, at start: the paged layout, checked against the model.
+    get_handshake_metadata()     once, at start: the attention backends of this worker's
+                                 layers, for the scheduler.
     bind_connector_metadata()    per step, before the forward: reserves the step's saves and
                                  starts its layer-by-layer loads, in the background.
     start_load_kv()              per step: starts the step's whole loads (``transfer: whole``)
@@ -76,9 +82,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvpool.kvcache.ranks import writes_blocks
 
+from .backends import selected_backends
 from .config import connector_config, engine_ref, expected_page_bytes, namespaces
 from .groups import cache_groups
-from .metadata import KVPoolMetadata, KVPoolPromMetrics, KVPoolStats
+from .metadata import KVPoolHandshake, KVPoolMetadata, KVPoolPromMetrics, KVPoolStats
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
 
@@ -134,6 +141,15 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side -------------------------------------------------------------------
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        assert self._scheduler is not None
+        self._scheduler.set_attention_backends(_backends_of(metadata.values()))
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        # Every pipeline stage's workers: each runs some of the layers.
+        assert self._scheduler is not None
+        self._scheduler.set_attention_backends(_backends_of(metadata.values()))
+
     def on_new_request(self, request: Any) -> None:
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
@@ -173,6 +189,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVPoolHandshake | None:
+        if self._worker is None:
+            return None
+        return KVPoolHandshake(attention_backends=selected_backends(self._vllm_config))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -240,3 +261,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         for half in (self._scheduler, self._worker):
             if half is not None:
                 half.shutdown()
+
+
+def _backends_of(handshakes: Any) -> list[str]:
+    return [
+        name
+        for handshake in handshakes
+        if isinstance(handshake, KVPoolHandshake)
+        for name in handshake.attention_backends
+    ]

@@ -18,6 +18,10 @@ of ``N`` blocks is reusable only if every group has what the engine reads of it:
 - **anything else** (chunked local attention, Mamba outside ``align`` mode, ...): not
   reusable through the pool; an engine with such a group is offered no pool blocks.
 
+An engine with one group is the same: its group is of one of these kinds (a model whose every
+layer has a sliding window, a pure state-space model), though vLLM's allocator is not
+hybrid then.
+
 Rules:
 1. An engine with one group keeps the namespace it always had (keys unchanged).
 2. A group never reads another group's keys: its kind, window and index are in its
@@ -54,6 +58,7 @@ class CacheGroup:
     sliding_window: int = 0
     spec_name: str = ""
     layer_names: tuple[str, ...] = ()
+    page_bytes: int = 0  # one block of one layer, as vLLM's spec sizes it (0: unknown)
 
     @property
     def is_reusable(self) -> bool:
@@ -78,9 +83,19 @@ class CacheGroup:
 
 
 def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
-    """The groups of vLLM's ``KVCacheConfig`` (one full-attention group without one, or
-    with one group).  A group whose blocks are not ``block_size`` tokens (the size the
-    request's block hashes cover) is not reusable."""
+    """The groups of vLLM's ``KVCacheConfig`` (one full-attention group without one).  A
+    group whose blocks are not ``block_size`` tokens (the size the request's block hashes
+    cover) is not reusable."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return [CacheGroup(0, FULL)]  # no config: every block, as before the hybrid allocator
+    # A request's block hashes must be one per block: finer hashes (groups of several block
+    # sizes) would put a block under another block's key.
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    return [_group(index, group, block_size, hash_block_size) for index, group in enumerate(groups)]
+
+
+def _group(index: int, group: Any, block_size: int, hash_block_size: int) -> CacheGroup:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MambaSpec,
@@ -88,36 +103,24 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> list[CacheGroup]:
         SlidingWindowSpec,
     )
 
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if not groups or len(groups) == 1:
-        return [CacheGroup(0, FULL)]  # as before the hybrid allocator: every block
-    # A request's block hashes must be one per block: finer hashes (groups of several block
-    # sizes) would put a block under another block's key.
-    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
-    out = []
-    for index, group in enumerate(groups):
-        spec = group.kv_cache_spec
-        name = type(spec).__name__
-        if hash_block_size != block_size:
-            out.append(
-                CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(hashes of {hash_block_size})")
-            )
-            continue
-        if int(getattr(spec, "block_size", 0)) != block_size:
-            out.append(CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(block {spec.block_size})"))
-            continue
-        layers = tuple(getattr(group, "layer_names", ()))
-        # Exact types only: a subclass may keep its blocks by another rule.
-        if type(spec) is SlidingWindowSpec:
-            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
-            out.append(CacheGroup(index, SLIDING, window, name, layers))
-        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-            out.append(CacheGroup(index, FULL, spec_name=name, layer_names=layers))
-        elif type(spec) is MambaSpec and spec.mamba_cache_mode == "align":
-            out.append(CacheGroup(index, STATE, spec_name=name, layer_names=layers))
-        else:
-            out.append(CacheGroup(index, UNSUPPORTED, spec_name=name))
-    return out
+    spec = group.kv_cache_spec
+    name = type(spec).__name__
+    if hash_block_size != block_size:
+        return CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(hashes of {hash_block_size})")
+    if int(getattr(spec, "block_size", 0)) != block_size:
+        return CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(block {spec.block_size})")
+    layers = tuple(getattr(group, "layer_names", ()))
+    page_bytes = int(getattr(spec, "page_size_bytes", 0) or 0)
+    # Exact types only: a subclass may keep its blocks by another rule.
+    if type(spec) is SlidingWindowSpec:
+        window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
+        return CacheGroup(index, SLIDING, window, name, layers, page_bytes)
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return CacheGroup(index, FULL, spec_name=name, layer_names=layers, page_bytes=page_bytes)
+    if type(spec) is MambaSpec and spec.mamba_cache_mode == "align":
+        return CacheGroup(index, STATE, spec_name=name, layer_names=layers, page_bytes=page_bytes)
+    mode = getattr(spec, "mamba_cache_mode", None)
+    return CacheGroup(index, UNSUPPORTED, spec_name=f"{name}(cache mode {mode})" if mode else name)
 
 
 def group_namespace(base: Namespace, group: CacheGroup, num_groups: int) -> Namespace:

@@ -2,7 +2,8 @@
 
 vLLM pickles the metadata from the scheduler process to the worker processes, so it holds
 only plain values: request ids, block ids and block hashes (each worker turns hashes into
-keys under its own namespace).  Stats travel back the same way.
+keys under its own namespace).  Stats travel back the same way, and so, once at start, does
+each worker's handshake: the attention backends its layers run (:mod:`.backends`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -41,6 +45,14 @@ class TransferJob:
 class KVPoolMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     saves: list[TransferJob] = field(default_factory=list)
+
+
+@dataclass
+class KVPoolHandshake(KVConnectorHandshakeMetadata):
+    """A worker's word to the scheduler, once, before any request: the attention backends
+    vLLM selected for its layers."""
+
+    attention_backends: tuple[str, ...] = ()
 
 
 _SUMS = (

@@ -23,6 +23,11 @@ Per request:
 When the pool is unhealthy, lookups report misses and saves are skipped: the engine
 recomputes, and never waits on the pool.
 
+An engine whose attention backend cannot continue a prefix it did not compute
+(:mod:`.backends`, as the workers report it once at start) is offered nothing, as is any
+engine before its workers have reported: lookups go on (the pool's blocks are not saved
+again) and so do saves, for engines that can load them.
+
 Several KV cache groups (vLLM's hybrid allocator, :mod:`.groups`): each group's blocks are
 keyed under its own namespace.  A prefix is offered only as far as every group holds what
 the engine reads of it (all full-attention blocks, a sliding window's last blocks, a
@@ -46,6 +51,7 @@ from kvpool.keys import ENGINE_REFRESH_S, BlockOrigin, EngineRef, Namespace
 from kvpool.kvcache.guard import PoolGuard
 from kvpool.stats import TIER_DRAM, TIER_NAMES
 
+from .backends import DECLINED_LOG, declined_reason
 from .config import ConnectorConfig
 from .groups import (
     FULL,
@@ -125,6 +131,10 @@ class KVPoolScheduler:
             log.warning("kvpool: this engine is offered no pool blocks: %s", self.unsupported)
         self.can_load = can_load and not self.unsupported
         self.can_save = can_save and not self.unsupported
+        # The attention backends vLLM selected, once the workers have said (None: not yet).
+        self.attention_backends: tuple[str, ...] | None = None
+        self.declined = ""  # why no load is offered to this engine's backend ("" if one may)
+        self._told_unknown = False
         self._client: Client | None = None
         self._described = 0.0
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
@@ -205,7 +215,7 @@ class KVPoolScheduler:
         num_prefix, pending, tiers = len(hashes), False, b""
         if not hashes:
             return 0, False, b""
-        prefetch = self.config.prefetch_hold_s if self.can_load else 0.0
+        prefetch = self.config.prefetch_hold_s if self.can_load and not self.declined else 0.0
         for ns in spaces:
             state = self.client.lookup_state(
                 ns.keys(hashes), prefetch=prefetch, timeout=self.config.lookup_timeout_s
@@ -219,6 +229,27 @@ class KVPoolScheduler:
         return num_prefix, pending, tiers[:num_prefix]
 
     # -- connector hooks ------------------------------------------------------------------
+
+    def set_attention_backends(self, names: Sequence[str]) -> None:
+        """The attention backends the workers' layers run (vLLM's handshake, once at start).
+        A declined one (:mod:`.backends`) is offered no load from then on; saves go on."""
+        if not names:
+            return  # still unknown: no load is offered
+        self.attention_backends = tuple(sorted(set(names)))
+        self.declined = declined_reason(names)
+        if self.declined:
+            log.warning("kvpool: %s: %s", DECLINED_LOG, self.declined)
+        else:
+            log.info("kvpool: attention backend(s) %s", " ".join(self.attention_backends))
+
+    def _may_load(self) -> bool:
+        if self.attention_backends is None and self.can_load and not self._told_unknown:
+            self._told_unknown = True
+            log.warning(
+                "kvpool: the workers never said which attention backends they run (no "
+                "connector handshake from vLLM): no prefix is loaded into this engine"
+            )
+        return self.can_load and self.attention_backends is not None and not self.declined
 
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = _RequestState(request)
@@ -251,7 +282,7 @@ class KVPoolScheduler:
         self._matches[request.request_id] = _Match(
             num_local_blocks, num_pool, num_blocks, time.perf_counter() - started, tiers
         )
-        if not self.can_load or (state is not None and state.load_failed):
+        if not self._may_load() or (state is not None and state.load_failed):
             return 0, False
         # A producer is still writing the next block: ask again next step, for at most
         # consumer_wait after the request arrived.
@@ -267,10 +298,15 @@ class KVPoolScheduler:
         return num_new * bs, self._is_async(tiers[num_local_blocks:num_pool])
 
     def _is_async(self, tiers: bytes) -> bool:
-        # Several groups: vLLM takes load failures per request only, which a load off the
-        # step reports (a whole-request recompute); never per block.
+        # Several groups, or a group that keeps only some blocks of a prefix: a failed load
+        # must recompute the whole request (vLLM takes such failures per request only, from
+        # a load off the step): recomputing from a failed block on would read the null
+        # blocks before it (a window's start, a state's history).
         return (
-            self.is_hybrid or self.config.transfer == "whole" or any(t != TIER_DRAM for t in tiers)
+            self.is_hybrid
+            or bool(self.partial_groups)
+            or self.config.transfer == "whole"
+            or any(t != TIER_DRAM for t in tiers)
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -304,9 +340,8 @@ class KVPoolScheduler:
         state.first_load_block = first
         if num_external_tokens <= 0:
             return
-        block_ids, hashes, groups = self._blocks(
-            blocks.get_block_ids(), request.block_hashes, first, last, is_load=True
-        )
+        block_ids, indices, groups = self._blocks(blocks.get_block_ids(), first, last, is_load=True)
+        hashes = [bytes(request.block_hashes[i]) for i in indices]
         is_async = self._is_async(match.tiers[first:last])
         self._loads.append(
             TransferJob(request.request_id, block_ids, hashes, is_async=is_async, groups=groups)
@@ -315,22 +350,20 @@ class KVPoolScheduler:
     def _blocks(
         self,
         group_block_ids: Sequence[Sequence[int]],
-        block_hashes: Any,
         first: int,
         last: int,
         *,
         is_load: bool = False,
-    ) -> tuple[list[int], list[bytes], list[int] | None]:
-        """Blocks ``first`` to ``last`` of a request: their ids and hashes, and with several
-        groups, each block's group.  A group's null blocks (a sliding window's blocks that
-        the engine no longer reads) are neither saved nor loaded; a recurrent state group
-        loads its last block only, and saves from vLLM's hand-offs only
-        (:meth:`_state_saves`)."""
-        if not self.is_hybrid:
-            hashes = [bytes(h) for h in block_hashes[first:last]]
-            return list(group_block_ids[0][first:last]), hashes, None
+    ) -> tuple[list[int], list[int], list[int] | None]:
+        """Blocks ``first`` to ``last`` of a request: their ids, their indices in the
+        request, and with several groups, each block's group.  A group's null blocks (a
+        sliding window's blocks that the engine no longer reads, a recurrent state's blocks
+        before the last) are neither saved nor loaded; a recurrent state group loads its
+        last block only, and saves from vLLM's hand-offs only (:meth:`_state_saves`)."""
+        if not self.partial_groups:
+            return list(group_block_ids[0][first:last]), list(range(first, last)), None
         block_ids: list[int] = []
-        hashes = []
+        indices: list[int] = []
         groups: list[int] = []
         for group in self.groups:
             ids = group_block_ids[group.index]
@@ -342,9 +375,9 @@ class KVPoolScheduler:
             for i in range(start, min(last, len(ids))):
                 if ids[i] != NULL_BLOCK_ID:
                     block_ids.append(ids[i])
-                    hashes.append(bytes(block_hashes[i]))
+                    indices.append(i)
                     groups.append(group.index)
-        return block_ids, hashes, groups
+        return block_ids, indices, groups if self.is_hybrid else None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._loads)
@@ -410,12 +443,13 @@ class KVPoolScheduler:
         if group_block_ids is None or len(group_block_ids[0]) < last:
             return None
         state.next_save_block = last
-        block_ids, hashes, groups = self._blocks(group_block_ids, request.block_hashes, first, last)
+        block_ids, indices, groups = self._blocks(group_block_ids, first, last)
+        hashes = [bytes(request.block_hashes[i]) for i in indices]
         # KV events name a prefix's blocks once: a one-group engine's.
-        origins = None if self.is_hybrid else self._origins(request, first, last)
+        origins = None if self.is_hybrid else self._origins(request, indices)
         return TransferJob(req_id, block_ids, hashes, origins, groups=groups)
 
-    def _origins(self, request: Any, first: int, last: int) -> list[BlockOrigin] | None:
+    def _origins(self, request: Any, indices: list[int]) -> list[BlockOrigin] | None:
         """Each block's tokens and its parent's hash, for the node's KV events."""
         tokens = getattr(request, "all_token_ids", None)
         if tokens is None:
@@ -426,7 +460,7 @@ class KVPoolScheduler:
                 token_ids=list(tokens[i * bs : (i + 1) * bs]),
                 parent=bytes(request.block_hashes[i - 1]) if i > 0 else b"",
             )
-            for i in range(first, last)
+            for i in indices
         ]
 
     def _block_ids(self, scheduler_output: Any, req_id: str) -> Sequence[Sequence[int]] | None:

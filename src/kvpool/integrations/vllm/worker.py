@@ -57,7 +57,7 @@ from kvpool.kvcache.loads import Load, load_into
 from kvpool.kvcache.saves import Save
 
 from .config import ConnectorConfig
-from .groups import FULL, STATE, CacheGroup, group_namespace, unsupported_reason
+from .groups import FULL, SLIDING, STATE, CacheGroup, group_namespace, unsupported_reason
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
@@ -126,11 +126,20 @@ class KVPoolWorker:
         self.namespace = namespace
         self.can_save = can_save  # False: another rank saves this rank's blocks
         groups = groups or [CacheGroup(0, FULL)]
-        # Several KV cache groups: each block's key is under its group's namespace, and a
-        # failed load fails its request (vLLM cannot map a block id back to its group).
+        # Several KV cache groups: each block's key is under its group's namespace.
         self.is_hybrid = len(groups) > 1
+        # A failed load fails its whole request: with several groups (vLLM cannot map a
+        # block id back to its group), and with a group that keeps only some blocks of a
+        # prefix (recomputing from a failed block would read the null blocks before it).
+        self.fails_whole_requests = self.is_hybrid or any(
+            g.kind in (SLIDING, STATE) for g in groups
+        )
         self.has_state_groups = any(g.kind == STATE for g in groups)
+        self._is_plain_attention = all(g.kind == FULL for g in groups)
         self._attention_layers = {n for g in groups if g.kind != STATE for n in g.layer_names}
+        # A pure state-space model: its pages are the state layers' own (vLLM's spec says
+        # their size), not the attention page the model's shape would give.
+        self._state_page_bytes = groups[0].page_bytes if all(g.kind == STATE for g in groups) else 0
         self.unsupported = unsupported_reason(groups)
         self._group_ns_ids = [group_namespace(namespace, g, len(groups)).id for g in groups]
         self._failed_loading: set[str] = set()
@@ -162,23 +171,21 @@ class KVPoolWorker:
         if self.unsupported:
             log.warning("kvpool: the pool is not used by this engine: %s", self.unsupported)
             return
-        if self.has_state_groups:
+        if self.has_state_groups and self._attention_layers:
             # Recurrent state layers view the same tensors as attention layers, in views
             # smaller than a page: the attention layers' views cover the whole page.
             kv_caches = {n: c for n, c in kv_caches.items() if n in self._attention_layers}
         layout = PagedLayout.detect(kv_caches)
-        if (
-            layout.page_bytes * (layout.num_planes // max(len(_distinct(kv_caches)), 1))
-            != self.expected_page_bytes
-        ):
+        expected = self._state_page_bytes or self.expected_page_bytes
+        if layout.page_bytes * (layout.num_planes // max(len(_distinct(kv_caches)), 1)) != expected:
             reason = (
                 f"unexpected KV cache layout: {layout.describe()}, but the model's shape needs "
-                f"{self.expected_page_bytes} bytes per block and layer; refusing to share blocks "
+                f"{expected} bytes per block and layer; refusing to share blocks "
                 "that might not mean the same thing"
             )
-            if not self.is_hybrid:
+            if self._is_plain_attention and not self.is_hybrid:
                 raise ConfigError(reason)
-            # A new kind of hybrid cache: its loads fail (recomputed), nothing is saved.
+            # A new kind of cache: its loads fail (recomputed), nothing is saved.
             log.error("kvpool: the pool is not used by this engine: %s", reason)
             return
         self.pool = pool = WorkerPool(self.config, layout)
@@ -243,10 +250,10 @@ class KVPoolWorker:
         tensor holds one layer of each group (each group's blocks are its own pages), and
         it is complete only once every layer sharing it has run this step."""
         planes = layout.layers.get(layer_name, ())
+        if self.has_state_groups:
+            return ()  # state layers report no save (or share the planes): copy at the end
         if not self.is_hybrid:
             return planes
-        if self.has_state_groups:
-            return ()  # state layers share the planes but report no save: copy at the end
         left = self._layers_left
         for plane in planes:
             left[plane] = left.get(plane, self._layers_per_plane.get(plane, 1)) - 1
@@ -322,7 +329,7 @@ class KVPoolWorker:
                 )
                 self.stats.add("load_errors", len(failed))
                 self.stats.data.setdefault("failed_req_ids", []).append(job.req_id)
-                if self.is_hybrid:
+                if self.fails_whole_requests:
                     self._failed_loading.add(job.req_id)
                 else:
                     self._load_errors.update(failed)
@@ -403,7 +410,7 @@ class KVPoolWorker:
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """The requests whose whole loads finished since the last call, and of them those
-        whose load failed (several groups: vLLM recomputes them whole)."""
+        whose load failed (several groups, or a partial one: vLLM recomputes them whole)."""
         with self._lock:
             done, self._done_loading = self._done_loading, set()
             failed, self._failed_loading = self._failed_loading, set()
