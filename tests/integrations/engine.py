@@ -182,9 +182,9 @@ def loaded_by_vllm(
 ) -> list[dict[str, Any]]:
     """What the engine answers each prompt (one at a time) when vLLM's own reference
     connector (``ExampleConnector``, KV in safetensors files) loads the prompt's prefix: the
-    reference for a pool load where the engine keeps no prefix cache of its own (vLLM's
-    reference MLA kernels), since continuing a loaded prefix computes the rest in another
-    split than a fresh prefill, and near-ties can flip.  One result per prompt."""
+    reference for the EMS files' loads on vLLM's reference MLA kernels, which kvpool's own
+    connector declines (docs/declined-backends.md) but the files do not.  One result per
+    prompt."""
     with tempfile.TemporaryDirectory() as storage:
         steps: list[dict[str, Any]] = []
         for i, prompt in enumerate(prompt_list):
