@@ -93,7 +93,7 @@ def read_blocks(llm: Any, block_hashes: list[bytes], num_prompt_tokens: int) -> 
     scheduler = core.scheduler
     config = scheduler.kv_cache_config
     pool = scheduler.kv_cache_manager.block_pool
-    layers = _worker(llm).vllm_config.compilation_config.static_forward_context
+    layers = _layers(llm)
     block_size = scheduler.block_size
     num_blocks = min(len(block_hashes), num_prompt_tokens // block_size)
     out: list[Any] = []
@@ -126,7 +126,7 @@ def clear(llm: Any) -> None:
     core = engine_core(llm)
     if not core.scheduler.reset_prefix_cache():
         raise RuntimeError("vLLM kept its prefix cache (a request is still running)")
-    layers = _worker(llm).vllm_config.compilation_config.static_forward_context
+    layers = _layers(llm)
     for layer in layers.values():
         for tensor in _layer_tensors(getattr(layer, "kv_cache", ())):
             tensor.zero_()
@@ -138,7 +138,7 @@ def null_block_bytes(llm: Any) -> int:
     (after :func:`clear`, any is a write that went astray)."""
     core = engine_core(llm)
     block_id = core.scheduler.kv_cache_manager.block_pool.null_block.block_id
-    layers = _worker(llm).vllm_config.compilation_config.static_forward_context
+    layers = _layers(llm)
     return sum(
         int(tensor[block_id].contiguous().view(_uint8()).count_nonzero())
         for layer in layers.values()
@@ -155,6 +155,11 @@ def attention_backends(llm: Any) -> tuple[str, ...]:
 
 def _worker(llm: Any) -> Any:
     return engine_core(llm).model_executor.driver_worker.worker
+
+
+def _layers(llm: Any) -> dict[str, Any]:
+    """The model's layers that hold a cache, by name, as the worker registered them."""
+    return dict(_worker(llm).vllm_config.compilation_config.static_forward_context)
 
 
 def read_finished(
