@@ -4,7 +4,10 @@ pool's hit rate.
 
 All three engines run with vLLM's prefix caching off, as the guide deploys the EMS
 connector, so that every reuse is the connector's.  The EMS engine first waits for the
-connector's own health loop to call EMS healthy (three checks, 10 s apart).
+connector's own health loop to call EMS healthy (three checks, 10 s apart).  Whether each
+answers as the engine alone does is judged against the engine alone with its prefix cache
+on and room for every conversation (``outputs_identical``: each turn's history from its
+own prefix cache, :data:`kvpool.harness.workload.OWN`).
 
     .venv/bin/python -m benchmarks.ems [--json]
 
@@ -30,7 +33,12 @@ from tests.thirdparty import third_party_dir
 from kvpool.ems.install import install
 from kvpool.harness.process import NodeProcess
 from kvpool.harness.tiny_model import build_tiny_model
-from kvpool.harness.workload import Workload, kvpool_connector, run_workload
+from kvpool.harness.workload import (
+    OWN_KV_CACHE_BYTES,
+    Workload,
+    kvpool_connector,
+    run_workload,
+)
 
 ENGINE = {"enable_prefix_caching": False}
 EMS_HEALTHY_AFTER_S = 22
@@ -83,7 +91,10 @@ def main() -> None:
             ),
         }
         node.stop()
-        reference = [t["token_ids"] for t in runs["no connector"].turns]
+        own = {"enable_prefix_caching": True, "kv_cache_memory_bytes": OWN_KV_CACHE_BYTES}
+        reference = [
+            t["token_ids"] for t in run_workload("own", model, workload, None, engine=own).turns
+        ]
         for name, run in runs.items():
             ttfts = run.ttfts()
             out[name] = {

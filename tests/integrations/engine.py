@@ -203,5 +203,55 @@ def loaded_by_vllm(
 
 
 def kept_own_prefix(results: list[dict[str, Any]]) -> bool:
-    """Whether the engine answered these requests from its own prefix cache."""
-    return all(r["num_cached_tokens"][0] > 0 for r in results)
+    """Whether the engine answered every prompt of these requests from its own prefix
+    cache."""
+    return all(cached > 0 for r in results for cached in r["num_cached_tokens"])
+
+
+# The suffix of a reference step that answers its prompts again from the engine's own
+# prefix cache (:func:`computed_and_cached`).
+CACHED = "_prefix"
+
+
+def computed_and_cached(name: str, batch: list[str], max_tokens: int = 12) -> list[dict[str, Any]]:
+    """The two answers an engine gives ``batch``: ``name`` computes it, ``name + CACHED``
+    answers it again at once, its prefix from the engine's own prefix cache.
+
+    An answer after a load (from the pool, a peer, disk, the object store) is compared with
+    the second: a prefix that comes back into the engine is attended in another split than
+    a fresh prefill, and on some CPUs (AVX-512 without AMX) vLLM alone answers differently
+    from its own prefix cache than from a computed prefix (docs/testing.md).  A load gives
+    exactly what the engine's own cache gives; the computed answer is the reference only
+    for what was computed."""
+    ask = {"op": "generate", "prompts": batch, "max_tokens": max_tokens}
+    return [{**ask, "name": name}, {**ask, "name": name + CACHED}]
+
+
+def num_as_own(result: dict[str, Any], computed: dict[str, Any], cached: dict[str, Any]) -> int:
+    """Check that each prompt of ``result`` (a generate step of the prompts of a
+    :func:`computed_and_cached` pair) was answered as the engine alone answers it: as
+    ``cached`` where the same number of its tokens were reused (loaded, or from the engine's
+    own cache), as ``computed`` where none was.  Returns how many were compared with
+    ``cached``; a prompt reused in part is compared with neither."""
+    num_whole = 0
+    for j, num_reused in enumerate(result["num_cached_tokens"]):
+        if num_reused == cached["num_cached_tokens"][j]:
+            assert result["token_ids"][j] == cached["token_ids"][j], (result["name"], j)
+            num_whole += 1
+        elif num_reused == 0:
+            assert result["token_ids"][j] == computed["token_ids"][j], (result["name"], j)
+    return num_whole
+
+
+def answers(results: list[dict[str, Any]]) -> dict[str, list[list[int]]]:
+    """Token ids by step name, from steps of :func:`computed_and_cached`; each cached step
+    is checked to have come from the engine's own prefix cache (else it is no reference for
+    a load)."""
+    out = {}
+    for r in results:
+        if r["op"] != "generate":
+            continue
+        if r["name"].endswith(CACHED):
+            assert kept_own_prefix([r]), f"{r['name']}: the engine did not reuse its own prefix"
+        out[r["name"]] = r["token_ids"]
+    return out

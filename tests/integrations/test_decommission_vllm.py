@@ -15,7 +15,15 @@ import pytest
 from kvpool.harness.process import NodeProcess
 from tests.cluster.fabric import free_port
 from tests.commands import run_kvpool
-from tests.integrations.engine import connector, hit_fraction, prompts, run_engine
+from tests.integrations.engine import (
+    answers,
+    computed_and_cached,
+    connector,
+    hit_fraction,
+    num_as_own,
+    prompts,
+    run_engine,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cluster]
 
@@ -59,7 +67,7 @@ def test_a_drained_node_hands_its_blocks_to_the_nodes_that_stay(model: str, run_
 
     ask = {"op": "generate", "prompts": PROMPTS, "max_tokens": 8}
     steps: list[dict] = [
-        {**ask, "name": "warm"},
+        *computed_and_cached("warm", PROMPTS, max_tokens=8),  # the engine's own answers
         {"op": "reset_prefix_cache"},
         {**ask, "name": "base"},
     ]
@@ -92,3 +100,10 @@ def test_a_drained_node_hands_its_blocks_to_the_nodes_that_stay(model: str, run_
     assert base > 0.8, hits
     for name, value in hits.items():
         assert value >= 0.9 * base, (name, hits)
+    # And every answer the engine's own: as from its own prefix cache where the pool gave
+    # the whole prefix (during the handoff and after it too), as computed where it missed.
+    generated = [r for r in results if r["op"] == "generate"]
+    own = generated[:2]
+    answers(own)  # the second came from the engine's own prefix cache
+    num_whole = {r["name"]: num_as_own(r, *own) for r in generated[2:]}
+    assert num_whole["base"] > 0 and num_whole[f"after-{ROUNDS - 1}"] > 0, num_whole

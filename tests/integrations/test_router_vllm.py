@@ -15,7 +15,7 @@ import pytest
 from kvpool.config import client_config_from
 from kvpool.router.prefix import PrefixLocator, PromptHasher
 from tests.cluster.fabric import Fabric
-from tests.integrations.engine import prompts, run_engine
+from tests.integrations.engine import computed_and_cached, kept_own_prefix, prompts, run_engine
 from tests.integrations.vllm_server import VllmServer, connector_config
 from tests.router.servers import RouterProc
 
@@ -57,13 +57,11 @@ def held_share(route: str) -> float:
 
 
 def test_prefill_decode_through_the_router(model, start_node):
-    # The single-engine reference, with the servers' settings (greedy).
+    # The single-engine reference, with the servers' settings (greedy): the decode engine
+    # loads each prompt's prefix, so it answers as one engine does from its own prefix cache.
     engine_settings = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 32 << 20}
-    (reference,) = run_engine(
-        model,
-        [{"op": "generate", "name": "ref", "prompts": PROMPTS, "max_tokens": 12}],
-        engine=engine_settings,
-    )
+    _, reference = run_engine(model, computed_and_cached("ref", PROMPTS), engine=engine_settings)
+    assert kept_own_prefix([reference])
     node = start_node(name="pd", memory="256MiB")
     prefill = VllmServer(
         model, kv_transfer_config=connector_config(node.unix_address, "kv_producer")

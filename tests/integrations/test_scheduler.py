@@ -421,3 +421,53 @@ def test_a_pure_state_space_engine_loads_the_state_at_the_prefix_end(node, clien
     (job,) = sched._loads
     assert job.block_ids == [41] and job.block_hashes == [req.block_hashes[7]] and job.is_async
     sched.shutdown()
+
+
+def test_blocks_of_generated_tokens_are_saved_once_computed(node, client):
+    """vLLM's own prefix cache keeps the blocks of a request's answer (a conversation's next
+    turn repeats it): so does the pool.  A block is saved in the step that computes its last
+    token, once vLLM has hashed it, and never before: not the block of a token sampled but
+    not yet computed, nor one whose tokens are not all known."""
+    tokens = list(range(7000, 7000 + 2 * BS + 1))  # 2 full prompt blocks and a token
+    req = SimpleNamespace(
+        request_id="g1",
+        num_prompt_tokens=len(tokens),
+        block_hashes=chained_hashes(tokens, BS),
+        arrival_time=time.time(),
+    )
+    sched = scheduler(node, "kv_both")
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    table = ([20, 21, 22, 23],)
+
+    def step(num_computed: int, num_scheduled: int, *, is_new: bool = False) -> list[int]:
+        new = [SimpleNamespace(req_id="g1", num_computed_tokens=num_computed)] if is_new else []
+        cached = SimpleNamespace(
+            req_ids=[] if is_new else ["g1"],
+            num_computed_tokens=[] if is_new else [num_computed],
+        )
+        output = SimpleNamespace(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={"g1": num_scheduled},
+            kv_connector_block_state=SimpleNamespace(
+                get_block_ids=lambda _: table, boundary_state_offloads={}
+            ),
+        )
+        return [i for job in sched.build_connector_meta(output).saves for i in job.block_ids]
+
+    assert step(0, len(tokens), is_new=True) == [20, 21]  # the prompt's full blocks
+    # Decode: each step computes the token sampled by the one before.  Block 2 fills with
+    # the 31st generated token; its hash exists once that token is sampled.
+    for num_computed in range(len(tokens), 3 * BS - 1):
+        tokens.append(num_computed)
+        req.block_hashes = chained_hashes(tokens, BS)
+        assert step(num_computed, 1) == [], num_computed
+    tokens.append(3 * BS - 1)
+    req.block_hashes = chained_hashes(tokens, BS)  # block 2's tokens all known
+    assert len(req.block_hashes) == 3
+    assert step(3 * BS - 1, 1) == [22]  # computed by this step: saved, once
+    tokens.append(3 * BS)
+    assert step(3 * BS, 1) == []
+    sched.shutdown()

@@ -16,7 +16,11 @@ Per request:
    the lookup, turns the offer into a load job for the allocated blocks, and sets where the
    request's saves start.
 3. ``build_connector_meta`` hands the step's load jobs to the workers, and a save job for
-   every prompt block that becomes full in this step and is not in the pool yet.
+   every block whose KV this step completes and that is not in the pool yet: the prompt's
+   blocks, and those of the generated tokens, as vLLM's own prefix cache keeps them (a
+   conversation's next turn repeats its last answer).  A block is saved once every token
+   in it is known (vLLM has hashed it) and computed (by the end of this step): never the
+   slot of the last sampled token, whose KV the next step computes, nor a draft token's.
 4. ``request_finished`` forgets the request.  Workers copy a save's pages out of the paged
    cache before the step ends, so blocks are never held back.
 
@@ -434,7 +438,9 @@ class KVPoolScheduler:
             return None
         request = state.request
         num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        end = min(num_computed + num_scheduled, request.num_prompt_tokens)
+        # Computed by the end of this step, and hashed (vLLM hashes a block once its
+        # tokens are known: drafts are not).
+        end = num_computed + num_scheduled
         last = min(end // self.block_size, len(request.block_hashes))
         first = state.next_save_block
         if last <= first:
