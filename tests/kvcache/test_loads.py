@@ -20,9 +20,10 @@ NS = Namespace(model="kvcache-loads", block_size=BS)
 log = logging.getLogger("test.loads")
 
 
-def paged_cache(seed):
-    buffer = torch.randn(L * NB * H * BS * 2 * D, generator=torch.Generator().manual_seed(seed))
-    layers = buffer.view(L, NB, H, BS, 2 * D)
+def paged_cache(seed, head_dim=D):
+    numel = L * NB * H * BS * 2 * head_dim
+    buffer = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    layers = buffer.view(L, NB, H, BS, 2 * head_dim)
     tensors = {f"layer{i}": layers[i] for i in range(L)}
     layout = PagedLayout.detect(tensors)
     return tensors, PagedCache(copies_for(layout), PoolGuard(None, log))
@@ -77,3 +78,44 @@ def test_a_dead_pool_is_a_miss_not_an_exception(start_node):
         node.kill()
         load = load_into(cache, client, keys(2), [0, 1], timeout=1.0)
     assert load.num_blocks == 0 and load.reason and load.finished
+
+
+def test_blocks_of_another_size_are_never_sliced_into_pages(client):
+    """From a writer's side: blocks of twice the cache's page size, put side by side (one
+    adjacent run in the arena, which the zero-copy load views whole), and a block of half
+    a page.  A load delivers only blocks of the page's size; the rest are misses, and the
+    cache's pages are untouched."""
+    src, cache = paged_cache(1, head_dim=64)
+    page = cache.layout.block_bytes
+    assert page % 4096 == 0  # blocks of twice its size lie side by side in the arena
+    dst, cache = paged_cache(2, head_dim=64)
+    before = {name: t.clone() for name, t in dst.items()}
+    double = keys(2, b"d")
+    assert client.put(double, [bytes([7]) * (2 * page)] * 2).statuses == [0, 0]
+    with client.begin_read(double) as lease:
+        assert lease.extent(2) is not None  # one adjacent run: what a zero-copy load views
+    load = load_into(cache, client, double, [0, 1], timeout=5.0)
+    assert load.num_blocks == 0 and "missing or corrupt" in load.reason
+    for name in dst:
+        assert torch.equal(dst[name], before[name])
+    # One block of the page's size, then one of another size: the first only.
+    mixed = keys(2, b"m")
+    store(client, src, [5], mixed[:1])
+    assert client.put(mixed[1:], [bytes([9]) * (page // 2)]).statuses == [0]
+    load = load_into(cache, client, mixed, [2, 3], timeout=5.0)
+    assert load.num_blocks == 1
+    for name in dst:
+        assert torch.equal(dst[name][2], src[name][5])
+        assert torch.equal(dst[name][3], before[name][3])
+
+
+def test_a_row_read_counts_only_blocks_of_the_rows_size(client):
+    """``read_rows`` (SGLang's flat page reads): a block shorter than its row fills only
+    part of it, so it is a miss, and so is every row after it."""
+    from kvpool.kvcache.loads import read_rows
+
+    wanted = keys(3, b"r")
+    assert client.put(wanted, [b"a" * 4096, b"b" * 2048, b"c" * 4096]).statuses == [0, 0, 0]
+    rows = [bytearray(4096) for _ in range(3)]
+    assert read_rows(PoolGuard(None, log), client, wanted, rows, timeout=5.0) == 1
+    assert rows[0] == b"a" * 4096

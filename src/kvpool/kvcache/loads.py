@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from kvpool.buffers import byte_view
 from kvpool.client.client import Client
 from kvpool.client.transactions import ReadTransaction
 
-from .cache import PagedCache, pool_rows
+from .cache import PagedCache, num_of_layout, pool_rows
 from .copies import Mark
 from .guard import PoolGuard
 
@@ -104,7 +105,9 @@ class Load:
 
     def _copy(self, lease: ReadTransaction) -> None:
         copies = self.cache.copies
-        num = lease.num_prefix
+        # Leading blocks only, and only those of the cache's page size: a block of another
+        # size is a miss, never sliced into pages.
+        num = num_of_layout(copies.layout, lease, lease.num_prefix)
         with self.cond:
             self.num_blocks = min(self.num_blocks, num)
             self.cond.notify_all()
@@ -177,10 +180,15 @@ def read_rows(
     guard: PoolGuard, client: Client, keys: Sequence[bytes], rows: Sequence[Any], timeout: float
 ) -> int:
     """Read the leading blocks of ``keys`` the pool holds into ``rows`` (one writable host
-    buffer per key, each the block's size); how many leading rows were filled with verified
-    bytes (0 on a pool failure)."""
+    buffer per key, each a page's size); how many leading rows were filled whole with
+    verified bytes (0 on a pool failure).  A block of another size than its row is a miss
+    from there on: a shorter one would leave the row's tail as it was."""
+    dsts = [byte_view(row, writable=True) for row in rows]
     with guard.call("load") as outcome:
-        result = client.get(keys, rows, prefix=True, timeout=timeout)
+        result = client.get(keys, dsts, prefix=True, timeout=timeout)
     if outcome.failed:
         return 0
+    for i in range(result.num_prefix):
+        if result.sizes[i] != len(dsts[i]):
+            return i
     return result.num_prefix
