@@ -161,3 +161,37 @@ def test_one_get_larger_than_dram_returns_every_block_from_disk(start_node, disk
         assert all(np.array_equal(b, content(k, MiB)) for k, b in zip(keys, buffers, strict=True))
         disk = tier(reader.stats(), "disk")
         assert disk.served >= 256 - 64 and disk.corrupt == 0
+
+
+def test_a_footer_that_claims_more_than_was_written_costs_a_start_nothing(start_node, disk_dir):
+    """From a writer of the disk directory's side (a stray tool, a damaged file system): a
+    sparse 1 GiB segment file, 4 KiB on disk, whose trailer says its footer spans it all.
+    The daemon's peak memory at start stays near an empty node's (before the fix: 1,103
+    MiB, the claimed footer read whole), the blocks really written are found, and the
+    planted segment is not."""
+    from kvpool.formats import DISK_SEGMENT, pack_stamp
+    from kvpool.tiers.disk import FOOTER_MAGIC, SEGMENT_MAGIC, TRAILER
+
+    node = disk_node(start_node, disk_dir, name="footer")
+    with Client(node.unix_address, timeout=10) as client:
+        keys = fill(client, "ft", 64)
+        wait_written(client, client.stats().evictions)
+        on_disk = [
+            k for k, t in zip(keys, client.lookup_state(keys).tiers, strict=True) if t == TIER_DISK
+        ]
+    node.stop()
+    assert on_disk
+    planted = disk_dir / "seg-90000000.kvs"
+    size = 1 << 30
+    with open(planted, "wb") as f:
+        f.write(pack_stamp(SEGMENT_MAGIC, DISK_SEGMENT.version))
+        f.seek(size - TRAILER.size)
+        f.write(TRAILER.pack(FOOTER_MAGIC, 4096, 12345))
+    assert os.stat(planted).st_blocks * 512 <= 64 << 10  # sparse: a few KiB really written
+    again = disk_node(start_node, disk_dir, name="footer")
+    with open(f"/proc/{again.pid}/status") as status:
+        peak_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    assert peak_kib < 400 << 10, f"peak RSS at start {peak_kib >> 10} MiB"
+    with Client(again.unix_address, timeout=10) as client:
+        assert client.lookup(on_disk) == len(on_disk)
+        assert check_all(client, on_disk) == len(on_disk)

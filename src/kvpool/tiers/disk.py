@@ -107,6 +107,7 @@ RECORD = struct.Struct("<4sBBHQQQ")
 RECORD_TAIL = struct.Struct("<Q")
 FOOTER_MAGIC = b"KVDFOOT1"
 TRAILER = struct.Struct("<8sQQ")  # magic, footer offset, footer checksum
+FOOTER_CHUNK_BYTES = 1 << 20  # a footer is read and parsed this much at a time
 ID_FILE = "kvpool-disk.id"
 ID_PREFIX = "kvpool-disk"  # format 2 on: "kvpool-disk format=N kvpool=R id=HEX check=HEX"
 ID_V1 = re.compile(r"^[0-9a-f]{32}$")  # format 1: the id alone
@@ -119,6 +120,8 @@ SEGMENT_RE = re.compile(r"^seg-(\d{8})\.kvs$")
 DEFAULT_SEGMENT_BYTES = 256 << 20
 MIN_SEGMENT_BYTES = 4 << 20
 MAX_KEY_BYTES = 255
+# A footer entry: a record's header (with the longest key) and its payload's offset.
+FOOTER_ENTRY_MAX_BYTES = RECORD.size + MAX_KEY_BYTES + RECORD_TAIL.size + 8
 FLAG_TOMBSTONE = 1  # a record that deletes its key: no payload
 DIR_MODE = 0o700
 OUTGOING_DIR = "outgoing"  # segments waiting for upload to the object store
@@ -192,10 +195,13 @@ class DiskTier(KeyIndex[Location]):
         below: SegmentSink | None = None,
         events: TierEvents | None = None,
         fresh: bool = False,
+        deferred: bool = False,
     ):
         """Open the tier in ``path`` (created ``0o700``; refused if another user owns it,
         it is group- or world-writable, or another daemon holds it) and re-index what it
-        holds; with ``fresh``, its files are removed first."""
+        holds; with ``fresh``, its files are removed first.  With ``deferred`` (a node's
+        start), nothing is written until :meth:`commit`: not the identity file, nor the
+        removals (``fresh``, unreadable segments, what is past the capacity)."""
         super().__init__()
         self.path = Path(path)
         self.capacity = capacity
@@ -223,13 +229,18 @@ class DiskTier(KeyIndex[Location]):
         # The tier's format and the release that opened it last, as found (None: new).
         self.found: Stamp | None = None
         self._tier_id = ""
+        self._fresh = fresh
+        self._unreadable: list[str] = []  # segments recovery could not read: removed
         self._dir_lock = lock_disk_dir(self.path)
         self._dir_fd = self._dir_lock.fd  # every file of the tier is opened relative to it
         try:
-            if fresh:
-                _remove_files(self._dir_fd)
-            self._check_identity()
-            self._recover()
+            if fresh:  # its files go at commit(), before anything is written
+                self._tier_id = secrets.token_hex(16)
+            else:
+                self._check_identity()
+                self._recover()
+            if not deferred:
+                self.commit()
         except BaseException:
             self._dir_lock.release()
             raise
@@ -237,6 +248,22 @@ class DiskTier(KeyIndex[Location]):
         # handed below nor reported.
         self._below = below
         self._events = events
+
+    def commit(self) -> None:
+        """What opening the tier writes, once every check of the start has passed: with
+        ``fresh`` the old files go; segments recovery could not read go; the identity file
+        is stamped with this release's format; what is past the capacity goes (least
+        recently used first)."""
+        if self._fresh:
+            _remove_files(self._dir_fd)
+            self._fresh = False
+        for name in self._unreadable:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self._dir_fd)
+        self._unreadable = []
+        self.stamp()
+        with self._lock:
+            self._make_room(0)
 
     # -- start ----------------------------------------------------------------------------
 
@@ -257,12 +284,10 @@ class DiskTier(KeyIndex[Location]):
         else:
             self.found, tier_id = parse_identity(text, marker)
         self._tier_id = tier_id
-        if self.found is None:
-            self.stamp()
 
     def stamp(self) -> None:
         """Stamp the identity file with this release's format (migrating the tier in place;
-        the node calls it once every other file was accepted too)."""
+        :meth:`commit` calls it once every check of the start has passed)."""
         if self.found != Stamp(DISK_TIER.version, RELEASE):
             temporary = ID_FILE + ".new"
             with contextlib.suppress(FileNotFoundError):
@@ -291,13 +316,17 @@ class DiskTier(KeyIndex[Location]):
             except FormatError:
                 self.counters.unreadable_segments += 1
                 self._last_segment_id = max(self._last_segment_id, segment.segment_id)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=self._dir_fd)
+                self._unreadable.append(name)  # removed by commit()
                 continue
             self._segments[segment.segment_id] = segment
-            records = self._read_footer(segment)
+            trailer = self._trailer(segment)
+            records = self._read_footer(segment, *trailer) if trailer is not None else None
             if records is None:
-                records = self._scan(segment)
+                # Header by header, up to its footer if it has one (whose entries look like
+                # records): counted as far as its records go.  Past them is a torn tail, or
+                # bytes a file claims (a sparse one) that were never written.
+                end = trailer[0] if trailer is not None else segment.num_bytes
+                records, segment.num_bytes = self._scan(segment, end)
             else:
                 segment.sealed = True
             for key, location, flags in records:
@@ -310,31 +339,57 @@ class DiskTier(KeyIndex[Location]):
         for segment in self._segments.values():
             segment.sealed = True
         self.counters.recovered = len(self._index)
-        with self._lock:
-            self._make_room(0)
 
-    def _read_footer(self, segment: Segment) -> list[tuple[bytes, Location, int]] | None:
+    def _trailer(self, segment: Segment) -> tuple[int, int] | None:
+        """Where a sealed segment's footer starts and its checksum, from its trailer; None
+        if it has none."""
         if segment.num_bytes < TRAILER.size:
             return None
         with os.fdopen(self._open_file(segment.path.name, os.O_RDONLY), "rb") as f:
             f.seek(segment.num_bytes - TRAILER.size)
             magic, footer_at, footer_checksum = TRAILER.unpack(f.read(TRAILER.size))
-            if magic != FOOTER_MAGIC or not 0 <= footer_at < segment.num_bytes:
-                return None
-            f.seek(footer_at)
-            footer = f.read(segment.num_bytes - TRAILER.size - footer_at)
-        if xxhash.xxh3_64_intdigest(footer) != footer_checksum:
+        if magic != FOOTER_MAGIC or not records_start(segment.version) <= footer_at:
             return None
-        records = []
-        position = 0
-        while position < len(footer):
-            parsed = self._parse_header(footer, position)
-            if parsed is None:
-                return None
-            key, size, checksum, flags, end, payload_at = parsed
-            location = Location(segment.segment_id, payload_at, size, checksum)
-            records.append((key, location, flags))
-            position = end
+        if footer_at > segment.num_bytes - TRAILER.size:
+            return None
+        return footer_at, footer_checksum
+
+    def _read_footer(
+        self, segment: Segment, footer_at: int, footer_checksum: int
+    ) -> list[tuple[bytes, Location, int]] | None:
+        """A sealed segment's records, from its footer; None if it does not check out.
+
+        The footer is read and parsed a chunk at a time, and given up at its first entry
+        that does not parse: what a start allocates for a segment is bounded by the entries
+        really written there, never by the size a trailer claims (a sparse file of 1 GiB
+        that says its footer spans it all costs one chunk)."""
+        with os.fdopen(self._open_file(segment.path.name, os.O_RDONLY), "rb") as f:
+            f.seek(footer_at)
+            left = segment.num_bytes - TRAILER.size - footer_at
+            hasher = xxhash.xxh3_64()
+            records: list[tuple[bytes, Location, int]] = []
+            pending = b""
+            while left > 0:
+                chunk = f.read(min(FOOTER_CHUNK_BYTES, left))
+                if not chunk:
+                    return None  # shorter than it says
+                left -= len(chunk)
+                hasher.update(chunk)
+                data = pending + chunk
+                position = 0
+                while position < len(data):
+                    parsed = self._parse_header(data, position)
+                    if parsed is None:
+                        if left and len(data) - position < FOOTER_ENTRY_MAX_BYTES:
+                            break  # an entry cut by the chunk: finished with the next one
+                        return None
+                    key, size, checksum, flags, end, payload_at = parsed
+                    location = Location(segment.segment_id, payload_at, size, checksum)
+                    records.append((key, location, flags))
+                    position = end
+                pending = data[position:]
+        if pending or hasher.intdigest() != footer_checksum:
+            return None
         return records
 
     @staticmethod
@@ -354,28 +409,29 @@ class DiskTier(KeyIndex[Location]):
         key = data[position + RECORD.size : end]
         return key, size, checksum, flags, end + RECORD_TAIL.size + 8, payload_at
 
-    def _scan(self, segment: Segment) -> list[tuple[bytes, Location, int]]:
+    def _scan(self, segment: Segment, end: int) -> tuple[list[tuple[bytes, Location, int]], int]:
         """The records of an unsealed segment, header by header, up to the first that is
-        torn or garbled (what a crash or power loss left at the tail)."""
+        torn or garbled (what a crash or power loss left at the tail) or ``end``, and where
+        they end."""
         records = []
         position = records_start(segment.version)
         with os.fdopen(self._open_file(segment.path.name, os.O_RDONLY), "rb") as f:
-            while position + RECORD.size <= segment.num_bytes:
+            while position + RECORD.size <= end:
                 f.seek(position)
                 head = f.read(RECORD.size + MAX_KEY_BYTES + RECORD_TAIL.size)
                 magic, key_len, flags, _, size, checksum, _ = RECORD.unpack_from(head)
-                end = RECORD.size + key_len
-                if magic != RECORD_MAGIC or end + RECORD_TAIL.size > len(head):
+                header_end = RECORD.size + key_len
+                if magic != RECORD_MAGIC or header_end + RECORD_TAIL.size > len(head):
                     break
-                (expected,) = RECORD_TAIL.unpack_from(head, end)
-                if xxhash.xxh3_64_intdigest(head[:end]) != expected:
+                (expected,) = RECORD_TAIL.unpack_from(head, header_end)
+                if xxhash.xxh3_64_intdigest(head[:header_end]) != expected:
                     break
-                payload_at = position + end + RECORD_TAIL.size
-                if payload_at + size > segment.num_bytes:
+                payload_at = position + header_end + RECORD_TAIL.size
+                if payload_at + size > end:
                     break  # the payload was cut short
                 records.append(
                     (
-                        head[RECORD.size : end],
+                        head[RECORD.size : header_end],
                         Location(segment.segment_id, payload_at, size, checksum),
                         flags,
                     )
@@ -383,7 +439,7 @@ class DiskTier(KeyIndex[Location]):
                 position = payload_at + size
         if position < segment.num_bytes:
             self.counters.torn_records += 1
-        return records
+        return records, position
 
     def _place(self, key: bytes, location: Location, segment: Segment) -> None:
         old = self._index.get(key)
