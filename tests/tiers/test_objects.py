@@ -29,6 +29,7 @@ from kvpool.tiers.bucket import (
 )
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.objects import ObjectTier
+from tests.proxy import GateProxy
 from tests.s3server import S3Server
 
 MiB = 1 << 20
@@ -44,9 +45,14 @@ def aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def config(server: S3Server, bucket: str, **kw: object) -> ObjectStoreConfig:
-    values: dict[str, object] = {"capacity": 256 * MiB, "refresh_s": 0.2, "read_timeout_s": 1.0}
+    values: dict[str, object] = {
+        "capacity": 256 * MiB,
+        "refresh_s": 0.2,
+        "read_timeout_s": 1.0,
+        "endpoint": server.endpoint,
+    }
     values.update(kw)
-    return ObjectStoreConfig(f"s3://{bucket}/pool", endpoint=server.endpoint, **values)  # type: ignore[arg-type]
+    return ObjectStoreConfig(f"s3://{bucket}/pool", **values)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -278,3 +284,59 @@ def test_a_delete_object_it_cannot_read_hides_the_packs_before_it(
     wait_for(lambda: reader.counters.unreadable >= 1)  # its refresher reads the listing
     assert not any(reader.contains([k for k, _ in first]))
     assert read(reader, first[:1]) == [None]
+
+
+@pytest.fixture
+def gated(
+    s3_server: S3Server, s3_bucket: str, aws_env: None, tmp_path: Path
+) -> Iterator[tuple[DiskTier, ObjectTier, GateProxy]]:
+    """A writer's disk and object tier that reach the S3 server through a proxy that can
+    hold one kind of request on the wire (tests/proxy.py)."""
+    proxy = GateProxy(int(s3_server.endpoint.rsplit(":", 1)[1]))
+    writer = ObjectTier(
+        config(s3_server, s3_bucket, endpoint=proxy.endpoint), tmp_path / "disk" / "out", "a"
+    )
+    disk = DiskTier(tmp_path / "disk", 8 * MiB, segment_bytes=4 * MiB, below=writer)
+    writer.start()
+    yield disk, writer, proxy
+    proxy.release()
+    writer.close()
+    disk.close()
+    proxy.close()
+
+
+@pytest.mark.parametrize("held", ["pack", "index"])
+def test_a_block_deleted_while_its_segment_uploads_never_comes_back(
+    gated: tuple, held: str, s3_server: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    """The fault's side: a delete of a block whose disk segment is on the wire to the bucket,
+    its pack's PUT held (so its index is not written yet) or its index's PUT held (the pack
+    is there, the index on its way).  The delete finds the block (never NOT_FOUND for a
+    block that would reappear); once the upload lands, neither the writer, nor another
+    node, nor a node started afterwards serves it; the segment's other blocks are served."""
+    disk, writer, proxy = gated
+    bucket_path = f"PUT /{s3_bucket}/pool/{PACKS if held == 'pack' else INDEXES}".encode()
+    proxy.hold(bucket_path)
+    first = blocks(14, 60)
+    write(disk, first)
+    write(disk, blocks(30, 61))  # the first segment leaves the disk for the bucket
+    assert proxy.held.wait(15), "the upload never reached the held request"
+    assert writer.may_hold([first[0][0]])
+    deleted = first[0][0]
+    assert writer.delete([deleted]) == 1
+    proxy.release()
+    wait_for(lambda: writer.counters.uploads >= 1)
+    others = [k for k, _ in first[1:]]
+    assert all(writer.contains(others))  # the upload landed
+    assert writer.contains([deleted]) == [False]
+    assert read(writer, first[:1]) == [None]
+    for name in ("b", "restarted"):  # another node; one started after it all
+        reader = ObjectTier(config(s3_server, s3_bucket), tmp_path / f"{name}-out", name)
+        reader.start()
+        try:
+            wait_for(lambda: all(reader.contains(others)))  # noqa: B023
+            assert reader.contains([deleted]) == [False]
+            assert read(reader, first[:1]) == [None]
+            assert read(reader, first[1:]) == [v for _, v in first[1:]]
+        finally:
+            reader.close()

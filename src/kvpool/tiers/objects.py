@@ -31,15 +31,24 @@ Layout under ``s3://BUCKET/PREFIX``::
   PUTs) is deleted once older than ``ORPHAN_AGE_S``.  So the bucket holds at most
   ``capacity`` bytes (plus what was uploaded since the last refresh) in at most
   ``capacity / segment size`` packs.
-- **Deletes last.**  A delete forgets the keys here at once, drops them from the segments
-  still waiting for upload, and has the uploader PUT a delete object of those the index
-  held
-  (``deletes/<writer>-<n>.del``) before the next pack: every node's refresh reads it and
-  hides its keys in every pack uploaded before it, so another node misses a deleted block
-  at most ``refresh_s`` later.  A delete object goes once no pack older than it is left.
-  One this node cannot read (garbled, or of a format this release does not read: another
-  node's, of another release) hides every pack written before it was (its listing's
-  time): a deleted block never comes back.
+- **Deletes last.**  Once a delete returns, no node serves its keys again, whatever upload
+  was in flight, and after restarts too:
+  - it forgets the keys here at once, drops them from the segments still waiting for
+    upload, and from the segment being uploaded: before its index is PUT, they are left out
+    of it (no node ever sees them);
+  - keys the bucket may list (this node's index held them, or the index of the segment in
+    flight was PUT already) get a delete object (``deletes/<writer>-<n>.del``), PUT before
+    the delete returns (or, if the store does not take it, by the uploader before its next
+    pack): every node's refresh reads it and hides its keys in every pack uploaded before
+    it, and a node that starts later reads it too;
+  - every key it names is remembered here as deleted, found or not, for some minutes
+    (``TOMBSTONE_MIN_S`` at least: past the longest its PUTs may take, and two refreshes):
+    a pack of another node in flight meanwhile (a cluster's client deletes on every node)
+    is read by a refresh without them, until its writer's delete object is seen.
+  A delete object goes once no pack older than it is left.  One this node cannot read
+  (garbled, or of a format this release does not read: another node's, of another
+  release) hides every pack written before it was (its listing's time): a deleted block
+  never comes back.
 - **Formats** (:mod:`kvpool.formats`): an index of a format this release does not read, or
   naming a pack of one, is not read (logged, counted as ``unreadable``); the bucket is
   shared by nodes of two releases during a rolling upgrade, so each reads what it can.
@@ -50,7 +59,9 @@ Layout under ``s3://BUCKET/PREFIX``::
 - **Failures.**  Reads have the read timeout and no retry; uploads, listings and deletes
   have a longer timeout and a few retries.  An unreachable or frozen store turns reads
   into misses within the caller's deadline (the node bounds its wait) and uploads into
-  drops; lookups never notice.
+  drops; lookups never notice.  A dropped segment's blocks are gone: each drop is logged,
+  counted (``dropped_segments``, ``dropped_blocks``) and reported to whoever asks
+  :meth:`ObjectTier.take_dropped` (the node tells the writers of its tenant).
 
 Threads: ``contains`` and ``location`` are cheap and may come from the event loop;
 ``read_many`` blocks and comes from a worker thread.  One lock guards the index, and is
@@ -68,7 +79,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +125,10 @@ READ_RUN_BYTES = 16 << 20  # blocks fetched together: one ranged GET (coalesced)
 READ_PARALLELISM = 8  # runs fetched at once
 # Keys per delete object: well within what every node reads (MAX_INDEX_BYTES, 80-byte keys).
 DELETE_OBJECT_KEYS = 100_000
+# How long a deleted key is hidden from packs read meanwhile (another node's upload in
+# flight, whose delete object follows it): its PUTs' longest wait, and two refreshes.
+TOMBSTONE_MIN_S = 300.0
+MAX_TOMBSTONES = 200_000  # about 30 MB; past it the oldest go first (counted)
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,11 +148,23 @@ class _Pack:
 
 
 @dataclass(slots=True)
+class _Upload:
+    """The segment the uploader is sending: its blocks (a delete leaves keys out until the
+    index is PUT), and once it is, the keys deleted since (kept out of this node's index)."""
+
+    staged: Path
+    blocks: SegmentBlocks
+    index_sent: bool = False
+    deleted: set[bytes] = field(default_factory=set)
+
+
+@dataclass(slots=True)
 class ObjectCounters:
     uploads: int = 0  # packs uploaded
     uploaded_blocks: int = 0
     uploaded_bytes: int = 0
     dropped_segments: int = 0  # not uploaded: staging full, or the upload failed
+    dropped_blocks: int = 0  # the blocks of those segments: gone
     reads: int = 0  # blocks read and verified
     read_bytes: int = 0
     read_errors: int = 0  # blocks not read: the store did not answer in time, or failed
@@ -147,6 +174,7 @@ class ObjectCounters:
     deleted_packs: int = 0  # packs removed to keep the bucket within its capacity
     deletes_sent: int = 0  # delete objects uploaded
     unreadable: int = 0  # index and delete objects not read: garbled, or of another format
+    tombstones_dropped: int = 0  # recent deletes forgotten early: past MAX_TOMBSTONES
 
 
 class ObjectTier(KeyIndex[ObjectLocation]):
@@ -170,7 +198,18 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         self._staging = staging
         self._packs: dict[str, _Pack] = {}
         self._queue: deque[tuple[Path, SegmentBlocks]] = deque()
+        self._uploading: _Upload | None = None
         self._deletes: list[bytes] = []  # keys deleted here, for the next delete object
+        # Keys deleted here, and when: hidden from packs written before then, for a while
+        # (the tombstones, oldest first), whether or not a delete object names them.
+        self._recent: dict[bytes, float] = {}
+        self._tombstones: deque[tuple[float, bytes]] = deque()
+        self._tombstone_s = max(
+            TOMBSTONE_MIN_S, WRITE_TIMEOUT_S * (WRITE_RETRIES + 1) + 2 * config.refresh_s
+        )
+        # Blocks of dropped segments not yet reported, by the segment's first key (its
+        # tenant's): the node tells that tenant's writers (take_dropped).
+        self._dropped: dict[bytes, int] = {}
         self._num_deletes = 0
         # Keys deleted (by any node), and when: hidden in packs written before then.
         self._deleted: dict[bytes, float] = {}
@@ -180,19 +219,17 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         self._shares: dict[bytes, int] | None = None  # tenants' shares of the bucket
         self._cond = threading.Condition(self._lock)
         self._stopping = False
+        self._checked = False
         self._threads: list[threading.Thread] = []
         self._wake = threading.Event()
 
     # -- life -----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Check that the bucket can be listed (one that refuses us is a configuration
-        error; one that does not answer is retried by the refresher), then run: the first
-        refresh follows at once, on the refresher's thread.  The staging directory is
-        emptied first (leftovers of a crash: just cache): the disk tier that holds it is
-        open, and so locked, by then."""
-        shutil.rmtree(self._staging, ignore_errors=True)
-        self._staging.mkdir(mode=0o700, exist_ok=True)
+    def check(self) -> None:
+        """Check that the bucket can be listed: one that refuses us is a configuration
+        error; one that does not answer is retried by the refresher once started.  Nothing
+        is written."""
+        self._checked = True
         try:
             next(iter(obstore.list(self._reader, INDEXES, chunk_size=1)), None)
         except STORE_ERRORS as exc:
@@ -205,6 +242,16 @@ class ObjectTier(KeyIndex[ObjectLocation]):
                 raise ConfigError(f"object store {self.config.url}: no such bucket") from exc
             self.counters.refresh_errors += 1
             log.warning("object store %s: not reachable yet: %s", self.config.url, exc)
+
+    def start(self) -> None:
+        """Run (checked first, unless :meth:`check` was called): the first refresh follows
+        at once, on the refresher's thread.  The staging directory is emptied first
+        (leftovers of a crash: just cache): the disk tier that holds it is open, and so
+        locked, by then."""
+        if not self._checked:
+            self.check()
+        shutil.rmtree(self._staging, ignore_errors=True)
+        self._staging.mkdir(mode=0o700, exist_ok=True)
         for target, name in ((self._upload_loop, "upload"), (self._refresh_loop, "refresh")):
             thread = threading.Thread(target=target, name=f"kvpool-object-{name}", daemon=True)
             thread.start()
@@ -253,21 +300,42 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         """The disk evicts the segment at ``path`` holding ``(key, offset, size, checksum)``
         blocks: keep a link to it for upload, or drop it.  Called by the disk's writer,
         under its lock: it only links the file and queues it."""
+        if not blocks:
+            return False
         with self._cond:
-            if self._stopping or not blocks or len(self._queue) >= MAX_STAGED_SEGMENTS:
-                self.counters.dropped_segments += 1
+            if self._stopping:
+                self._drop(path.name, blocks, "the node is stopping")
+                return False
+            if len(self._queue) >= MAX_STAGED_SEGMENTS:
+                self._drop(path.name, blocks, f"{MAX_STAGED_SEGMENTS} segments wait for upload")
                 return False
         staged = self._staging / f"{self.writer}-{path.stem}.kvs"
         try:
             os.link(path, staged)
         except OSError as exc:
-            log.warning("cannot stage %s for upload: %s", path.name, exc)
-            self.counters.dropped_segments += 1
+            with self._cond:
+                self._drop(path.name, blocks, f"cannot stage it: {exc}")
             return False
         with self._cond:
             self._queue.append((staged, blocks))
             self._cond.notify()
         return True
+
+    def _drop(self, name: str, blocks: SegmentBlocks, why: str) -> None:
+        """A segment the bucket will not get (under the lock): its blocks are gone, which the
+        log, the counters and the writers of its tenant are told."""
+        self.counters.dropped_segments += 1
+        self.counters.dropped_blocks += len(blocks)
+        owner = blocks[0][0] if blocks else b""
+        self._dropped[owner] = self._dropped.get(owner, 0) + len(blocks)
+        log.warning("object store: segment %s (%d blocks) dropped: %s", name, len(blocks), why)
+
+    def take_dropped(self) -> dict[bytes, int]:
+        """Blocks of dropped segments since the last call, by each segment's first key (its
+        tenant's, where the node has tenants)."""
+        with self._cond:
+            dropped, self._dropped = self._dropped, {}
+        return dropped
 
     def _upload_loop(self) -> None:
         while True:
@@ -292,21 +360,29 @@ class ObjectTier(KeyIndex[ObjectLocation]):
             with self._cond:
                 if not self._queue:
                     continue
-                staged, blocks = self._queue.popleft()
+                upload = self._uploading = _Upload(*self._queue.popleft())
             try:
-                self._upload(staged, blocks)
+                self._upload(upload)
             except (*STORE_ERRORS, FormatError) as exc:  # a segment's stamp damaged meanwhile
-                self.counters.dropped_segments += 1
-                log.warning("upload of %s failed: %s", staged.name, exc)
+                with self._cond:
+                    self._drop(upload.staged.name, upload.blocks, f"upload failed: {exc}")
             finally:
-                staged.unlink(missing_ok=True)
+                with self._cond:
+                    self._uploading = None
+                upload.staged.unlink(missing_ok=True)
 
-    def _upload(self, staged: Path, blocks: SegmentBlocks) -> None:
+    def _upload(self, upload: _Upload) -> None:
+        staged = upload.staged
         name = staged.name
         num_bytes = staged.stat().st_size
         obstore.put(
             self._store, PACKS + name, staged, chunk_size=UPLOAD_CHUNK_BYTES, max_concurrency=4
         )
+        with self._lock:  # from here a delete of these blocks needs a delete object
+            upload.index_sent = True
+            blocks = list(upload.blocks)
+        if not blocks:
+            return  # every block was deleted meanwhile: an orphan pack, swept later
         index = PackIndex(
             version=INDEX_VERSION,
             kvpool_version=RELEASE,
@@ -322,7 +398,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         )
         obstore.put(self._store, INDEXES + index_name(name), encode_index(index))
         with self._lock:
-            self._add(index)
+            self._add(index, hidden=upload.deleted)
         self.counters.uploads += 1
         self.counters.uploaded_blocks += len(blocks)
         self.counters.uploaded_bytes += num_bytes
@@ -417,6 +493,8 @@ class ObjectTier(KeyIndex[ObjectLocation]):
             with self._lock:
                 self._add(index)
         self.counters.refreshes += 1
+        with self._lock:
+            self._forget_tombstones(time.time())
         self._keep_within_capacity()
         self._drop_old_deletes()
 
@@ -453,7 +531,9 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         for name in done:
             obstore.delete(self._store, DELETES + name)
 
-    def _add(self, index: PackIndex) -> None:
+    def _add(self, index: PackIndex, hidden: set[bytes] | frozenset[bytes] = frozenset()) -> None:
+        """A pack the bucket holds, into the index (under the lock): its blocks but those
+        deleted since it was written, and ``hidden``."""
         if index.pack in self._packs:
             return
         self._packs[index.pack] = _Pack(
@@ -464,7 +544,8 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         for key, offset, size, checksum in zip(
             index.keys, index.offsets, index.sizes, index.checksums, strict=True
         ):
-            if self._deleted.get(key, 0.0) > index.written_at:
+            deleted_at = max(self._deleted.get(key, 0.0), self._recent.get(key, 0.0))
+            if deleted_at > index.written_at or key in hidden:
                 continue  # deleted after this pack was written
             self._index[key] = ObjectLocation(index.pack, offset, size, checksum)
 
@@ -599,24 +680,73 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         return None
 
     def may_hold(self, keys: Sequence[bytes]) -> bool:
-        """Known in the bucket, or possibly among the segments waiting for upload."""
+        """Known in the bucket, or possibly in a segment waiting for upload or being sent."""
         with self._cond:
-            return bool(self._queue) or any(key in self._index for key in keys)
+            if self._queue or self._uploading is not None:
+                return True
+            return any(key in self._index for key in keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete these blocks for good (see the module docstring): forgotten here at once,
-        dropped from the segments waiting for upload, and a delete object for every node,
-        sent by the uploader ahead of the next pack.  Their bytes go when their pack ages
-        out.  How many were found."""
+        left out of the segments waiting for upload and of the one being sent, and for
+        those the bucket may list a delete object, PUT before this returns where the store
+        takes it.  Their bytes go when their pack ages out.  How many were found here (in
+        the index, or on their way into the bucket)."""
         wanted = set(keys)
+        now = time.time()
         with self._cond:
-            # Only what this node knows the bucket holds (its index covers every node's
-            # packs, up to one refresh; the node that uploaded a newer one is asked too):
-            # a DELETE of keys the bucket never held costs no request.
-            found = [k for k in keys if self._index.pop(k, None) is not None]
+            # What the bucket lists (this node's index covers every node's packs, up to one
+            # refresh; the node that uploaded a newer one is asked too): a delete object.
+            listed = [k for k in keys if self._index.pop(k, None) is not None]
+            found = set(listed)
             for n, (staged, blocks) in enumerate(self._queue):
+                found.update(b[0] for b in blocks if b[0] in wanted)
                 self._queue[n] = (staged, [b for b in blocks if b[0] not in wanted])
-            if found and not self._stopping:
-                self._deletes.extend(found)
-                self._cond.notify()
+            upload = self._uploading
+            if upload is not None:
+                sending = [b[0] for b in upload.blocks if b[0] in wanted]
+                found.update(sending)
+                if upload.index_sent:  # the bucket may list them: a delete object too
+                    upload.deleted.update(sending)
+                    listed.extend(sending)
+                else:  # left out of its index: no node will see them
+                    upload.blocks = [b for b in upload.blocks if b[0] not in wanted]
+            for key in wanted:  # hidden from any pack written before now
+                self._recent[key] = now
+                self._tombstones.append((now, key))
+            self._forget_tombstones(now)
+        listed = list(dict.fromkeys(listed))
+        if listed and not self._stopping:
+            self._delete_now(listed)
         return len(found)
+
+    def _delete_now(self, keys: list[bytes]) -> None:
+        """A delete object for ``keys``, PUT now (on the caller's thread); if the store does
+        not take it, the uploader sends it ahead of its next pack."""
+        with self._cond:
+            self._num_deletes += 1
+            number = self._num_deletes
+        try:
+            self._send_deletes(keys, number)
+        except STORE_ERRORS as exc:
+            log.warning(
+                "delete object for %d blocks not written (%s): the uploader sends it next",
+                len(keys),
+                exc,
+            )
+            with self._cond:
+                self._deletes.extend(keys)
+                self._cond.notify()
+
+    def _forget_tombstones(self, now: float) -> None:
+        """Keys deleted here longer ago than the tombstone time, or past ``MAX_TOMBSTONES``,
+        are no longer hidden from packs read later but by the delete objects that name them
+        (under the lock)."""
+        tombstones = self._tombstones
+        expired = now - self._tombstone_s
+        while tombstones and (tombstones[0][0] < expired or len(tombstones) > MAX_TOMBSTONES):
+            when, key = tombstones.popleft()
+            if when >= expired:
+                self.counters.tombstones_dropped += 1
+            if self._recent.get(key) == when:
+                del self._recent[key]
