@@ -14,10 +14,19 @@ MiB = 1 << 20
 
 
 def node_config(run_dir: Path, **sections: object) -> NodeConfig:
-    return NodeConfig(name="built", run_dir=str(run_dir), memory_bytes=8 * MiB, **sections)  # type: ignore[arg-type]
+    return NodeConfig(
+        name="built",
+        run_dir=str(run_dir),
+        memory_bytes=8 * MiB,
+        port=0,  # a start binds its ports: any free ones
+        admin_port=0,
+        **sections,  # type: ignore[arg-type]
+    )
 
 
 def close(node: Node) -> None:
+    node.tcp.close()
+    node.admin.close()
     node.lower.close()
     for sink in (node.events, node.kthena):
         if sink is not None:

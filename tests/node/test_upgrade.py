@@ -173,3 +173,109 @@ def test_a_node_of_a_format_it_does_not_read_is_refused_at_start(run_dir: Path) 
             assert client.lookup([key("later")]) == 0
     finally:
         fresh.stop()
+
+
+# A few blocks a put, a moment apart: the disk's write-back keeps up with what DRAM evicts.
+FILL_SLOWLY = """
+import time
+keys = [bytes.fromhex(k) for k in keys_hex]
+for start in range(0, len(keys), 8):
+    client.put(keys[start : start + 8], [block(k, block_bytes) for k in keys[start : start + 8]])
+    time.sleep(0.02)
+time.sleep(1)
+emit({"present": client.exists(keys)})
+"""
+
+
+CHECK_SLOWLY = """
+keys = [bytes.fromhex(k) for k in keys_hex]
+wrong = []
+for start in range(0, len(keys), 8):
+    batch = keys[start : start + 8]
+    values = client.get(batch).values
+    for k, v in zip(batch, values):
+        if v is None or bytes(v) != block(k, block_bytes):
+            wrong.append(k.hex())
+emit({"wrong": wrong})
+"""
+
+
+def _files(*directories: Path) -> dict[str, tuple[int, str]]:
+    """Every file under ``directories``: its length and a digest of its bytes."""
+    import hashlib
+
+    found = {}
+    for directory in directories:
+        for path in sorted(directory.rglob("*")):
+            if path.is_file() and not path.is_symlink():
+                digest = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+                found[str(path)] = (path.stat().st_size, digest)
+    return found
+
+
+@pytest.mark.parametrize("refusal", ["disk directory", "port in use"])
+def test_a_refused_start_leaves_every_file_as_it_found_it(
+    refusal: str, previous: Path, run_dir: Path, tmp_path: Path
+) -> None:
+    """The previous release's node (arena, journal, disk tier) holds 320 blocks of 64 KiB
+    (20 MiB: its 16 MiB arena, and the disk below it); this release
+    is started on its files and refused late (the disk directory's parent writable by
+    everyone, which this release refuses; or the data port taken), after it has read every
+    format.  Every file of the node is as it was, contents and length (before the fix the
+    arena had grown by its header page, 16,777,216 -> 16,781,312 bytes), and the previous
+    release, started again, finds every block.  (The disk tier's writes are deferred in the
+    same way: not its identity file, nor a segment removed.)"""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    disk = parent / "disk"
+    args = ["--disk", str(disk), "--disk-size", "64MiB", "--scrub-rate", "0"]
+    keys = [key(f"refused-{i}") for i in range(320)]
+    old = NodeProcess.private(
+        "refused", "16MiB", run_dir=str(run_dir), extra=args, env=release_env(previous)
+    ).start()
+    try:
+        filled = run_previous_client(
+            previous,
+            old.unix_address,
+            FILL_SLOWLY,
+            keys_hex=[k.hex() for k in keys],
+            block_bytes=64 << 10,
+        )
+    finally:
+        assert old.stop() == 0
+    assert sum(filled["present"]) >= 300  # a write-back may drop a few: the disk is a cache
+    keys = [k for k, present in zip(keys, filled["present"], strict=True) if present]
+    node_dir = run_dir / "refused"
+    before = _files(node_dir, disk)
+    assert any("seg-" in name for name in before)
+    assert (node_dir / "arena").stat().st_size == 16 << 20  # the previous format: no header
+
+    refused_args = ["--name", "refused", "--memory", "16MiB", *args]
+    if refusal == "disk directory":
+        parent.chmod(0o777)  # anyone may swap the disk directory: this release refuses it
+        refused = serve(run_dir, *refused_args)
+        parent.chmod(0o755)
+    else:
+        import socket
+
+        with socket.create_server(("127.0.0.1", 0)) as taken:
+            port = str(taken.getsockname()[1])
+            refused = serve(run_dir, *refused_args, "--port", port)
+    assert refused.returncode != 0, refused.stdout
+    assert _files(node_dir, disk) == before
+
+    again = NodeProcess.private(
+        "refused", "16MiB", run_dir=str(run_dir), extra=args, env=release_env(previous)
+    ).start()
+    try:
+        checked = run_previous_client(
+            previous,
+            again.unix_address,
+            CHECK_SLOWLY,
+            keys_hex=[k.hex() for k in keys],
+            block_bytes=64 << 10,
+        )
+        assert checked["wrong"] == []
+        assert again.info["adopted_blocks"] + again.info.get("disk_blocks", 0) >= len(keys)
+    finally:
+        again.stop()

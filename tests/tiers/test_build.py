@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvpool.config import DiskConfig, NodeConfig
 from kvpool.store.arena import Arena
-from kvpool.tiers.build import open_lower_tiers
+from kvpool.tiers.build import commit_lower_tiers, open_lower_tiers
 from kvpool.tiers.chain import LowerTiers
 from tests.tiers.test_disk import blocks
 
@@ -19,7 +19,7 @@ def test_the_chain_is_built_from_the_node_configuration(tmp_path: Path) -> None:
     config = NodeConfig(name="c", disk=DiskConfig(str(tmp_path / "disk"), 16 << 20))
 
     async def build(config: NodeConfig) -> LowerTiers:
-        return await open_lower_tiers(config, arena)
+        return await commit_lower_tiers(await open_lower_tiers(config), arena)
 
     assert asyncio.run(build(NodeConfig(name="c"))).chain == []
     lower = asyncio.run(build(config))

@@ -11,6 +11,7 @@ otherwise).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
@@ -76,16 +77,15 @@ def build_app(server: NodeServer, is_ready: Callable[[], bool]) -> web.Applicati
 
 async def start_admin(
     server: NodeServer,
-    host: str,
-    port: int,
+    listener: socket.socket,
     is_ready: Callable[[], bool],
     tls: CertFiles | None = None,
 ) -> tuple[web.AppRunner, int]:
+    """Serve the admin HTTP on ``listener`` (bound as the node started, before anything was
+    written: :func:`kvpool.node.server.bind_tcp`); the runner and the port."""
     runner = web.AppRunner(build_app(server, is_ready), access_log=None)
     await runner.setup()
     context = tls.context if tls is not None else None  # reloaded in place by the server
-    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=context)
+    site = web.SockSite(runner, listener, ssl_context=context)
     await site.start()
-    sockets = getattr(site._server, "sockets", None) or ()
-    bound = sockets[0].getsockname()[1] if sockets else port
-    return runner, bound
+    return runner, listener.getsockname()[1]

@@ -3,32 +3,45 @@ top-down from its :class:`~kvpool.config.NodeConfig`, and hands each part its
 collaborators through its constructor.  No part is given a hook or a collaborator after it
 is built; this module is the one place that knows how the parts fit together.
 
-Construction order (each step needs only what the steps before it built):
+Two phases.  **Open and check**: everything that can refuse the start, reading the node's
+files and writing none of them, so that a start that does not get through leaves every
+file of the node as it found it, contents and length (an earlier release rolled back to
+adopts them as if this one never ran):
 
 0. the tenants file and the TLS files (:func:`read_credentials`: a bad one stops the start);
 1. the node directory's lock (a second daemon is refused here);
-2. the arena, then the directory (before anything writes the arena: readers of an earlier
-   daemon's directory stop trusting it, kvpool.directory rule 3), then the journal, whose
-   replayed entries are sealed against the arena;
-3. the KV event publisher (when ``--kv-events``), which the tiers below tell of blocks, and
+2. the KV event publisher (when ``--kv-events``), which the tiers below tell of blocks, and
    Kthena's Redis entries (when ``--kthena-redis``): the sinks of the store's one stream of
    block events;
-4. the lower tiers, in one step (:func:`kvpool.tiers.build.open_lower_tiers`: disk, object
-   store, write-back);
-5. the lease ledger, the account ledger, the prefetch holds kept in both, and the block
+3. the lower tiers, opened and checked (:func:`kvpool.tiers.build.open_lower_tiers`: the
+   disk's directory and files, the bucket's answer);
+4. the data port and the admin port, bound (one in use refuses here);
+5. the arena (mapped as it is; its format checked), then the journal (replayed, read
+   only), whose replayed entries are sealed against the arena (in memory).
+
+**Commit**, once every check has passed (the only writes of a start):
+
+6. the directory (before anything writes the arena: readers of an earlier daemon's
+   directory stop trusting it, kvpool.directory rule 3); the arena, the journal and the
+   disk migrated to this release's formats and opened for writing (kvpool.formats); the
+   object tier's threads and the write-back (:func:`kvpool.tiers.build.commit_lower_tiers`);
+7. the lease ledger, the account ledger, the prefetch holds kept in both, and the block
    store, adopting what the journal describes;
-6. the cluster agent (when ``--peers`` or ``--etcd``), the tier view (which prefetches from
+8. the cluster agent (when ``--peers`` or ``--etcd``), the tier view (which prefetches from
    the other nodes through the agent), and the protocol server.
 
-Nothing listens yet: :class:`~kvpool.node.daemon.Daemon` starts the server, the admin HTTP
-and the cluster agent, in that order.  If a step fails, what the earlier steps opened is
-closed again (the arena and the journal are kept, as after a crash).
+Nothing is served yet: :class:`~kvpool.node.daemon.Daemon` starts the server (its Unix
+socket), the admin HTTP and the cluster agent, in that order.  If a step fails, what the
+earlier steps opened is closed again (the arena and the journal are kept, as after a
+crash).  What a failure after the commit leaves (the cluster agent's registration in etcd
+refused) is the node's files in this release's formats, as a crash would.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +51,7 @@ from kvpool.config import NodeConfig
 from kvpool.directory import DirectoryWriter
 from kvpool.errors import ConfigError
 from kvpool.node.sealing import seal_replayed
-from kvpool.node.server import NodeServer
+from kvpool.node.server import NodeServer, bind_tcp
 from kvpool.node.services import StoreChanges
 from kvpool.store.accounts import Accounts
 from kvpool.store.arena import Arena, NodeDirLock
@@ -49,7 +62,7 @@ from kvpool.store.journal import Journal
 from kvpool.store.leases import LeaseLedger
 from kvpool.store.policies import new_policy
 from kvpool.tenants import Registry
-from kvpool.tiers.build import open_lower_tiers
+from kvpool.tiers.build import commit_lower_tiers, open_lower_tiers
 from kvpool.tiers.chain import LowerTiers, Tiers
 from kvpool.tiers.tier import RemoteSource
 from kvpool.tls import CertFiles
@@ -98,6 +111,8 @@ class Node:
 
     config: NodeConfig  # with the cluster's identity, when a tenants file gives one
     tls: CertFiles | None  # the data port's and the admin HTTP's (reloaded in place)
+    tcp: socket.socket  # the data port's listener, bound (the server serves it)
+    admin: socket.socket  # the admin HTTP's listener, bound
     lock: NodeDirLock
     arena: Arena
     directory: DirectoryWriter
@@ -116,8 +131,21 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
     credentials = read_credentials(config)
     config = credentials.config
     with contextlib.ExitStack() as undo:
+        # Open and check: nothing of the node's files is written.
         lock = NodeDirLock(config.node_dir)
         undo.callback(lock.release)
+        events = open_events(config, credentials.tenants)
+        if events is not None:
+            undo.callback(events.close)
+        kthena = open_kthena(config)
+        if kthena is not None:
+            undo.callback(kthena.close)
+        lower = await open_lower_tiers(config, events)
+        undo.callback(lower.close)
+        tcp = bind_tcp(config.host, config.port)
+        undo.callback(tcp.close)
+        admin = bind_tcp(config.admin_host, config.admin_port)
+        undo.callback(admin.close)
         arena = Arena(
             config.arena_path,
             config.memory_bytes,
@@ -126,8 +154,6 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             dir_fd=lock.fd,
         )
         undo.callback(arena.close)
-        directory = DirectoryWriter(config.directory_path, arena.num_bytes, arena.arena_id)
-        undo.callback(directory.close, remove=True)
         journal = Journal(
             config.journal_path,
             arena.dev,
@@ -135,23 +161,17 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             arena.num_bytes,
             fresh=config.fresh or not arena.is_kept,
             dir_fd=lock.fd,
+            deferred=True,
         )
         undo.callback(journal.close)
         seal_replayed(journal.replayed, arena)
-        events = open_events(config, credentials.tenants)
-        if events is not None:
-            undo.callback(events.close)
-        kthena = open_kthena(config)
-        if kthena is not None:
-            undo.callback(kthena.close)
-        lower = await open_lower_tiers(config, arena, events)
-        undo.callback(lower.close)
-        # Every file's format was read and accepted: each is migrated in place now, so that
-        # a refusal leaves every file as it was (kvpool.formats).
-        arena.stamp()
-        journal.stamp()
-        if lower.disk is not None:
-            lower.disk.stamp()
+        # Commit: every check has passed.  Each file is migrated in place and opened for
+        # writing now, so that a refusal leaves every file as it was (kvpool.formats).
+        directory = DirectoryWriter(config.directory_path, arena.num_bytes, arena.arena_id)
+        undo.callback(directory.close, remove=True)
+        arena.commit()
+        journal.commit()
+        lower = await commit_lower_tiers(lower, arena)
         # One lease ledger for every hold: the store's reservations, pins and write areas,
         # and the prefetch holds.
         ledger = LeaseLedger(config.leases)
@@ -191,11 +211,25 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             tenants=credentials.tenants,
             tls=credentials.tls,
             attach_engine=kthena.attach if kthena is not None else None,
+            tcp=tcp,
         )
         undo.pop_all()
     tls = credentials.tls
     return Node(
-        config, tls, lock, arena, directory, journal, events, kthena, lower, store, cluster, server
+        config,
+        tls,
+        tcp,
+        admin,
+        lock,
+        arena,
+        directory,
+        journal,
+        events,
+        kthena,
+        lower,
+        store,
+        cluster,
+        server,
     )
 
 

@@ -58,7 +58,7 @@ class Daemon:
             self._is_serving = True
             await node.server.start()
             self._admin, self.admin_port = await start_admin(
-                node.server, self.config.admin_host, self.config.admin_port, self.is_ready, node.tls
+                node.server, node.admin, self.is_ready, node.tls
             )
             if node.cluster is not None:
                 await node.cluster.start(node.server.tcp_address, self.admin_port)
@@ -130,6 +130,8 @@ class Daemon:
         if self._admin is not None:
             await self._admin.cleanup()
             self._admin = None
+        node.admin.close()  # bound at start, served or not
+        node.tcp.close()
         if self._is_serving:
             self._is_serving = False
             await node.server.stop()

@@ -99,11 +99,15 @@ class NodeServer:
         tenants: Registry | None = None,
         tls: CertFiles | None = None,
         attach_engine: Callable[[bytes, EngineRef], bool] | None = None,
+        tcp: socket.socket | None = None,
     ):
         """``changes``: what the store tells the keys that changed (built with it, as
         ``BlockStore(on_change=changes.notify)``), which waiting lookups are parked on.  The
-        store's account ledger (``store.accounts``) is the node's."""
+        store's account ledger (``store.accounts``) is the node's.  ``tcp``: the data port's
+        listener, bound already (:func:`bind_tcp`: a port in use refuses the start before
+        anything is written), else bound by :meth:`start`."""
         self.config = config
+        self._tcp = tcp
         self.tenants = tenants
         self.tls = tls  # the TCP listener's TLS (the Unix socket stays local, in the clear)
         self.store = store
@@ -175,9 +179,7 @@ class NodeServer:
         self.identity.unix_binding = auth.unix_binding(bound.st_dev, bound.st_ino, os.geteuid())
         unix.listen(512)
         unix.setblocking(False)
-        tcp = socket.create_server(
-            (self.config.host, self.config.port), family=_family(self.config.host), backlog=512
-        )
+        tcp = self._tcp or bind_tcp(self.config.host, self.config.port)
         tcp.setblocking(False)
         self.identity.tcp_port = tcp.getsockname()[1]
         self._listeners = [unix, tcp]
@@ -463,6 +465,11 @@ def _heap_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free one)."""
+    return socket.create_server((host, port), family=_family(host), backlog=512)
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -20,8 +20,10 @@ Rules:
   the format version, the release that wrote it and the arena's size.  A header of a
   version this release does not read, or one that fails its checksum, is refused at start
   (:class:`~kvpool.errors.FormatError`), before a byte changes.  An arena of the previous
-  format (0.1.0's, no header page) is migrated in place by :meth:`Arena.stamp`, once every
-  other file of the node was accepted too: the page is written, nothing else moves.
+  format (0.1.0's, no header page) is migrated in place by :meth:`Arena.commit`, once every
+  other check of the start has passed: the page is added and written, nothing else moves.
+  Until then a kept arena is mapped as it is, its length, contents and mode untouched, so
+  that a start refused later leaves it as it found it (an earlier release still adopts it).
 - The whole size is allocated up front (``posix_fallocate``): a size the host cannot give
   is refused at start with a clear message, never discovered later as a SIGBUS.
 - Its page tables are populated as it is mapped, or behind the daemon for an arena past
@@ -98,8 +100,13 @@ class Arena:
         # The caller holds the node directory lock: what is here was left by an earlier daemon.
         size = self._size()
         if size is not None and (fresh or size not in (self.num_bytes, file_bytes)):
+            # Replaced (asked for, or another size): room for the new one counting the old
+            # one's, checked before the old one goes.
+            _check_free_space(path.parent, file_bytes - size)
             self._unlink()
-        self.is_kept = self._size() is not None
+            size = None
+        self.is_kept = size is not None
+        self._kept_bytes = size or 0
         if not self.is_kept:
             _check_free_space(path.parent, file_bytes)
         fd = open_in(dir_fd, self._name, os.O_RDWR | os.O_CREAT, ARENA_MODE)
@@ -111,14 +118,14 @@ class Arena:
             os.close(fd)
             raise
         try:
-            os.fchmod(fd, ARENA_MODE)
             try:
-                if self.is_kept and _is_allocated(fd, self.num_bytes):
-                    # Its blocks' memory is there (the previous format's arena lacks only
-                    # its header page): the page alone, not a walk over every page.
-                    os.posix_fallocate(fd, self.num_bytes, HEADER_BYTES)
-                elif not self.is_kept or not _is_allocated(fd, file_bytes):
+                if not self.is_kept:
+                    os.fchmod(fd, ARENA_MODE)
                     os.posix_fallocate(fd, 0, file_bytes)
+                elif not _is_allocated(fd, self._kept_bytes):
+                    # Its blocks' memory, within the length it has (the header page of an
+                    # arena of the previous format is added by commit()).
+                    os.posix_fallocate(fd, 0, self._kept_bytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise ConfigError(
@@ -142,9 +149,16 @@ class Arena:
         self._fd = fd
         self.view = memoryview(self._mmap)
 
-    def stamp(self) -> None:
-        """Stamp a kept arena with this release's format (migrating it in place, O(1))."""
-        if self.found is not None and self.found != Stamp(ARENA.version, RELEASE):
+    def commit(self) -> None:
+        """Once every check of the start has passed: stamp a kept arena with this release's
+        format (migrating it in place, O(1): the header page added and written), and give
+        it the arena's mode."""
+        if not self.is_kept:
+            return
+        os.fchmod(self._fd, ARENA_MODE)
+        if self._kept_bytes < self.num_bytes + HEADER_BYTES:
+            os.posix_fallocate(self._fd, self.num_bytes, HEADER_BYTES)
+        if self.found != Stamp(ARENA.version, RELEASE):
             _write_header(self._fd, self.num_bytes)
 
     def _size(self) -> int | None:

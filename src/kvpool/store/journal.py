@@ -475,9 +475,12 @@ class Journal:
         *,
         fresh: bool = False,
         dir_fd: int | None = None,
+        deferred: bool = False,
     ):
         """``dir_fd``: the node directory's descriptor, which the journal's files are
-        opened relative to, never through a symbolic link (None: by ``path``)."""
+        opened relative to, never through a symbolic link (None: by ``path``).  With
+        ``deferred``, the journal is only read until :meth:`commit` (a node's start: nothing
+        is written until every check has passed)."""
         self.path = path
         self._dir_fd = dir_fd
         self._name = path.name if dir_fd is not None else str(path)
@@ -501,20 +504,35 @@ class Journal:
         self._block_record_bytes = record_bytes(b"k" * 48)
         self._label_bytes: dict[bytes, int] = {}
         self._label_total = 0
-        self._unlink(self._name + ".new")  # a compaction a crash cut short
+        self._fd = -1  # open for appends (_open_for_appends)
         if not fresh:
-            self.replayed = self._replay()
+            self.replayed = self._replay()  # read only: a refused start changes nothing
         if self._valid_bytes:
-            self._fd = open_in(self._dir_fd, self._name, os.O_WRONLY)
-            os.ftruncate(self._fd, self._valid_bytes)  # drop a torn tail: append after it
-            os.lseek(self._fd, 0, os.SEEK_END)
             self.num_records = self.replayed.num_records
             self.num_bytes = self._valid_bytes
             self._count_labels(self.replayed.labels)
         else:
-            self._fd = self._create(self._name)
             self.num_records = 1
             self.num_bytes = FILE_HEADER_BYTES + len(_stamp_record())
+        if not deferred:
+            self._open_for_appends()
+
+    def commit(self) -> None:
+        """A journal opened ``deferred``, once every check of the start has passed: open it
+        for appends, then stamp it with this release's format (:meth:`stamp`)."""
+        self._open_for_appends()
+        self.stamp()
+
+    def _open_for_appends(self) -> None:
+        """Drop a compaction a crash cut short and the torn tail replay stopped at (or start
+        a new journal), and append from there."""
+        self._unlink(self._name + ".new")
+        if self._valid_bytes:
+            self._fd = open_in(self._dir_fd, self._name, os.O_WRONLY)
+            os.ftruncate(self._fd, self._valid_bytes)  # drop a torn tail: append after it
+            os.lseek(self._fd, 0, os.SEEK_END)
+        else:
+            self._fd = self._create(self._name)
 
     def _create(self, name: str) -> int:
         """A new journal file: its header, then a STAMP naming this release."""
@@ -540,8 +558,8 @@ class Journal:
 
     def stamp(self) -> None:
         """Bring the journal this daemon adopted to this release's format, in place (rule
-        8; the node calls it once every other file was accepted too): a STAMP naming this
-        release, then, for format 1, the header.  A crash between the two leaves a format-1
+        8; :meth:`commit` calls it once every check of the start has passed): a STAMP naming
+        this release, then, for format 1, the header.  A crash between the two leaves a format-1
         header before a STAMP, which replay reads as well."""
         found = self.found
         if found is None or found == Stamp(JOURNAL.version, RELEASE):

@@ -1,10 +1,15 @@
 """The node's lower tiers, built from its configuration in one place: the disk tier (and
 the write-back that feeds it from DRAM), and the object store below it.
 
+Two steps, as a node starts (:mod:`kvpool.node.build`): :func:`open_lower_tiers` opens
+and checks them and writes nothing (a start refused later leaves their files as they
+were); :func:`commit_lower_tiers`, once every check of the start has passed, writes what
+opening them needs written and starts them.
+
 Order of construction, so that no hook is assigned afterwards: the object tier first (the
 disk hands it the segments it evicts), then the disk (re-indexing its segments, on a
-thread), then the write-back over the disk; each is given the KV-event sink, if any.  The
-store is built next with ``spill=lower.writeback``, and the chain over both with
+thread), then (at commit) the write-back over the disk; each is given the KV-event sink, if
+any.  The store is built next with ``spill=lower.writeback``, and the chain over both with
 ``Tiers(store, arena, lower, holds, remote)``.
 """
 
@@ -22,13 +27,10 @@ from kvpool.tiers.tier import Tier, TierEvents
 from kvpool.tiers.writeback import WriteBack
 
 
-async def open_lower_tiers(
-    config: NodeConfig, arena: Arena, events: TierEvents | None = None
-) -> LowerTiers:
-    """The tiers below DRAM that ``config`` asks for, open and running (the object tier's
-    threads started; the write-back's starts with ``Tiers.start``).  With ``fresh``, the
-    disk tier's files are removed first, once it holds its directory.  Blocking work runs
-    on a thread."""
+async def open_lower_tiers(config: NodeConfig, events: TierEvents | None = None) -> LowerTiers:
+    """The tiers below DRAM that ``config`` asks for, open and checked (the disk's
+    directory and files, the bucket's answer), with nothing written yet.  Blocking work
+    runs on a thread."""
     if not config.disk.path:
         return LowerTiers()
     loop = asyncio.get_running_loop()
@@ -39,15 +41,36 @@ async def open_lower_tiers(
     disk = await loop.run_in_executor(
         None,
         lambda: DiskTier(
-            path, config.disk.capacity, below=objects, events=events, fresh=config.fresh
+            path,
+            config.disk.capacity,
+            below=objects,
+            events=events,
+            fresh=config.fresh,
+            deferred=True,
         ),
     )
     chain: list[Tier] = [disk]
     if objects is not None:
         try:
-            await loop.run_in_executor(None, objects.start)
+            await loop.run_in_executor(None, objects.check)
         except BaseException:
             disk.close()
             raise
         chain.append(objects)
-    return LowerTiers(chain, WriteBack(disk, arena), disk)
+    return LowerTiers(chain, None, disk)
+
+
+async def commit_lower_tiers(lower: LowerTiers, arena: Arena) -> LowerTiers:
+    """Once every check of the start has passed: the disk writes what opening it needs
+    (:meth:`DiskTier.commit`), the object tier starts (its staging emptied, its threads
+    running), and the write-back over the disk is built (its thread starts with
+    ``Tiers.start``)."""
+    disk = lower.disk
+    if disk is None:
+        return lower
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, disk.commit)
+    for tier in lower.chain:
+        if isinstance(tier, ObjectTier):
+            await loop.run_in_executor(None, tier.start)
+    return LowerTiers(lower.chain, WriteBack(disk, arena), disk)
