@@ -285,6 +285,20 @@ def test_rule16_clients_reads_and_writes_are_sampled_the_nodes_own_are_not(store
     assert store.lookup([key(3)]) == (1, False)
 
 
+def test_rule19_a_leaving_store_admits_no_clients_block_and_its_own_go_on(store):
+    put(store, [key("before")])
+    store.leave()
+    result = store.reserve([key("late"), key("before")], [PAGE_BYTES, PAGE_BYTES], owner=1)
+    assert result.statuses == [Status.REFUSED, Status.REFUSED] and result.reservation_id == 0
+    assert store.reserve_area(4 * PAGE_BYTES, owner=1) is None
+    promoted = store.reserve([key("up")], [PAGE_BYTES], owner=0, held=True)  # a promotion
+    assert promoted.statuses == [Status.OK]
+    store.abort(promoted.reservation_id, 0)
+    assert store.lookup([key("before")])[0] == 1  # what it held, it still serves
+    store.leave(False)
+    assert store.reserve([key("late")], [PAGE_BYTES], owner=1).statuses == [Status.OK]
+
+
 def test_batches_land_contiguously(store):
     result = store.reserve([key(i) for i in range(4)], [PAGE_BYTES] * 4, owner=1, lease_s=30)
     offsets = [b.offset for b in result.blocks]

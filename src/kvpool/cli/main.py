@@ -96,15 +96,34 @@ def drain(
     deadline: Annotated[
         float, typer.Option(help="With --to: seconds the handoff may take at most.")
     ] = 60.0,
+    discard_unplaced: Annotated[
+        bool,
+        typer.Option(
+            "--discard-unplaced",
+            help="With --to: empty the node even if some blocks could not be handed over "
+            "(by default it is then kept, serving, and the exit status is 1).",
+        ),
+    ] = False,
 ) -> None:
     """Stop a node and empty it: its arena, journal and disk tier go.  With --to, it first
-    hands its blocks to the nodes that stay (a node leaving the cluster: decommission)."""
+    hands every block it holds (DRAM, disk, and what is written meanwhile) to the nodes
+    that stay (a node leaving the cluster: decommission), and is emptied only if all were
+    placed; exit status 1 if some were not."""
     from kvpool.cli.status import hand_off, stop_node
 
     if to:
         targets = [t.strip() for t in to.split(",") if t.strip()]
-        hand_off(address, targets, parse_size(rate), deadline)
+        placed = hand_off(address, targets, parse_size(rate), deadline, seal=not keep)
+        if not placed and not discard_unplaced and not keep:
+            typer.echo(
+                "not every block was placed: the node is kept, serving; run the drain "
+                "again, or add --discard-unplaced to empty it anyway",
+                err=True,
+            )
+            raise typer.Exit(1)
     stop_node(address, drain=not keep)
+    if to and not placed:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -290,9 +290,12 @@ def show_status(
         console.print(namespace_table(up))
 
 
-def hand_off(address: str | None, targets: list[str], rate_bytes: int, deadline_s: float) -> None:
-    """Ask a node to hand its blocks to ``targets`` and wait until it has (or its deadline
-    passed); say what moved."""
+def hand_off(
+    address: str | None, targets: list[str], rate_bytes: int, deadline_s: float, *, seal: bool
+) -> bool:
+    """Ask a node to hand every block it holds to ``targets`` and wait until it has (or its
+    deadline passed; ``seal``: then take no more writes); say what moved and what did not.
+    Whether every block was placed."""
     from kvpool.client import ops
 
     options: dict[str, Any] = {} if address is None else {"address": address}
@@ -301,14 +304,20 @@ def hand_off(address: str | None, targets: list[str], rate_bytes: int, deadline_
         node = client._require_local()
         node_id = node.welcome.node_id
         result = node.call(
-            lambda _: ops.handoff(node_id, targets, rate_bytes, deadline_s),
+            lambda _: ops.handoff(node_id, targets, rate_bytes, deadline_s, seal),
             deadline_s + config.timeout_s + WRITE_THROUGH_TIMEOUT_S,
         )
-    Console(stderr=True).print(
-        f"handed {result.num_blocks} blocks ({format_size(result.num_bytes)}) to "
-        f"{len(targets)} node(s) in {result.elapsed_ms / 1000:.1f} s; "
-        f"{result.num_failed} failed, {result.num_left} left at the deadline"
+    console = Console(stderr=True)
+    console.print(
+        f"handed {result.num_blocks} blocks ({format_size(result.num_bytes)}; "
+        f"{result.num_from_disk} from disk) to {len(targets)} node(s) in "
+        f"{result.elapsed_ms / 1000:.1f} s; {result.num_failed} failed, "
+        f"{result.num_left} left at the deadline; {result.num_written} written meanwhile"
     )
+    placed = result.num_failed == 0 and result.num_left == 0
+    if seal and placed and result.is_sealed:
+        console.print("every block is placed; the node takes no more writes")
+    return placed
 
 
 def stop_node(address: str | None, *, drain: bool) -> None:

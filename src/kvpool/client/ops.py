@@ -443,15 +443,17 @@ def shutdown(node_id: str, drain: bool) -> Op_[None]:
 
 
 def handoff(
-    node_id: str, targets: Sequence[str], rate_bytes: int, deadline_s: float
+    node_id: str, targets: Sequence[str], rate_bytes: int, deadline_s: float, seal: bool = False
 ) -> Op_[HandoffResponse]:
-    """Ask the node to hand its blocks to ``targets`` (an operator's call); its answer
-    comes when the handoff is done, at its deadline at the latest."""
+    """Ask the node to hand its blocks to ``targets`` (an operator's call; ``seal``: then
+    stop taking writes, if every block was placed); its answer comes when the handoff is
+    done, at its deadline at the latest."""
     request = HandoffRequest(
         node_id=node_id,
         targets=list(targets),
         rate_bytes=rate_bytes,
         deadline_ms=max(1, int(deadline_s * 1000)),
+        seal=seal,
     )
     yield Request(Op.HANDOFF, request)
     response, _ = yield Recv(Op.HANDOFF, HandoffResponse)

@@ -356,7 +356,7 @@ class NodeServer:
         )
 
     async def handoff(
-        self, targets: list[str], rate_bytes: int, deadline_s: float
+        self, targets: list[str], rate_bytes: int, deadline_s: float, seal: bool = False
     ) -> HandoffResult:
         """Hand this node's blocks to ``targets`` (:mod:`kvpool.node.handoff`), one handoff
         at a time."""
@@ -375,10 +375,16 @@ class NodeServer:
             if address == self.tcp_address or address.startswith("unix:"):
                 raise BadRequest(f"handoff target {target!r}: another node's TCP address")
             members.append(known.get(address) or Member(node_id=address, tcp_address=address))
-        handoff = Handoff(self.store, self.arena, peer_client_config(self.config), members)
+        handoff = Handoff(
+            self.store,
+            self.arena,
+            peer_client_config(self.config),
+            members,
+            disk=self.tiers.lower.disk,
+        )
         self._handing_off = True
         try:
-            return await handoff.run(rate_bytes, deadline_s)
+            return await handoff.run(rate_bytes, deadline_s, seal=seal)
         finally:
             self._handing_off = False
 

@@ -271,7 +271,7 @@ class SessionServices:
     stats: Callable[[Tenant | None], NodeStats]  # the node's (or a tenant's) statistics
     shutdown: Callable[[bool], None]  # a client asked the node to stop (True: drain it)
     # An operator asked the node to hand its blocks to other nodes (targets, rate, deadline).
-    handoff: Callable[[list[str], int, float], Awaitable[HandoffResult]]
+    handoff: Callable[[list[str], int, float, bool], Awaitable[HandoffResult]]
     refusals: Refusals = field(default_factory=Refusals)
     # An engine that loads a namespace's blocks said so (kvpool.node.kthena); None: the
     # node tells no router of engines.  False: past its bounds.

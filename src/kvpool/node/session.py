@@ -795,7 +795,7 @@ class Session:
             raise BadRequest(f"handoff of node {req.node_id!r} sent to {node_id!r}")
         log.warning("handoff to %s requested by %s", ",".join(req.targets), self.peer)
         result = await self.services.handoff(
-            list(req.targets), req.rate_bytes, req.deadline_ms / 1000
+            list(req.targets), req.rate_bytes, req.deadline_ms / 1000, req.seal
         )
         response = msg.HandoffResponse(
             num_blocks=result.num_blocks,
@@ -803,6 +803,9 @@ class Session:
             num_failed=result.num_failed,
             num_left=result.num_left,
             elapsed_ms=int(result.elapsed_s * 1000),
+            num_from_disk=result.num_from_disk,
+            num_written=result.num_written,
+            is_sealed=result.is_sealed,
         )
         await self._reply(header, Op.HANDOFF, response)
 

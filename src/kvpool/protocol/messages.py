@@ -374,21 +374,27 @@ class ShutdownRequest(Message):
 
 
 class HandoffRequest(Message):
-    """Hand the node's blocks, hottest first, each to its home among ``targets`` (TCP
-    addresses of other nodes), at most ``rate_bytes`` a second, until ``deadline_ms``."""
+    """Hand the node's blocks (DRAM hottest first, then its disk's, then those written
+    meanwhile), each to its home among ``targets`` (TCP addresses of other nodes), at most
+    ``rate_bytes`` a second, until ``deadline_ms``; with ``seal``, then stop taking writes
+    if every block was placed (a drain about to empty the node)."""
 
     node_id: Name  # the node meant (as its Welcome said)
     targets: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=64)]
     rate_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=1 << 40)] = 256 << 20
     deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 60_000
+    seal: bool = False
 
 
 class HandoffResponse(Message):
     num_blocks: int  # stored at their homes (or already there)
     num_bytes: int
-    num_failed: int  # a target refused them or did not answer in time
-    num_left: int  # not tried: the deadline came first
+    num_failed: int  # a target refused them or did not answer in time (or unverified)
+    num_left: int  # still held, not tried: the deadline came first
     elapsed_ms: int
+    num_from_disk: int = 0  # of the handed, read from the disk tier
+    num_written: int = 0  # blocks written to the node while the handoff ran
+    is_sealed: bool = False  # every block placed, and the node takes no more writes
 
 
 class NodeStats(Message):

@@ -47,6 +47,11 @@ Rules (each has a test in tests/store/test_pool.py):
 18. The clients' reads (pins, directory reads) and writes (commits) are the accesses
     :class:`~kvpool.store.reuse.ReuseSampler` samples; the node's own (promotions, the
     pins of its write-through) are not.
+19. A store that is leaving (a drain handing its blocks to other nodes: :meth:`leave`)
+    admits no new block of a client's: every key of a reserve or a placement is REFUSED (a
+    value: the writer's block is simply not kept here) and no write area is granted; the
+    node's own reservations (promotions, ``held``) go on.  ``leave(False)`` takes writes
+    again (a drain that could not place everything).
 """
 
 from __future__ import annotations
@@ -131,6 +136,7 @@ class BlockStore:
         self.limits = self.ledger.limits
         self.clock = self.ledger.clock
         self.counters = StoreCounters()
+        self.is_leaving = False  # rule 19
         self.namespaces = NamespaceTable()
         self.on_change = on_change
         self.accounts = accounts if accounts is not None else Accounts()
@@ -241,6 +247,8 @@ class BlockStore:
         node's own copies, which always end in commit or abort)."""
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
+        if self.is_leaving and not held:
+            return ReserveResult(0, [Status.REFUSED] * len(keys), [None] * len(keys))
         statuses, wanted = self._admit(keys, sizes)
         evictions = self.counters.evictions
         offsets = self.space.allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
@@ -267,8 +275,15 @@ class BlockStore:
         return self.quotas is not None and bool(keys) and self.quotas.room(keys[0], num_bytes) > 0
 
     def reserve_area(self, num_bytes: int, owner: int, lease_s: float = 0.0) -> Area | None:
-        """A write area for ``owner`` (rule 14: see :mod:`kvpool.store.areas`)."""
+        """A write area for ``owner`` (rule 14: see :mod:`kvpool.store.areas`); none while
+        the store is leaving (rule 19)."""
+        if self.is_leaving:
+            return None
         return self.areas.grant(num_bytes, owner, lease_s)
+
+    def leave(self, is_leaving: bool = True) -> None:
+        """Stop admitting clients' new blocks (rule 19), or admit them again."""
+        self.is_leaving = is_leaving
 
     def place(
         self, area_id: int, keys: Sequence[bytes], sizes: Sequence[int], owner: int, keep: bool
@@ -279,6 +294,10 @@ class BlockStore:
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         places = self.areas.take_front(area_id, owner, sizes, keep=keep)
+        if self.is_leaving:
+            for place in places:
+                self.allocator.free(place)
+            return ReserveResult(0, [Status.REFUSED] * len(keys), [None] * len(keys))
         statuses, wanted = self._admit(keys, sizes)
         for i, status in enumerate(statuses):
             if status is not Status.OK:

@@ -167,6 +167,11 @@ class KeyIndex(Generic[L]):
     def __len__(self) -> int:
         return len(self._index)
 
+    def held_keys(self) -> list[bytes]:
+        """Every key held now (a snapshot: O(blocks held), for a drain, never a request)."""
+        with self._lock:
+            return list(self._index)
+
     def _stats(self, name: str, capacity: int, used_bytes: int, **moved: int) -> TierStats:
         """The tier's :class:`~kvpool.stats.TierStats`: what it holds (from the index), and
         ``moved``, its counters of what went through it."""
