@@ -1,8 +1,9 @@
 """A TCP proxy on loopback in front of a real server (the S3 server, Redis), for faults a
 test needs at an exact moment: it passes bytes both ways as they come, and on demand holds
 what a client sends from the first occurrence of a pattern (the request line of one kind of
-request: an S3 PUT of an index object) until released, or delays every reply by a fixed
-time (a slow server).  Nothing in the bytes is changed."""
+request: an S3 PUT of an index object) until released, holds every reply (a client that
+stops reading), or delays every reply by a fixed time (a slow server).  Nothing in the
+bytes is changed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class GateProxy:
         self._pattern: bytes | None = None
         self._open = threading.Event()
         self._open.set()
+        self._replies_open = threading.Event()
+        self._replies_open.set()
         self.held = threading.Event()  # set once a client's bytes are held at the pattern
         self.reply_delay_s = 0.0
         self._sockets: list[socket.socket] = []
@@ -41,9 +44,15 @@ class GateProxy:
         self._pattern = pattern
         self._open.clear()
 
+    def hold_replies(self) -> None:
+        """From now on read nothing more from the server (its sends fill the sockets' buffers
+        and then wait, as for a client that stopped reading) until :meth:`release`."""
+        self._replies_open.clear()
+
     def release(self) -> None:
         self._pattern = None
         self._open.set()
+        self._replies_open.set()
 
     def close(self) -> None:
         self._closed = True
@@ -98,7 +107,7 @@ class GateProxy:
 
     def _replies(self, src: socket.socket, dst: socket.socket) -> None:
         try:
-            while data := src.recv(CHUNK):
+            while self._replies_open.wait() and (data := src.recv(CHUNK)):
                 if self.reply_delay_s:
                     time.sleep(self.reply_delay_s)
                 dst.sendall(data)

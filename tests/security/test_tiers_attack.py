@@ -329,3 +329,83 @@ def test_a_block_deleted_on_its_way_to_disk_does_not_land_there(tmp_path):
     assert disk.contains([blocks[0].key, blocks[1].key]) == [True, False]
     disk.close()
     arena.close(remove=True)
+
+
+# -- reads larger than DRAM: the staging memory ----------------------------------------------
+
+
+def test_a_tenant_that_never_reads_its_gets_holds_only_its_share_of_the_stages(
+    start_node, tmp_path
+):
+    """From the attacker's side: tenant alpha (4 MiB quota) opens 18 GETs of its own blocks
+    on disk (each more than a stage) and stops reading their replies (a proxy that holds
+    them, as a client that stops reading).  Beta's read of 16 of its own disk blocks gets
+    all 16 meanwhile (before the fix: 8, alpha's stalled replies held the node's whole
+    staging budget); alpha holds at most its share of the stages, and its stalled replies
+    give them back within their send bound (their connections closed)."""
+    import threading
+
+    from kvpool.store.accounts import MIN_STAGED_SHARE
+    from kvpool.tiers.chain import MAX_STAGED_BYTES, STAGE_SEND_S
+    from tests.proxy import GateProxy
+    from tests.security.tenants import CLUSTER, TenantsFile, client
+
+    tenants = TenantsFile(tmp_path / "tenants.toml")
+    alpha = tenants.add("alpha", quota="4MiB")[0]
+    beta = tenants.add("beta", quota="12MiB")[0]
+    tenants.write()
+    node = start_node(
+        name="stages",
+        memory="32MiB",
+        extra=["--tenants", str(tenants.path), "--disk", str(tmp_path / "disk"),
+               "--disk-size", "256MiB", "--scrub-rate", "0"],
+    )  # fmt: skip
+    size = 1 << 20
+    with client(node.tcp_address, alpha) as a, client(node.tcp_address, beta) as b:
+        alpha_keys = fill(a, "alpha-stage", 48, size=size, pause=0.02)
+        beta_keys = fill(b, "beta-stage", 32, size=size, pause=0.02)
+        with client(node.tcp_address, CLUSTER) as operator:
+            wait_written(operator, operator.stats().evictions, timeout=30)
+        alpha_below = [k for k in alpha_keys if a.lookup_state([k]).tiers == bytes([TIER_DISK])]
+        beta_below = [k for k in beta_keys if b.lookup_state([k]).tiers == bytes([TIER_DISK])]
+    assert len(alpha_below) >= 20 and len(beta_below) >= 16
+
+    proxy = GateProxy(int(node.tcp_address.rsplit(":", 1)[1]))
+    stalled = [client(f"127.0.0.1:{proxy.port}", alpha) for _ in range(18)]
+    outcomes: list[object] = []
+    try:
+        for c in stalled:
+            c.health()  # connected and authenticated before the replies are held
+        proxy.hold_replies()
+
+        def read_and_stall(c) -> None:
+            try:
+                outcomes.append(c.get(alpha_below[:20]).num_found)
+            except Exception as exc:  # closed by the node: what a stalled reader gets
+                outcomes.append(exc)
+
+        threads = [threading.Thread(target=read_and_stall, args=(c,)) for c in stalled]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)  # the node has begun to answer every one of them
+        with client(node.tcp_address, beta) as b, client(node.tcp_address, CLUSTER) as op:
+            got = b.get(beta_below[:16])
+            assert got.num_found == 16, f"beta got {got.num_found} of 16 of its blocks"
+            for k, v in zip(beta_below[:16], got.values, strict=True):
+                assert bytes(v) == content(k, size).tobytes()
+            usage = {row.tenant: row.used for row in op.stats().accounts}
+            assert usage["alpha"]["staged_bytes"] <= max(
+                MIN_STAGED_SHARE, MAX_STAGED_BYTES * 4 // 16
+            ), usage["alpha"]
+            deadline = time.monotonic() + STAGE_SEND_S + 10
+            while usage["alpha"]["staged_bytes"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+                usage = {row.tenant: row.used for row in op.stats().accounts}
+            assert usage["alpha"]["staged_bytes"] == 0, "a stalled reader kept its stage"
+    finally:
+        proxy.release()
+        for thread in threads:
+            thread.join(30)
+        for c in stalled:
+            c.close()
+        proxy.close()

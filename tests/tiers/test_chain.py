@@ -202,21 +202,50 @@ def test_a_read_larger_than_dram_is_served_from_below_in_bounded_stages(tmp_path
         result, below = tiers.pin_for_read(keys, prefix=True, owner=1)
         in_dram = [i for i, b in enumerate(result.blocks) if b is not None]
         assert 8 <= len(in_dram) <= 16 and len(in_dram) + len(below) == len(keys)
-        stage = tiers.stage(below)
+        stage = tiers.stage(below, keys)
         assert stage is not None and len(stage) == STAGE_BYTES
         run = below[: STAGE_BYTES // size]
         views = await tiers.read_below(keys, run, stage)
         for block, view in zip(run, views, strict=True):
             assert bytes(view) == bytes(written[block.index][1])
-        others = [tiers.stage(below) for _ in range(MAX_STAGED_BYTES // STAGE_BYTES)]
+        others = [tiers.stage(below, keys) for _ in range(MAX_STAGED_BYTES // STAGE_BYTES)]
         assert others[-1] is None  # the node's bound, counted before anything is allocated
         assert tiers.staged_bytes <= MAX_STAGED_BYTES
         for taken in [stage, *others]:
             if taken is not None:
-                tiers.unstage(taken)
+                tiers.unstage(taken, keys, below)
         assert tiers.staged_bytes == 0
         tiers.store.unpin(result.pin_id)
         await tiers.stop()
 
     asyncio.run(run())
     assert tiers.stats()[1].served == STAGE_BYTES // size
+
+
+def test_overlapping_reads_of_the_same_blocks_are_each_served_them_from_below(tmp_path):
+    """Two reads larger than DRAM, of the same blocks: the second's promotion starts (and
+    finds no room again) between the first's promotion and its pin.  The first is still
+    served every block, from below what DRAM has no room for (before the fix, the second
+    promotion took the first's no-room entries: it was served only what DRAM held)."""
+    size = 1 << 20
+    disk = DiskTier(tmp_path / "disk", 128 << 20, segment_bytes=16 << 20)
+    written = disk_blocks("overlap", 48, size)
+    disk.write(written)
+    tiers = chain(tmp_path, disk)
+    keys = [k for k, _, _ in written]
+
+    async def run() -> None:
+        assert await tiers.promote(keys, prefix=True)  # the first read's promotion
+        second = asyncio.ensure_future(tiers.promote(keys, prefix=True))
+        await asyncio.sleep(0)  # the second read's promotion has started
+        result, below = tiers.pin_for_read(keys, prefix=True, owner=1)  # the first's pin
+        in_dram = [i for i, b in enumerate(result.blocks) if b is not None]
+        assert len(in_dram) + len(below) == len(keys), (len(in_dram), len(below))
+        tiers.store.unpin(result.pin_id)
+        await second
+        result, below = tiers.pin_for_read(keys, prefix=True, owner=2)  # and the second's
+        assert sum(b is not None for b in result.blocks) + len(below) == len(keys)
+        tiers.store.unpin(result.pin_id)
+        await tiers.stop()
+
+    asyncio.run(run())

@@ -50,7 +50,7 @@ from kvpool.store.accounts import Accounts
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant
-from kvpool.tiers.chain import PREFETCH_MAX_BYTES, Tiers
+from kvpool.tiers.chain import MAX_STAGED_BYTES, PREFETCH_MAX_BYTES, Tiers
 from kvpool.tls import CertFiles
 
 if TYPE_CHECKING:
@@ -273,7 +273,9 @@ class NodeServer:
         self.store.set_quotas(quotas)
         self.tiers.set_quotas(quotas)  # the same tenants' shares of the disk and the bucket
         # Their accounts: their limits, and their shares of the holds and prefetches.
-        self.accounts.set_tenants(tenants, self.tiers.holds.max_bytes, PREFETCH_MAX_BYTES)
+        self.accounts.set_tenants(
+            tenants, self.tiers.holds.max_bytes, PREFETCH_MAX_BYTES, MAX_STAGED_BYTES
+        )
 
     async def _reload_loop(self) -> None:
         while True:

@@ -79,7 +79,7 @@ from kvpool.store.accounts import NODE, Resource
 from kvpool.store.block import Area, Block
 from kvpool.store.block_store import PinResult
 from kvpool.tenants import Credential, Tenant
-from kvpool.tiers.chain import Below
+from kvpool.tiers.chain import STAGE_SEND_S, Below
 from kvpool.tiers.writeback import MAX_BACKPRESSURE_S
 
 log = logging.getLogger("kvpool.node")
@@ -590,14 +590,14 @@ class Session:
         in_time = await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
         result, below = tiers.pin_for_read(req.keys, req.prefix, self.owner, in_time=in_time)
         tiers.note_read(result.blocks)
-        stage = tiers.stage(below)
+        stage = tiers.stage(below, req.keys)
         try:
             await self._send_blocks(header, req.keys, result, below, stage)
         finally:
             if result.pin_id:
                 self.store.unpin(result.pin_id)
             if stage is not None:
-                tiers.unstage(stage)
+                tiers.unstage(stage, req.keys, below)
 
     async def _send_blocks(
         self,
@@ -639,7 +639,9 @@ class Session:
         stage: bytearray,
     ) -> None:
         """The payload of a reply that mixes pinned blocks and blocks from below DRAM: runs
-        of arena views as they are, runs of lower-tier blocks through ``stage``."""
+        of arena views as they are, runs of lower-tier blocks through ``stage``, each taken
+        by the reader within ``STAGE_SEND_S`` (else the connection closes: a stalled reader
+        gives its stage back)."""
         index_to_below = {b.index: b for b in below}
         views: list[memoryview] = []  # arena views not sent yet
         run: list[Below] = []  # lower-tier blocks not read yet
@@ -648,7 +650,7 @@ class Session:
             lower = index_to_below.get(i)
             if block is not None:
                 if run:
-                    await self.channel.send(await self.tiers.read_below(keys, run, stage))
+                    await self._send_staged(keys, run, stage)
                     run, run_bytes = [], 0
                 views.append(self.arena.slice(block.offset, block.size))
             elif lower is not None:
@@ -656,14 +658,24 @@ class Session:
                     await self.channel.send(views)
                     views = []
                 if run and run_bytes + lower.size > len(stage):
-                    await self.channel.send(await self.tiers.read_below(keys, run, stage))
+                    await self._send_staged(keys, run, stage)
                     run, run_bytes = [], 0
                 run.append(lower)
                 run_bytes += lower.size
         if views:
             await self.channel.send(views)
         if run:
-            await self.channel.send(await self.tiers.read_below(keys, run, stage))
+            await self._send_staged(keys, run, stage)
+
+    async def _send_staged(
+        self, keys: Sequence[bytes], run: Sequence[Below], stage: bytearray
+    ) -> None:
+        views = await self.tiers.read_below(keys, run, stage)
+        try:
+            async with asyncio.timeout(STAGE_SEND_S):
+                await self.channel.send(views)
+        except TimeoutError:
+            raise TransferTimeout("the reader did not take a stage from below DRAM") from None
 
     @contextlib.asynccontextmanager
     async def _within_lease(self, lease_s: float, what: str) -> Any:

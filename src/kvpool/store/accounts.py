@@ -18,6 +18,9 @@ Resources (:class:`Resource`):
   node's hold budget (the share its quota is of all quotas), and never more than its quota;
 - ``PREFETCH_BYTES``: bytes its prefetches are bringing up at once: its share of the
   node's in-flight budget (at least one fetch's worth);
+- ``STAGED_BYTES``: the stages its reads larger than DRAM hold, served from below DRAM a
+  stage at a time: its share of the node's staging budget (at least one stage), so that
+  another tenant's reads keep theirs however many reads it opens;
 - ``JOURNAL_BYTES``: journal bytes appended for it since the journal was last compacted
   (counted, not limited: the journal is compacted by its bytes, and what a tenant appends
   is bounded by its quota and its label changes);
@@ -56,6 +59,8 @@ from kvpool.tenants import TAG_BYTES, Tenant
 NODE = b""  # the node's own account: no tenants, the cluster's identity, the node's work
 # A tenant's share of the prefetches in flight is at least one fetch from other nodes.
 MIN_PREFETCH_SHARE = 64 << 20
+# A tenant's share of the stages of reads larger than DRAM is at least one read's stage.
+MIN_STAGED_SHARE = 8 << 20
 # A tenant's label changes come in bursts of up to one per namespace it may have.
 LABEL_BURST = MAX_NAMESPACES_PER_TAG
 
@@ -66,6 +71,7 @@ class Resource(enum.Enum):
     PARKED_KEYS = "parked_keys"
     HELD_BYTES = "held_bytes"
     PREFETCH_BYTES = "prefetch_bytes"
+    STAGED_BYTES = "staged_bytes"
     JOURNAL_BYTES = "journal_bytes"
     LABEL_CHANGES = "label_changes"
 
@@ -98,12 +104,17 @@ class Accounts:
         self._accounts: dict[bytes, _Account] = {NODE: _Account("", {})}
 
     def set_tenants(
-        self, tenants: Iterable[Tenant] | None, held_bytes: int, prefetch_bytes: int
+        self,
+        tenants: Iterable[Tenant] | None,
+        held_bytes: int,
+        prefetch_bytes: int,
+        staged_bytes: int = 0,
     ) -> None:
         """The tenants (None: none), and the node's budgets they share: ``held_bytes`` of
-        prefetch holds and ``prefetch_bytes`` in flight, each tenant the share its quota is
-        of all quotas.  What each holds is kept (rule 4); a tenant that left the file keeps
-        its account, limited no more, until what it holds is credited back."""
+        prefetch holds, ``prefetch_bytes`` in flight and ``staged_bytes`` of stages, each
+        tenant the share its quota is of all quotas.  What each holds is kept (rule 4); a
+        tenant that left the file keeps its account, limited no more, until what it holds
+        is credited back."""
         tenants = list(tenants or ())
         total_quota = sum(t.quota_bytes for t in tenants) or 1
         for tenant in tenants:
@@ -114,6 +125,7 @@ class Accounts:
                 Resource.PARKED_KEYS: self.budgets.parked_keys,
                 Resource.HELD_BYTES: min(tenant.quota_bytes, int(held_bytes * share)),
                 Resource.PREFETCH_BYTES: max(MIN_PREFETCH_SHARE, int(prefetch_bytes * share)),
+                Resource.STAGED_BYTES: max(MIN_STAGED_SHARE, int(staged_bytes * share)),
                 Resource.LABEL_CHANGES: LABEL_BURST,
             }
             account = self._accounts.get(tenant.tag)

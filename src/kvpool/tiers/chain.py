@@ -25,9 +25,15 @@ source that only prefetches ask.
   into the reply, a bounded stage at a time (:meth:`Tiers.read_below`): over the
   connection's socket, into the caller's buffers, verified as it arrives.  A reply
   announces each block's size and checksum (the tier's index has both) before its bytes; a
-  block its tier lost in between goes out as zeros, which the reader's check refuses.  At
-  most ``MAX_STAGED_BYTES`` are staged on the node at once, ``STAGE_BYTES`` (or one block)
-  per read; a read that finds none left is served what DRAM holds.
+  block its tier lost in between goes out as zeros, which the reader's check refuses.  A
+  read's stage is ``STAGE_BYTES`` (or one block); without tenants at most
+  ``MAX_STAGED_BYTES`` are staged on the node at once, with tenants each tenant's reads at
+  most its share of them (its account's ``STAGED_BYTES``: by quota, at least one stage), so
+  one tenant's reads never take another's; a read that finds no stage left is served what
+  DRAM holds.  A stage is held only while its bytes go out: a reader that does not take a
+  stage's bytes within ``STAGE_SEND_S`` loses its connection and the stage.  What found no
+  room in DRAM stays known as such until it comes up: overlapping reads of the same blocks
+  are each served them from below.
 - **Prefetch**: the same promotion, started ahead of the read for a request that is still
   queued, and below the priority of real reads: it has one I/O thread of its own where
   reads have ``READ_THREADS``, and at most ``PREFETCH_MAX_BYTES`` in flight (the rest is
@@ -59,7 +65,7 @@ from kvpool.buffers import copy_with_checksum
 from kvpool.errors import Status
 from kvpool.protocol.messages import PrefetchResponse
 from kvpool.stats import ESTIMATE_SCALES, TIER_DRAM, HitRateEstimate, PrefetchStats, TierStats
-from kvpool.store.accounts import Resource
+from kvpool.store.accounts import NODE, Resource
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block, PinResult
 from kvpool.store.block_store import BlockStore
@@ -82,7 +88,8 @@ REMOTE_FETCH_BYTES = 64 << 20  # the most one fetch from other nodes may buffer
 LOOKUP_CHUNK = 256
 MAX_NO_ROOM_KEYS = 1 << 16  # keys remembered as having found no room in DRAM
 STAGE_BYTES = 8 << 20  # a read's stage for blocks served from below DRAM (or one block)
-MAX_STAGED_BYTES = 128 << 20  # every read's stages together, at most
+MAX_STAGED_BYTES = 128 << 20  # every read's stages together, at most (shared by tenants)
+STAGE_SEND_S = 5.0  # a stage's bytes go out within this, or the connection closes
 
 # Fills reserved slots, given as ``(index, destination)``: per slot, its checksum or None.
 Fill = Callable[[list[tuple[int, memoryview]]], list[int | None]]
@@ -311,7 +318,6 @@ class Tiers:
         task = asyncio.ensure_future(self._promote_lower(wanted, lane, keep))
         for key, _, _ in wanted:
             self._promoting[key] = task
-            self._no_room.pop(key, None)
         return task
 
     async def _promote_lower(
@@ -336,6 +342,7 @@ class Tiers:
             if tier_id is not None and checksum is not None:
                 self.promoted[tier_id] += 1
                 promoted.append(key)
+                self._no_room.pop(key, None)  # found room at last
         return promoted
 
     async def _promote(
@@ -459,22 +466,34 @@ class Tiers:
                 return (*found, tier.tier_id)
         return None
 
-    def stage(self, below: Sequence[Below]) -> bytearray | None:
-        """Room to read ``below`` through, a stage at a time (None: every stage is taken:
-        the read is served what DRAM holds).  Give it back with :meth:`unstage`."""
+    def stage(self, below: Sequence[Below], keys: Sequence[bytes]) -> bytearray | None:
+        """Room to read ``below`` (blocks of ``keys``) through, a stage at a time, charged to
+        the keys' tenant (None: no stage is left for it: the read is served what DRAM
+        holds).  Give it back with :meth:`unstage`."""
         if not below:
             return None
         largest = max(b.size for b in below)
         num_bytes = max(min(STAGE_BYTES, sum(b.size for b in below)), largest)
-        # One block larger than the bound still goes when nothing else is staged: it came
-        # from this node's DRAM, so it is no larger than the arena.
-        if self.staged_bytes and self.staged_bytes + num_bytes > MAX_STAGED_BYTES:
-            return None
+        accounts = self.store.accounts
+        account = accounts.account_of(keys[below[0].index])
+        # One block larger than the bound still goes when nothing else is staged (for the
+        # node, or for the tenant): it came from this node's DRAM, so it is no larger than
+        # the arena.
+        if account == NODE:
+            if self.staged_bytes and self.staged_bytes + num_bytes > MAX_STAGED_BYTES:
+                return None
+        elif not accounts.charge(account, Resource.STAGED_BYTES, num_bytes):
+            if accounts.used(account, Resource.STAGED_BYTES):
+                return None
+            accounts.count(account, Resource.STAGED_BYTES, num_bytes)
         self.staged_bytes += num_bytes
         return bytearray(num_bytes)
 
-    def unstage(self, stage: bytearray) -> None:
+    def unstage(self, stage: bytearray, keys: Sequence[bytes], below: Sequence[Below]) -> None:
         self.staged_bytes -= len(stage)
+        account = self.store.accounts.account_of(keys[below[0].index])
+        if account != NODE:
+            self.store.accounts.credit(account, Resource.STAGED_BYTES, len(stage))
 
     async def read_below(
         self, keys: Sequence[bytes], below: Sequence[Below], stage: bytearray
