@@ -2,7 +2,7 @@
 test needs at an exact moment: it passes bytes both ways as they come, and on demand holds
 what a client sends from the first occurrence of a pattern (the request line of one kind of
 request: an S3 PUT of an index object) until released, holds every reply (a client that
-stops reading), or delays every reply by a fixed time (a slow server).  Nothing in the
+stops reading), or delays replies (every one, or those of one kind: a slow server).  Nothing in the
 bytes is changed."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class GateProxy:
         self._replies_open.set()
         self.held = threading.Event()  # set once a client's bytes are held at the pattern
         self.reply_delay_s = 0.0
+        self.delayed_replies = b""  # delay only replies that start so (b"": every one)
         self._sockets: list[socket.socket] = []
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -55,8 +56,11 @@ class GateProxy:
         self._replies_open.set()
 
     def close(self) -> None:
+        """Stop: the listener refuses connections from now on, and those open are cut."""
         self._closed = True
         self.release()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
         self._listener.close()
         for sock in self._sockets:
             with contextlib.suppress(OSError):
@@ -73,6 +77,9 @@ class GateProxy:
             try:
                 client, _ = self._listener.accept()
             except OSError:
+                return
+            if self._closed:
+                client.close()
                 return
             try:
                 server = socket.create_connection(self.target, timeout=10)
@@ -108,7 +115,7 @@ class GateProxy:
     def _replies(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while self._replies_open.wait() and (data := src.recv(CHUNK)):
-                if self.reply_delay_s:
+                if self.reply_delay_s and data.startswith(self.delayed_replies):
                     time.sleep(self.reply_delay_s)
                 dst.sendall(data)
         except OSError:

@@ -207,3 +207,94 @@ def test_engines_are_forgotten_unless_renewed() -> None:
     for i in range(64):
         assert table.attach(ns, EngineRef(pod=f"p{i}.x", model=MODEL))
     assert not table.attach(ns, EngineRef(pod="one-too-many.x", model=MODEL))
+
+
+def _refs(redis: RedisPeer, tokens: list[int]) -> list[dict[bytes, bytes]]:
+    """kvpool's counts of each Kthena block of ``tokens``: pod -> how many pool blocks."""
+    return [
+        redis.client.hgetall(f"kvpool:kthena:refs:{MODEL}@{h}") for h in kthena.block_hashes(tokens)
+    ]
+
+
+def test_a_slow_redis_changes_each_count_once(start_node: NodeFactory, redis: RedisPeer) -> None:
+    """The fault's side: Redis answers later than the sink waits (2.5 s against 2 s: a
+    proxy delays its replies) while blocks are stored, so the sink retries batches Redis has
+    applied.  Each count is still 1 (before the fix: one per try), and once the blocks are
+    deleted Kthena's entries no longer name the pod (before: a count of 1 was left, and the
+    router would send requests there for blocks nobody holds)."""
+    from tests.proxy import GateProxy
+
+    with GateProxy(redis.port) as proxy:
+        extra = ["--kthena-redis", f"redis://127.0.0.1:{proxy.port}/0"]
+        node = start_node(name="kt-slow", extra=extra)
+        ns = Namespace(model="kt-slow", block_size=BS)
+        tokens = prompt(11, 3)
+        with Client(node.unix_address) as client:
+            client.describe(ns, engine=EngineRef(pod=POD, model=MODEL))
+            warm = prompt(15, 1)  # the sink's connection open and its script loaded
+            save(client, ns, warm)
+            assert settles(redis, warm, {POD: 100}) == {POD: 100}
+            # Redis's integer replies (the scripts' results) come late: what they answer
+            # has been applied.
+            proxy.delayed_replies, proxy.reply_delay_s = b":", 2.5
+            keys = save(client, ns, tokens)
+            time.sleep(5.5)  # two tries time out, each after Redis applied it
+            proxy.reply_delay_s = 0.0
+            assert settles(redis, tokens, {POD: 100}) == {POD: 100}
+            counts = _refs(redis, tokens)
+            assert counts == [{POD.encode(): b"1"}] * 6, counts
+            client.delete(keys)
+            assert settles(redis, tokens, {}) == {}
+            assert all(not c for c in _refs(redis, tokens)), _refs(redis, tokens)
+            stats = client.stats()
+            assert stats.kthena_dropped == 0 and stats.kthena_written >= 12
+
+
+def test_drops_are_logged_and_exported(start_node: NodeFactory, redis: RedisPeer) -> None:
+    """Redis gone past the sink's retries: the changes it could not write are counted
+    (``kvpool_kthena_dropped_total``) and logged."""
+    from tests.proxy import GateProxy
+
+    proxy = GateProxy(redis.port)
+    extra = ["--kthena-redis", f"redis://127.0.0.1:{proxy.port}/0"]
+    node = start_node(name="kt-gone", extra=extra)
+    ns = Namespace(model="kt-gone", block_size=BS)
+    with Client(node.unix_address) as client:
+        client.describe(ns, engine=EngineRef(pod=POD, model=MODEL))
+        proxy.close()  # Redis unreachable from here on
+        save(client, ns, prompt(12, 2))
+        assert wait_until(lambda: client.stats().kthena_dropped >= 4, 30)
+    import urllib.request
+
+    with urllib.request.urlopen(node.info["admin"] + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    dropped = [line for line in metrics.splitlines() if line.startswith("kvpool_kthena_dropped")]
+    assert dropped and float(dropped[0].split()[-1]) >= 4, dropped
+    said = "".join(node.output)
+    assert "kthena: " in said and "dropped" in said, said[-2000:]
+
+
+def test_a_removal_takes_back_what_its_store_added(
+    start_node: NodeFactory, redis: RedisPeer
+) -> None:
+    """An engine that names itself after a block was stored is not its owner: the block's
+    removal takes back exactly the owners its store gave.  Two prompts share their second
+    block's tokens (one Kthena block, two pool blocks); the first is stored when only POD
+    loads the namespace, the second once OTHER_POD does too; deleting the first leaves the
+    second's entries whole (before the fix, the removal took back the owners of the
+    namespace at removal: OTHER_POD lost its entry for a block it still holds)."""
+    node = kthena_node(start_node, redis, name="kt-owners")
+    ns = Namespace(model="kt-owners", block_size=BS)
+    shared = prompt(14, 1)
+    first, second = prompt(13, 1) + shared, prompt(16, 1) + shared
+    with Client(node.unix_address) as client:
+        client.describe(ns, engine=EngineRef(pod=POD, model=MODEL))
+        first_keys = save(client, ns, first)
+        assert settles(redis, first, {POD: 100}) == {POD: 100}
+        client.describe(ns, engine=EngineRef(pod=OTHER_POD, model=MODEL))
+        save(client, ns, second)
+        both = {POD: 100, OTHER_POD: 100}
+        assert settles(redis, second, both) == both
+        client.delete(first_keys)
+        assert settles(redis, first, {}) == {}
+        assert kthena_node_flushed(client, redis, second) == both

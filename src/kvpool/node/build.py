@@ -210,7 +210,7 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             on_shutdown=on_shutdown,
             tenants=credentials.tenants,
             tls=credentials.tls,
-            attach_engine=kthena.attach if kthena is not None else None,
+            kthena=kthena,
             tcp=tcp,
         )
         undo.pop_all()

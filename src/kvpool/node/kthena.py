@@ -26,20 +26,27 @@ What the node does:
 - A block stored in DRAM whose writer said its tokens (:class:`~kvpool.keys.BlockOrigin`;
   the vLLM connector does) is ``len(tokens) / block_size`` Kthena blocks: each gets the
   namespace's live engines as owners; a block removed from DRAM (evicted, deleted, found
-  corrupt) gives them back.  A block whose token count is not a multiple of Kthena's block
-  size is not announced (said once in the log): set ``blockSizeToHash`` to the engine's
-  block size or a divisor of it.
+  corrupt) gives back exactly the owners its store gave (remembered per block, not read
+  again at removal: an engine that joined since keeps its entries for blocks it holds).
+  A block whose token count is not a multiple of Kthena's block size is not announced
+  (said once in the log): set ``blockSizeToHash`` to the engine's block size or a divisor
+  of it.
 - Several pool blocks can be one Kthena block (the same tokens in two prompts, two
   tensor-parallel shards, a copy on this node and its home node): owners are counted, in
   Redis (``kvpool:kthena:refs:{model}@{hash}``, pod -> count, across nodes), and a field of
   Kthena's entry goes when its count does.  Each node also counts what it added
   (``kvpool:kthena:node:{host}/{name}``), so that a node that starts empty or is drained
-  (``AllBlocksCleared``) takes back exactly its own.  A Lua script makes each change
-  atomic.
+  (``AllBlocksCleared``) takes back exactly its own.
+- Exactly once: a batch of changes is one Lua script call, atomic, numbered (this sink's
+  epoch, a random id per start, and its sequence); the script applies a batch only if this
+  node's last applied one (``kvpool:kthena:applied:{host}/{name}``) is an earlier one, so a
+  retry of a batch whose reply was late (Redis slower than ``REDIS_TIMEOUT_S``) changes
+  nothing twice.  A count never exceeds the pool blocks that hold it.
 - It never holds up the store: events go through a bounded queue to a thread that writes
-  them in pipelines; past ``MAX_QUEUED`` the newest are dropped (and counted), and a Redis
-  that does not answer is retried for ``RETRY_S``, then the batch is dropped (its entries
-  age out by Kthena's own GC).
+  them; past ``MAX_QUEUED`` the newest are dropped, and a Redis that does not answer is
+  retried for ``RETRY_S``, then the batch is dropped (its entries age out by Kthena's own
+  GC).  Each drop is logged (at most once every ``DROP_LOG_S``) and counted by what was
+  lost (``num_dropped``: changes, in ``kvpool_kthena_dropped_total``).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -68,25 +76,39 @@ MAX_BATCH = 512
 FLUSH_S = 0.02
 RETRY_S = 10.0
 REDIS_TIMEOUT_S = 2.0
+APPLIED_PREFIX = "kvpool:kthena:applied:"
 MAX_NAMESPACES = 1024  # namespaces with engines registered
 MAX_ENGINES_PER_NAMESPACE = 64
+DROP_LOG_S = 10.0
 _CLEARED = "cleared"
 
-# One owner's count changes by a delta (KEYS: Kthena's entry, the counts, this node's
-# counts; ARGV: pod, delta, now, this node's field, the counts' TTL).
-_CHANGE = """
-local n = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
-local mine = redis.call('HINCRBY', KEYS[3], ARGV[4], ARGV[2])
-if mine <= 0 then redis.call('HDEL', KEYS[3], ARGV[4]) end
-if n <= 0 then
-  redis.call('HDEL', KEYS[2], ARGV[1])
-  redis.call('HDEL', KEYS[1], ARGV[1])
-else
-  if tonumber(ARGV[2]) > 0 then redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
+# A batch of owner changes, applied once (KEYS: this node's last applied batch, this node's
+# counts, then per change Kthena's entry and the counts; ARGV: epoch, sequence, now, the
+# counts' TTL, then per change pod, delta, this node's field).  A batch numbered at or
+# before the last applied one of the same epoch is a retry whose first try landed: skipped.
+_BATCH = """
+local applied = redis.call('HMGET', KEYS[1], 'epoch', 'seq')
+if applied[1] == ARGV[1] and tonumber(applied[2]) >= tonumber(ARGV[2]) then return 0 end
+local now, ttl = ARGV[3], ARGV[4]
+for i = 0, (#KEYS - 2) / 2 - 1 do
+  local entry, refs = KEYS[3 + 2 * i], KEYS[4 + 2 * i]
+  local pod, delta, field = ARGV[5 + 3 * i], tonumber(ARGV[6 + 3 * i]), ARGV[7 + 3 * i]
+  local n = redis.call('HINCRBY', refs, pod, delta)
+  local mine = redis.call('HINCRBY', KEYS[2], field, delta)
+  if mine <= 0 then redis.call('HDEL', KEYS[2], field) end
+  if n <= 0 then
+    redis.call('HDEL', refs, pod)
+    redis.call('HDEL', entry, pod)
+  else
+    if delta > 0 then redis.call('HSET', entry, pod, now) end
+    redis.call('EXPIRE', refs, ttl)
+  end
 end
-return n
+redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'seq', ARGV[2])
+return 1
 """
+# Changes in one script call: Redis runs a script alone, so a batch stays short.
+MAX_SCRIPT_CHANGES = 1024
 
 
 def kthena_hash(token_ids: Sequence[int]) -> int:
@@ -152,10 +174,13 @@ class EngineTable:
             self.engines(namespace_id)
 
 
+Owners = tuple[tuple[str, str], ...]  # (pod, model) of each engine
+
+
 @dataclass(frozen=True)
 class _Change:
     delta: int  # +1 stored, -1 removed
-    owners: list[tuple[str, str]]  # (pod, model)
+    owners: Owners
     token_ids: list[int]
 
 
@@ -176,10 +201,19 @@ class KthenaSink:
                 socket_connect_timeout=REDIS_TIMEOUT_S,
             )
         self.redis = redis_client
-        self._change = self.redis.register_script(_CHANGE)
+        self._batch = self.redis.register_script(_BATCH)
+        self.applied_key = APPLIED_PREFIX + node_key
+        self._epoch = secrets.token_hex(8)  # this sink's batches, apart from a restart's
+        self._seq = 0
         self.engines = EngineTable()
-        self.num_dropped = 0
+        # The owners each announced block was given (the same tuple for a namespace's
+        # blocks while its engines stay): what its removal takes back.  Touched on the
+        # event loop only.
+        self._owners_of: dict[bytes, Owners] = {}
+        self._interned: dict[Owners, Owners] = {}
+        self.num_dropped = 0  # changes lost: the queue full, or Redis down past RETRY_S
         self.num_written = 0
+        self._dropped_logged = 0.0
         self._warned_sizes: set[int] = set()
         self._queue: queue.Queue[_Change | str] = queue.Queue(MAX_QUEUED)
         self._running = True
@@ -199,19 +233,30 @@ class KthenaSink:
         self._changed(block, -1)
 
     def cleared(self) -> None:
+        self._owners_of.clear()
+        self._interned.clear()
         self._put(_CLEARED)
 
     def _changed(self, block: Block, delta: int) -> None:
         origin = block.origin
         if origin is None or not origin.token_ids:
             return
-        owners = self.engines.engines(namespace_of(block.key))
-        if not owners:
-            return
-        if len(origin.token_ids) % self.config.block_size:
-            self._warn_size(len(origin.token_ids))
-            return
-        self._put(_Change(delta, owners, list(origin.token_ids)))
+        if delta < 0:
+            owners = self._owners_of.pop(block.key, None)  # exactly what its store gave
+            if owners is None:
+                return
+        else:
+            if block.key in self._owners_of:
+                return  # announced already (stored twice without a removal)
+            live = tuple(self.engines.engines(namespace_of(block.key)))
+            if not live:
+                return
+            if len(origin.token_ids) % self.config.block_size:
+                self._warn_size(len(origin.token_ids))
+                return
+            owners = self._interned.setdefault(live, live)
+        if self._put(_Change(delta, owners, list(origin.token_ids))) and delta > 0:
+            self._owners_of[block.key] = owners
 
     def _warn_size(self, num_tokens: int) -> None:
         if num_tokens not in self._warned_sizes and len(self._warned_sizes) < 16:
@@ -224,12 +269,27 @@ class KthenaSink:
                 self.config.block_size,
             )
 
-    def _put(self, item: _Change | str) -> None:
+    def _put(self, item: _Change | str) -> bool:
         try:
             self._queue.put_nowait(item)
             self._idle.clear()
+            return True
         except queue.Full:
-            self.num_dropped += 1
+            self._dropped(1, f"{MAX_QUEUED} changes wait for Redis")
+            return False
+
+    def _dropped(self, num_changes: int, why: str) -> None:
+        """Count ``num_changes`` changes lost, and say so (at most every ``DROP_LOG_S``):
+        their entries stay in Kthena until its own GC, or never appear."""
+        self.num_dropped += num_changes
+        now = time.monotonic()
+        if now - self._dropped_logged >= DROP_LOG_S:
+            self._dropped_logged = now
+            log.warning(
+                "kthena: %d change(s) of Kthena's entries dropped so far (%s)",
+                self.num_dropped,
+                why,
+            )
 
     # -- the writing thread ---------------------------------------------------------------
 
@@ -245,11 +305,11 @@ class KthenaSink:
                     changes.append(item)
                     continue
                 if changes:
-                    self._retrying(self._write, changes)
+                    self._write(changes)
                     changes = []
-                self._retrying(self._clear_mine)
+                self._retrying(1, self._clear_mine)
             if changes:
-                self._retrying(self._write, changes)
+                self._write(changes)
 
     def _take(self) -> list[_Change | str]:
         try:
@@ -264,7 +324,10 @@ class KthenaSink:
                 break
         return items
 
-    def _retrying(self, write: Any, *args: Any) -> None:
+    def _retrying(self, num_changes: int, write: Any, *args: Any) -> None:
+        """Run ``write`` (of ``num_changes`` changes) until it lands, for at most
+        ``RETRY_S`` (each batch it applies is numbered before the first try: a retry of
+        one that landed changes nothing)."""
         deadline = time.monotonic() + RETRY_S
         delay = 0.05
         while True:
@@ -273,49 +336,51 @@ class KthenaSink:
                 return
             except Exception as exc:  # Redis down or refusing: never the store's problem
                 if time.monotonic() + delay > deadline or not self._running:
-                    self.num_dropped += 1
-                    log.warning("kthena: cannot write to Redis (%s); a batch is dropped", exc)
+                    self._dropped(num_changes, f"Redis did not take them: {exc}")
                     return
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
     def _write(self, changes: list[_Change]) -> None:
-        now = str(int(time.time()))
-        pipe = self.redis.pipeline(transaction=False)
-        num = 0
-        for change in changes:
-            for chunk_hash in kthena_hashes(change.token_ids, self.config.block_size):
-                for pod, model in change.owners:
-                    self._script(pipe, model, chunk_hash, pod, change.delta, now)
-                    num += 1
-        if num:
-            pipe.execute()
-            self.num_written += num
+        """The owners' changes of ``changes``, in numbered batches of at most
+        ``MAX_SCRIPT_CHANGES``, each applied once."""
+        ops = [
+            (f"{model}@{chunk_hash}", pod, change.delta)
+            for change in changes
+            for chunk_hash in kthena_hashes(change.token_ids, self.config.block_size)
+            for pod, model in change.owners
+        ]
+        for start in range(0, len(ops), MAX_SCRIPT_CHANGES):
+            self._seq += 1
+            batch = ops[start : start + MAX_SCRIPT_CHANGES]
+            self._retrying(len(batch), self._apply, batch, self._seq)
 
-    def _script(
-        self, pipe: Any, model: str, chunk_hash: int, pod: str, delta: int, now: str
-    ) -> None:
-        block = f"{model}@{chunk_hash}"
-        self._change(
-            keys=[MATRIX_PREFIX + block, REFS_PREFIX + block, self.node_key],
-            args=[pod, delta, now, f"{block}|{pod}", int(REFS_TTL_S)],
-            client=pipe,
-        )
+    def _apply(self, ops: list[tuple[str, str, int]], seq: int) -> None:
+        """One numbered batch of ``(model@hash, pod, delta)``, in one script call."""
+        keys = [self.applied_key, self.node_key]
+        args: list[Any] = [self._epoch, seq, str(int(time.time())), int(REFS_TTL_S)]
+        for block, pod, delta in ops:
+            keys += [MATRIX_PREFIX + block, REFS_PREFIX + block]
+            args += [pod, delta, f"{block}|{pod}"]
+        self._batch(keys=keys, args=args)  # 0: an earlier try of this batch landed
+        self.num_written += len(ops)
 
     def _clear_mine(self) -> None:
-        """Take back every owner this node added (it holds none of its blocks now)."""
-        now = str(int(time.time()))
+        """Take back every owner this node added (it holds none of its blocks now): what
+        its counts say, read again after a retry, so that nothing is taken back twice."""
         cursor = 0
         while True:
             cursor, fields = self.redis.hscan(self.node_key, cursor, count=MAX_BATCH)
-            pipe = self.redis.pipeline(transaction=False)
+            ops = []
             for raw_field, raw_count in fields.items():
                 block, _, pod = raw_field.decode().rpartition("|")
                 model, _, chunk_hash = block.rpartition("@")
                 count = int(raw_count)
                 if model and chunk_hash.isdigit() and count > 0:
-                    self._script(pipe, model, int(chunk_hash), pod, -count, now)
-            pipe.execute()
+                    ops.append((block, pod, -count))
+            if ops:
+                self._seq += 1
+                self._apply(ops, self._seq)
             if not cursor:
                 break
         self.redis.delete(self.node_key)

@@ -89,6 +89,19 @@ class _StatsCollector(Collector):
                 "The daemon's anonymous resident memory (RssAnon): index, buffers and the rest.",
                 s.heap_bytes,
             ),
+            (
+                "counter",
+                "kvpool_kthena_written",
+                "Owner changes of Kthena's Redis entries written (each once).",
+                s.kthena_written,
+            ),
+            (
+                "counter",
+                "kvpool_kthena_dropped",
+                "Owner changes of Kthena's Redis entries dropped: the queue was full, or "
+                "Redis did not take them past the retries.",
+                s.kthena_dropped,
+            ),
             ("counter", "kvpool_hits", "Blocks found by lookups.", s.hits),
             ("counter", "kvpool_misses", "Blocks not found by lookups.", s.misses),
             ("counter", "kvpool_puts", "Blocks committed.", s.puts),

@@ -30,7 +30,6 @@ from kvpool.cluster.membership import Member
 from kvpool.config import Address, NodeConfig
 from kvpool.errors import BadRequest, ConfigError
 from kvpool.formats import ARENA, DISK_SEGMENT, DISK_TIER, JOURNAL, RELEASE, Format, Stamp
-from kvpool.keys import EngineRef
 from kvpool.limits import EXPIRE_INTERVAL_S
 from kvpool.node.connections import SessionRegistry
 from kvpool.node.metrics import NodeMetrics
@@ -55,6 +54,7 @@ from kvpool.tls import CertFiles
 
 if TYPE_CHECKING:
     from kvpool.node.handoff import HandoffResult
+    from kvpool.node.kthena import KthenaSink
 
 log = logging.getLogger("kvpool.node")
 
@@ -98,7 +98,7 @@ class NodeServer:
         on_shutdown: Callable[[bool], None] | None = None,
         tenants: Registry | None = None,
         tls: CertFiles | None = None,
-        attach_engine: Callable[[bytes, EngineRef], bool] | None = None,
+        kthena: KthenaSink | None = None,
         tcp: socket.socket | None = None,
     ):
         """``changes``: what the store tells the keys that changed (built with it, as
@@ -108,6 +108,7 @@ class NodeServer:
         anything is written), else bound by :meth:`start`."""
         self.config = config
         self._tcp = tcp
+        self.kthena = kthena  # Kthena's Redis entries, when the node writes them
         self.tenants = tenants
         self.tls = tls  # the TCP listener's TLS (the Unix socket stays local, in the clear)
         self.store = store
@@ -145,7 +146,7 @@ class NodeServer:
             stats=self.stats,
             shutdown=self._shutdown_requested,
             handoff=self.handoff,
-            attach_engine=attach_engine,
+            attach_engine=kthena.attach if kthena is not None else None,
         )
         self._apply_quotas()
 
@@ -355,6 +356,8 @@ class NodeServer:
             accounts=self._accounts(),
             num_strangers=self.registry.num_strangers,
             strangers_evicted=self.registry.num_evicted,
+            kthena_written=self.kthena.num_written if self.kthena is not None else 0,
+            kthena_dropped=self.kthena.num_dropped if self.kthena is not None else 0,
         )
 
     async def handoff(

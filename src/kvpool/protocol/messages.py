@@ -417,6 +417,8 @@ class NodeStats(Message):
     namespaces: list[NamespaceStats] = []
     peers: list[str] = []
     corrupt_reports: int = 0  # blocks readers or the scrubber found corrupt (and dropped)
+    kthena_written: int = 0  # owner changes of Kthena's entries written to its Redis
+    kthena_dropped: int = 0  # ... and dropped (the queue full, or Redis down past retries)
     scrubbed_bytes: int = 0  # re-hashed by the scrubber (kvpool.node.sealing)
     scrub_dropped: int = 0  # blocks the scrubber found damaged
     area_bytes: int = 0  # free memory same-host writers hold as write areas
