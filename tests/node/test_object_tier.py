@@ -294,3 +294,34 @@ def test_one_get_larger_than_dram_returns_every_block_from_the_object_store(
     with Client(node.tcp_address, use_shm=False, timeout=10) as c:
         objects = c.stats().tiers[2]
     assert objects.served >= 128 and objects.corrupt == 0
+
+
+def test_segments_the_object_store_drops_are_told_to_their_writer(
+    start_node: NodeFactory, s3_server: S3Server, s3_bucket: str, s3_env: dict, tmp_path: Path
+) -> None:
+    """The fault's side: the S3 gateway frozen while a writer pushes blocks through DRAM
+    and the disk, so that the disk's evicted segments find the object store's upload queue
+    full and are dropped (their blocks gone).  The node logs each drop, counts the blocks
+    (the object tier's ``dropped``, exported as ``kvpool_tier_dropped_total``), and the
+    writer's PUT replies count them as not kept."""
+    node = start_host(start_node, s3_server, s3_bucket, s3_env, tmp_path, "drops")
+    not_kept = 0
+    s3_server.freeze()
+    try:
+        with Client(node.tcp_address, use_shm=False, timeout=10) as c:
+            keys = [key(f"drop-{i}") for i in range(160)]  # 40 MiB through 8 + 8 MiB
+            for start in range(0, len(keys), 4):
+                batch = keys[start : start + 4]
+                not_kept += c.put(batch, [content(k, BLOCK) for k in batch]).num_not_kept
+                time.sleep(0.02)
+            wait_for(lambda: c.stats().tiers[2].dropped > 0)
+            for _ in range(50):  # the last drops, told with the next put reply
+                not_kept += c.put([key("after")], [content(key("after"), BLOCK)]).num_not_kept
+                time.sleep(0.05)
+            dropped = c.stats().tiers[2].dropped
+    finally:
+        s3_server.thaw()
+    assert dropped > 0
+    assert not_kept >= dropped, (not_kept, dropped)
+    said = "".join(node.output)
+    assert "object store: segment" in said and "dropped" in said, said[-3000:]

@@ -143,7 +143,13 @@ TIER_METRICS = (
     ("counter", "reads", "Blocks read out of the tier.", "reads"),
     ("counter", "writes", "Blocks written into the tier.", "writes"),
     ("counter", "refused", "Write-backs the admission policy refused.", "refused"),
-    ("counter", "dropped", "Write-backs dropped: the queue was full.", "dropped"),
+    (
+        "counter",
+        "dropped",
+        "Blocks dropped on their way into the tier (gone): its queue was full, or the "
+        "object store's upload failed.",
+        "dropped",
+    ),
     ("counter", "slowed", "Writes held until the write-back caught up (backpressure).", "slowed"),
     ("counter", "promotions", "Blocks copied from the tier back into DRAM.", "promotions"),
     (

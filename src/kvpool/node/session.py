@@ -445,8 +445,10 @@ class Session:
             self._num_not_kept += self.tiers.num_not_kept - before
 
     def _take_not_kept(self) -> int:
+        """What this put reply tells the writer it lost: its evictions no lower tier took,
+        and its account's blocks the object store dropped since the last reply."""
         num_not_kept, self._num_not_kept = self._num_not_kept, 0
-        return num_not_kept
+        return num_not_kept + self.tiers.take_lost(self.account)
 
     async def _reserve(self, header: FrameHeader, req: msg.ReserveRequest) -> None:
         if len(req.keys) != len(req.sizes):

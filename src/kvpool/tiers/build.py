@@ -70,7 +70,6 @@ async def commit_lower_tiers(lower: LowerTiers, arena: Arena) -> LowerTiers:
         return lower
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, disk.commit)
-    for tier in lower.chain:
-        if isinstance(tier, ObjectTier):
-            await loop.run_in_executor(None, tier.start)
+    if lower.objects is not None:
+        await loop.run_in_executor(None, lower.objects.start)
     return LowerTiers(lower.chain, WriteBack(disk, arena), disk)

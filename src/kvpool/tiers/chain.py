@@ -73,6 +73,7 @@ from kvpool.store.holds import Holds
 from kvpool.store.leases import Owner
 from kvpool.tenants import TAG_BYTES
 from kvpool.tiers.disk import DiskTier
+from kvpool.tiers.objects import ObjectTier
 from kvpool.tiers.tier import RemoteSource, Tier
 from kvpool.tiers.writeback import WriteBack
 
@@ -117,6 +118,14 @@ class LowerTiers:
     writeback: WriteBack | None = None
     disk: DiskTier | None = None
 
+    @property
+    def objects(self) -> ObjectTier | None:
+        """The object-store tier, if the chain has one."""
+        for tier in self.chain:
+            if isinstance(tier, ObjectTier):
+                return tier
+        return None
+
     def close(self) -> None:
         """Close every tier (a start that failed after they were opened)."""
         for tier in self.chain:
@@ -154,6 +163,8 @@ class Tiers:
         self.prefetched = PrefetchStats()
         self._prefetch_bytes = 0  # in flight
         self.staged_bytes = 0  # stages of reads served from below DRAM, now
+        self._lost: dict[bytes, int] = {}  # by account: dropped below, not yet reported
+        self._dropped_seen = 0
         self._remote_keys = 0  # keys asked of other nodes, in flight
         self._tag_to_remote_keys: dict[bytes, int] = {}  # the same, per tenant tag
         # Promotions under way, by key: each comes to the keys that came up.
@@ -715,6 +726,20 @@ class Tiers:
             self._io, lambda: [tier.delete(keys) for tier in self.chain]
         )
         return sum(counts)
+
+    def take_lost(self, account: bytes) -> int:
+        """Blocks of ``account``'s (a tenant's, or the node's) that the object store dropped
+        on their way into it since the last call (their disk segment found its upload
+        queue full, or failed to upload): they are gone, and the account's next put reply
+        says so.  O(1) unless something was dropped."""
+        objects = self.lower.objects
+        if objects is not None and objects.counters.dropped_blocks != self._dropped_seen:
+            self._dropped_seen = objects.counters.dropped_blocks
+            accounts = self.store.accounts
+            for first_key, num in objects.take_dropped().items():
+                owner = accounts.account_of(first_key)
+                self._lost[owner] = self._lost.get(owner, 0) + num
+        return self._lost.pop(account, 0) if self._lost else 0
 
     @property
     def num_not_kept(self) -> int:

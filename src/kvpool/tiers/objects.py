@@ -288,7 +288,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
             self.used_bytes,
             reads=counters.reads,
             writes=counters.uploaded_blocks,
-            dropped=counters.dropped_segments,
+            dropped=counters.dropped_blocks,
             evictions=counters.deleted_packs,
             corrupt=counters.corrupt,
             errors=counters.read_errors + counters.refresh_errors,
