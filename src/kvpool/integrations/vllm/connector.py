@@ -29,8 +29,9 @@ Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensor
     update_state_after_alloc()   once the request has blocks: plans its load into them and
                                  where its saves start.  Called again, with no external
                                  tokens, after an asynchronous load.
-    build_connector_meta()       once per step: the step's loads, and a save for every prompt
-                                 block that becomes full in the step and is not in the pool.
+    build_connector_meta()       once per step: the step's loads, and a save for every block
+                                 (of the prompt, or of generated tokens) whose KV the step
+                                 completes and that is not in the pool.
     update_connector_output()    once per step, with the workers' stats and failed loads.
     request_finished()           once, before the request's blocks are freed: it never holds
     request_finished_all_groups()  them back (saves copy their pages out within the step).
