@@ -199,3 +199,15 @@ def test_eviction_names_one_of_the_stores_policies():
     assert node_config_from({}, environ={"KVPOOL_EVICTION": "lru"}).eviction == "lru"
     with pytest.raises(ConfigError, match="--eviction"):
         node_config_from({"eviction": "random"}, environ={})
+
+
+def test_the_placeholder_key_of_an_example_manifest_refuses_to_start(run_dir) -> None:
+    """A node given the examples' placeholder key (``change-me``) does not start: the
+    message names the variable and the chart's value to set."""
+    from tests.commands import said, serve
+
+    refused = serve(run_dir, "--host", "0.0.0.0", env={"KVPOOL_ACCESS_KEY": "change-me"})
+    assert refused.returncode == 2
+    message = said(refused)
+    assert "placeholder" in message and "KVPOOL_ACCESS_KEY" in message, message
+    assert "accessKey" in message and "kvpool-access" in message, message

@@ -265,6 +265,10 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+# Access keys that are examples, not secrets: a node given one refuses to start.
+PLACEHOLDER_KEYS = frozenset({"change-me", "changeme", "change_me", "replace-me"})
+
+
 @dataclass(frozen=True)
 class TLSConfig:
     """TLS on the data port and the admin HTTP; client certificates verified against
@@ -282,6 +286,13 @@ class TLSConfig:
     )
     ca: str = setting(
         "", "--tls-ca", "The CA of other nodes' certificates (node to node).", key="tls_ca"
+    )
+    server_name: str = setting(
+        "",
+        "--tls-server-name",
+        "The name other nodes' certificates carry, checked in place of their address (one "
+        "certificate for nodes reached by IP, e.g. pods).",
+        key="tls_server_name",
     )
     insecure: bool = setting(
         False,
@@ -815,6 +826,13 @@ class NodeConfig:
         object.__setattr__(self, "access_key", key)  # frozen: set once, while validating
 
     def _validate_access(self) -> None:
+        if self.access_key.lower() in PLACEHOLDER_KEYS:
+            raise ConfigError(
+                f"the access key is the placeholder {self.access_key!r} of an example "
+                "manifest: set KVPOOL_ACCESS_KEY (or --access-key-file) to a secret of your "
+                "own, e.g. `openssl rand -hex 32` in the Secret kvpool-access (the Helm "
+                "chart's value `accessKey`; left empty, the chart generates one)"
+            )
         keyed = bool(self.access_key or self.tenants_path)
         if not keyed and not is_loopback(self.host):
             raise ConfigError(
@@ -868,6 +886,9 @@ class ClientConfig:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # The name the nodes' certificates carry, checked in place of the address's host (one
+    # certificate for every node of a cluster whose nodes are reached by IP: pods).
+    tls_server_name: str = ""
 
     def validate(self) -> ClientConfig:
         if self.address:
@@ -931,6 +952,7 @@ CLIENT_ENV: dict[str, tuple[str, object]] = {
     "KVPOOL_TLS_CA": ("tls_ca", str),
     "KVPOOL_TLS_CERT": ("tls_cert", str),
     "KVPOOL_TLS_KEY": ("tls_key", str),
+    "KVPOOL_TLS_SERVER_NAME": ("tls_server_name", str),
 }
 
 

@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "tls_key": ("k.pem", "k.pem"),
     "tls_client_ca": ("client-ca.pem", "client-ca.pem"),
     "tls_ca": ("ca.pem", "ca.pem"),
+    "tls_server_name": ("kvpool-node", "kvpool-node"),
     "insecure": ("true", True),
     "disk_path": ("/mnt/nvme", "/mnt/nvme"),
     "disk_bytes": ("64MiB", 64 * MiB),

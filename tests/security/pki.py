@@ -43,10 +43,14 @@ class Authority:
         self.path.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
 
     def issue(
-        self, common_name: str, filename: str | None = None, ips: tuple[str, ...] = ()
+        self,
+        common_name: str,
+        filename: str | None = None,
+        ips: tuple[str, ...] = (),
+        names: tuple[str, ...] = (),
     ) -> Issued:
         """A leaf certificate for ``common_name``, valid for localhost, 127.0.0.1 and
-        ``ips``."""
+        ``ips``; with ``names``, for those DNS names only (a cluster's one name)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         serial = x509.random_serial_number()
@@ -60,7 +64,9 @@ class Authority:
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(
                 x509.SubjectAlternativeName(
-                    [
+                    [x509.DNSName(name) for name in names]
+                    if names
+                    else [
                         x509.DNSName("localhost"),
                         *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", *ips)),
                     ]

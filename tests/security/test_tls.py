@@ -162,3 +162,23 @@ def test_the_router_serves_https(pki):
     finally:
         router.stop()
         engine.stop()
+
+
+def test_a_cluster_certificate_is_checked_for_its_name_not_the_address(
+    start_node: NodeFactory, pki
+):
+    """One certificate for every node of a cluster whose nodes are reached by IP (pods):
+    valid for the name "kvpool-node" only.  A client that names it (tls_server_name,
+    KVPOOL_TLS_SERVER_NAME) connects by IP; one that does not, or names another, is refused
+    (the name is checked, not skipped)."""
+    cluster = pki["ca"].issue("kvpool-node", filename="cluster", names=("kvpool-node",))
+    node = start_node(
+        "tls-name", extra=["--tls-cert", str(cluster.cert), "--tls-key", str(cluster.key)]
+    )
+    options = {"use_shm": False, "timeout": 5, "tls_ca": str(pki["ca"].path)}
+    with Client(node.tcp_address, tls_server_name="kvpool-node", **options) as client:
+        assert client.health().ok
+    for wrong in ("", "someone-else"):
+        with Client(node.tcp_address, tls_server_name=wrong, **options) as client:
+            with pytest.raises(ConnectError):
+                client.health()

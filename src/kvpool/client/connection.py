@@ -71,9 +71,13 @@ def transport_error(exc: OSError, node: str, *, connecting: bool = False) -> Tra
 
 
 def open_socket(
-    address: Address, timeout: float, tls: ssl.SSLContext | None = None
+    address: Address,
+    timeout: float,
+    tls: ssl.SSLContext | None = None,
+    server_name: str = "",
 ) -> socket.socket:
-    """A connected socket; a TCP one wrapped in TLS (handshake done) when ``tls`` is given."""
+    """A connected socket; a TCP one wrapped in TLS (handshake done) when ``tls`` is given,
+    the node's certificate checked for ``server_name`` (default: the address's host)."""
     node = str(address)
     try:
         if address.kind == "unix":
@@ -94,7 +98,7 @@ def open_socket(
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
     if tls is not None and address.kind == "tcp":
         try:
-            sock = tls.wrap_socket(sock, server_hostname=address.host)
+            sock = tls.wrap_socket(sock, server_hostname=server_name or address.host)
         except ssl.SSLError as exc:
             sock.close()
             raise ConnectError(f"TLS with {node} failed: {exc.reason or exc}", node=node) from exc
@@ -151,7 +155,9 @@ class Connection:
         self._touched: list[bytes] = []  # keys of TOUCH notices not sent yet
         self._touched_since = 0.0
         timeout = min(config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
-        self.channel = SyncChannel(open_socket(address, timeout, tls_for(config)))
+        self.channel = SyncChannel(
+            open_socket(address, timeout, tls_for(config), config.tls_server_name)
+        )
         try:
             binding = auth.client_binding(self.channel.sock, address.path)
             handshake = ops.handshake(

@@ -84,6 +84,7 @@ def peer_client_config(config: NodeConfig) -> ClientConfig:
         tls_ca=config.tls.ca,
         tls_cert=config.tls.cert,
         tls_key=config.tls.key,
+        tls_server_name=config.tls.server_name,
     )
 
 
