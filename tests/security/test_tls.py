@@ -179,6 +179,8 @@ def test_a_cluster_certificate_is_checked_for_its_name_not_the_address(
     with Client(node.tcp_address, tls_server_name="kvpool-node", **options) as client:
         assert client.health().ok
     for wrong in ("", "someone-else"):
-        with Client(node.tcp_address, tls_server_name=wrong, **options) as client:
-            with pytest.raises(ConnectError):
-                client.health()
+        with (
+            Client(node.tcp_address, tls_server_name=wrong, **options) as client,
+            pytest.raises(ConnectError),
+        ):
+            client.health()
