@@ -20,7 +20,7 @@ VLLM_CHECKED := 0.33.0
 WHEELS := .cache/wheels
 VLLM_WHEEL_STAMP := $(WHEELS)/.vllm-$(VLLM_CHECKED)
 
-.PHONY: demo test check lint pytest pytest-sglang system-deps bench clean dist vllm-wheel
+.PHONY: demo test check lint pytest pytest-sglang system-deps bench clean dist vllm-wheel images
 
 # Two workers: every test that runs vLLM on one (in order, sharing its engines), the rest of
 # the suite on the other (tests/conftest.py, docs/testing.md).
@@ -55,6 +55,14 @@ bench: $(STAMP)
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
+
+# The two images the manifests run (deploy/kubernetes, deploy/helm), from this source tree:
+# `make images REGISTRY=registry.example.com/team`, then push them.
+REGISTRY ?= kvpool
+RELEASE := $(shell sed -n 's/^version = "\(.*\)".*/\1/p' pyproject.toml)
+images:
+	docker build -f deploy/Dockerfile -t $(REGISTRY)/kvpool:$(RELEASE) .
+	docker build -f deploy/engine.Dockerfile -t $(REGISTRY)/kvpool-vllm:$(RELEASE) .
 
 vllm-wheel: $(VLLM_WHEEL_STAMP)
 $(VLLM_WHEEL_STAMP): | $(STAMP)

@@ -501,6 +501,14 @@ class KthenaConfig:
         key="kthena_block_size",
         parse=int,
     )
+    insecure: bool = setting(
+        False,
+        "--kthena-insecure",
+        "Accept plaintext (redis://) to Kthena's Redis off loopback, the node's own ports "
+        "staying TLS (Kthena's in-cluster Redis speaks plaintext).",
+        key="kthena_insecure",
+        is_switch=True,
+    )
 
     def validate(self) -> KthenaConfig:
         if not 1 <= self.block_size <= MAX_KTHENA_BLOCK_SIZE:
@@ -513,10 +521,12 @@ class KthenaConfig:
         """Kthena's Redis learns which prompts' blocks are where: ``redis://`` only to a
         loopback host, unless ``--insecure``; ``rediss://`` (TLS) and ``unix://`` anywhere."""
         parsed = urlparse(self.redis_url)
-        if parsed.scheme == "redis" and not insecure and not is_loopback(parsed.hostname or ""):
+        plaintext_ok = insecure or self.insecure or is_loopback(parsed.hostname or "")
+        if parsed.scheme == "redis" and not plaintext_ok:
             raise ConfigError(
                 f"refusing to reach Kthena's Redis at {parsed.hostname} in plaintext: use "
-                "rediss:// (TLS), or --insecure to accept plaintext on this network"
+                "rediss:// (TLS), or --kthena-insecure (or --insecure) to accept plaintext "
+                "on this network"
             )
 
 

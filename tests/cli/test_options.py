@@ -49,6 +49,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "tls_client_ca": ("client-ca.pem", "client-ca.pem"),
     "tls_ca": ("ca.pem", "ca.pem"),
     "tls_server_name": ("kvpool-node", "kvpool-node"),
+    "kthena_insecure": ("1", True),
     "insecure": ("true", True),
     "disk_path": ("/mnt/nvme", "/mnt/nvme"),
     "disk_bytes": ("64MiB", 64 * MiB),

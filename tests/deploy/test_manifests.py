@@ -208,7 +208,7 @@ def test_the_helm_chart_follows_its_values():
     docs = by_identity([d for d in yaml.safe_load_all(done.stdout) if d])
     node = containers(docs[("DaemonSet", "kvpool", "kvpool-node")])[0]
     assert env_of(node)["KVPOOL_MEMORY"] == "8GiB"
-    assert env_of(node)["KVPOOL_ETCD"] == "http://kvpool-etcd.kvpool.svc:2379"
+    assert env_of(node)["KVPOOL_ETCD"] == "https://kvpool-etcd.kvpool.svc:2379"
 
 
 def test_the_modelserving_validator_catches_what_it_should():
@@ -261,7 +261,7 @@ def test_engines_share_the_nodes_run_directory(overlay):
     if overlay == "single-node":
         assert "KVPOOL_ETCD" not in node_env
     else:
-        assert node_env["KVPOOL_ETCD"].startswith("http://kvpool-etcd.")
+        assert node_env["KVPOOL_ETCD"].startswith("https://kvpool-etcd.")
         assert by_kind(overlay, "StatefulSet", "kvpool-etcd")
 
 
@@ -301,9 +301,9 @@ def test_the_router_config_is_one_the_router_accepts_and_names_real_services(ove
         assert service in services, (engine.url, services)
     # The router mounts the generated ConfigMap by its generated name.
     router = by_kind(overlay, "Deployment", "kvpool-router")
-    (volume,) = router["spec"]["template"]["spec"]["volumes"]
+    volumes = {v["name"]: v for v in router["spec"]["template"]["spec"]["volumes"]}
     assert (
-        volume["configMap"]["name"]
+        volumes["config"]["configMap"]["name"]
         == by_kind(overlay, "ConfigMap", "kvpool-router")["metadata"]["name"]
     )
     roles = sorted(e.role for e in settings.engines)
@@ -323,10 +323,166 @@ def test_the_node_keeps_its_contents_across_a_rolling_update(overlay):
     assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"
     node = containers(daemonset)[0]
     env = env_of(node)
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     mounts = {m["name"]: m["mountPath"] for m in node["volumeMounts"]}
     # The arena, its journal and the disk tier live on hostPaths, which outlive the pod.
     assert host_paths["kvpool-run"] == mounts["kvpool-run"] == env["KVPOOL_RUN_DIR"]
     assert host_paths["kvpool-disk"] == mounts["kvpool-disk"] == env["KVPOOL_DISK"]
     assert "KVPOOL_FRESH" not in env  # a new pod adopts what the old one left
     assert "--fresh" not in node.get("args", [])
+
+
+# -- what the pods run -------------------------------------------------------------------
+
+INSTALLERS = re.compile(
+    r"\b(pip3?|uv pip|conda|mamba|apt-get|apt|apk|yum|dnf|npm)\s+(install|add)\b"
+)
+
+
+def helm_template(*args: str) -> list[dict]:
+    done = subprocess.run(
+        [helm(), "template", "kvpool", str(CHART), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def every_rendering() -> dict[str, list[dict]]:
+    """Every overlay, and the chart with every values file (its defaults too)."""
+    out = {f"kustomize {o}": documents(o) for o in OVERLAYS}
+    out["helm (defaults)"] = helm_template()
+    for values in sorted(CHART.glob("values-*.yaml")):
+        out[f"helm -f {values.name}"] = helm_template("-f", str(values))
+    return out
+
+
+def pod_specs(doc: dict) -> list[dict]:
+    """The pod specs an object runs: a workload's template, a ModelServing's roles."""
+    if doc["kind"] == "ModelServing":
+        return [r["entryTemplate"]["spec"] for r in doc["spec"]["template"]["roles"]]
+    template = doc.get("spec", {}).get("template", {})
+    return [template["spec"]] if "spec" in template and "containers" in template["spec"] else []
+
+
+def test_no_container_installs_anything_and_no_image_is_latest():
+    """A pod runs what its image holds: no container command installs packages at start, and
+    every image names a version (never latest, never none)."""
+    renderings = every_rendering()
+    assert len(renderings) == 3 + 1 + len(list(CHART.glob("values-*.yaml")))
+    for name, docs in renderings.items():
+        specs = [spec for doc in docs for spec in pod_specs(doc)]
+        assert specs, name
+        for spec in specs:
+            for container in [*spec.get("initContainers", []), *spec["containers"]]:
+                image = container["image"]
+                repository, _, tag = image.rpartition(":")
+                assert repository and "/" not in tag and tag not in ("", "latest"), (name, image)
+                words = " ".join([*container.get("command", []), *container.get("args", [])])
+                assert not INSTALLERS.search(words), (name, container["name"], words)
+
+
+def test_the_checks_above_catch_an_install_and_latest():
+    assert INSTALLERS.search("pip install kvpool && vllm serve model")
+    assert INSTALLERS.search("uv pip install kvpool")
+    assert not INSTALLERS.search("vllm serve model --port 8000")
+    assert "vllm/vllm-openai:latest".rpartition(":")[2] == "latest"
+
+
+def test_the_images_are_the_release_and_vllms_a_supported_one():
+    """The manifests run kvpool's images at its release; the engine image starts from a
+    vLLM of the ``vllm`` extra's range, the one the compatibility check reads; base images
+    are pinned."""
+    release = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert release
+    for name, docs in every_rendering().items():
+        for doc in docs:
+            for spec in pod_specs(doc):
+                for container in [*spec.get("initContainers", []), *spec["containers"]]:
+                    repository, _, tag = container["image"].rpartition(":")
+                    if repository.startswith("kvpool/"):
+                        assert tag == release.group(1), (name, container["image"])
+    engine = (ROOT / "deploy" / "engine.Dockerfile").read_text()
+    version = re.search(r"^ARG VLLM_VERSION=v(\d+\.\d+\.\d+)$", engine, re.M)
+    assert version and "FROM vllm/vllm-openai:${VLLM_VERSION}" in engine
+    checked = re.search(r"^VLLM_CHECKED := (.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert checked and checked.group(1) == version.group(1)
+    extra = re.search(
+        r'^vllm = \["vllm>=(\d+\.\d+),<(\d+\.\d+)"\]', (ROOT / "pyproject.toml").read_text(), re.M
+    )
+    assert extra
+    as_tuple = [tuple(int(p) for p in v.split(".")) for v in (version.group(1), *extra.groups())]
+    assert as_tuple[1] <= as_tuple[0][:2] < as_tuple[2]
+    node = (ROOT / "deploy" / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)$", node, re.M)
+    assert base and base.group(1).rpartition(":")[2] not in ("", "latest")
+    assert re.search(r"^USER 10001:10001$", node, re.M)
+    for dockerfile in (node, engine):
+        entry = "\n".join(
+            line for line in dockerfile.splitlines() if line.startswith(("ENTRYPOINT", "CMD"))
+        )
+        assert not INSTALLERS.search(entry)
+
+
+def env_values(container: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_tls_is_served_unless_a_value_says_otherwise():
+    """Every overlay and the chart serve TLS on the nodes' ports (the certificate from a
+    Secret) and their clients verify it; plaintext only with tls.enabled false."""
+    for name, docs in every_rendering().items():
+        daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
+        node = env_values(containers(daemonset)[0])
+        assert node["KVPOOL_TLS_CERT"] and node["KVPOOL_TLS_KEY"], name
+        assert "KVPOOL_INSECURE" not in node, name
+        assert node.get("KVPOOL_ETCD", "https://").startswith("https://"), name
+        for doc in docs:
+            for spec in pod_specs(doc):
+                for container in spec["containers"]:
+                    env = env_values(container)
+                    if "KVPOOL_ACCESS_KEY" in env and container["name"] != "kvpool":
+                        assert env["KVPOOL_TLS_CA"] and env["KVPOOL_TLS_SERVER_NAME"], name
+    plaintext = helm_template("--set", "tls.enabled=false")
+    daemonset = next(d for d in plaintext if d["kind"] == "DaemonSet")
+    assert env_values(containers(daemonset)[0])["KVPOOL_INSECURE"] == "1"
+    assert not [
+        d for d in plaintext if d["kind"] == "Secret" and d["metadata"]["name"] == "kvpool-tls"
+    ]
+
+
+def test_the_chart_generates_the_secrets_and_refuses_the_placeholder():
+    """With no Secret of the operator's, the chart makes them: a random access key, and a CA
+    with the nodes' certificate for the names their clients check.  The examples'
+    placeholder key stops the install, naming the value to set."""
+    import base64
+
+    from cryptography import x509
+
+    docs = helm_template()
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    key = base64.b64decode(secrets["kvpool-access"]["data"]["access-key"]).decode()
+    assert (
+        len(key) >= 32
+        and key
+        != base64.b64decode(
+            next(d for d in helm_template() if d["kind"] == "Secret")["data"]["access-key"]
+        ).decode()
+    )  # generated afresh, not a constant of the chart
+    tls = {k: base64.b64decode(v) for k, v in secrets["kvpool-tls"]["data"].items()}
+    cert = x509.load_pem_x509_certificate(tls["tls.crt"])
+    ca = x509.load_pem_x509_certificate(tls["ca.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"kvpool-node", "kvpool-router.kvpool.svc", "kvpool-etcd.kvpool.svc"} <= set(
+        names.get_values_for_type(x509.DNSName)
+    )
+    cert.verify_directly_issued_by(ca)
+    refused = subprocess.run(
+        [helm(), "template", "kvpool", str(CHART), "--set", "accessKey=change-me"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "accessKey" in refused.stderr, refused.stderr

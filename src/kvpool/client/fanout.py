@@ -34,7 +34,9 @@ ETCD_SYNC_TIMEOUT_S = 5.0
 
 class ClusterView:
     def __init__(self, config: ClientConfig, local: NodeClient | None):
-        membership = membership_for(config.peers, config.etcd, config.etcd_prefix, config.timeout_s)
+        membership = membership_for(
+            config.peers, config.etcd, config.etcd_prefix, config.timeout_s, ca=config.tls_ca
+        )
         if membership is None:
             raise ConfigError("a cluster needs peers or etcd")
         self.membership: Membership = membership

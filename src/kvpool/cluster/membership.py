@@ -65,7 +65,9 @@ def _normalize(address: str) -> str:
     return str(Address.parse(address))
 
 
-def _etcd_client(endpoint: str, timeout: float) -> object:
+def _etcd_client(endpoint: str, timeout: float, ca: str = "") -> object:
+    """An etcd client; an ``https://`` endpoint verified against ``ca`` (else the system's
+    CAs)."""
     from etcd3gw.client import Etcd3Client
 
     url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
@@ -75,6 +77,7 @@ def _etcd_client(endpoint: str, timeout: float) -> object:
         host=url.hostname,
         port=url.port or 2379,
         protocol=url.scheme or "http",
+        ca_cert=ca or None,
         timeout=timeout,
         api_path="/v3/",
     )
@@ -90,12 +93,13 @@ class EtcdMembership(Membership):
         *,
         timeout: float = 2.0,
         on_change: Callable[[list[Member]], None] | None = None,
+        ca: str = "",
     ):
         self.endpoint = endpoint
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.timeout = timeout
         self.on_change = on_change
-        self._client = _etcd_client(endpoint, timeout)
+        self._client = _etcd_client(endpoint, timeout, ca)
         self._members: dict[str, Member] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -246,11 +250,12 @@ class EtcdMembership(Membership):
 
 
 def membership_for(
-    peers: tuple[str, ...], etcd: str, prefix: str, timeout: float = 2.0
+    peers: tuple[str, ...], etcd: str, prefix: str, timeout: float = 2.0, ca: str = ""
 ) -> Membership | None:
-    """The membership a configuration names, or ``None`` for a single node."""
+    """The membership a configuration names, or ``None`` for a single node (``ca``: the CA
+    an ``https://`` etcd's certificate is verified against)."""
     if etcd:
-        return EtcdMembership(etcd, prefix, timeout=timeout)
+        return EtcdMembership(etcd, prefix, timeout=timeout, ca=ca)
     if peers:
         return StaticMembership(peers)
     return None

@@ -97,7 +97,9 @@ class NodeAgent:
         self.store = store
         self.arena = arena
         cluster = config.cluster
-        membership = membership_for(cluster.peers, cluster.etcd, cluster.etcd_prefix)
+        membership = membership_for(
+            cluster.peers, cluster.etcd, cluster.etcd_prefix, ca=config.tls.ca
+        )
         if membership is None:
             raise ConfigError("a node joins a cluster only with --peers or --etcd")
         self.membership: Membership = membership
