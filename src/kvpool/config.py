@@ -12,14 +12,17 @@ import ipaddress
 import os
 import re
 import socket
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from kvpool.errors import ConfigError
 from kvpool.limits import Budgets, LeaseLimits
+
+C = TypeVar("C")
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -36,6 +39,7 @@ DEFAULT_EVICTION = "lru"
 # The eviction policies a node can run (kvpool.store.eviction's EVICTION_POLICIES names them).
 EVICTION_POLICIES = ("lru", "learned")
 DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0  # an engine adapter's load or save (vLLM's, SGLang's)
 DEFAULT_CONNECT_TIMEOUT_S = 1.0
 DEFAULT_ACCESS_ID = "kvpool"
 DEFAULT_ETCD_PREFIX = "/kvpool/nodes/"
@@ -202,6 +206,173 @@ def parse_bool(value: str | bool, name: str = "value") -> bool:
 
 def _split_list(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+# -- the options of the SDK and of the engines' adapters ---------------------------------
+#
+# Each field of a client's, an engine adapter's or its health policy's configuration
+# declares, once, how it is given (:class:`Option`, in the field's metadata): its key in an
+# engine's extra config (``kv_connector_extra_config``, SGLang's extra config) and among the
+# SDK's keyword arguments, its ``KVPOOL_*`` variable, its help and its parser.
+# :func:`config_from` is the one function that reads a configuration from them; the docs'
+# tables are generated from them (``kvpool.cli.reference``).
+
+OPTION = "kvpool.option"  # the key of a field's Option in its metadata
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one field of a client's or an engine adapter's configuration is given: ``key``
+    in an engine's extra config and the SDK's keywords (default: the field's name less a
+    ``_s`` suffix), ``env`` its ``KVPOOL_*`` variable (default: ``KVPOOL_`` and the key),
+    ``help`` what the docs say, ``parse`` how a string is read (the variable's, or a string
+    in an extra config)."""
+
+    key: str
+    env: str
+    help: str
+    parse: Callable[[str], object] = str
+
+
+def option(
+    default: object = dataclasses.MISSING,
+    help: str = "",
+    *,
+    key: str = "",
+    env: str = "",
+    parse: Callable[[str], object] = str,
+    factory: Callable[[], object] | None = None,
+) -> Any:
+    """A dataclass field declared with its :class:`Option`."""
+    metadata = {OPTION: Option(key, env, help, parse)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class DeclaredOption:
+    """An option of a configuration class, resolved: its field, key, variable, help,
+    parser and default."""
+
+    field: str
+    key: str
+    env: str
+    help: str
+    parse: Callable[[str], object]
+    default: object
+
+
+def options_of(cls: type) -> list[DeclaredOption]:
+    """The options ``cls`` declares, in field order."""
+    found = []
+    for f in dataclasses.fields(cls):
+        declared = f.metadata.get(OPTION)
+        if declared is None:
+            continue
+        key = declared.key or f.name.removesuffix("_s")
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        found.append(
+            DeclaredOption(
+                f.name,
+                key,
+                declared.env or "KVPOOL_" + key.upper(),
+                declared.help,
+                declared.parse,
+                default,
+            )
+        )
+    return found
+
+
+def sections_of(cls: type) -> dict[str, type]:
+    """The fields of ``cls`` that are configurations of their own with options (a
+    connector's client and health policy): field -> class."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(cls)
+        if OPTION not in f.metadata
+        and isinstance(hints.get(f.name), type)
+        and dataclasses.is_dataclass(hints[f.name])
+        and options_of(hints[f.name])
+    }
+
+
+def config_from(
+    cls: type[C],
+    given: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    where: str,
+    ignore: frozenset[str] = frozenset(),
+) -> C:
+    """``cls``'s configuration: its defaults, then its options' ``KVPOOL_*`` variables, then
+    ``given`` (an engine's extra config, the SDK's keywords; by key, or by field name), a
+    string parsed as its variable would be; sections (:func:`sections_of`) read from the
+    same ``given`` and environment.  A key no option of ``cls`` or its sections takes is a
+    :class:`ConfigError` naming ``where``, unless in ``ignore`` (another's keys)."""
+    environ = os.environ if environ is None else environ
+    remaining = {k: v for k, v in (given or {}).items() if k not in ignore}
+    values = _read_options(cls, remaining, environ, where)
+    for name, section in sections_of(cls).items():
+        values[name] = _read_section(section, remaining, environ, where)
+    if remaining:
+        raise ConfigError(
+            f"unknown {where} key(s) {', '.join(sorted(map(repr, remaining)))}; known: "
+            f"{', '.join(sorted(o.key for o in _all_options(cls)))}"
+        )
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    return typing.cast(C, validate()) if validate is not None else config
+
+
+def _read_section(
+    cls: type, remaining: dict[str, object], environ: Mapping[str, str], where: str
+) -> object:
+    values = _read_options(cls, remaining, environ, where)
+    for name, section in sections_of(cls).items():
+        values[name] = _read_section(section, remaining, environ, where)
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    return validate() if validate is not None else config
+
+
+def _all_options(cls: type) -> list[DeclaredOption]:
+    return [
+        *options_of(cls),
+        *(o for section in sections_of(cls).values() for o in _all_options(section)),
+    ]
+
+
+def _read_options(
+    cls: type, remaining: dict[str, object], environ: Mapping[str, str], where: str
+) -> dict[str, object]:
+    """The values of ``cls``'s own options that are set, taking their keys out of
+    ``remaining``."""
+    values: dict[str, object] = {}
+    for declared in options_of(cls):
+        if declared.env in environ:
+            values[declared.field] = _parsed(declared, environ[declared.env], declared.env)
+        for name in (declared.key, declared.field):
+            if name in remaining:
+                value = remaining.pop(name)
+                if isinstance(value, str):
+                    value = _parsed(declared, value, f"{where} {name}")
+                values[declared.field] = value
+    return values
+
+
+def _parsed(declared: DeclaredOption, text: str, source: str) -> object:
+    try:
+        return declared.parse(text)
+    except (TypeError, ValueError, ConfigError) as exc:
+        raise ConfigError(f"{source}={text!r}: {exc}") from exc
+
+
+def env_table(*classes: type) -> dict[str, DeclaredOption]:
+    """The ``KVPOOL_*`` variables ``classes`` (and their sections) honour."""
+    return {o.env: o for cls in classes for o in _all_options(cls)}
 
 
 # -- the node's settings ------------------------------------------------------------------
@@ -865,42 +1036,94 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Configuration of a client (the SDK, the vLLM connector, the router)."""
+    """Configuration of a client (the SDK, the vLLM connector, the router).  Each field an
+    operator gives is an :class:`Option`: a keyword of ``Client(...)``, a key of an engine's
+    extra config, a ``KVPOOL_*`` variable (docs/configuration.md lists them, from here)."""
 
-    address: str = f"unix:{DEFAULT_RUN_DIR}/{DEFAULT_NODE_NAME}/kvpool.sock"
-    access_id: str = DEFAULT_ACCESS_ID
-    access_key: str = ""
-    # A file (mode 600) holding the access key, read by client_config_from: kept out of an
-    # engine's command line and logs, where kv_connector_extra_config lands.
-    access_key_file: str = ""
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    use_shm: bool = True
-    host_id: str = field(default_factory=default_host_id)
-    peers: tuple[str, ...] = ()
-    etcd: str = ""
-    etcd_prefix: str = DEFAULT_ETCD_PREFIX
-    write_rcache: bool = True
-    read_local_only: bool = False
-    replicas: int = DEFAULT_REPLICAS
-    max_connections: int = 8
+    address: str = option(
+        f"unix:{DEFAULT_RUN_DIR}/{DEFAULT_NODE_NAME}/kvpool.sock",
+        "The local node: unix:PATH (its socket), or HOST:PORT over TCP; empty with peers or "
+        "etcd (no node on this host).",
+    )
+    access_id: str = option(DEFAULT_ACCESS_ID, "The access id it authenticates with.")
+    access_key: str = option(
+        "", "The access key (HMAC secret); prefer access_key_file where the config is logged."
+    )
+    access_key_file: str = option(
+        "",
+        "A file (mode 600) holding the access key: kept out of an engine's command line and "
+        "logs, where kv_connector_extra_config lands.",
+    )
+    timeout_s: float = option(
+        DEFAULT_TIMEOUT_S, "Seconds a call may take (its deadline).", parse=float
+    )
+    connect_timeout_s: float = option(
+        DEFAULT_CONNECT_TIMEOUT_S, "Seconds a connection may take to open.", parse=float
+    )
+    use_shm: bool = option(
+        True, "Map the node's arena when it is on this host (copies, not the socket).",
+        parse=parse_bool,
+    )  # fmt: skip
+    host_id: str = option(
+        help="This host's identity (the arena is mapped only where the node's is the same).",
+        factory=default_host_id,
+    )
+    peers: tuple[str, ...] = option(
+        (), "A static cluster: host:port,... of every node.", parse=_split_list
+    )
+    etcd: str = option("", "A cluster in etcd: https://host:2379.")
+    etcd_prefix: str = option(DEFAULT_ETCD_PREFIX, "The etcd prefix the cluster's nodes are under.")
+    write_rcache: bool = option(
+        True,
+        "Also write each block to its home node (so that any node finds it).",
+        parse=parse_bool,
+    )
+    read_local_only: bool = option(
+        False, "Read only from the local node, never from home nodes.", parse=parse_bool
+    )
+    replicas: int = option(
+        DEFAULT_REPLICAS, "Home nodes each block is written through to.", parse=int
+    )
+    max_connections: int = option(
+        8, "Connections open at most to one node.", env="KVPOOL_CLIENT_CONNECTIONS", parse=int
+    )
     # Threads a same-host put or get copies with, the caller's included (see
     # kvpool.client.copier): one core moves memory slower than the memory can.
-    copy_threads: int = DEFAULT_COPY_THREADS
+    copy_threads: int = option(
+        DEFAULT_COPY_THREADS,
+        "Threads a same-host put or get copies with (CPUs, at most 4, by default).",
+        parse=int,
+    )
     # Hash every block read from the node's arena, even those the node sealed (see
     # kvpool.client.reads): for hosts where processes that map the arena are not trusted.
-    verify_reads: bool = False
+    verify_reads: bool = option(
+        False,
+        "Hash every block read from the node's arena, even those the node sealed.",
+        parse=parse_bool,
+    )
     # TLS to nodes' TCP ports: the server verified against tls_ca (else the system's CAs);
     # tls_cert/tls_key presented for mutual TLS.  A Unix socket is never wrapped.
-    tls: bool = False
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
+    tls: bool = option(
+        False, "TLS to the nodes' TCP ports (verified against the system's CAs).", parse=parse_bool
+    )
+    tls_ca: str = option("", "The CA the nodes' certificates are verified against (TLS).")
+    tls_cert: str = option("", "A client certificate (PEM) for mutual TLS.")
+    tls_key: str = option("", "Its private key (PEM).")
     # The name the nodes' certificates carry, checked in place of the address's host (one
     # certificate for every node of a cluster whose nodes are reached by IP: pods).
-    tls_server_name: str = ""
+    tls_server_name: str = option(
+        "",
+        "The name the nodes' certificates carry, checked in place of the address's host "
+        "(one certificate for nodes reached by IP, e.g. pods).",
+    )
 
     def validate(self) -> ClientConfig:
+        if isinstance(self.peers, list):
+            object.__setattr__(self, "peers", tuple(self.peers))  # frozen: once, validating
+        if self.access_key_file:
+            key = read_secret_file(self.access_key_file, "the access key file")
+            object.__setattr__(self, "access_key", key)
+            object.__setattr__(self, "access_key_file", "")
         if self.address:
             Address.parse(self.address)
         elif not self.peers and not self.etcd:
@@ -925,73 +1148,12 @@ class ClientConfig:
         return dataclasses.replace(self, **changes).validate()  # type: ignore[arg-type]
 
 
-def options_from_env(
-    mapping: Mapping[str, tuple[str, object]], environ: Mapping[str, str] | None = None
-) -> dict[str, object]:
-    """The options ``mapping`` names, parsed from the ``KVPOOL_*`` variables that are set."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-    for var, (name, parse) in mapping.items():
-        if var in environ:
-            try:
-                values[name] = parse(environ[var])  # type: ignore[operator]
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{var}={environ[var]!r}: {exc}") from exc
-    return values
-
-
-# The environment variables a client honours, and how each is parsed.
-CLIENT_ENV: dict[str, tuple[str, object]] = {
-    "KVPOOL_ADDRESS": ("address", str),
-    "KVPOOL_ACCESS_ID": ("access_id", str),
-    "KVPOOL_ACCESS_KEY": ("access_key", str),
-    "KVPOOL_ACCESS_KEY_FILE": ("access_key_file", str),
-    "KVPOOL_TIMEOUT": ("timeout_s", float),
-    "KVPOOL_CONNECT_TIMEOUT": ("connect_timeout_s", float),
-    "KVPOOL_USE_SHM": ("use_shm", parse_bool),
-    "KVPOOL_HOST_ID": ("host_id", str),
-    "KVPOOL_PEERS": ("peers", _split_list),
-    "KVPOOL_ETCD": ("etcd", str),
-    "KVPOOL_ETCD_PREFIX": ("etcd_prefix", str),
-    "KVPOOL_WRITE_RCACHE": ("write_rcache", parse_bool),
-    "KVPOOL_VERIFY_READS": ("verify_reads", parse_bool),
-    "KVPOOL_READ_LOCAL_ONLY": ("read_local_only", parse_bool),
-    "KVPOOL_REPLICAS": ("replicas", int),
-    "KVPOOL_COPY_THREADS": ("copy_threads", int),
-    "KVPOOL_TLS": ("tls", parse_bool),
-    "KVPOOL_TLS_CA": ("tls_ca", str),
-    "KVPOOL_TLS_CERT": ("tls_cert", str),
-    "KVPOOL_TLS_KEY": ("tls_key", str),
-    "KVPOOL_TLS_SERVER_NAME": ("tls_server_name", str),
-}
-
-
-_CLIENT_ALIASES = {"timeout": "timeout_s", "connect_timeout": "connect_timeout_s"}
-
-
 def client_config_from(
     overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
 ) -> ClientConfig:
-    """A client configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides``."""
-    values = options_from_env(CLIENT_ENV, environ)
-    known = {f.name for f in dataclasses.fields(ClientConfig)}
-    parsers = {name: parse for name, parse in CLIENT_ENV.values()}
-    for given, raw in (overrides or {}).items():
-        value = raw
-        name = _CLIENT_ALIASES.get(given, given)
-        if name not in known:
-            raise ConfigError(f"unknown client option {given!r}; known: {sorted(known)}")
-        parse = parsers.get(name, str)
-        if isinstance(value, str) and parse is not str:
-            try:
-                value = parse(value)  # type: ignore[operator]
-            except (TypeError, ValueError, ConfigError) as exc:
-                raise ConfigError(f"{given}={value!r}: {exc}") from exc
-        values[name] = tuple(value) if name == "peers" and isinstance(value, list) else value
-    key_file = values.get("access_key_file")
-    if key_file:
-        values["access_key"] = read_secret_file(str(key_file), "the access key file")
-    return ClientConfig(**values).validate()  # type: ignore[arg-type]
+    """A client configuration: defaults, then ``KVPOOL_*`` variables, then ``overrides``
+    (by key, e.g. ``timeout``, or by field, ``timeout_s``)."""
+    return config_from(ClientConfig, overrides, environ, where="client option")
 
 
 def node_sections() -> dict[str, Any]:
@@ -1053,26 +1215,3 @@ def node_config_from(
     types = node_sections()
     parts = {section: types[section](**fields) for section, fields in sections.items()}
     return NodeConfig(**top, **parts).validate()  # type: ignore[arg-type]
-
-
-# The environment variables the engine connectors honour beyond the client's (their
-# kv_connector_extra_config keys win over them).
-CONNECTOR_ENV: dict[str, tuple[str, object]] = {
-    "KVPOOL_LOOKUP_TIMEOUT": ("lookup_timeout", float),
-    "KVPOOL_TRANSFER_TIMEOUT": ("transfer_timeout", float),
-    "KVPOOL_MIN_LOAD_TOKENS": ("min_load_tokens", int),
-    "KVPOOL_MIN_LOAD_BLOCKS": ("min_load_blocks", int),
-    "KVPOOL_CONSUMER_WAIT": ("consumer_wait", float),
-    "KVPOOL_TRANSFER": ("transfer", str),
-    "KVPOOL_TENANT": ("tenant", str),
-    "KVPOOL_STATS_INTERVAL": ("stats_interval", float),
-    "KVPOOL_PREFETCH_HOLD": ("prefetch_hold", float),
-    "KVPOOL_MLA_ANY_TP": ("mla_any_tp", parse_bool),
-    "KVPOOL_KTHENA_POD": ("kthena_pod", str),
-    "KVPOOL_KTHENA_MODEL": ("kthena_model", str),
-    "KVPOOL_HEALTH_INTERVAL": ("health_interval", float),
-    "KVPOOL_HEALTH_RECOVER_AFTER": ("health_recover_after", int),
-    "KVPOOL_HEALTH_FLAP_WINDOW": ("health_flap_window", float),
-    "KVPOOL_HEALTH_MAX_FLAPS": ("health_max_flaps", int),
-    "KVPOOL_HEALTH_MAX_SLOW": ("health_max_slow", int),
-}

@@ -20,7 +20,9 @@ import jsonschema
 import pytest
 import yaml
 
-from kvpool.config import CLIENT_ENV, CONNECTOR_ENV, NODE_ENV
+from kvpool.config import NODE_ENV, env_table
+from kvpool.integrations.sglang.config import StorageConfig
+from kvpool.integrations.vllm.config import ConnectorConfig
 from kvpool.router.config import check_engine, settings_from
 from tests.thirdparty import third_party
 
@@ -224,7 +226,7 @@ def test_the_modelserving_validator_catches_what_it_should():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_kvpool_variable_is_one_the_code_reads(overlay):
-    known = set(NODE_ENV) | set(CLIENT_ENV) | set(CONNECTOR_ENV)
+    known = set(NODE_ENV) | set(env_table(ConnectorConfig, StorageConfig))
     pods = [d["spec"]["template"]["spec"] for d in documents(overlay) if containers(d)]
     pods += [spec for _, spec in engine_pods(overlay)]
     used = {

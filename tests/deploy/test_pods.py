@@ -138,6 +138,10 @@ def test_the_node_daemonset_starts_as_written_and_an_engine_uses_it(
             assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (10001, 10001, 0o750)
         socket = run_dir / host.name / "kvpool.sock"
         assert socket.exists() and socket.stat().st_uid == 10001  # the daemon is not root
+        # `kubectl exec ds/kvpool-node -- kvpool status`: a client in the node's container.
+        status = pod.start("kvpool", argv=["kvpool", "status"])
+        said, _ = status.communicate(timeout=60)
+        assert status.returncode == 0 and "up" in said, said
 
         # An engine on the same server, as vLLM's image runs it (root).
         (engine,) = pod_specs(spec_of("single-node", "StatefulSet", "vllm-engine"))

@@ -10,7 +10,7 @@ from kvpool import Client
 from kvpool.client.connection import Connection
 from kvpool.config import Address
 from kvpool.errors import ConfigError
-from kvpool.integrations.vllm.config import connector_config
+from kvpool.integrations.vllm.config import ConnectorConfig, connector_config
 from kvpool.integrations.vllm.scheduler import KVPoolScheduler
 from kvpool.keys import Namespace, chained_hashes
 from tests.helpers import commit_op, reserve_op
@@ -196,18 +196,15 @@ def test_unknown_extra_config_is_refused():
 
 
 def test_every_documented_extra_config_key_is_accepted():
-    """The keys the connector's docstring documents are those it takes (``prefetch_hold``
-    was documented and refused)."""
-    from kvpool.config import CONNECTOR_ENV
-    from kvpool.integrations.vllm import config as module
+    """The keys the configuration reference documents are those the connector takes
+    (``prefetch_hold`` was documented and refused once)."""
+    from kvpool.cli.reference import option_rows
+    from kvpool.config import env_table
 
-    table = module.__doc__.split("==================  ", 2)[2]
-    documented = {
-        line.split()[0] for line in table.splitlines() if line and not line.startswith((" ", "="))
-    }
-    known = {name for name, _ in CONNECTOR_ENV.values()} | module._CLIENT_KEYS
-    assert documented - known == {"key", "health_*"}  # table headers, and a family of keys
-    assert {"prefetch_hold", "mla_any_tp", "transfer", "tenant"} <= documented
+    documented = {row[0].strip("`") for row in option_rows(ConnectorConfig)}
+    known = {o.key for o in env_table(ConnectorConfig).values()}
+    assert documented == known
+    assert {"prefetch_hold", "mla_any_tp", "transfer", "tenant", "address"} <= documented
     config = connector_config({"prefetch_hold": 5, "mla_any_tp": "true"}, environ={})
     assert config.prefetch_hold_s == 5 and config.mla_any_tp
     assert connector_config({}, environ={"KVPOOL_MLA_ANY_TP": "1"}).mla_any_tp

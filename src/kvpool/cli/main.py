@@ -10,8 +10,10 @@ import typer
 from rich.console import Console
 
 from kvpool.cli.options import given, with_settings
-from kvpool.config import Setting, node_settings, parse_size
+from kvpool.cli.reference import node_defaults, settings_defaults
+from kvpool.config import node_settings, parse_size
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.router.config import ROUTER_SETTINGS, RouterSettings
 
 app = typer.Typer(
     name="kvpool",
@@ -35,7 +37,7 @@ def _logging(level: str) -> None:
 
 
 @app.command()
-@with_settings(SERVE_SETTINGS)
+@with_settings(SERVE_SETTINGS, node_defaults())
 def serve(
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info", **values: object
 ) -> None:
@@ -191,57 +193,12 @@ def demo(
     )
 
 
-# The router's settings (kvpool.router.config.RouterSettings) its command sets.
-ROUTER_SETTINGS = (
-    Setting("host", "--host", "Listen address."),
-    Setting("port", "--port", "Listen port.", int),
-    Setting("policy", "--policy", "round_robin, least_load, session or cache_aware."),
-    Setting(
-        "tokenizer", "--tokenizer", "The model's tokenizer (cache_aware routing, and prefetch)."
-    ),
-    Setting(
-        "prefetch_hold",
-        "--prefetch-hold",
-        "With --tokenizer: the chosen engine's node brings the prompt's blocks up from its "
-        "lower tiers and holds them this many seconds (0: no prefetch).",
-        float,
-    ),
-    Setting("model", "--model", "The model name the engines' pool namespaces carry."),
-    Setting("block_size", "--block-size", "The engines' KV block size.", int),
-    Setting("cache_weight", "--cache-weight", "cache_aware: weight of the prefix share.", float),
-    Setting("load_weight", "--load-weight", "cache_aware: weight of the load share.", float),
-    Setting(
-        "read_timeout",
-        "--read-timeout",
-        "Seconds an engine may stay silent before it counts as failed.",
-        float,
-    ),
-    Setting("tenants", "--tenants", "A tenants file: requests carry ID:KEY as a bearer token."),
-    Setting(
-        "max_body_bytes",
-        "--max-body",
-        "The largest request body, e.g. 4MiB (the credential is checked before it is read).",
-        parse_size,
-    ),
-    Setting(
-        "max_parsing",
-        "--max-parsing",
-        "Request bodies one tenant may have read and parsed at once.",
-        int,
-    ),
-    Setting("tls_cert", "--tls-cert", "TLS certificate (PEM): HTTPS."),
-    Setting("tls_key", "--tls-key", "Its private key (PEM)."),
-    Setting(
-        "insecure",
-        "--insecure",
-        "Accept plaintext off loopback (the router's port, and http:// engines).",
-        is_switch=True,
-    ),
-)
+def _router_defaults() -> dict[str, str]:
+    return settings_defaults(ROUTER_SETTINGS, RouterSettings)
 
 
 @app.command()
-@with_settings(ROUTER_SETTINGS)
+@with_settings(ROUTER_SETTINGS, _router_defaults(), env=False)
 def router(
     engine: Annotated[
         list[str] | None,

@@ -24,9 +24,16 @@ Command = TypeVar("Command", bound=Callable[..., Any])
 _METAVARS: dict[object, str] = {parse_size: "SIZE", int: "INTEGER", float: "NUMBER"}
 
 
-def with_settings(settings: Iterable[Setting]) -> Callable[[Command], Command]:
+def with_settings(
+    settings: Iterable[Setting],
+    defaults: Mapping[str, str] | None = None,
+    *,
+    env: bool = True,
+) -> Callable[[Command], Command]:
     """A decorator: ``command`` also takes one option per setting, as keyword arguments
-    named by :attr:`Setting.key`, listed before its own (which it takes by keyword)."""
+    named by :attr:`Setting.key`, listed before its own (which it takes by keyword); its
+    help says the setting's default (``defaults``, by key: what applies when neither the
+    option nor its variable is given) and, with ``env``, its ``KVPOOL_*`` variable."""
 
     def decorate(command: Command) -> Command:
         signature = inspect.signature(command, eval_str=True)
@@ -35,21 +42,29 @@ def with_settings(settings: Iterable[Setting]) -> Callable[[Command], Command]:
             for p in signature.parameters.values()
             if p.kind is not inspect.Parameter.VAR_KEYWORD
         ]
-        added = [_parameter(setting) for setting in settings]
+        added = [
+            _parameter(setting, (defaults or {}).get(setting.key), env) for setting in settings
+        ]
         command.__signature__ = signature.replace(parameters=[*added, *own])  # type: ignore[attr-defined]
         return command
 
     return decorate
 
 
-def _parameter(setting: Setting) -> inspect.Parameter:
+def _parameter(
+    setting: Setting, default_text: str | None = None, env: bool = True
+) -> inspect.Parameter:
+    help_text = setting.help
+    if default_text is not None:
+        # Parentheses: typer's help is rich markup, where [default: ...] would be a tag.
+        help_text += f" (default: {default_text}" + (f"; {setting.env_var})" if env else ")")
     if setting.is_switch:
-        option = typer.Option(setting.flag, help=setting.help)
+        option = typer.Option(setting.flag, help=help_text)
         annotation: Any = Annotated[bool, option]
         default: object = False
     else:
         metavar = _METAVARS.get(setting.parse, "TEXT")
-        option = typer.Option(setting.flag, help=setting.help, metavar=metavar)
+        option = typer.Option(setting.flag, help=help_text, metavar=metavar)
         annotation = Annotated[str | None, option]
         default = None
     return inspect.Parameter(

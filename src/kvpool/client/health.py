@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpool.config import option
 from kvpool.errors import PoolTimeout
 
 log = logging.getLogger("kvpool.health")
@@ -34,11 +35,39 @@ DEFAULT_MAX_SLOW = 3
 
 @dataclass(frozen=True)
 class HealthPolicy:
-    interval_s: float = DEFAULT_INTERVAL_S
-    recover_after: int = DEFAULT_RECOVER_AFTER
-    flap_window_s: float = DEFAULT_FLAP_WINDOW_S
-    max_flaps: int = DEFAULT_MAX_FLAPS
-    max_slow: int = DEFAULT_MAX_SLOW
+    """The rules' numbers (see the module's notes); options of every engine adapter
+    (``health_*`` keys and ``KVPOOL_HEALTH_*`` variables)."""
+
+    interval_s: float = option(
+        DEFAULT_INTERVAL_S,
+        "Seconds between the health probes of an unhealthy pool.",
+        key="health_interval",
+        parse=float,
+    )
+    recover_after: int = option(
+        DEFAULT_RECOVER_AFTER,
+        "Successful probes in a row that make the pool healthy again.",
+        key="health_recover_after",
+        parse=int,
+    )
+    flap_window_s: float = option(
+        DEFAULT_FLAP_WINDOW_S,
+        "Seconds in which health_max_flaps failures block recovery (flapping).",
+        key="health_flap_window",
+        parse=float,
+    )
+    max_flaps: int = option(
+        DEFAULT_MAX_FLAPS,
+        "Failures within health_flap_window that keep the pool unhealthy.",
+        key="health_max_flaps",
+        parse=int,
+    )
+    max_slow: int = option(
+        DEFAULT_MAX_SLOW,
+        "Timed-out calls in a row (a busy host) that make the pool unhealthy.",
+        key="health_max_slow",
+        parse=int,
+    )
 
 
 class HealthMonitor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.config import check_plaintext, check_plaintext_endpoint
+from kvpool.config import Setting, check_plaintext, check_plaintext_endpoint, parse_size
 from kvpool.errors import ConfigError
 from kvpool.tenants import TenantsFile
 
@@ -190,3 +190,53 @@ def settings_from(
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     check_plaintext(settings.host, bool(settings.tls_cert), settings.insecure, "the router")
     return settings
+
+
+# The settings `kvpool router` takes as flags (of RouterSettings' fields, by key), declared
+# once: its --help and the configuration reference come from them.
+ROUTER_SETTINGS = (
+    Setting("host", "--host", "Listen address."),
+    Setting("port", "--port", "Listen port.", int),
+    Setting("policy", "--policy", "round_robin, least_load, session or cache_aware."),
+    Setting(
+        "tokenizer", "--tokenizer", "The model's tokenizer (cache_aware routing, and prefetch)."
+    ),
+    Setting(
+        "prefetch_hold",
+        "--prefetch-hold",
+        "With --tokenizer: the chosen engine's node brings the prompt's blocks up from its "
+        "lower tiers and holds them this many seconds (0: no prefetch).",
+        float,
+    ),
+    Setting("model", "--model", "The model name the engines' pool namespaces carry."),
+    Setting("block_size", "--block-size", "The engines' KV block size.", int),
+    Setting("cache_weight", "--cache-weight", "cache_aware: weight of the prefix share.", float),
+    Setting("load_weight", "--load-weight", "cache_aware: weight of the load share.", float),
+    Setting(
+        "read_timeout",
+        "--read-timeout",
+        "Seconds an engine may stay silent before it counts as failed.",
+        float,
+    ),
+    Setting("tenants", "--tenants", "A tenants file: requests carry ID:KEY as a bearer token."),
+    Setting(
+        "max_body_bytes",
+        "--max-body",
+        "The largest request body, e.g. 4MiB (the credential is checked before it is read).",
+        parse_size,
+    ),
+    Setting(
+        "max_parsing",
+        "--max-parsing",
+        "Request bodies one tenant may have read and parsed at once.",
+        int,
+    ),
+    Setting("tls_cert", "--tls-cert", "TLS certificate (PEM): HTTPS."),
+    Setting("tls_key", "--tls-key", "Its private key (PEM)."),
+    Setting(
+        "insecure",
+        "--insecure",
+        "Accept plaintext off loopback (the router's port, and http:// engines).",
+        is_switch=True,
+    ),
+)

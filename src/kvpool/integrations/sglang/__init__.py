@@ -12,10 +12,21 @@ SGLang (0.5.23) loads :class:`KVPoolStorage` as a dynamic backend::
   namespace, and the pages a call names.
 - :mod:`.config`: the extra config's keys.
 
-Importing this package imports SGLang (the backend subclasses its ``HiCacheStorage``):
-install kvpool with the ``sglang`` extra beside SGLang.
+:class:`KVPoolStorage` imports SGLang (it subclasses its ``HiCacheStorage``): install
+kvpool with the ``sglang`` extra beside SGLang.  It is imported when first named, so that
+:mod:`.config` (its options, for the docs and the manifests' checks) reads without SGLang.
 """
 
-from kvpool.integrations.sglang.backend import KVPoolStorage
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["KVPoolStorage"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVPoolStorage":
+        from kvpool.integrations.sglang.backend import KVPoolStorage
+
+        return KVPoolStorage
+    raise AttributeError(name)

@@ -1,41 +1,13 @@
 """The connector's configuration, read once from ``kv_connector_extra_config`` (and the
 ``KVPOOL_*`` environment), and the pool namespaces of an engine.
 
-``kv_connector_extra_config`` keys (all optional):
-
-==================  ======================================================  ============
-key                 meaning                                                 default
-==================  ======================================================  ============
-address             the local node (``unix:/path`` or ``host:port``)        local node
-access_id / _key    credentials, when the node requires them                none
-timeout             deadline of a pool call, seconds                        2.0
-lookup_timeout      deadline of the scheduler's lookup, seconds             0.2
-transfer_timeout    deadline of one load or save, seconds                   10.0
-min_load_tokens     load only if at least this many tokens hit              0
-min_load_blocks     load only if at least this many blocks hit              1
-consumer_wait       how long a consumer waits for blocks still being saved  2.0
-transfer            ``layerwise``: a load runs in the step that uses it,    layerwise
-                    layer by layer ahead of the attention that reads it,
-                    and saves stream out as each layer is computed;
-                    ``whole``: a request waits a step for its whole load
-write_rcache        write through to the home node in a cluster             true
-read_local_only     in a cluster, look only at the local node               false
-peers / etcd        cluster membership (see ``kvpool serve``)               none
-tenant              isolates the blocks of one tenant                       ""
-kthena_pod          this engine's pod as Kthena names it (``<pod>.<ns>``):  ""
-                    its node writes Kthena's Redis entries for it
-                    (``kvpool serve --kthena-redis``); "" for none
-kthena_model        the model name requests to this engine carry           served name
-mla_any_tp          MLA: share blocks with engines of any tensor-parallel   false
-                    size (a TP=8 prefill and a TP=1 decode); off, only the
-                    ranks of engines of one size share (Namespace.for_rank)
-stats_interval      seconds between stats log lines                         10.0
-prefetch_hold       a request whose prefix is only in lower tiers: the      60.0
-                    node brings it into DRAM and holds it this long for
-                    the request (0: no hint, the load reads lower tiers)
-health_*            interval, recover_after, flap_window, max_flaps,        1, 3, 30, 3,
-                    max_slow (timeouts in a row before unhealthy)           3
-==================  ======================================================  ============
+Every ``kv_connector_extra_config`` key is an option declared once, beside its field: the
+client's (:class:`~kvpool.config.ClientConfig`: ``address``, ``access_id``, ``timeout``,
+``peers``, ...), the connector's (:class:`ConnectorConfig`: ``lookup_timeout``,
+``transfer``, ``consumer_wait``, ``kthena_pod``, ...) and the health policy's
+(:class:`~kvpool.client.health.HealthPolicy`: ``health_*``); each also a ``KVPOOL_*``
+variable, which a key overrides.  docs/configuration.md lists them all, with defaults,
+generated from these declarations (``kvpool.cli.reference``).
 """
 
 from __future__ import annotations
@@ -48,11 +20,10 @@ from typing import Any
 
 from kvpool.client.health import HealthPolicy
 from kvpool.config import (
-    CLIENT_ENV,
-    CONNECTOR_ENV,
+    DEFAULT_TRANSFER_TIMEOUT_S,
     ClientConfig,
-    client_config_from,
-    options_from_env,
+    config_from,
+    option,
     parse_bool,
 )
 from kvpool.errors import ConfigError
@@ -61,44 +32,62 @@ from kvpool.keys import MAX_MODEL_CHARS, MAX_POD_CHARS, EngineRef, Namespace, ch
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
 
 DEFAULT_LOOKUP_TIMEOUT_S = 0.2
-DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 DEFAULT_CONSUMER_WAIT_S = 2.0
 DEFAULT_STATS_INTERVAL_S = 10.0
 DEFAULT_PREFETCH_HOLD_S = 60.0
 TRANSFERS = ("layerwise", "whole")
 
-_CLIENT_KEYS = {name for name, _ in CLIENT_ENV.values()} | {"timeout", "connect_timeout"}
-_CONNECTOR_FIELDS: tuple[tuple[str, str, Any], ...] = (
-    ("lookup_timeout", "lookup_timeout_s", float),
-    ("transfer_timeout", "transfer_timeout_s", float),
-    ("min_load_tokens", "min_load_tokens", int),
-    ("min_load_blocks", "min_load_blocks", int),
-    ("consumer_wait", "consumer_wait_s", float),
-    ("transfer", "transfer", str),
-    ("tenant", "tenant", str),
-    ("stats_interval", "stats_interval_s", float),
-    ("prefetch_hold", "prefetch_hold_s", float),
-    ("mla_any_tp", "mla_any_tp", parse_bool),
-    ("kthena_pod", "kthena_pod", str),
-    ("kthena_model", "kthena_model", str),
-)
-
 
 @dataclass(frozen=True)
 class ConnectorConfig:
+    """The connector's own options, beside its client's and its health policy's."""
+
     client: ClientConfig
-    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
-    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
-    min_load_tokens: int = 0
-    min_load_blocks: int = 1
-    consumer_wait_s: float = DEFAULT_CONSUMER_WAIT_S
-    transfer: str = TRANSFERS[0]
-    tenant: str = ""
-    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
-    prefetch_hold_s: float = DEFAULT_PREFETCH_HOLD_S
-    mla_any_tp: bool = False
-    kthena_pod: str = ""
-    kthena_model: str = ""
+    lookup_timeout_s: float = option(
+        DEFAULT_LOOKUP_TIMEOUT_S,
+        "Deadline of the scheduler's lookup, seconds (a slow pool is a miss).",
+        parse=float,
+    )
+    transfer_timeout_s: float = option(
+        DEFAULT_TRANSFER_TIMEOUT_S, "Deadline of one load or save, seconds.", parse=float
+    )
+    min_load_tokens: int = option(0, "Load only if at least this many tokens hit.", parse=int)
+    min_load_blocks: int = option(1, "Load only if at least this many blocks hit.", parse=int)
+    consumer_wait_s: float = option(
+        DEFAULT_CONSUMER_WAIT_S,
+        "How long a consumer (kv_consumer) waits for blocks a producer is still saving.",
+        parse=float,
+    )
+    transfer: str = option(
+        TRANSFERS[0],
+        "layerwise: a load runs in the step that uses it, layer by layer ahead of the "
+        "attention that reads it, and saves stream out as each layer is computed; whole: a "
+        "request waits a step for its whole load.",
+    )
+    tenant: str = option("", "Isolates the blocks of one tenant (its namespaces).")
+    stats_interval_s: float = option(
+        DEFAULT_STATS_INTERVAL_S, "Seconds between the connector's stats log lines.", parse=float
+    )
+    prefetch_hold_s: float = option(
+        DEFAULT_PREFETCH_HOLD_S,
+        "A request whose prefix is only in lower tiers: the node brings it into DRAM and "
+        "holds it this long for the request (0: no hint, the load reads lower tiers).",
+        parse=float,
+    )
+    mla_any_tp: bool = option(
+        False,
+        "MLA: share blocks with engines of any tensor-parallel size (a TP=8 prefill and a "
+        "TP=1 decode); off, only the ranks of engines of one size share.",
+        parse=parse_bool,
+    )
+    kthena_pod: str = option(
+        "",
+        "This engine's pod as Kthena names it (<pod>.<namespace>): its node writes Kthena's "
+        "Redis entries for it (kvpool serve --kthena-redis).",
+    )
+    kthena_model: str = option(
+        "", "The model name requests to this engine carry (default: its served name)."
+    )
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
     def validate(self) -> ConnectorConfig:
@@ -136,35 +125,8 @@ def connector_config(
     extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
 ) -> ConnectorConfig:
     """The effective configuration: defaults, then ``KVPOOL_*`` variables, then
-    ``kv_connector_extra_config``."""
-    values = options_from_env(CONNECTOR_ENV, environ)
-    client_options: dict[str, object] = {}
-    known = {name for name, _ in CONNECTOR_ENV.values()}
-    for key, value in (extra or {}).items():
-        if key in _CLIENT_KEYS:
-            client_options[key] = value
-        elif key in known:
-            values[key] = value
-        else:
-            raise ConfigError(f"unknown kv_connector_extra_config key {key!r}")
-    # Strings (a boolean, a comma-separated list of peers) are parsed as the environment
-    # variables of the same options are.
-    client = client_config_from(client_options, environ)
-    try:
-        health = HealthPolicy(
-            interval_s=float(values.get("health_interval", HealthPolicy.interval_s)),  # type: ignore[arg-type]
-            recover_after=int(values.get("health_recover_after", HealthPolicy.recover_after)),  # type: ignore[call-overload]
-            flap_window_s=float(values.get("health_flap_window", HealthPolicy.flap_window_s)),  # type: ignore[arg-type]
-            max_flaps=int(values.get("health_max_flaps", HealthPolicy.max_flaps)),  # type: ignore[call-overload]
-            max_slow=int(values.get("health_max_slow", HealthPolicy.max_slow)),  # type: ignore[call-overload]
-        )
-        kwargs: dict[str, Any] = {}
-        for key, name, parse in _CONNECTOR_FIELDS:
-            if key in values:
-                kwargs[name] = parse(values[key])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from exc
-    return ConnectorConfig(client=client, health=health, **kwargs).validate()
+    ``kv_connector_extra_config`` (its strings parsed as the variables are)."""
+    return config_from(ConnectorConfig, extra, environ, where="kv_connector_extra_config")
 
 
 def engine_ref(vllm_config: Any, config: ConnectorConfig) -> EngineRef | None:
