@@ -27,6 +27,20 @@ from pathlib import Path
 from kvpool.errors import ConfigError
 
 
+def make_dir(path: Path, mode: int, what: str) -> None:
+    """Create ``path`` (and its parents) if missing; a directory this user may not create
+    stops the start with a message, not a traceback (a Kubernetes hostPath the kubelet made
+    root's, where a daemon running as another user can create nothing)."""
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+    except PermissionError as exc:
+        raise ConfigError(
+            f"cannot create {what} {path}: {exc.strerror} (this daemon runs as uid "
+            f"{os.geteuid()}): make {exc.filename or path.parent} this user's first (the "
+            "Kubernetes DaemonSet's init container does), or choose another directory"
+        ) from exc
+
+
 def check_owned(path: Path, *, private: bool = False) -> None:
     """Refuse a directory another user owns or may swap (see the module docstring); with
     ``private``, also one its group or others may write in."""

@@ -42,7 +42,7 @@ import struct
 from pathlib import Path
 
 from kvpool.config import PAGE_BYTES, format_size
-from kvpool.dirs import DirLock, check_owned, open_in
+from kvpool.dirs import DirLock, check_owned, make_dir, open_in
 from kvpool.errors import ConfigError
 from kvpool.formats import ARENA, RELEASE, STAMP_BYTES, Stamp, pack_stamp, unpack_stamp
 from kvpool.mapping import map_shared
@@ -59,7 +59,7 @@ class NodeDirLock:
 
     def __init__(self, node_dir: Path):
         self.node_dir = node_dir
-        node_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        make_dir(node_dir, DIR_MODE, "the node directory")
         check_owned(node_dir)
         os.chmod(node_dir, DIR_MODE)
         self._lock = DirLock(

@@ -83,7 +83,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvpool.dirs import DirLock, check_owned, open_in
+from kvpool.dirs import DirLock, check_owned, make_dir, open_in
 from kvpool.errors import ConfigError, FormatError
 from kvpool.formats import (
     DISK_SEGMENT,
@@ -878,7 +878,7 @@ def records_start(version: int) -> int:
 def lock_disk_dir(path: Path) -> DirLock:
     """Create the disk tier's directory (``0o700``), check that it is this user's alone, and
     lock it: a second daemon given the same directory is refused."""
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    make_dir(path, DIR_MODE, "the disk tier's directory")
     check_owned(path, private=True)
     return DirLock(
         path,
