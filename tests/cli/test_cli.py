@@ -101,3 +101,19 @@ def test_bench_json_has_every_case_and_field():
         assert any("redis-server is not installed" in note for note in report["notes"])
     assert report["lookup"]["num_keys"] == 1000 and report["lookup"]["found"] == 1000
     assert report["lookup"]["p99_ms"] > 0
+
+
+def test_a_router_whose_tokenizer_cannot_be_loaded_says_so(tmp_path):
+    """Offline, a hub name not in the cache: one line naming the setting, no traceback."""
+    import os
+
+    config = tmp_path / "router.toml"
+    config.write_text(
+        'port = 0\ntokenizer = "nobody/no-such-model"\nmodel = "m"\n'
+        '[[engines]]\nurl = "http://127.0.0.1:9"\n'
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = kvpool("router", "--config", str(config), env=env, timeout=120)
+    assert result.returncode == 2, result.stderr  # a configuration error, as the CLI's others
+    assert "cannot load the tokenizer 'nobody/no-such-model'" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr

@@ -6,9 +6,10 @@ the kubelet creates as root:root 0755 when its type is ``DirectoryOrCreate`` (an
 when ``Directory`` names one missing), a Secret or ConfigMap as read-only files.
 
 What differs from a kubelet, and why:
-- Volume paths are mapped, not mounted: a container path in an environment value or an
-  argument is replaced by the host directory behind it (``root`` stands for the server's
-  filesystem), so that the process runs among this machine's files.
+- Volume paths are mapped, not mounted: a container path in an environment value, an
+  argument or a mounted ConfigMap's file (a config file naming the container's paths) is
+  replaced by the host directory behind it (``root`` stands for the server's filesystem),
+  so that the process runs among this machine's files.
 - The image's binaries are this machine's: ``kvpool`` (this checkout's), ``install``,
   ``etcd`` (Debian's).  An engine container's ``vllm serve`` cannot run here (no GPU, no
   CUDA image): :func:`probe` runs in its place, with the container's environment, user and
@@ -16,7 +17,9 @@ What differs from a kubelet, and why:
 - Each pod runs in a host of the test fabric (its own network namespace), so that the ports
   a spec names are its own.
 - Sizes a server has and this machine has not (a 64 GiB arena) are scaled down (``sizes``:
-  the variables, and the values they take here); nothing else of the environment changes.
+  the variables, and the values they take here), and what this machine cannot reach is
+  said (``offline``: ``HF_HUB_OFFLINE``, where a model hub would be fetched from); nothing
+  else of the environment changes.
 - Each process runs in a mount namespace of its own where directories this machine keeps
   from other users (``/root``, where the interpreter lives) are opened to them: what an
   image's filesystem gives its user, this machine's does not.
@@ -96,6 +99,7 @@ class Pod:
     config_maps: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     hosts: Mapping[str, str] = field(default_factory=dict)  # Services' DNS names -> IP
     claims: tuple[str, ...] = ()  # volumes of a StatefulSet's claims: empty directories
+    offline: Mapping[str, str] = field(default_factory=dict)  # added: no network here
     sizes: Mapping[str, str] = field(
         default_factory=lambda: {"KVPOOL_MEMORY": "64MiB", "KVPOOL_DISK_SIZE": "256MiB"}
     )
@@ -120,6 +124,10 @@ class Pod:
                     os.chown(path, 0, 0)
                     path.chmod(0o755)  # as the kubelet creates it
                 dirs[name] = path
+            elif "emptyDir" in volume:
+                dirs[name] = self._files / f"empty-{name}"
+                dirs[name].mkdir(exist_ok=True)
+                dirs[name].chmod(0o777)  # as the kubelet makes an emptyDir
             elif "secret" in volume or "configMap" in volume:
                 source = volume.get("secret") or volume["configMap"]
                 objects = self.secrets if "secret" in volume else self.config_maps
@@ -155,7 +163,7 @@ class Pod:
             else:
                 ref = entry["valueFrom"]["secretKeyRef"]
                 env[entry["name"]] = self.secrets[ref["name"]][ref["key"]].decode()
-        return env
+        return {**env, **self.offline}
 
     def command(self, container: dict) -> list[str]:
         image = image_of(container)
@@ -188,6 +196,9 @@ class Pod:
         container = next(c for c in self.spec[kind] if c["name"] == name)
         dirs = self.volume_dirs()
         mounts = {m["mountPath"]: dirs[m["name"]] for m in container.get("volumeMounts", [])}
+        for mount in container.get("volumeMounts", []):
+            if self._is_config_map(mount["name"]):
+                mounts[mount["mountPath"]] = self._mapped(dirs[mount["name"]], name, mounts)
         env = {k: map_paths(v, mounts) for k, v in self.environment(container).items()}
         command = [map_paths(expand(part, env), mounts) for part in self.command(container)]
         if argv is not None:
@@ -214,6 +225,22 @@ class Pod:
         launch = [*self.host.prefix, "unshare", "--mount", "--propagation", "private", "--"]
         launch += [sys.executable, str(LAUNCHER), str(file)]
         return subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def _is_config_map(self, volume_name: str) -> bool:
+        return any(
+            "configMap" in v and v["name"] == volume_name for v in self.spec.get("volumes", [])
+        )
+
+    def _mapped(self, source: Path, container: str, mounts: Mapping[str, Path]) -> Path:
+        """A copy of a ConfigMap volume's files for ``container``, its paths mapped."""
+        target = self._files / f"{source.name}-for-{container}"
+        target.mkdir(exist_ok=True)
+        target.chmod(0o755)
+        for file in source.iterdir():
+            copy = target / file.name
+            copy.write_text(map_paths(file.read_text(), mounts))
+            copy.chmod(0o644)
+        return target
 
     def run(self, name: str, *, init: bool = False, timeout: float = 60) -> str:
         """Run a container to its end (an init container): its output; it must succeed."""

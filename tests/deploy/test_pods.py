@@ -65,6 +65,14 @@ def server_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def family_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The suite's tiny Llama (its tokenizer, as a model hub serves one)."""
+    from tests.integrations.conftest import tiny_model
+
+    return Path(tiny_model(tmp_path_factory, "llama"))
+
+
 def spec_of(overlay: str, kind: str, name: str) -> dict:
     doc = next(
         d
@@ -242,6 +250,73 @@ def test_the_1p1d_overlay_etcd_nodes_and_modelserving_engines_as_written(
             assert role["etcd"] == "https://kvpool-etcd.kvpool.svc:2379", role
             assert role["stored"] and role["read_back"] and role["shared_arena"], role
             assert role["kthena_pod"].endswith(".kvpool"), role  # $(POD_NAME).$(POD_NAMESPACE)
+    finally:
+        for process in reversed(processes):
+            stop(process)
+        fabric.close()
+
+
+def test_the_router_deployment_starts_as_written_and_answers(
+    cluster_secrets, server_root, family_tokenizer
+) -> None:
+    """The router's Deployment (single-node): its command in the engine image, as 10001,
+    its ConfigMap's router.toml, HTTPS from the Secret, the tokenizer its config names in
+    its emptyDir cache (put there as a first start would have fetched it: this machine
+    reaches no model hub).  A stand-in engine answers where the config's Service name
+    resolves (vLLM needs a GPU); the router becomes ready and serves a completion over
+    HTTPS."""
+    import shutil
+    import subprocess
+    import sys
+
+    fabric = Fabric()
+    processes = []
+    try:
+        host = fabric.add_host("r")
+        engine_host = fabric.add_host("e")  # the engine's pod, where its Service resolves
+        services = {"vllm-engine-0.vllm-engine.kvpool.svc": engine_host.ip}
+        engine = [*engine_host.prefix, sys.executable, "-m", "tests.router.fake_engine"]
+        engine += ["--port", "8000", "--host", engine_host.ip]
+        processes.append(
+            subprocess.Popen(engine, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+        deployment = spec_of("single-node", "Deployment", "kvpool-router")
+        (spec,) = pod_specs(deployment)
+        config_map = spec_of("single-node", "ConfigMap", "kvpool-router")
+        volume = next(v for v in spec["volumes"] if "configMap" in v)
+        pod = Pod(
+            spec,
+            host,
+            server_root,
+            name="kvpool-router-0",
+            secrets=cluster_secrets,
+            config_maps={volume["configMap"]["name"]: config_map["data"]},
+            hosts=services,
+            offline={"HF_HUB_OFFLINE": "1"},  # the tokenizer is in its cache, put there below
+        )
+        dirs = pod.volume_dirs()
+        model = "meta-llama/Llama-3.1-8B-Instruct"
+        cache = dirs["hf-cache"] / "hub" / ("models--" + model.replace("/", "--"))
+        (cache / "refs").mkdir(parents=True)
+        (cache / "refs" / "main").write_text("0" * 40)
+        shutil.copytree(family_tokenizer, cache / "snapshots" / ("0" * 40))
+        for path in [cache, *cache.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        router = pod.start("router")
+        processes.append(router)
+        ready(f"https://{host.ip}:8000/health", router, timeout=120)
+        context = ssl.create_default_context(cafile=None)
+        context.load_verify_locations(cadata=cluster_secrets["kvpool-tls"]["ca.crt"].decode())
+        context.check_hostname = False  # its certificate is for kvpool-router.kvpool.svc
+        body = json.dumps({"model": model, "prompt": "def main():", "max_tokens": 4}).encode()
+        request = urllib.request.Request(
+            f"https://{host.ip}:8000/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30, context=context) as response:
+            assert response.status == 200
+            assert json.loads(response.read())["choices"]
     finally:
         for process in reversed(processes):
             stop(process)

@@ -146,6 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="fake")
+    parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args()
     STATE["name"] = args.name
     app = web.Application()
@@ -159,7 +160,7 @@ def main() -> None:
     app.router.add_get("/_log", log)
     web.run_app(
         app,
-        host="127.0.0.1",
+        host=args.host,
         port=args.port,
         print=lambda *_: print("FAKE_READY", flush=True),
         handler_cancellation=True,

@@ -20,7 +20,7 @@ from typing import Any
 from kvpool.client.client import Client
 from kvpool.cluster.cooldown import Cooldowns
 from kvpool.config import ClientConfig
-from kvpool.errors import PoolTimeout
+from kvpool.errors import ConfigError, PoolTimeout
 from kvpool.keys import NAMESPACE_ID_BYTES, block_key
 from kvpool.limits import ROUTER_MAX_SLOW_ANSWERS, ROUTER_NODE_DOWN_S
 from kvpool.tenants import Tenant
@@ -45,7 +45,13 @@ class PromptHasher:
             raise RuntimeError(
                 "cache-aware routing hashes blocks with vLLM's own code: install vllm"
             ) from exc
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        except (OSError, ValueError) as exc:  # not on the hub, not in the cache, offline
+            raise ConfigError(
+                f"cannot load the tokenizer {tokenizer_path!r} (router config `tokenizer`): "
+                f"{exc}; a local directory, or a model hub name reachable or in HF_HOME's cache"
+            ) from exc
         self.block_size = block_size
         self._hash_fn = get_hash_fn_by_name(hash_algo)
         init_none_hash(self._hash_fn)
