@@ -42,8 +42,10 @@ import contextlib
 import mmap
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from kvpool.config import PAGE_BYTES
@@ -130,6 +132,11 @@ class DirectoryWriter:
             raise
         os.close(fd)
         self._words = memoryview(self._mmap).cast("Q")
+        # The same words for numpy: a commit lists its blocks together (:meth:`list_many`).
+        self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint64)
+        # Which entries are taken, as the table says (kept by :meth:`_write`): what a
+        # commit's keys probe together, 1 byte per 32-byte entry.
+        self._occupied = np.zeros(self.num_slots, dtype=bool)
         header = self._words
         header[_VERSION] = VERSION
         header[_NUM_SLOTS] = self.num_slots
@@ -184,6 +191,59 @@ class DirectoryWriter:
         self.num_unlisted += 1
         return False
 
+    def list_many(
+        self, keys: Sequence[bytes], offsets: np.ndarray, sizes: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`list` (``replace=False``) of a commit's blocks together, none of them
+        listed: whether each was.  The blocks are listed in order while the table has room
+        (as one call per block would); each entry is written as :meth:`_write` writes one,
+        generation odd first and even last, every entry's step before the next step."""
+        n = len(keys)
+        listed = np.zeros(n, dtype=bool)
+        words = self._array
+        if not n or words is None:
+            return listed
+        # Each key's xxh3-128, big-endian: its high word, then its low word.
+        digests = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, keys)), ">u8")
+        highs = digests[0::2].astype(np.uint64) | np.uint64(1)
+        lows = digests[1::2].astype(np.uint64)
+        fits = (
+            (offsets % PAGE_BYTES == 0)
+            & (offsets // PAGE_BYTES < MAX_OFFSET_PAGES)
+            & (sizes <= MAX_SIZE)
+        )
+        room = max(0, self.num_slots - self.num_slots // FULL_SHARE - self._num_listed)
+        wanted = np.flatnonzero(fits)[:room]
+        self.num_unlisted += n - len(wanted)
+        homes = (lows[wanted] & np.uint64(self._mask)).astype(np.int64)
+        slots = np.full(n, -1, dtype=np.int64)
+        probing = np.arange(len(wanted))
+        occupied = self._occupied
+        for step in range(MAX_PROBE):
+            if not len(probing):
+                break
+            at = (homes[probing] + step) & self._mask
+            free = np.flatnonzero(~occupied[at])
+            # Of several keys for one slot, the first takes it; the others probe on.
+            _, first = np.unique(at[free], return_index=True)
+            winners = free[first]
+            occupied[at[winners]] = True
+            slots[wanted[probing[winners]]] = at[winners]
+            probing = np.delete(probing, winners)
+        self.num_unlisted += len(probing)
+        placed = np.flatnonzero(slots >= 0)
+        base = HEADER_WORDS + slots[placed] * ENTRY_WORDS
+        location = (offsets[placed].astype(np.uint64) // np.uint64(PAGE_BYTES)) << np.uint64(32)
+        location |= sizes[placed].astype(np.uint64)
+        words[base] += np.uint64(1)  # odd: readers keep off
+        words[base + 1] = lows[placed]
+        words[base + 2] = highs[placed]
+        words[base + 3] = location
+        words[base] += np.uint64(1)
+        self._num_listed += len(placed)
+        listed[placed] = True
+        return listed
+
     def withdraw(self, key: bytes) -> None:
         """Withdraw a block (before its memory is handed out again); then close the gap by
         shifting the entries after it back towards their homes."""
@@ -219,6 +279,7 @@ class DirectoryWriter:
         words[base + 2] = high
         words[base + 3] = location
         words[base] = generation + 2
+        self._occupied[slot] = bool(low or high)
 
     def close(self, *, remove: bool = False) -> None:
         """Retire the directory (its readers stop trusting it) and unmap it."""
@@ -226,6 +287,7 @@ class DirectoryWriter:
             return
         self._words[_RETIRED] = 1
         self._words.release()
+        self._array = None  # its export of the map, before the map closes
         self._mmap.close()
         if remove:
             self.path.unlink(missing_ok=True)
@@ -340,6 +402,11 @@ class NoDirectory:
 
     def list(self, key: bytes, offset: int, size: int, *, replace: bool = True) -> bool:
         return False
+
+    def list_many(
+        self, keys: Sequence[bytes], offsets: np.ndarray, sizes: np.ndarray
+    ) -> np.ndarray:
+        return np.zeros(len(keys), dtype=bool)
 
     def withdraw(self, key: bytes) -> None:
         pass

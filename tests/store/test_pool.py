@@ -271,7 +271,7 @@ def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):
 
 def test_rule16_clients_reads_and_writes_are_sampled_the_nodes_own_are_not(store):
     seen: list[int] = []
-    store.reuse.access = lambda key_hash, hit: seen.append(key_hash)  # type: ignore[method-assign]
+    store.reuse.access_many = lambda hashes, hit: seen.extend(hashes)  # type: ignore[method-assign]
     put(store, [key(1), key(2)])
     assert len(seen) == 2  # a client's commit
     store.pin([key(1)], owner=1, lease_s=5)

@@ -37,7 +37,7 @@ from kvpool import checksum as ck
 from kvpool.keys import BlockOrigin
 from kvpool.store.arena import Arena
 from kvpool.store.block import Block, CommitResult
-from kvpool.store.block_store import BlockStore
+from kvpool.store.block_store import WALK_STEP, BlockStore
 from kvpool.store.journal import Entry, Replay
 
 log = logging.getLogger("kvpool.node")
@@ -149,45 +149,51 @@ class Sealer:
     async def scrub(self, rate_bytes_s: float) -> None:
         """Re-hash committed blocks, a walk over the index at a time, at most
         ``rate_bytes_s`` on average."""
+        index = self.store.index
         cursor = 0
         while True:
             # A bounded step of the index at a time: a pass takes minutes, and the index
             # changes meanwhile (a block evicted since is skipped, one added is met later).
-            batch, num_bytes = [], 0
+            steps, num_bytes = [], 0
             while num_bytes < SCRUB_STEP_BYTES:
-                blocks, cursor = self.store.walk(cursor)
-                batch += blocks
-                num_bytes += sum(b.size for b in blocks)
+                slots, cursor = index.live_from(cursor, WALK_STEP)
+                steps.append(slots)
+                num_bytes += int(index.sizes[slots].sum())
                 if not cursor:
                     break
-            if batch:
-                await self.scrub_blocks(batch)
+            slots = np.concatenate(steps)
+            if len(slots):
+                await self.scrub_slots(slots)
                 await asyncio.sleep(num_bytes / rate_bytes_s)
-            if not cursor and not batch:
+            if not cursor and not len(slots):
                 await asyncio.sleep(1.0)
 
-    async def scrub_blocks(self, blocks: list[Block]) -> int:
-        """Verify ``blocks`` against their checksums, drop those that fail; how many did.
+    async def scrub_slots(self, slots: np.ndarray) -> int:
+        """Verify the committed blocks of ``slots`` against their checksums, drop those that
+        fail; how many did.  The columns are read once, on the event loop; the hashing runs
+        on a thread.
 
         A block still committed after its hash kept its memory throughout (memory returns
         only once a block is removed), so a mismatch is damage; a block removed meanwhile
         is skipped, whatever its memory held."""
-        blocks = [b for b in blocks if self.store.is_current(b)]
-        checksums = await asyncio.to_thread(self._hash, blocks)
-        bad = []
-        for block, checksum in zip(blocks, checksums, strict=True):
-            if not self.store.is_current(block):
-                continue
-            if checksum == block.checksum:
-                self.store.seal(block)
-            else:
-                bad.append(block.key)
-        self.scrubbed_bytes += sum(b.size for b in blocks)
-        if bad:
+        index = self.store.index
+        offsets, sizes = index.offsets[slots], index.sizes[slots]
+        checksums = index.checksums[slots]
+        found = await asyncio.to_thread(self._hash_extents, offsets.tolist(), sizes.tolist())
+        held = self.store.still_held(slots, offsets, checksums)
+        intact = np.array(found, dtype=np.uint64) == checksums
+        self.store.seal_slots(slots[held & intact])
+        self.scrubbed_bytes += int(sizes.sum())
+        bad = slots[held & ~intact]
+        if len(bad):
             self.scrub_dropped += len(bad)
             log.warning("scrub: %d blocks no longer match their checksums; dropped", len(bad))
-            self.store.report_corrupt(bad)
+            self.store.report_corrupt([index.key(slot) for slot in bad.tolist()])
         return len(bad)
+
+    def _hash_extents(self, offsets: list[int], sizes: list[int]) -> list[int]:
+        arena = self.arena
+        return [ck.checksum(arena.slice(o, n)) for o, n in zip(offsets, sizes, strict=True)]
 
 
 def seal_replayed(replay: Replay, arena: Arena) -> int:

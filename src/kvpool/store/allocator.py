@@ -44,11 +44,16 @@ class Allocator(Protocol):
 
     def free(self, offset: int) -> None: ...
 
-    def carve(self, offset: int, sizes: list[int]) -> list[int]: ...
+    def carve(self, offset: int, sizes: Sequence[int] | np.ndarray) -> list[int]: ...
 
     def largest_free(self) -> int: ...
 
     def adopt(self, extents: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray: ...
+
+
+def pages_of(sizes: np.ndarray) -> np.ndarray:
+    """:func:`~kvpool.config.pages` of each of an array of sizes (int64)."""
+    return np.maximum(1, -(-sizes // PAGE_BYTES))
 
 
 def _bin_of(num_pages: int) -> int:
@@ -181,25 +186,28 @@ class SegregatedFitAllocator:
             start = preceding
         self._insert_free(start, num_pages)
 
-    def carve(self, offset: int, sizes: list[int]) -> list[int]:
+    def carve(self, offset: int, sizes: Sequence[int] | np.ndarray) -> list[int]:
         """Split the allocated extent at ``offset`` into pieces of ``sizes`` (page-rounded,
         in order); the extent's tail beyond them is freed."""
         start, total = self._release(offset)
-        piece_pages = [pages(size) for size in sizes]
-        if sum(piece_pages) > total:
+        piece_pages = pages_of(np.asarray(sizes, dtype=np.int64))
+        num_pages = int(piece_pages.sum())
+        if num_pages > total:
             self._hold(start, total)
             raise ValueError("pieces exceed the extent")
-        offsets: list[int] = []
-        cursor = start
-        for num_pages in piece_pages:
-            self._hold(cursor, num_pages)
-            offsets.append(cursor * PAGE_BYTES)
-            cursor += num_pages
+        starts = start + np.cumsum(piece_pages) - piece_pages
+        short = piece_pages < LONG
+        self._page_table[starts[short]] = piece_pages[short]
+        for long_start, long_pages in zip(
+            starts[~short].tolist(), piece_pages[~short].tolist(), strict=True
+        ):
+            self._hold(long_start, long_pages)
+        cursor = start + num_pages
         leftover = start + total - cursor
         if leftover:
             self._hold(cursor, leftover)
             self.free(cursor * PAGE_BYTES)
-        return offsets
+        return (starts * PAGE_BYTES).tolist()
 
     def largest_free(self) -> int:
         if not self._bitmap:
@@ -312,10 +320,10 @@ class BumpAllocator:
     def free(self, offset: int) -> None:
         self.used -= self._sizes.pop(offset)
 
-    def carve(self, offset: int, sizes: list[int]) -> list[int]:
+    def carve(self, offset: int, sizes: Sequence[int] | np.ndarray) -> list[int]:
         total = self._sizes.pop(offset)
         offsets = []
-        for size in sizes:
+        for size in map(int, sizes):
             self._sizes[offset] = pages(size) * PAGE_BYTES
             offsets.append(offset)
             offset += pages(size) * PAGE_BYTES

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.config import AREA_SHARE, page_bytes
+import numpy as np
+
+from kvpool.config import AREA_SHARE, PAGE_BYTES, page_bytes
 from kvpool.errors import BadRequest, LeaseExpired
-from kvpool.store.allocator import Allocator
+from kvpool.store.allocator import Allocator, pages_of
 from kvpool.store.block import Area
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
 
@@ -68,18 +70,19 @@ class WriteAreas:
         area = self._book.get(area_id, owner)
         if area is None:
             raise LeaseExpired(f"write area {area_id} expired or was replaced")
-        pieces = [page_bytes(size) for size in sizes]
-        rest = area.num_bytes - sum(pieces)
+        pieces = pages_of(np.asarray(sizes, dtype=np.int64)) * PAGE_BYTES
+        taken = int(pieces.sum())
+        rest = area.num_bytes - taken
         if rest < 0:
-            raise BadRequest(f"{sum(pieces)} bytes of blocks in a write area of {area.num_bytes}")
-        offsets = self.allocator.carve(area.offset, pieces + [rest] * bool(rest))
-        self.num_bytes -= sum(pieces)
+            raise BadRequest(f"{taken} bytes of blocks in a write area of {area.num_bytes}")
+        offsets = self.allocator.carve(area.offset, np.append(pieces, rest) if rest else pieces)
+        self.num_bytes -= taken
         if rest:
             area.offset, area.num_bytes = offsets.pop(), rest
             area.deadline = self.ledger.clock() + area.lease_s
         else:
             self._book.pop(area_id, owner)
-        if rest < sum(pieces) and not keep:  # the next write like this would not fit: refill
+        if rest < taken and not keep:  # the next write like this would not fit: refill
             fresh = self._new(area.granted_bytes, owner, area.lease_s)
             if fresh is not None and rest:  # else, with none free, the rest stays
                 self._drop(area_id)

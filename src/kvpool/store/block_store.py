@@ -56,10 +56,10 @@ Rules (each has a test in tests/store/test_pool.py):
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -70,7 +70,7 @@ from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import LeaseLimits
 from kvpool.stats import ESTIMATE_SCALES
 from kvpool.store.accounts import Accounts, Resource
-from kvpool.store.allocator import Allocator, SegregatedFitAllocator
+from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages_of
 from kvpool.store.areas import WriteAreas
 from kvpool.store.block import (
     Area,
@@ -86,7 +86,16 @@ from kvpool.store.block import (
     StoreEvents,
 )
 from kvpool.store.eviction import EvictionPolicy, LRUPolicy
-from kvpool.store.index import KEY_WIDTH, BlockIndex, counted_prefixes
+from kvpool.store.index import (
+    KEY_WIDTH,
+    LISTED,
+    LIVE,
+    SEALED,
+    BlockIndex,
+    KeyColumns,
+    counted_prefixes,
+    groups_by_prefix,
+)
 from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 from kvpool.store.namespaces import NamespaceTable, is_label
@@ -96,11 +105,12 @@ from kvpool.store.space import Space
 from kvpool.tenants import TAG_BYTES
 
 Clock = Callable[[], float]
-# Blocks the scrubber's walk over the index looks at per call, at most.
+# Slots the scrubber's walk over the index looks at per step, at most.
 WALK_STEP = 4096
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
 Checksums = Sequence[int | None]  # per block (None: drop it)
 OnChange = Callable[[Sequence[bytes]], None]  # the keys whose presence changed
+STATUS_OF_CODE = {int(status): status for status in Status}
 
 
 class BlockStore:
@@ -307,7 +317,47 @@ class BlockStore:
 
     def _admit(self, keys: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[Status], list[int]]:
         """Per key, OK where it may be written, else why not; the indexes of the OK keys,
-        which count against their tenant's quota from here on."""
+        which count against their tenant's quota from here on.  A request's distinct keys
+        of one length (an engine's) are looked up together."""
+        n = len(keys)
+        columns = KeyColumns(keys)
+        rows = columns.rows
+        if rows is None or rows.shape[1] > KEY_WIDTH or len(set(keys)) != n:
+            return self._admit_each(keys, sizes)
+        codes = np.full(n, Status.OK, dtype=np.int8)
+        codes[pages_of(np.asarray(sizes, dtype=np.int64)) * PAGE_BYTES > self.capacity] = (
+            Status.REFUSED
+        )
+        codes[self.index.find_many(columns) >= 0] = Status.EXISTS
+        if self._pending:
+            codes[np.fromiter(map(self._pending.__contains__, keys), bool, n)] = Status.PENDING
+        wanted = np.flatnonzero(codes == Status.OK)
+        if self.quotas is not None and len(wanted):
+            wanted = self._fit_quotas(columns, sizes, wanted, codes)
+        return [STATUS_OF_CODE[code] for code in codes.tolist()], wanted.tolist()
+
+    def _fit_quotas(
+        self, columns: KeyColumns, sizes: Sequence[int], wanted: np.ndarray, codes: np.ndarray
+    ) -> np.ndarray:
+        """Count the wanted keys against their tenants' quotas: a tenant's keys together
+        where they fit as they are, else one at a time, each evicting the tenant's own
+        blocks as it needs (OVER_QUOTA where that cannot make room); the keys still wanted."""
+        quotas, keys = cast(Quotas, self.quotas), columns.keys
+        for tag, members in groups_by_prefix(cast(np.ndarray, columns.rows)[wanted], TAG_BYTES):
+            tenant_keys = wanted[members].tolist()
+            if quotas.add_all(tag, sum(quotas.cost(sizes[i]) for i in tenant_keys)):
+                continue
+            for i in tenant_keys:
+                if self.space.fit_quota(keys[i], sizes[i]):
+                    quotas.added(keys[i], sizes[i])
+                else:
+                    codes[i] = Status.OVER_QUOTA
+        return np.flatnonzero(codes == Status.OK)
+
+    def _admit_each(
+        self, keys: Sequence[bytes], sizes: Sequence[int]
+    ) -> tuple[list[Status], list[int]]:
+        """:meth:`_admit`, a key at a time (keys named twice, or of several lengths)."""
         statuses: list[Status] = []
         wanted: list[int] = []
         seen: set[bytes] = set()
@@ -381,30 +431,38 @@ class BlockStore:
             raise BadRequest(f"{len(checksums)} checksums for a reservation of {len(blocks)}")
         if origins is not None and len(origins) != len(checksums):
             raise BadRequest(f"{len(origins)} origins for {len(checksums)} checksums")
-        result = CommitResult([])
+        statuses: list[Status] = []
+        committed: list[Block] = []
+        pending, kept_origins = self._pending, self._origins
         for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):
             if block is None:
-                result.statuses.append(Status.NOT_FOUND)
+                statuses.append(Status.NOT_FOUND)
             elif checksum is None:
                 self.journal.removed([block.key])  # a FILLED record may name it
                 self._count_journal(block.key)
                 self._fail(block)
-                result.statuses.append(Status.NOT_FOUND)
+                statuses.append(Status.NOT_FOUND)
             else:
+                if pending.get(block.key) is block:
+                    del pending[block.key]
+                block.state = BlockState.COMMITTED
+                block.checksum = checksum
+                block.sealed = True
                 if origins is not None:
                     block.origin = origins[i]
-                slot = self._commit(block, checksum)
-                self._count_journal(block.key)
-                if by_client:
-                    self.reuse.access(self.index.hash_of(slot), hit=False)
-                result.statuses.append(Status.OK)
-                result.committed.append(block)
-        self.journal.committed(Entry(b.key, b.offset, b.size, b.checksum) for b in result.committed)
+                if block.origin is not None:
+                    kept_origins[block.key] = block.origin
+                committed.append(block)
+                statuses.append(Status.OK)
+        if committed:
+            slots = self._commit(committed)
+            if by_client:
+                self.reuse.access_many(self.index.hashes[slots].tolist(), hit=False)
         if by_client:
             self.space.trim()
         self._compact_journal()
         self._changed([b.key for b in blocks if b is not None])
-        return result
+        return CommitResult(statuses, committed)
 
     def abort(self, reservation_id: int, owner: int) -> None:
         reservation = self._reservations.pop(reservation_id, owner)
@@ -419,52 +477,102 @@ class BlockStore:
                 self._fail(block)
         self._changed([b.key for b in reservation.blocks if b is not None])
 
-    def _commit(self, block: Block, checksum: int) -> int:
-        """A pending block becomes a row of the index (the object goes, once told of); its
-        slot."""
-        if self._pending.get(block.key) is block:
-            del self._pending[block.key]
-        block.state = BlockState.COMMITTED
-        block.checksum = checksum
-        block.sealed = True
-        self.reserved_bytes -= block.size
-        slot = self.index.insert(block.key, block.offset, block.size, checksum, sealed=True)
-        if self.directory.list(block.key, block.offset, block.size, replace=False):
-            self.index.set_listed(slot)
-        if block.origin is not None:
-            self._origins[block.key] = block.origin
-        self.committed_bytes += block.size
-        self.eviction.touch(slot)
-        parent = self._parent_of(block)
-        if parent >= 0:
-            self.eviction.link(slot, parent)
-        self.namespaces.added(block.key, block.size)
-        self.counters.puts += 1
+    def _commit(self, blocks: list[Block]) -> np.ndarray:
+        """Blocks taken from pending (distinct keys, committed with their checksums) become
+        rows of the index, together: the columns of the request's blocks, each table and
+        list updated once (the objects go, once told of); their slots."""
+        n = len(blocks)
+        keys = [b.key for b in blocks]
+        columns = KeyColumns(keys)
+        offsets = np.array([b.offset for b in blocks], dtype=np.int64)
+        sizes = np.array([b.size for b in blocks], dtype=np.int64)
+        checksums = np.array([b.checksum for b in blocks], dtype=np.uint64)
+        num_bytes = int(sizes.sum())
+        self.reserved_bytes -= num_bytes
+        self.committed_bytes += num_bytes
+        slots = self.index.insert_many(columns, offsets, sizes, checksums, sealed=True)
+        self.index.set_listed_many(slots[self.directory.list_many(keys, offsets, sizes)])
+        self.eviction.touch_many(slots)
+        if self.eviction.follows_prefixes:
+            self._link_parents(blocks, slots)
+        self.namespaces.added_many(columns, sizes)
+        self.counters.puts += n
         if self.events is not None:
-            self.events.stored(block)
-        return slot
+            for block in blocks:
+                self.events.stored(block)
+        self._journal_commits(columns, offsets, sizes, checksums)
+        return slots
 
-    def _parent_of(self, block: Block) -> int:
-        """The slot of the block whose prefix this one extends, as its writer said (its
-        origin's parent hash, in the block's namespace); -1 if none is held."""
-        origin = block.origin
-        if origin is None or not origin.parent:
-            return -1
-        return self.index.find(block.key[:NAMESPACE_ID_BYTES] + origin.parent)
+    def _link_parents(self, blocks: list[Block], slots: np.ndarray) -> None:
+        """Tell the policy which block each extends (its origin's parent hash, in the
+        block's namespace), where its writer said and that block is held."""
+        children = [i for i, b in enumerate(blocks) if b.origin is not None and b.origin.parent]
+        if not children:
+            return
+        parent_keys = [
+            blocks[i].key[:NAMESPACE_ID_BYTES] + cast(BlockOrigin, blocks[i].origin).parent
+            for i in children
+        ]
+        parents = self.index.find_many(KeyColumns(parent_keys))
+        for i, parent in zip(children, parents.tolist(), strict=True):
+            if parent >= 0:
+                self.eviction.link(int(slots[i]), parent)
+
+    def _journal_commits(
+        self, columns: KeyColumns, offsets: np.ndarray, sizes: np.ndarray, checksums: np.ndarray
+    ) -> None:
+        """The commits' records (rule 10), counted to their tenants' journal bytes (rule
+        16)."""
+        rows = columns.rows
+        if rows is None:  # keys of several lengths (no engine's): a record at a time
+            values = (offsets.tolist(), sizes.tolist(), checksums.tolist())
+            entries = zip(columns.keys, *values, strict=True)
+            self.journal.committed(Entry(*entry) for entry in entries)
+            for key in columns.keys:
+                self._count_journal(key)
+            return
+        self.journal.committed_many(rows, offsets, sizes, checksums)
+        record_bytes = self.journal.record_bytes(columns.keys[0])
+        if record_bytes:
+            for tag, members in groups_by_prefix(rows, TAG_BYTES):
+                account = self.accounts.account_of(tag)
+                self.accounts.count(account, Resource.JOURNAL_BYTES, record_bytes * len(members))
 
     def seal(self, block: Block) -> None:
-        """The node verified a committed block's bytes itself (the scrubber): same-host
-        readers may copy it without hashing it, through the directory."""
+        """The node verified a committed block's bytes itself: see :meth:`seal_slots`."""
         slot = self._slot_of(block)
-        if slot >= 0 and not self.index.is_sealed(slot):
-            self.index.seal(slot)
-            if self.directory.list(block.key, block.offset, block.size, replace=False):
-                self.index.set_listed(slot)
+        if slot >= 0:
+            self.seal_slots(np.array([slot], dtype=np.int64))
+
+    def seal_slots(self, slots: np.ndarray) -> None:
+        """The node verified these committed blocks' bytes itself (the scrubber): same-host
+        readers may copy them without hashing them, through the directory."""
+        index = self.index
+        slots = slots[(index.flags[slots] & SEALED) == 0]
+        if not len(slots):
+            return
+        index.flags[slots] |= SEALED
+        unlisted = slots[(index.flags[slots] & LISTED) == 0]
+        keys = [index.key(slot) for slot in unlisted.tolist()]
+        listed = self.directory.list_many(keys, index.offsets[unlisted], index.sizes[unlisted])
+        index.set_listed_many(unlisted[listed])
 
     def is_current(self, block: Block) -> bool:
         """Whether a copy of a committed block handed out earlier is still that block:
         committed now, at the same place with the same checksum."""
         return self._slot_of(block) >= 0
+
+    def still_held(
+        self, slots: np.ndarray, offsets: np.ndarray, checksums: np.ndarray
+    ) -> np.ndarray:
+        """Per slot, whether it holds a committed block at ``offsets`` with ``checksums``
+        still (what a scrub read of it found: the same bytes at the same place)."""
+        index = self.index
+        return (
+            ((index.flags[slots] & LIVE) != 0)
+            & (index.offsets[slots] == offsets)
+            & (index.checksums[slots] == checksums)
+        )
 
     def _slot_of(self, block: Block) -> int:
         """The slot of the committed block ``block`` copies, -1 if it left since."""
@@ -491,12 +599,8 @@ class BlockStore:
         """The length of the longest committed prefix, and whether the next key is pending
         (``start``: the first ``start`` keys are known to be held: the walk begins after
         them, and counts only what it walks)."""
-        find = self.index.find
-        num_prefix = start
-        for key in itertools.islice(keys, start, None):
-            if find(key) < 0:
-                break
-            num_prefix += 1
+        missing = np.flatnonzero(self.index.find_all(keys[start:]) < 0)
+        num_prefix = start + int(missing[0]) if len(missing) else len(keys)
         pending = num_prefix < len(keys) and keys[num_prefix] in self._pending
         if count:
             self.record_lookup(keys, num_prefix)
@@ -504,8 +608,7 @@ class BlockStore:
 
     def lookup_mask(self, keys: Sequence[bytes], *, count: bool = True) -> list[bool]:
         """Whether each key is committed."""
-        find = self.index.find
-        present = [find(k) >= 0 for k in keys]
+        present = (self.index.find_all(keys) >= 0).tolist()
         if count:
             num_present = sum(present)
             self.counters.lookup_hits += num_present
@@ -613,13 +716,6 @@ class BlockStore:
         """A copy of every committed block, in slot order (for tests and tools: a pass over
         the whole index)."""
         return [self.index.block(slot) for slot in self.index.live_slots().tolist()]
-
-    def walk(self, cursor: int, limit: int = WALK_STEP) -> tuple[list[Block], int]:
-        """Copies of the committed blocks among the next ``limit`` slots from ``cursor``
-        (0: the first), and the cursor to go on from (0: the walk is over): a pass over
-        every block held, a bounded step at a time (the scrubber)."""
-        slots, cursor = self.index.live_from(cursor, limit)
-        return [self.index.block(slot) for slot in slots.tolist()], cursor
 
     # -- removal --------------------------------------------------------------------------
 

@@ -3,14 +3,16 @@
 The interface (:class:`EvictionPolicy`) speaks of *slots*, the rows of the store's index
 (:mod:`kvpool.store.index`): ``bind(num_slots, key_of)`` once, before use; ``touch(slot)``
 when a block becomes evictable (committed, or its last pin dropped) or is read,
-``remove(slot)`` when it leaves the store or stops being evictable (pinned), ``forget(slot)``
-after ``remove`` when it left the store, ``link(slot, parent)`` when a committed block is
-known to extend the prefix that ends at ``parent`` (a live slot: its writer said so), and
-``victims()`` yields candidate slots, the best victim first.  The caller touches only live
-slots and removes each slot it touched before the slot is reused.  A candidate the caller
-neither removes nor touches before asking for the next one (a block a queued request holds)
-is moved behind the others, so that no pass, and no later one, visits it again before the
-rest: an eviction of k blocks visits O(k) entries, never the whole index.
+``touch_many(slots)`` for distinct slots at once (a commit's blocks: ``touch`` of each, in
+order), ``remove(slot)`` when it leaves the store or stops being evictable (pinned),
+``forget(slot)`` after ``remove`` when it left the store, ``link(slot, parent)`` when a
+committed block is known to extend the prefix that ends at ``parent`` (a live slot: its
+writer said so; only for a policy that ``follows_prefixes``), and ``victims()`` yields
+candidate slots, the best victim first.  The caller touches only live slots and removes
+each slot it touched before the slot is reused.  A candidate the caller neither removes nor
+touches before asking for the next one (a block a queued request holds) is moved behind the
+others, so that no pass, and no later one, visits it again before the rest: an eviction of
+k blocks visits O(k) entries, never the whole index.
 
 Policies: :class:`LRUPolicy` (the reference, ``--eviction lru``), :class:`NoEviction`, and
 :class:`~kvpool.store.learned.LearnedPolicy` (``--eviction learned``); a node builds the one
@@ -40,9 +42,16 @@ NONE = -1  # no slot (the end of a list)
 
 
 class EvictionPolicy(Protocol):
+    @property
+    def follows_prefixes(self) -> bool:
+        """Whether ``link`` tells it anything (else the store does not look parents up)."""
+        ...
+
     def bind(self, num_slots: int, key_of: KeyOf) -> None: ...
 
     def touch(self, slot: int) -> None: ...
+
+    def touch_many(self, slots: np.ndarray) -> None: ...
 
     def remove(self, slot: int) -> None: ...
 
@@ -70,6 +79,8 @@ def _one_group(slot: int) -> Group:
 class LRUPolicy:
     """Least recently used first: one doubly linked list per group, through columns by slot
     (no Python object per block), merged by recency (a clock stamped at each touch)."""
+
+    follows_prefixes = False
 
     def __init__(self) -> None:
         self._group_of: GroupOf = _one_group
@@ -108,6 +119,21 @@ class LRUPolicy:
         self._clock += 1
         self._stamp[slot] = self._clock
         self._append(slot, number)
+
+    def touch_many(self, slots: np.ndarray) -> None:
+        """New blocks (a commit's: none listed) join their groups' lists at once, in
+        order; otherwise, one touch each."""
+        if not len(slots):
+            return
+        if self._listed_column[slots].any():
+            for slot in slots.tolist():
+                self.touch(slot)
+        elif self._group_of is _one_group:
+            self._append_run(slots, 0)
+        else:
+            numbers = np.array([self._number(self._group_of(s)) for s in slots.tolist()])
+            for number in np.unique(numbers).tolist():
+                self._append_run(slots[numbers == number], number)
 
     def remove(self, slot: int) -> None:
         listed = self._listed[slot]
@@ -162,19 +188,25 @@ class LRUPolicy:
             for slot in slots.tolist():
                 self.touch(slot)
             return
-        self._link_in_order(slots, 0)
+        self._append_run(slots, 0)
 
-    def _link_in_order(self, slots: np.ndarray, number: int) -> None:
-        """List ``slots`` (none listed now), in order, as group ``number``'s whole list."""
+    def _append_run(self, slots: np.ndarray, number: int) -> None:
+        """Append ``slots`` (distinct, none listed now), in order, to group ``number``'s
+        list: the most recent now."""
         n = len(slots)
+        tail = self._tails[number]
         self._prev_column[slots[1:]] = slots[:-1]
-        self._prev_column[slots[0]] = NONE
+        self._prev_column[slots[0]] = tail
         self._next_column[slots[:-1]] = slots[1:]
         self._next_column[slots[-1]] = NONE
+        if tail == NONE:
+            self._heads[number] = int(slots[0])
+        else:
+            self._next[tail] = int(slots[0])
+        self._tails[number] = int(slots[-1])
         self._stamps[slots] = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.uint64)
         self._clock += n
         self._listed_column[slots] = number + 1
-        self._heads[number], self._tails[number] = int(slots[0]), int(slots[-1])
         self._size += n
 
     def regroup(self, group_of: GroupOf | None) -> None:
@@ -189,7 +221,7 @@ class LRUPolicy:
         self._size = 0
         if group_of is None:
             if len(order):
-                self._link_in_order(order, 0)
+                self._append_run(order, 0)
             return
         for slot in order.tolist():
             self._append(slot, self._number(group_of(slot)))
@@ -233,6 +265,8 @@ class LRUPolicy:
 class NoEviction:
     """Never evicts: a full store refuses new blocks (for tests and pinned-memory modes)."""
 
+    follows_prefixes = False
+
     def __init__(self) -> None:
         self._stamps = np.zeros(0, dtype=np.uint64)
 
@@ -240,6 +274,9 @@ class NoEviction:
         self._stamps = np.zeros(0, dtype=np.uint64)
 
     def touch(self, slot: int) -> None:
+        pass
+
+    def touch_many(self, slots: np.ndarray) -> None:
         pass
 
     def remove(self, slot: int) -> None:

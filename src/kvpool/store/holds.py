@@ -142,12 +142,19 @@ class QueueAwareEviction:
         self.holds = holds
         self._key_of: KeyOf = bytes
 
+    @property
+    def follows_prefixes(self) -> bool:
+        return self.inner.follows_prefixes
+
     def bind(self, num_slots: int, key_of: KeyOf) -> None:
         self._key_of = key_of
         self.inner.bind(num_slots, key_of)
 
     def touch(self, slot: int) -> None:
         self.inner.touch(slot)
+
+    def touch_many(self, slots: np.ndarray) -> None:
+        self.inner.touch_many(slots)
 
     def remove(self, slot: int) -> None:
         self.inner.remove(slot)

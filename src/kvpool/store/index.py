@@ -20,6 +20,14 @@ and :class:`BlockIndex` finds a key's slot through an open-addressed table of sl
 - **Hash flooding.** Python's hash of bytes is SipHash with a per-process random key: a
   client cannot choose keys that collide; equal hashes are still compared key to key.
 
+- **A request's keys at once.** A long prompt names ~2,000 blocks: :class:`KeyColumns`
+  decodes its keys once into columns (Python's hash of each, their bytes as a matrix), and
+  :meth:`BlockIndex.find_many` and :meth:`BlockIndex.insert_many` probe the table for all
+  of them together, a round of numpy operations per probe step, where a Python statement
+  per key per step cost ~0.5 µs a key (what a node spends per block must not be
+  interpreter time).  Keys of several lengths in one request (no engine sends them) take
+  the one-key path.
+
 Keys are at most :data:`~kvpool.keys.MAX_KEY_BYTES` long (the protocol refuses longer ones).
 Synchronous, touched from one thread (the daemon's event loop), as the store is.
 """
@@ -66,6 +74,32 @@ class Reserved:
         area = mmap.mmap(-1, self.count * row_bytes, flags=flags)
         self._maps.append(area)
         return area
+
+
+# Probe rounds go on in numpy while more keys than this are still probing; the last few
+# (the long runs of a crowded table) take the one-key path.
+MIN_ROUND_KEYS = 16
+# Requests of fewer keys look them up one at a time (a round costs ~10 numpy calls).
+MIN_BATCH_KEYS = 32
+
+
+class KeyColumns:
+    """A request's keys decoded once: Python's hash of each (int64, as the index keeps
+    them), and their bytes as a matrix (``rows``: one row per key) where all are of one
+    length, else None."""
+
+    __slots__ = ("hashes", "keys", "rows")
+
+    def __init__(self, keys: Sequence[bytes]):
+        self.keys = keys
+        self.hashes = np.fromiter(map(hash, keys), np.int64, len(keys))
+        self.rows: np.ndarray | None = None
+        if keys and len(set(map(len, keys))) == 1:
+            joined = b"".join(keys)
+            self.rows = np.frombuffer(joined, np.uint8).reshape(len(keys), len(keys[0]))
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 class BlockIndex:
@@ -133,6 +167,109 @@ class BlockIndex:
         table[i] = slot + 1
         self.count += 1
         return slot
+
+    # -- a request's keys at once ---------------------------------------------------------
+
+    def find_all(self, keys: Sequence[bytes]) -> np.ndarray:
+        """:meth:`find` of each key (int64 slots, -1 where none): together where they are
+        many, one at a time where a few (the columns cost more than they save)."""
+        if len(keys) < MIN_BATCH_KEYS:
+            return np.array([self.find(key) for key in keys], dtype=np.int64)
+        return self.find_many(KeyColumns(keys))
+
+    def find_many(self, columns: KeyColumns) -> np.ndarray:
+        """The slot of each key's committed block (int64), -1 where none."""
+        n = len(columns)
+        found = np.full(n, -1, dtype=np.int64)
+        rows = columns.rows
+        if not n or not self.count:
+            return found
+        if rows is None:
+            found[:] = [self.find(key) for key in columns.keys]
+            return found
+        width = rows.shape[1]
+        hashes = columns.hashes
+        buckets = hashes & self._mask
+        probing = np.arange(n)
+        while len(probing) > MIN_ROUND_KEYS:
+            slots = self.table[buckets[probing]].astype(np.int64) - 1
+            occupied = slots >= 0
+            candidate = np.flatnonzero(
+                occupied
+                & (self.hashes[slots] == hashes[probing])
+                & (self.key_lengths[slots] == width)
+            )
+            same = (self.keys[slots[candidate], :width] == rows[probing[candidate]]).all(axis=1)
+            matched = candidate[same]
+            found[probing[matched]] = slots[matched]
+            done = ~occupied
+            done[matched] = True
+            probing = probing[~done]
+            buckets[probing] = (buckets[probing] + 1) & self._mask
+        for i in probing.tolist():
+            found[i] = self.find(columns.keys[i])
+        return found
+
+    def insert_many(
+        self,
+        columns: KeyColumns,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+        checksums: np.ndarray,
+        *,
+        sealed: bool,
+    ) -> np.ndarray:
+        """New live slots for distinct keys none of which is in the index (the caller
+        checked); their slots (int64), in order."""
+        n = len(columns)
+        rows = columns.rows
+        if rows is None or not n:
+            return np.array(
+                [
+                    self.insert(key, offset, size, checksum, sealed=sealed)
+                    for key, offset, size, checksum in zip(
+                        columns.keys,
+                        offsets.tolist(),
+                        sizes.tolist(),
+                        checksums.tolist(),
+                        strict=True,
+                    )
+                ],
+                dtype=np.int64,
+            )
+        slots = self._new_slots(n)
+        self.keys[slots, : rows.shape[1]] = rows
+        self.key_lengths[slots] = rows.shape[1]
+        self.hashes[slots] = columns.hashes
+        self.offsets[slots] = offsets
+        self.sizes[slots] = sizes
+        self.checksums[slots] = checksums
+        self.pins[slots] = 0
+        self.reads[slots] = 0
+        self.flags[slots] = LIVE | (SEALED if sealed else 0)
+        self._place(columns.hashes & self._mask, slots + 1)
+        self.count += n
+        return slots
+
+    def _new_slots(self, n: int) -> np.ndarray:
+        """``n`` free slots: freed ones first (the last freed first, as :meth:`_new_slot`
+        takes them), then new ones."""
+        reused = min(n, self._num_free)
+        start = self._num_free - reused
+        slots = np.empty(n, dtype=np.int64)
+        slots[:reused] = self._free_slots[start : self._num_free][::-1]
+        self._num_free = start
+        fresh = n - reused
+        if self.high + fresh > self.max_blocks:
+            self._free_slots[start : start + reused] = slots[:reused][::-1]
+            self._num_free += reused
+            raise RuntimeError("the index is full (more blocks than arena pages)")
+        slots[reused:] = np.arange(self.high, self.high + fresh)
+        self.high += fresh
+        return slots
+
+    def set_listed_many(self, slots: np.ndarray) -> None:
+        self.flags[slots] |= LISTED
 
     def unlink(self, slot: int) -> None:
         """Take a live slot out of the table: its key is not found any more.  The slot keeps
@@ -329,6 +466,20 @@ def rows_as_bytes(matrix: np.ndarray) -> list[bytes]:
     if not rows.shape[1]:
         return [b""] * len(rows)
     return cast(list[bytes], rows.view(np.dtype((np.void, rows.shape[1]))).ravel().tolist())
+
+
+def groups_by_prefix(rows: np.ndarray, num_bytes: int) -> list[tuple[bytes, np.ndarray]]:
+    """The distinct first ``num_bytes`` of a matrix of keys (``rows``), each with the rows
+    that start with it (a request's keys nearly always share their namespace: then one
+    comparison)."""
+    heads = rows[:, :num_bytes]
+    if not len(rows):
+        return []
+    if (heads == heads[0]).all():
+        return [(heads[0].tobytes(), np.arange(len(rows)))]
+    prefixes = np.ascontiguousarray(heads).view(np.dtype((np.void, num_bytes))).ravel()
+    unique, inverse = np.unique(prefixes, return_inverse=True)
+    return [(unique[i].tobytes(), np.flatnonzero(inverse == i)) for i in range(len(unique))]
 
 
 def counted_prefixes(

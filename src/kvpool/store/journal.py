@@ -159,6 +159,28 @@ def _record(
     return body + RECORD_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
+def _block_records(
+    kind: int, rows: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, checksums: np.ndarray
+) -> bytes:
+    """The records of blocks whose keys are the rows of ``rows`` (one length), as
+    :func:`_record` writes each: built as one array, as replay reads them (rule 5)."""
+    count, key_len = rows.shape
+    dtype = _run_dtype(key_len)
+    records = np.zeros(count, dtype)
+    records["magic"] = RECORD_MAGIC
+    records["kind"] = kind
+    records["key_len"] = key_len
+    records["offset"] = offsets
+    records["size"] = sizes
+    records["checksum"] = checksums
+    raw = records.view(np.uint8).reshape(count, dtype.itemsize)
+    raw[:, RECORD.size : RECORD.size + key_len] = rows
+    bodies = raw[:, : dtype.itemsize - RECORD_CHECKSUM.size]
+    hash_ = xxhash.xxh3_64_intdigest
+    records["crc"] = np.fromiter(map(hash_, bodies), np.uint64, count)
+    return records.tobytes()
+
+
 def record_bytes(key: bytes, label: bytes = b"") -> int:
     """The bytes of the record of ``key`` (with ``label``: a LABEL record)."""
     return RECORD.size + len(key) + len(label) + RECORD_CHECKSUM.size
@@ -586,6 +608,18 @@ class Journal:
         if entries:
             self._block_record_bytes = record_bytes(entries[-1].key)
 
+    def committed_many(
+        self, rows: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, checksums: np.ndarray
+    ) -> None:
+        """:meth:`committed` of a commit's blocks whose keys are all of one length, given as
+        a matrix of their bytes (``rows``): the records built together."""
+        self._append(_block_records(COMMIT, rows, offsets, sizes, checksums), len(rows))
+        if self._filled:
+            for key in rows_as_bytes(rows):
+                self._filled.pop(key, None)
+        if len(rows):
+            self._block_record_bytes = RECORD.size + rows.shape[1] + RECORD_CHECKSUM.size
+
     def filled(self, entries: Iterable[Entry]) -> None:
         entries = list(entries)
         self._write([_record(FILLED, e.key, e.offset, e.size) for e in entries])
@@ -615,13 +649,16 @@ class Journal:
 
     def _write(self, records: list[bytes]) -> None:
         if records:
-            data = b"".join(records)
+            self._append(b"".join(records), len(records))
+
+    def _append(self, data: bytes, num_records: int) -> None:
+        if num_records:
             _write_all(self._fd, data)
-            self.num_records += len(records)
+            self.num_records += num_records
             self.num_bytes += len(data)
             if self._new_fd >= 0:  # the snapshot hears it too, after what it wrote so far
                 _write_all(self._new_fd, data)
-                self._new_records += len(records)
+                self._new_records += num_records
                 self._new_bytes += len(data)
 
     # -- compaction -----------------------------------------------------------------------
@@ -732,6 +769,11 @@ class NoJournal:
         pass
 
     def committed(self, entries: Iterable[Entry]) -> None:
+        pass
+
+    def committed_many(
+        self, rows: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, checksums: np.ndarray
+    ) -> None:
         pass
 
     def filled(self, entries: Iterable[Entry]) -> None:

@@ -174,6 +174,8 @@ class Tuner:
 class LearnedPolicy(LRUPolicy):
     """See the module's docstring."""
 
+    follows_prefixes = True
+
     def __init__(self) -> None:
         super().__init__()
         # Per list (by number): its tenant group and its class.  List 0: nobody's, class 0.
@@ -236,6 +238,11 @@ class LearnedPolicy(LRUPolicy):
         self._clock += 1
         self._stamp[slot] = self._clock
         self._append(slot, self._list_of(slot))
+
+    def touch_many(self, slots: np.ndarray) -> None:
+        # Each touch counts towards the block's class and the tuner's odds: one at a time.
+        for slot in slots.tolist():
+            self.touch(slot)
 
     def forget(self, slot: int) -> None:
         if self._resume is not None and slot in self._resume:
@@ -382,7 +389,7 @@ class LearnedPolicy(LRUPolicy):
                 self._stamp[slot] = self._clock
                 self._append(slot, self._list_of(slot))
             return
-        self._link_in_order(slots, 0)
+        self._append_run(slots, 0)
 
 
 def _nobody(slot: int) -> Group:

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
+
 from kvpool.errors import BadRequest
-from kvpool.keys import namespace_of
+from kvpool.keys import NAMESPACE_ID_BYTES, namespace_of
 from kvpool.stats import NamespaceStats
+from kvpool.store.index import KeyColumns, groups_by_prefix
 from kvpool.tenants import TAG_BYTES
 
 # Namespaces tracked one by one (each is a row in STATS and /metrics); past this, together.
@@ -64,6 +67,18 @@ class NamespaceTable:
         usage.num_blocks += 1
         usage.used_bytes += size
         usage.puts += 1
+
+    def added_many(self, columns: KeyColumns, sizes: np.ndarray) -> None:
+        """:meth:`added` of a commit's blocks, a row at a time."""
+        if columns.rows is None:
+            for key, size in zip(columns.keys, sizes.tolist(), strict=True):
+                self.added(key, size)
+            return
+        for ns, members in groups_by_prefix(columns.rows, NAMESPACE_ID_BYTES):
+            usage = self._row(ns)
+            usage.num_blocks += len(members)
+            usage.used_bytes += int(sizes[members].sum())
+            usage.puts += len(members)
 
     def adopted(self, totals: Iterable[tuple[bytes, tuple[int, int]]]) -> None:
         """Count the blocks adopted at a warm restart (as :meth:`added`, with no puts), as

@@ -46,6 +46,17 @@ class Quotas:
         if tag in self.used:
             self.used[tag] += self.cost(size)
 
+    def add_all(self, tag: bytes, cost: int) -> bool:
+        """Count blocks of one tenant that together take ``cost`` if that fits its quota
+        as it is (a write's keys at once); whether it did (else nothing is counted)."""
+        limit = self.limits.get(tag)
+        if limit is None:
+            return True  # counted for nobody
+        if self.used[tag] + cost > limit:
+            return False
+        self.used[tag] += cost
+        return True
+
     def removed(self, key: bytes, size: int) -> None:
         tag = key[:TAG_BYTES]
         if tag in self.used:

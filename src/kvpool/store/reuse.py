@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -98,25 +99,44 @@ class ReuseSampler:
     def access(self, key_hash: int, hit: bool) -> None:
         """One access of the key whose hash (Python's ``hash`` of its bytes, as the index
         keeps it) is ``key_hash``: a read of a block held (``hit``), or a write."""
-        self.num_accesses += 1
-        self._observed[0] += hit
-        self._observed[1] += 1
+        self.access_many((key_hash,), hit)
+
+    def access_many(self, key_hashes: Iterable[int], hit: bool) -> None:
+        """:meth:`access` of each key in turn (a request's blocks: the loop touches only
+        what each access changes)."""
         followed = self._followed
-        if followed:
-            sample = followed.pop(key_hash, None)
-            if sample is not None:
-                started, halvings = sample
-                weight = 0.5 ** (self._halvings - halvings)
-                self._reused[bucket_of(self.num_accesses - started)] += weight
-        self._countdown -= 1
-        if self._countdown > 0:
-            return
+        unobserved = 0  # accesses not yet added to the observed counts
+        for key_hash in key_hashes:
+            self.num_accesses += 1
+            unobserved += 1
+            if followed:
+                sample = followed.pop(key_hash, None)
+                if sample is not None:
+                    self._reused[bucket_of(self.num_accesses - sample[0])] += self._weight(sample)
+            self._countdown -= 1
+            if self._countdown <= 0:
+                self._observe(unobserved, hit)
+                unobserved = 0
+                self._follow(key_hash)
+        self._observe(unobserved, hit)
+
+    def _observe(self, num_accesses: int, hit: bool) -> None:
+        if num_accesses:
+            self._observed[0] += num_accesses if hit else 0
+            self._observed[1] += num_accesses
+
+    def _weight(self, sample: tuple[int, int]) -> float:
+        """What a sample counts when it ends: halved since it began as the others were."""
+        return 0.5 ** (self._halvings - sample[1])
+
+    def _follow(self, key_hash: int) -> None:
+        """Sample the access just made: follow its key until it comes back."""
+        followed = self._followed
         self._countdown = self._random.randint(1, 2 * self.stride - 1)
         followed[key_hash] = (self.num_accesses, self._halvings)
         if len(followed) > self.max_samples:
-            _, (started, halvings) = followed.popitem(last=False)
-            weight = 0.5 ** (self._halvings - halvings)
-            self._censored[bucket_of(max(1, self.num_accesses - started))] += weight
+            _, oldest = followed.popitem(last=False)
+            self._censored[bucket_of(max(1, self.num_accesses - oldest[0]))] += self._weight(oldest)
         self._num_samples += 1
         if self._num_samples % self.half_life == 0:
             self._reused *= 0.5

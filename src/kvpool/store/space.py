@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvpool.config import page_bytes
-from kvpool.store.allocator import Allocator
+import numpy as np
+
+from kvpool.config import PAGE_BYTES
+from kvpool.store.allocator import Allocator, pages_of
 from kvpool.store.eviction import Allowed, EvictionPolicy, Group
 from kvpool.store.quotas import Quotas
 
@@ -53,7 +55,8 @@ class Space:
         if not sizes:
             return []
         if len(sizes) > 1:
-            extent = self.allocator.allocate(sum(page_bytes(s) for s in sizes))
+            num_pages = int(pages_of(np.asarray(sizes, dtype=np.int64)).sum())
+            extent = self.allocator.allocate(num_pages * PAGE_BYTES)
             if extent is not None:
                 return list(self.allocator.carve(extent, list(sizes)))
         return [self._allocate(key, size) for key, size in zip(keys, sizes, strict=True)]
