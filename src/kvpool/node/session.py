@@ -560,7 +560,7 @@ class Session:
             req.keys, req.prefix, self.owner, lease_s, in_time=in_time
         )
         blocks = result.blocks
-        tiers.note_read(blocks)
+        tiers.note_read([b.key for b in blocks if b is not None])
         response = msg.PinResponse(
             pin_id=result.pin_id,
             statuses=[Status.OK if b is not None else Status.NOT_FOUND for b in blocks],
@@ -583,15 +583,15 @@ class Session:
 
     async def _touch(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         # Blocks a same-host client copied through the shared directory, without a pin.
-        blocks = self.store.touch(req.keys)
-        self.tiers.note_read(blocks)
-        self.services.traffic.sent(sum(b.size for b in blocks))
+        keys, num_bytes = self.store.touch(req.keys)
+        self.tiers.note_read(keys)
+        self.services.traffic.sent(num_bytes)
 
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
         tiers = self.tiers
         in_time = await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
         result, below = tiers.pin_for_read(req.keys, req.prefix, self.owner, in_time=in_time)
-        tiers.note_read(result.blocks)
+        tiers.note_read([b.key for b in result.blocks if b is not None])
         stage = tiers.stage(below, req.keys)
         try:
             await self._send_blocks(header, req.keys, result, below, stage)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
+import numpy as np
 
 from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
@@ -89,7 +90,7 @@ class Pin:
 
     pin_id: int
     owner: int
-    slots: list[int]
+    slots: np.ndarray  # int64, distinct
     deadline: float
 
 

@@ -113,6 +113,15 @@ OnChange = Callable[[Sequence[bytes]], None]  # the keys whose presence changed
 STATUS_OF_CODE = {int(status): status for status in Status}
 
 
+def _distinct(slots: np.ndarray) -> np.ndarray:
+    """``slots`` without repeats, in the order each first appears (a read that names a
+    block twice pins it and counts it once)."""
+    if len(slots) < 2:
+        return slots
+    _, first = np.unique(slots, return_index=True)
+    return slots if len(first) == len(slots) else slots[np.sort(first)]
+
+
 class BlockStore:
     def __init__(
         self,
@@ -639,45 +648,51 @@ class BlockStore:
         """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``) for
         at most the policy's pin lease (``lease_s`` 0: exactly that); ``count``: as reads
         (not the node's own guard while it makes room)."""
-        found: list[Block | None] = []
-        pinned: list[int] = []
-        index, origins = self.index, self._origins
-        for key in keys:
-            slot = index.find(key)
-            past_a_miss = prefix and len(pinned) < len(found)
-            if slot < 0 or past_a_miss:
-                found.append(None)
-                continue
-            if not index.add_pin(slot, read=count):
-                self.eviction.remove(slot)  # out of the LRU while pinned: eviction never visits it
-            if count and owner > 0:  # a client's read (the node's own pins are not accesses)
-                self.reuse.access(index.hash_of(slot), hit=True)
-            found.append(index.block(slot, origins.get(key)))
-            pinned.append(slot)
+        index = self.index
+        slots = index.find_all(keys)
+        if prefix:
+            missing = np.flatnonzero(slots < 0)
+            if len(missing):
+                slots[missing[0] :] = -1
+        named = np.flatnonzero(slots >= 0)
+        pinned = _distinct(slots[named])
+        first = index.add_pins_many(pinned, read=count) == 0
+        self.eviction.remove_many(pinned[first])  # out of the LRU while pinned: never visited
+        if count and owner > 0:  # a client's read (the node's own pins are not accesses)
+            self.reuse.access_many(index.hashes[pinned].tolist(), hit=True)
+        found: list[Block | None] = [None] * len(keys)
+        for i, block in zip(named.tolist(), self._blocks(slots[named], keys, named), strict=True):
+            found[i] = block
         if count:
-            self.counters.get_hits += len(pinned)
-            self.counters.get_misses += len(keys) - len(pinned)
+            self.counters.get_hits += len(named)
+            self.counters.get_misses += len(keys) - len(named)
         granted, deadline = self.ledger.deadline(LeaseKind.PIN, lease_s)
-        if not pinned:
+        if not len(pinned):
             return PinResult(0, found, granted)
         pin_id = self.ledger.new_id()
         self._pins.add(pin_id, Pin(pin_id, owner, pinned, deadline))
         return PinResult(pin_id, found, granted)
 
-    def touch(self, keys: Sequence[bytes]) -> list[Block]:
-        """Count reads made without a pin (through the directory); the blocks found."""
-        blocks = []
+    def _blocks(self, slots: np.ndarray, keys: Sequence[bytes], named: np.ndarray) -> list[Block]:
+        """Copies of the committed blocks of ``slots`` (those of ``keys[named]``), with
+        what their writers said they were computed from."""
+        origins = self._origins
+        if origins:
+            return self.index.blocks(slots, [origins.get(keys[i]) for i in named.tolist()])
+        return self.index.blocks(slots, [None] * len(slots))
+
+    def touch(self, keys: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """Count reads made without a pin (through the directory); the keys found, and
+        their bytes."""
         index = self.index
-        for key in keys:
-            slot = index.find(key)
-            if slot >= 0:
-                index.add_read(slot)
-                self.reuse.access(index.hash_of(slot), hit=True)
-                if not index.num_pins(slot):
-                    self.eviction.touch(slot)
-                blocks.append(index.block(slot, self._origins.get(key)))
-        self.counters.get_hits += len(blocks)
-        return blocks
+        slots = index.find_all(keys)
+        named = np.flatnonzero(slots >= 0)
+        held = _distinct(slots[named])
+        index.add_reads_many(held)
+        self.reuse.access_many(index.hashes[held].tolist(), hit=True)
+        self.eviction.touch_many(held[index.pins[held] == 0])
+        self.counters.get_hits += len(named)
+        return [keys[i] for i in named.tolist()], int(index.sizes[held].sum())
 
     def unpin(self, pin_id: int, owner: int | None = None) -> bool:
         pin = self._pins.pop(pin_id, owner)
@@ -690,14 +705,12 @@ class BlockStore:
         """A pin ended (unpinned, expired, its owner gone): a removed block's memory returns
         with its last pin (rule 4)."""
         index = self.index
-        for slot in pin.slots:
-            if index.drop_pin(slot):
-                continue
-            if index.is_live(slot):
-                self.eviction.touch(slot)  # evictable again, as recent as its last read
-            else:  # removed while pinned: its memory and its slot return with its last pin
-                self.allocator.free(index.offset(slot))
-                index.release(slot)
+        unpinned = pin.slots[index.drop_pins_many(pin.slots) == 0]
+        live = (index.flags[unpinned] & LIVE) != 0
+        self.eviction.touch_many(unpinned[live])  # evictable again, as recent as its last read
+        for slot in unpinned[~live].tolist():  # removed while pinned: its memory and its slot
+            self.allocator.free(index.offset(slot))  # return with its last pin
+            index.release(slot)
 
     def get_block(self, key: bytes) -> Block | None:
         """A copy of the committed block ``key`` names, if any."""

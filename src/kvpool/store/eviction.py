@@ -3,8 +3,9 @@
 The interface (:class:`EvictionPolicy`) speaks of *slots*, the rows of the store's index
 (:mod:`kvpool.store.index`): ``bind(num_slots, key_of)`` once, before use; ``touch(slot)``
 when a block becomes evictable (committed, or its last pin dropped) or is read,
-``touch_many(slots)`` for distinct slots at once (a commit's blocks: ``touch`` of each, in
-order), ``remove(slot)`` when it leaves the store or stops being evictable (pinned),
+``touch_many(slots)`` for distinct slots at once (a commit's blocks, a read's: ``touch`` of
+each, in order), ``remove(slot)`` when it leaves the store or stops being evictable (pinned;
+``remove_many`` for a read's distinct slots at once),
 ``forget(slot)`` after ``remove`` when it left the store, ``link(slot, parent)`` when a
 committed block is known to extend the prefix that ends at ``parent`` (a live slot: its
 writer said so; only for a policy that ``follows_prefixes``), and ``victims()`` yields
@@ -54,6 +55,8 @@ class EvictionPolicy(Protocol):
     def touch_many(self, slots: np.ndarray) -> None: ...
 
     def remove(self, slot: int) -> None: ...
+
+    def remove_many(self, slots: np.ndarray) -> None: ...
 
     def forget(self, slot: int) -> None: ...
 
@@ -121,24 +124,56 @@ class LRUPolicy:
         self._append(slot, number)
 
     def touch_many(self, slots: np.ndarray) -> None:
-        """New blocks (a commit's: none listed) join their groups' lists at once, in
-        order; otherwise, one touch each."""
+        """Touch distinct slots at once, in order: those listed leave their places (a run
+        of neighbours in one step), then all join their groups' lists together."""
         if not len(slots):
             return
-        if self._listed_column[slots].any():
-            for slot in slots.tolist():
-                self.touch(slot)
-        elif self._group_of is _one_group:
+        self.remove_many(slots)
+        if self._group_of is _one_group:
             self._append_run(slots, 0)
-        else:
-            numbers = np.array([self._number(self._group_of(s)) for s in slots.tolist()])
-            for number in np.unique(numbers).tolist():
-                self._append_run(slots[numbers == number], number)
+            return
+        numbers = np.array([self._number(self._group_of(s)) for s in slots.tolist()])
+        stamps = np.arange(self._clock + 1, self._clock + len(slots) + 1, dtype=np.uint64)
+        for number in np.unique(numbers).tolist():
+            members = numbers == number
+            self._append_run(slots[members], number, stamps[members])
+        self._clock += len(slots)
 
     def remove(self, slot: int) -> None:
         listed = self._listed[slot]
         if listed:
             self._unlink(slot, listed - 1)
+
+    def remove_many(self, slots: np.ndarray) -> None:
+        """Take distinct slots out of their lists, those listed.  A list's order is its
+        stamps' (each touch appends with a later one), so the slots sorted by stamp fall
+        into runs of neighbours (a prefix's blocks, written and read together), and each
+        run is cut out in one step."""
+        listed = slots[self._listed_column[slots] > 0]
+        if not len(listed):
+            return
+        order = listed[np.argsort(self._stamps[listed], kind="stable")]
+        numbers = (self._listed_column[order] - 1).tolist()
+        ends = np.flatnonzero(self._next_column[order[:-1]] != order[1:])
+        firsts = [0, *(ends + 1).tolist()]
+        lasts = [*ends.tolist(), len(order) - 1]
+        runs = order.tolist()
+        for first, last in zip(firsts, lasts, strict=True):
+            self._cut(runs[first], runs[last], numbers[first])
+        self._listed_column[order] = 0
+        self._size -= len(order)
+
+    def _cut(self, first: int, last: int, number: int) -> None:
+        """Unlink the run of neighbours from ``first`` to ``last`` of list ``number``."""
+        before, after = self._prev[first], self._next[last]
+        if before == NONE:
+            self._heads[number] = after
+        else:
+            self._next[before] = after
+        if after == NONE:
+            self._tails[number] = before
+        else:
+            self._prev[after] = before
 
     def forget(self, slot: int) -> None:
         """The slot's block left the store (LRU keeps nothing more of it)."""
@@ -190,9 +225,10 @@ class LRUPolicy:
             return
         self._append_run(slots, 0)
 
-    def _append_run(self, slots: np.ndarray, number: int) -> None:
+    def _append_run(self, slots: np.ndarray, number: int, stamps: np.ndarray | None = None) -> None:
         """Append ``slots`` (distinct, none listed now), in order, to group ``number``'s
-        list: the most recent now."""
+        list: the most recent now (``stamps``: theirs, already counted by the clock, where
+        the slots of several groups are touched together)."""
         n = len(slots)
         tail = self._tails[number]
         self._prev_column[slots[1:]] = slots[:-1]
@@ -204,8 +240,10 @@ class LRUPolicy:
         else:
             self._next[tail] = int(slots[0])
         self._tails[number] = int(slots[-1])
-        self._stamps[slots] = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.uint64)
-        self._clock += n
+        if stamps is None:
+            stamps = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.uint64)
+            self._clock += n
+        self._stamps[slots] = stamps
         self._listed_column[slots] = number + 1
         self._size += n
 
@@ -280,6 +318,9 @@ class NoEviction:
         pass
 
     def remove(self, slot: int) -> None:
+        pass
+
+    def remove_many(self, slots: np.ndarray) -> None:
         pass
 
     def forget(self, slot: int) -> None:

@@ -159,6 +159,9 @@ class QueueAwareEviction:
     def remove(self, slot: int) -> None:
         self.inner.remove(slot)
 
+    def remove_many(self, slots: np.ndarray) -> None:
+        self.inner.remove_many(slots)
+
     def forget(self, slot: int) -> None:
         self.inner.forget(slot)
 

@@ -365,6 +365,53 @@ class BlockIndex:
         if reads < 0xFFFFFFFF:
             self._reads[slot] = reads + 1
 
+    def add_reads_many(self, slots: np.ndarray) -> None:
+        """:meth:`add_read` of distinct slots."""
+        reads = self.reads[slots]
+        self.reads[slots] = np.where(reads < 0xFFFFFFFF, reads + 1, reads)
+
+    def add_pins_many(self, slots: np.ndarray, *, read: bool = True) -> np.ndarray:
+        """:meth:`add_pin` of distinct slots; the pins each had before."""
+        before = self.pins[slots]
+        self.pins[slots] = before + 1
+        if read:
+            self.add_reads_many(slots)
+        return before
+
+    def drop_pins_many(self, slots: np.ndarray) -> np.ndarray:
+        """:meth:`drop_pin` of distinct slots; the pins each has left."""
+        left = self.pins[slots] - 1
+        self.pins[slots] = left
+        return left
+
+    def blocks(self, slots: np.ndarray, origins: Sequence[BlockOrigin | None]) -> list[Block]:
+        """:meth:`block` of each slot, its columns read together."""
+        flags = self.flags[slots].tolist()
+        return [
+            Block(
+                self.key(slot),
+                offset,
+                size,
+                BlockState.COMMITTED if flag & LIVE else BlockState.REMOVED,
+                checksum,
+                bool(flag & SEALED),
+                pins,
+                reads,
+                origin,
+            )
+            for slot, offset, size, checksum, flag, pins, reads, origin in zip(
+                slots.tolist(),
+                self.offsets[slots].tolist(),
+                self.sizes[slots].tolist(),
+                self.checksums[slots].tolist(),
+                flags,
+                self.pins[slots].tolist(),
+                self.reads[slots].tolist(),
+                origins,
+                strict=True,
+            )
+        ]
+
     def block(self, slot: int, origin: BlockOrigin | None = None) -> Block:
         """The slot's block, as a :class:`Block` (a copy, for a block in flight: a pin's
         reader, a spill, an event)."""

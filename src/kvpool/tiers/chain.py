@@ -67,7 +67,7 @@ from kvpool.protocol.messages import PrefetchResponse
 from kvpool.stats import ESTIMATE_SCALES, TIER_DRAM, HitRateEstimate, PrefetchStats, TierStats
 from kvpool.store.accounts import NODE, Resource
 from kvpool.store.arena import Arena
-from kvpool.store.block import Block, PinResult
+from kvpool.store.block import PinResult
 from kvpool.store.block_store import BlockStore
 from kvpool.store.holds import Holds
 from kvpool.store.leases import Owner
@@ -697,10 +697,10 @@ class Tiers:
         self.holds.release([key for key, there in zip(missed, in_dram, strict=True) if not there])
         return len(held) - len(missed)
 
-    def note_read(self, blocks: Sequence[Block | None]) -> None:
-        """These blocks were pinned or sent: the requests that held them ran."""
+    def note_read(self, keys: Sequence[bytes]) -> None:
+        """The blocks of these keys were pinned or sent: the requests that held them ran."""
         if len(self.holds):
-            self.holds.read([b.key for b in blocks if b is not None])
+            self.holds.read(keys)
 
     def set_quotas(self, quotas: Mapping[bytes, int] | None) -> None:
         """Tenants' DRAM quotas (by tag; None: no tenants), carried to the lower tiers: each
