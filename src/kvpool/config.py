@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+import numpy as np
+
 from kvpool.errors import ConfigError
 from kvpool.limits import Budgets, LeaseLimits
 
@@ -65,6 +67,11 @@ def pages(num_bytes: int) -> int:
 def page_bytes(num_bytes: int) -> int:
     """The arena bytes a block of ``num_bytes`` takes: whole pages, at least one."""
     return pages(num_bytes) * PAGE_BYTES
+
+
+def pages_of(sizes: np.ndarray) -> np.ndarray:
+    """:func:`pages` of each of an array of sizes (int64): a request's blocks at once."""
+    return np.maximum(1, -(-sizes // PAGE_BYTES))
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from kvpool import checksum as ck
 from kvpool.buffers import byte_view
 from kvpool.errors import (
+    STATUS_OF_CODE,
     AuthenticationError,
     ProtocolError,
     Status,
@@ -173,13 +174,10 @@ class GetResult:
 
 
 def statuses_of(codes: Sequence[int]) -> list[Status]:
-    out = []
-    for code in codes:
-        try:
-            out.append(Status(code))
-        except ValueError:
-            raise ProtocolError(f"unknown status code {code}") from None
-    return out
+    try:
+        return [STATUS_OF_CODE[code] for code in codes]
+    except KeyError as exc:
+        raise ProtocolError(f"unknown status code {exc.args[0]}") from None
 
 
 def check_len(what: str, values: Sequence[Any], num: int) -> None:

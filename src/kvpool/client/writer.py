@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.config import page_bytes
 from kvpool.errors import StoreError, TransportError, UsageError
 from kvpool.keys import BlockOrigin
 
@@ -148,7 +147,7 @@ class Writer:
     ) -> None:
         """Put through the local node: its COMMIT sent, or the whole put done."""
         conn = self._connection(deadline)
-        num_bytes = sum(page_bytes(len(v)) for v in views)
+        num_bytes = writes.arena_bytes_of([len(v) for v in views])
         fits = conn.arena is not None and conn.area.fits(num_bytes)
         if not fits:  # what comes next waits for its own reply: read those due first,
             self._drain(conn, 0, deadline)  # which may say where a fresh area is

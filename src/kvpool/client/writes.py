@@ -36,8 +36,11 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
-from kvpool.config import AREA_SHARE, PAGE_BYTES, page_bytes
+import numpy as np
+
+from kvpool.config import AREA_SHARE, PAGE_BYTES, pages_of
 from kvpool.errors import ProtocolError, Status
 from kvpool.keys import BlockOrigin
 from kvpool.protocol.messages import (
@@ -94,11 +97,8 @@ class WriteArea:
 
     def places(self, sizes: Sequence[int]) -> list[int]:
         """Where blocks of ``sizes`` go: one after another at the front, page-aligned."""
-        places, offset = [], self.offset
-        for size in sizes:
-            places.append(offset)
-            offset += page_bytes(size)
-        return places
+        taken = pages_of(np.asarray(sizes, dtype=np.int64)) * PAGE_BYTES
+        return (self.offset + np.cumsum(taken) - taken).tolist()
 
     def update(self, response: AreaResponse | None, arena_bytes: int, sent: float) -> None:
         """Hold the area the node says this connection holds, as of a request sent at
@@ -112,6 +112,11 @@ class WriteArea:
         self.lease_s = response.lease_ms / 1000
         self.held_until = sent + self.lease_s
         self.area_id = response.area_id
+
+
+def arena_bytes_of(sizes: Sequence[int]) -> int:
+    """The arena bytes blocks of ``sizes`` take together (whole pages each)."""
+    return int(pages_of(np.asarray(sizes, dtype=np.int64)).sum()) * PAGE_BYTES
 
 
 def renew_area(area: WriteArea, num_bytes: int, arena_bytes: int, batches: int = 2) -> Op_[None]:
@@ -196,7 +201,7 @@ class StagedWrite:
     keys: list[bytes]
     sizes: list[int]
     statuses: list[Status]
-    views: list[memoryview | None]
+    views: Sequence[memoryview | None]
     offsets: list[int]
     slots: Slots | None = None  # a reservation's
     checksums: list[int | None] | None = None  # set by :func:`fill_staged`
@@ -212,15 +217,42 @@ class StagedWrite:
         """Blocks kept in memory of this process: private buffers, side by side (one
         allocation), or (a stream) the caller's own, handed over by :func:`fill_staged`."""
         n = len(keys)
-        staged = cls(backing, list(keys), list(sizes), [Status.OK] * n, [None] * n, [-1] * n)
+        views: list[memoryview | None] = [None] * n
+        staged = cls(backing, list(keys), list(sizes), [Status.OK] * n, views, [-1] * n)
         if backing is Backing.BUFFER:
             staged.buffer = memoryview(bytearray(sum(sizes)))
             cursor = 0
             for i, size in enumerate(sizes):
-                staged.views[i] = staged.buffer[cursor : cursor + size]
+                views[i] = staged.buffer[cursor : cursor + size]
                 staged.offsets[i] = cursor
                 cursor += size
         return staged
+
+
+class ArenaSlices(Sequence[memoryview]):
+    """Views of blocks that lie at ``places`` in the arena, each made when it is used: a
+    long prompt's 2,000 views alive at once were 2,000 objects for the caller's garbage
+    collector to walk, for a copy that needs one at a time."""
+
+    __slots__ = ("_arena", "_places", "_sizes")
+
+    def __init__(self, arena: memoryview, places: list[int], sizes: list[int]):
+        self._arena, self._places, self._sizes = arena, places, sizes
+
+    def __len__(self) -> int:
+        return len(self._places)
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[memoryview]: ...
+
+    def __getitem__(self, i: int | slice) -> memoryview | list[memoryview]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        place = self._places[i]
+        return self._arena[place : place + self._sizes[i]]
 
 
 def stage_write(
@@ -248,17 +280,15 @@ def stage_write(
         return StagedWrite.off_host(keys, sizes, Backing.STREAM if copied else Backing.BUFFER)
     if copied and area is not None:
         if area_fits is None:
-            num_bytes = sum(page_bytes(size) for size in sizes)
+            num_bytes = arena_bytes_of(sizes)
             if not area.fits(num_bytes):
                 yield from renew_area(area, num_bytes, len(arena), area_batches)
             area_fits = area.fits(num_bytes)
         if area_fits:
-            places = area.places(sizes)
-            views: list[memoryview | None] = [
-                arena[p : p + n] for p, n in zip(places, sizes, strict=True)
-            ]
+            places, block_sizes = area.places(sizes), list(sizes)
+            views = ArenaSlices(arena, places, block_sizes)
             statuses = [Status.OK] * len(keys)
-            return StagedWrite(Backing.AREA, list(keys), list(sizes), statuses, views, places)
+            return StagedWrite(Backing.AREA, list(keys), block_sizes, statuses, views, places)
     slots = yield from reserve_slots(keys, sizes, arena)
     return StagedWrite(
         Backing.RESERVATION,
@@ -353,7 +383,7 @@ def send_in_area(
     while the rest of the area holds another batch this large, the node is told to keep
     that rest, and ``area`` moves on to it at once."""
     sizes = staged.sizes
-    taken = sum(page_bytes(size) for size in sizes)
+    taken = arena_bytes_of(sizes)
     keep = keep and area.num_bytes - taken >= taken
     checksums = staged.checksums
     request = CommitRequest(

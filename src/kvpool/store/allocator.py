@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.config import PAGE_BYTES, pages
+from kvpool.config import PAGE_BYTES, pages, pages_of
 
 SL_BITS = 3  # 8 second-level bins per power of two
 SL_COUNT = 1 << SL_BITS
@@ -49,11 +49,6 @@ class Allocator(Protocol):
     def largest_free(self) -> int: ...
 
     def adopt(self, extents: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray: ...
-
-
-def pages_of(sizes: np.ndarray) -> np.ndarray:
-    """:func:`~kvpool.config.pages` of each of an array of sizes (int64)."""
-    return np.maximum(1, -(-sizes // PAGE_BYTES))
 
 
 def _bin_of(num_pages: int) -> int:

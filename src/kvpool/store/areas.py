@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.config import AREA_SHARE, PAGE_BYTES, page_bytes
+from kvpool.config import AREA_SHARE, PAGE_BYTES, page_bytes, pages_of
 from kvpool.errors import BadRequest, LeaseExpired
-from kvpool.store.allocator import Allocator, pages_of
+from kvpool.store.allocator import Allocator
 from kvpool.store.block import Area
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
 

@@ -63,14 +63,14 @@ from typing import cast
 
 import numpy as np
 
-from kvpool.config import PAGE_BYTES, page_bytes
+from kvpool.config import PAGE_BYTES, page_bytes, pages_of
 from kvpool.directory import DirectoryWriter, NoDirectory
-from kvpool.errors import BadRequest, LeaseExpired, QuotaExceeded, Status
+from kvpool.errors import STATUS_OF_CODE, BadRequest, LeaseExpired, QuotaExceeded, Status
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import LeaseLimits
 from kvpool.stats import ESTIMATE_SCALES
 from kvpool.store.accounts import Accounts, Resource
-from kvpool.store.allocator import Allocator, SegregatedFitAllocator, pages_of
+from kvpool.store.allocator import Allocator, SegregatedFitAllocator
 from kvpool.store.areas import WriteAreas
 from kvpool.store.block import (
     Area,
@@ -110,7 +110,6 @@ WALK_STEP = 4096
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
 Checksums = Sequence[int | None]  # per block (None: drop it)
 OnChange = Callable[[Sequence[bytes]], None]  # the keys whose presence changed
-STATUS_OF_CODE = {int(status): status for status in Status}
 
 
 def _distinct(slots: np.ndarray) -> np.ndarray:

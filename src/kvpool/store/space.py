@@ -13,8 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.config import PAGE_BYTES
-from kvpool.store.allocator import Allocator, pages_of
+from kvpool.config import PAGE_BYTES, pages_of
+from kvpool.store.allocator import Allocator
 from kvpool.store.eviction import Allowed, EvictionPolicy, Group
 from kvpool.store.quotas import Quotas
 
