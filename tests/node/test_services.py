@@ -13,7 +13,7 @@ from kvpool.limits import Budgets
 from kvpool.node.connections import SessionRegistry
 from kvpool.node.services import Credentials, NodeIdentity, StoreChanges, Traffic, Turns
 from kvpool.store.accounts import NODE, Accounts
-from kvpool.store.block import Block, CommitResult
+from kvpool.store.block import CommitResult
 from kvpool.tenants import Credential, Tenant
 
 
@@ -142,12 +142,12 @@ def test_credentials_of_the_nodes_one_key():
 def test_traffic_counts_and_writes_through_only_what_was_asked():
     written: list[list[bytes]] = []
     traffic = Traffic(lambda keys: written.append(list(keys)))
-    block = Block(b"k" * 16, 0, 100)
-    traffic.published(CommitResult([], [block]), replicate=False)
-    traffic.published(CommitResult([], [block]), replicate=True)
+    key = b"k" * 16
+    traffic.published(CommitResult([], [key], 100), replicate=False)
+    traffic.published(CommitResult([], [key], 100), replicate=True)
     traffic.sent(7)
     assert traffic.bytes_in == 200 and traffic.bytes_out == 7
-    assert written == [[block.key]]
+    assert written == [[key]]
 
 
 def test_a_parked_lookup_wakes_on_its_key_or_its_timeout():

@@ -84,12 +84,12 @@ class World:
         result = self.store.reserve(new_keys, [PAGE_BYTES] * length, owner=1)
         if result.reservation_id:
             committed = self.store.commit(result.reservation_id, [7] * length, 1, origins)
-            for block in committed.committed:
-                position = chain.index(block.key[len(TAGS[0]) + len(NAMESPACE_REST) :])
+            for committed_key in committed.committed:
+                position = chain.index(committed_key[len(TAGS[0]) + len(NAMESPACE_REST) :])
                 if position:
                     parent = key(tenant, chain[position - 1])
                     if self.present([parent]):
-                        self.parent_of[block.key] = parent
+                        self.parent_of[committed_key] = parent
         for other_key in before:  # a tenant within its quota lost nothing to this write
             assert self.present([other_key]) == 1, "another tenant's write evicted a block"
 

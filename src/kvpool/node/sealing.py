@@ -1,19 +1,20 @@
 """The seal of every same-host commit (with its writer's checksums, or hashed by the node),
 and the scrub of what the node holds.
 
-- **Sealing.** A same-host writer that copies its blocks in hashes each one as it copies
-  it, over the bytes that landed in the arena, and its COMMIT carries those checksums: the
-  node publishes the blocks with them at once, with no second pass over their bytes (see
-  :mod:`kvpool.client.writes`).  A zero-copy write lease's bytes are written by its caller (a
-  DMA engine, an engine's own copy), so its COMMIT carries none: the node takes the
-  reservation (its lease ends, the blocks stay pending), replies at once, and hashes the
-  blocks off its event loop while the writer goes on; then it publishes them with that
-  checksum.  A block is *sealed* when its checksum was computed or verified over its bytes
-  in the arena, by the node or by a same-host writer (which maps the whole arena writable,
-  so trusting its checksums trusts it with nothing more): sealed commits, PUT payloads,
-  promotions from the lower tiers.  Nothing writes a committed block, and readers pin it,
-  so a same-host reader of a sealed block copies it without hashing it again; only blocks
-  adopted at a warm restart are read verified.
+- **Sealing.** A same-host writer that copies its blocks in hashes each one as it copies it,
+  over the bytes that landed in the arena, and its COMMIT carries those checksums: the node
+  publishes the blocks with them at once, with no second pass over their bytes (see
+  :mod:`kvpool.client.writes`; a write area's blocks go straight in, never pending:
+  :meth:`~kvpool.store.block_store.BlockStore.commit_placed`).  A zero-copy write lease's
+  bytes are written by its caller (a DMA engine, an engine's own copy), so its COMMIT
+  carries none: the node takes the reservation (its lease ends, the blocks stay pending),
+  replies at once, and hashes the blocks off its event loop while the writer goes on; then
+  it publishes them with that checksum.  A block is *sealed* when its checksum was computed
+  or verified over its bytes in the arena, by the node or by a same-host writer (which maps
+  the whole arena writable, so trusting its checksums trusts it with nothing more): sealed
+  commits, PUT payloads, promotions from the lower tiers.  Nothing writes a committed block,
+  and readers pin it, so a same-host reader of a sealed block copies it without hashing it
+  again; only blocks adopted at a warm restart are read verified.
 - Reads of a key being sealed wait for its seal (a few milliseconds at most), so a write
   that returned is seen by every later read, on any connection.
 - **Scrubbing.** Memory can still be damaged in place (a stray write by a process that maps

@@ -137,7 +137,7 @@ class Traffic:
         """Blocks a client wrote became visible (``replicate``: write them through)."""
         self.bytes_in += result.num_bytes
         if replicate and result.committed and self.write_through is not None:
-            self.write_through([b.key for b in result.committed])
+            self.write_through(result.committed)
 
     def deleted(self, keys: Sequence[bytes], replicate: bool) -> None:
         """A client deleted these keys (``replicate``: at their homes too, where the

@@ -41,7 +41,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -485,6 +485,23 @@ class Session:
     async def _commit(self, header: FrameHeader, req: msg.CommitRequest) -> None:
         area: msg.AreaResponse | None = None
         with self._evicting():  # a publish trims down to the low watermark
+            if req.area_id and req.checksums is not None:  # hashed as copied in: at once
+                store = self.store
+                result = store.commit_placed(
+                    req.area_id,
+                    req.keys,
+                    req.sizes,
+                    self.owner,
+                    req.keep_area,
+                    req.checksums,
+                    req.origins,
+                )
+                area = _area_response(store.areas.held_by(self.owner))
+                self.services.traffic.published(result, req.replicate)
+                placed_codes = cast(list[int], result.statuses)  # IntEnums: sent as codes
+                response = msg.CommitResponse(placed_codes, area, self._take_not_kept())
+                await self._reply(header, Op.COMMIT, response)
+                return
             if req.area_id:
                 store = self.store
                 placed = store.place(req.area_id, req.keys, req.sizes, self.owner, req.keep_area)
@@ -499,7 +516,8 @@ class Session:
                 raise BadRequest(problem)
             sealer = self.services.sealer
             sealer.seal(blocks, req.replicate, req.origins, req.checksums, self._evicting)
-        response = msg.CommitResponse([int(s) for s in statuses], area, self._take_not_kept())
+        codes = cast(list[int], statuses)  # IntEnums: encoded as their codes
+        response = msg.CommitResponse(codes, area, self._take_not_kept())
         await self._reply(header, Op.COMMIT, response)
 
     async def _abort(self, header: FrameHeader, req: msg.AbortRequest) -> None:

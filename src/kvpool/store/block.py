@@ -139,14 +139,11 @@ class ReserveResult:
 
 @dataclass(slots=True)
 class CommitResult:
-    """Per key, whether it became visible; the blocks that did."""
+    """Per key, whether it became visible; the keys that did, and their bytes."""
 
     statuses: list[Status]
-    committed: list[Block] = field(default_factory=list)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(b.size for b in self.committed)
+    committed: list[bytes] = field(default_factory=list)
+    num_bytes: int = 0
 
 
 @dataclass(slots=True)

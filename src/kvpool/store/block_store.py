@@ -1,11 +1,15 @@
 """The block store: index, two-phase writes, pins under leases, and eviction.
 
-The store is synchronous and touched from one thread (the daemon's event loop).  It
-manages offsets into the arena; it never touches the bytes.  Committed blocks are rows of
-its index (:mod:`kvpool.store.index`: columns by slot, no Python object per block), so that
-what it holds costs ~150 bytes of heap per block and no request waits for the index to
-grow.  Its only I/O is the journal (:mod:`kvpool.store.journal`, small appends to a file on
-tmpfs) that lets a restarted daemon adopt the blocks of a surviving arena.
+The store is synchronous and touched from one thread (the daemon's event loop).  It manages
+offsets into the arena; it never touches the bytes.  A request's blocks are handled together,
+as columns (:class:`~kvpool.store.index.KeyColumns`, offsets, sizes, checksums): its
+lookups, its commit and its pins update each table and list once, so that what a node spends
+per block of a long prompt is not a Python statement per block per structure.  Committed
+blocks are rows of its index (:mod:`kvpool.store.index`: columns by slot, no Python object
+per block), so that what it holds costs ~150 bytes of heap per block and no request waits
+for the index to grow.  Its only I/O is the journal (:mod:`kvpool.store.journal`, small
+appends to a file on tmpfs) that lets a restarted daemon adopt the blocks of a surviving
+arena.
 
 Rules (each has a test in tests/store/test_pool.py):
 1. ``reserve`` allocates; the key is *pending* (lookups report it, reads never see it).
@@ -34,7 +38,9 @@ Rules (each has a test in tests/store/test_pool.py):
 13. ``touch`` counts reads made through the directory: they keep blocks recent, as pins do.
 14. A write area is free memory a same-host writer holds under a lease
     (:mod:`kvpool.store.areas`).  ``place`` makes its front the pending blocks of the keys
-    named, in order, with the statuses ``reserve`` would give, and frees a refused key's.
+    named, in order, with the statuses ``reserve`` would give, and frees a refused key's;
+    ``commit_placed``, for blocks their writer hashed as it copied them in, publishes them
+    at once with those checksums (never pending).
 15. Reservations, pins, write areas and prefetch holds are leases of one ledger: its
     ``expire`` (:meth:`BlockStore.expire`) ends each kind the way it ends, and a
     disconnecting owner's leases of every kind end together (:meth:`release_owner`).
@@ -59,6 +65,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -110,6 +117,15 @@ WALK_STEP = 4096
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
 Checksums = Sequence[int | None]  # per block (None: drop it)
 OnChange = Callable[[Sequence[bytes]], None]  # the keys whose presence changed
+
+
+@dataclass(slots=True)
+class Admitted:
+    """The keys of a write that may be written (their indexes in the request), and their
+    columns (None where the request's keys were looked up one at a time)."""
+
+    keys: list[int]
+    columns: KeyColumns | None
 
 
 def _distinct(slots: np.ndarray) -> np.ndarray:
@@ -267,7 +283,8 @@ class BlockStore:
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         if self.is_leaving and not held:
             return ReserveResult(0, [Status.REFUSED] * len(keys), [None] * len(keys))
-        statuses, wanted = self._admit(keys, sizes)
+        statuses, admitted = self._admit(keys, sizes)
+        wanted = admitted.keys
         evictions = self.counters.evictions
         offsets = self.space.allocate_batch([keys[i] for i in wanted], [sizes[i] for i in wanted])
         blocks = self._add_pending(keys, sizes, statuses, wanted, offsets)
@@ -309,29 +326,71 @@ class BlockStore:
         """The blocks of ``keys`` that the owner wrote one after another at the front of its
         write area, as pending blocks with no lease (as :meth:`take` leaves them); the
         place of a refused key is freed.  ``keep``: see :meth:`WriteAreas.take_front`."""
+        statuses, wanted, places = self._take_places(area_id, keys, sizes, owner, keep)
+        blocks = self._add_pending(keys, sizes, statuses, wanted.keys, places)
+        return ReserveResult(0, statuses, blocks)
+
+    def commit_placed(
+        self,
+        area_id: int,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        owner: int,
+        keep: bool,
+        checksums: Sequence[int],
+        origins: Origins = None,
+    ) -> CommitResult:
+        """:meth:`place` and :meth:`publish` at once, for blocks whose writer hashed them as
+        it copied them in (``checksums``, over the bytes in the arena: a same-host writer,
+        which maps the arena writable, is trusted with its checksums as with its bytes):
+        they are never pending, and become rows of the index as the columns they came in."""
+        if len(checksums) != len(keys) or (origins is not None and len(origins) != len(keys)):
+            raise BadRequest(f"{len(keys)} keys, {len(checksums)} checksums")
+        statuses, wanted, places = self._take_places(area_id, keys, sizes, owner, keep)
+        chosen = wanted.keys
+        if chosen:
+            size_of = np.asarray(sizes, dtype=np.int64)[chosen]
+            checksum_of = np.asarray(checksums, dtype=np.uint64)[chosen]
+            offsets = np.array(places, dtype=np.int64)
+            chosen_origins = [origins[i] for i in chosen] if origins is not None else None
+            columns = wanted.columns or KeyColumns([keys[i] for i in chosen])
+            slots = self._commit(columns, offsets, size_of, checksum_of, chosen_origins)
+            self.reuse.access_many(self.index.hashes[slots].tolist(), hit=False)
+        self.space.trim()
+        self._compact_journal()
+        committed = [keys[i] for i in chosen]
+        self._changed(committed)
+        return CommitResult(statuses, committed, int(size_of.sum()) if chosen else 0)
+
+    def _take_places(
+        self, area_id: int, keys: Sequence[bytes], sizes: Sequence[int], owner: int, keep: bool
+    ) -> tuple[list[Status], Admitted, list[int]]:
+        """Carve the front of the owner's write area into the blocks of ``keys`` and admit
+        them: per key a status, the keys admitted, and their places (a refused key's place
+        is freed)."""
         if len(keys) != len(sizes):
             raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
         places = self.areas.take_front(area_id, owner, sizes, keep=keep)
         if self.is_leaving:
             for place in places:
                 self.allocator.free(place)
-            return ReserveResult(0, [Status.REFUSED] * len(keys), [None] * len(keys))
+            return [Status.REFUSED] * len(keys), Admitted([], None), []
         statuses, wanted = self._admit(keys, sizes)
         for i, status in enumerate(statuses):
             if status is not Status.OK:
                 self.allocator.free(places[i])
-        blocks = self._add_pending(keys, sizes, statuses, wanted, [places[i] for i in wanted])
-        return ReserveResult(0, statuses, blocks)
+        return statuses, wanted, [places[i] for i in wanted.keys]
 
-    def _admit(self, keys: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[Status], list[int]]:
-        """Per key, OK where it may be written, else why not; the indexes of the OK keys,
-        which count against their tenant's quota from here on.  A request's distinct keys
+    def _admit(self, keys: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[Status], Admitted]:
+        """Per key, OK where it may be written, else why not; the OK keys, which count
+        against their tenant's quota from here on.  A request's distinct keys
         of one length (an engine's) are looked up together."""
         n = len(keys)
         columns = KeyColumns(keys)
         rows = columns.rows
         if rows is None or rows.shape[1] > KEY_WIDTH or len(set(keys)) != n:
-            return self._admit_each(keys, sizes)
+            statuses, chosen = self._admit_each(keys, sizes)
+            return statuses, Admitted(chosen, None)
         codes = np.full(n, Status.OK, dtype=np.int8)
         codes[pages_of(np.asarray(sizes, dtype=np.int64)) * PAGE_BYTES > self.capacity] = (
             Status.REFUSED
@@ -342,7 +401,8 @@ class BlockStore:
         wanted = np.flatnonzero(codes == Status.OK)
         if self.quotas is not None and len(wanted):
             wanted = self._fit_quotas(columns, sizes, wanted, codes)
-        return [STATUS_OF_CODE[code] for code in codes.tolist()], wanted.tolist()
+        statuses = [STATUS_OF_CODE[code] for code in codes.tolist()]
+        return statuses, Admitted(wanted.tolist(), columns.take(wanted))
 
     def _fit_quotas(
         self, columns: KeyColumns, sizes: Sequence[int], wanted: np.ndarray, codes: np.ndarray
@@ -441,7 +501,7 @@ class BlockStore:
             raise BadRequest(f"{len(origins)} origins for {len(checksums)} checksums")
         statuses: list[Status] = []
         committed: list[Block] = []
-        pending, kept_origins = self._pending, self._origins
+        pending = self._pending
         for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):
             if block is None:
                 statuses.append(Status.NOT_FOUND)
@@ -458,19 +518,25 @@ class BlockStore:
                 block.sealed = True
                 if origins is not None:
                     block.origin = origins[i]
-                if block.origin is not None:
-                    kept_origins[block.key] = block.origin
                 committed.append(block)
                 statuses.append(Status.OK)
+        num_bytes = sum(b.size for b in committed)
         if committed:
-            slots = self._commit(committed)
+            self.reserved_bytes -= num_bytes
+            slots = self._commit(
+                KeyColumns([b.key for b in committed]),
+                np.array([b.offset for b in committed], dtype=np.int64),
+                np.array([b.size for b in committed], dtype=np.int64),
+                np.array([b.checksum for b in committed], dtype=np.uint64),
+                [b.origin for b in committed],
+            )
             if by_client:
                 self.reuse.access_many(self.index.hashes[slots].tolist(), hit=False)
         if by_client:
             self.space.trim()
         self._compact_journal()
         self._changed([b.key for b in blocks if b is not None])
-        return CommitResult(statuses, committed)
+        return CommitResult(statuses, [b.key for b in committed], num_bytes)
 
     def abort(self, reservation_id: int, owner: int) -> None:
         reservation = self._reservations.pop(reservation_id, owner)
@@ -485,43 +551,49 @@ class BlockStore:
                 self._fail(block)
         self._changed([b.key for b in reservation.blocks if b is not None])
 
-    def _commit(self, blocks: list[Block]) -> np.ndarray:
-        """Blocks taken from pending (distinct keys, committed with their checksums) become
-        rows of the index, together: the columns of the request's blocks, each table and
-        list updated once (the objects go, once told of); their slots."""
-        n = len(blocks)
-        keys = [b.key for b in blocks]
-        columns = KeyColumns(keys)
-        offsets = np.array([b.offset for b in blocks], dtype=np.int64)
-        sizes = np.array([b.size for b in blocks], dtype=np.int64)
-        checksums = np.array([b.checksum for b in blocks], dtype=np.uint64)
-        num_bytes = int(sizes.sum())
-        self.reserved_bytes -= num_bytes
-        self.committed_bytes += num_bytes
+    def _commit(
+        self,
+        columns: KeyColumns,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+        checksums: np.ndarray,
+        origins: Sequence[BlockOrigin | None] | None,
+    ) -> np.ndarray:
+        """New blocks (distinct keys none of which is held, their bytes hashed) become rows
+        of the index, together: each table and list is updated once for the request, from
+        its columns; their slots."""
+        keys = columns.keys
+        if origins is not None:
+            kept = self._origins
+            for key, origin in zip(keys, origins, strict=True):
+                if origin is not None:
+                    kept[key] = origin
+        self.committed_bytes += int(sizes.sum())
         slots = self.index.insert_many(columns, offsets, sizes, checksums, sealed=True)
         self.index.set_listed_many(slots[self.directory.list_many(keys, offsets, sizes)])
         self.eviction.touch_many(slots)
-        if self.eviction.follows_prefixes:
-            self._link_parents(blocks, slots)
+        if origins is not None and self.eviction.follows_prefixes:
+            self._link_parents(keys, origins, slots)
         self.namespaces.added_many(columns, sizes)
-        self.counters.puts += n
+        self.counters.puts += len(keys)
         if self.events is not None:
-            for block in blocks:
+            for block in self.index.blocks(slots, origins or [None] * len(keys)):
                 self.events.stored(block)
         self._journal_commits(columns, offsets, sizes, checksums)
         return slots
 
-    def _link_parents(self, blocks: list[Block], slots: np.ndarray) -> None:
+    def _link_parents(
+        self, keys: Sequence[bytes], origins: Sequence[BlockOrigin | None], slots: np.ndarray
+    ) -> None:
         """Tell the policy which block each extends (its origin's parent hash, in the
         block's namespace), where its writer said and that block is held."""
-        children = [i for i, b in enumerate(blocks) if b.origin is not None and b.origin.parent]
+        children = [i for i, origin in enumerate(origins) if origin is not None and origin.parent]
         if not children:
             return
         parent_keys = [
-            blocks[i].key[:NAMESPACE_ID_BYTES] + cast(BlockOrigin, blocks[i].origin).parent
-            for i in children
+            keys[i][:NAMESPACE_ID_BYTES] + cast(BlockOrigin, origins[i]).parent for i in children
         ]
-        parents = self.index.find_many(KeyColumns(parent_keys))
+        parents = self.index.find_all(parent_keys)
         for i, parent in zip(children, parents.tolist(), strict=True):
             if parent >= 0:
                 self.eviction.link(int(slots[i]), parent)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -99,26 +99,54 @@ class ReuseSampler:
     def access(self, key_hash: int, hit: bool) -> None:
         """One access of the key whose hash (Python's ``hash`` of its bytes, as the index
         keeps it) is ``key_hash``: a read of a block held (``hit``), or a write."""
-        self.access_many((key_hash,), hit)
-
-    def access_many(self, key_hashes: Iterable[int], hit: bool) -> None:
-        """:meth:`access` of each key in turn (a request's blocks: the loop touches only
-        what each access changes)."""
+        self.num_accesses += 1
+        self._observe(1, hit)
         followed = self._followed
-        unobserved = 0  # accesses not yet added to the observed counts
-        for key_hash in key_hashes:
-            self.num_accesses += 1
-            unobserved += 1
-            if followed:
-                sample = followed.pop(key_hash, None)
+        if followed:
+            sample = followed.pop(key_hash, None)
+            if sample is not None:
+                self._reused[bucket_of(self.num_accesses - sample[0])] += self._weight(sample)
+        self._countdown -= 1
+        if self._countdown <= 0:
+            self._follow(key_hash)
+
+    def access_many(self, key_hashes: Sequence[int], hit: bool) -> None:
+        """:meth:`access` of each key in turn (a request's blocks).  What a batch changes
+        is only the keys followed that come back in it and the accesses sampled in it (a
+        few): those are found at once (a set intersection, the positions of the sampled
+        accesses counted down) and taken in the batch's order; the other accesses only
+        move the clock."""
+        n = len(key_hashes)
+        named = set(key_hashes)
+        if len(named) != n:  # a key twice: it may come back within the batch
+            for key_hash in key_hashes:
+                self.access(key_hash, hit)
+            return
+        followed = self._followed
+        back = followed.keys() & named if followed else ()
+        returns = [i for i, key_hash in enumerate(key_hashes) if key_hash in back] if back else []
+        start, observed = self.num_accesses, 0
+        sample_at = self._countdown - 1  # the position of the next sampled access
+        next_return = 0
+        while True:
+            at = returns[next_return] if next_return < len(returns) else n
+            if at <= sample_at and at < n:  # a followed key came back (before any sample there)
+                self.num_accesses = start + at + 1
+                sample = followed.pop(key_hashes[at], None)  # (a sample may have dropped it)
                 if sample is not None:
                     self._reused[bucket_of(self.num_accesses - sample[0])] += self._weight(sample)
-            self._countdown -= 1
-            if self._countdown <= 0:
-                self._observe(unobserved, hit)
-                unobserved = 0
-                self._follow(key_hash)
-        self._observe(unobserved, hit)
+                next_return += 1
+            elif sample_at < n:
+                self.num_accesses = start + sample_at + 1
+                self._observe(sample_at + 1 - observed, hit)
+                observed = sample_at + 1
+                self._follow(key_hashes[sample_at])
+                sample_at += self._countdown
+            else:
+                break
+        self.num_accesses = start + n
+        self._observe(n - observed, hit)
+        self._countdown = sample_at - n + 1
 
     def _observe(self, num_accesses: int, hit: bool) -> None:
         if num_accesses:
