@@ -8,7 +8,8 @@ far less than a second pass over memory.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import MutableSequence
+from typing import Any, overload
 
 import numpy as np
 
@@ -77,3 +78,58 @@ def _torch_view(tensor: Any) -> memoryview:
 
     flat = tensor.reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy())
+
+
+class ArenaViews(MutableSequence[memoryview | None]):
+    """Views of the blocks at ``offsets`` in the arena (``sizes`` bytes each), each made
+    when it is used: a long prompt's 2,000 views alive at once were 2,000 objects for the
+    caller's garbage collector to walk, for a copy that needs one at a time.  A view set in
+    place of one (None: a block dropped) is kept; the length is fixed."""
+
+    __slots__ = ("_arena", "_offsets", "_set", "_sizes")
+
+    def __init__(self, arena: memoryview, offsets: list[int], sizes: list[int]):
+        self._arena, self._offsets, self._sizes = arena, offsets, sizes
+        self._set: dict[int, memoryview | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[memoryview | None]: ...
+
+    def __getitem__(self, i: int | slice) -> memoryview | list[memoryview | None] | None:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # bounds and negative indexes, as a list's
+        if i in self._set:
+            return self._set[i]
+        offset = self._offsets[i]
+        return self._arena[offset : offset + self._sizes[i]]
+
+    @overload
+    def __setitem__(self, i: int, view: memoryview | None) -> None: ...
+
+    @overload
+    def __setitem__(self, i: slice, view: Any) -> None: ...
+
+    def __setitem__(self, i: int | slice, view: Any) -> None:
+        if isinstance(i, slice):
+            raise TypeError("views are set one at a time")
+        self._set[range(len(self))[i]] = view
+
+    def __eq__(self, other: object) -> bool:  # as a list of the views compares
+        if isinstance(other, ArenaViews | list | tuple):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a list
+
+    def __delitem__(self, i: int | slice) -> None:
+        raise TypeError("a batch's views are as many as its blocks")
+
+    def insert(self, index: int, value: memoryview | None) -> None:
+        raise TypeError("a batch's views are as many as its blocks")

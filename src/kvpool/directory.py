@@ -43,6 +43,7 @@ import mmap
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -297,11 +298,26 @@ class DirectoryWriter:
             self.path.unlink(missing_ok=True)
 
 
+@dataclass(slots=True)
+class Located:
+    """Where a batch of keys' blocks lie now, as the directory lists them: per key its
+    entry's slot and generation, and the block's offset and size (int64 columns)."""
+
+    slots: np.ndarray
+    generations: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
 class DirectoryReader:
     """A client's side: finds listed blocks, and tells whether a copy of them held."""
 
     def __init__(self, words: memoryview, num_slots: int, arena_bytes: int):
         self._words = words
+        self._array = np.frombuffer(words, np.uint64)  # the same words, read together
         self._mask = num_slots - 1
         self._arena_bytes = arena_bytes
 
@@ -370,24 +386,52 @@ class DirectoryReader:
             slot = (slot + 1) & mask
         return None
 
-    def find_all(self, keys: list[bytes]) -> list[Location] | None:
-        """Every key's location, or ``None`` if any is not listed."""
-        found = []
-        for key in keys:
-            location = self.find(key)
-            if location is None:
-                return None
-            found.append(location)
-        return found
+    def find_all(self, keys: Sequence[bytes]) -> Located | None:
+        """Every key's location, or ``None`` if any is not listed (or its entry is
+        changing).  The keys probe the table together, a round of numpy loads per probe
+        step, each round's generations loaded before its entries (x86-64 keeps loads in
+        program order), as :meth:`find` does a key at a time."""
+        n = len(keys)
+        words, mask = self._array, self._mask
+        digests = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, keys)), ">u8")
+        highs = digests[0::2].astype(np.uint64) | np.uint64(1)
+        lows = digests[1::2].astype(np.uint64)
+        at = (lows & np.uint64(mask)).astype(np.int64)
+        found = np.full(n, -1, dtype=np.int64)
+        generations = np.zeros(n, dtype=np.uint64)
+        locations = np.zeros(n, dtype=np.uint64)
+        probing = np.arange(n)
+        for _ in range(MAX_PROBE):
+            if not len(probing):
+                break
+            base = HEADER_WORDS + at[probing] * ENTRY_WORDS
+            generation = words[base]
+            entry_low, entry_high, location = words[base + 1], words[base + 2], words[base + 3]
+            if (generation & np.uint64(1)).any():
+                return None  # an entry is changing: ask the node
+            match = (entry_low == lows[probing]) & (entry_high == highs[probing])
+            if ((entry_low == 0) & (entry_high == 0) & ~match).any():
+                return None  # not listed
+            hits = probing[match]
+            found[hits] = at[hits]
+            generations[hits] = generation[match]
+            locations[hits] = location[match]
+            probing = probing[~match]
+            at[probing] = (at[probing] + 1) & mask
+        if len(probing):
+            return None
+        offsets = (locations >> np.uint64(32)).astype(np.int64) * PAGE_BYTES
+        sizes = (locations & np.uint64(MAX_SIZE)).astype(np.int64)
+        if ((offsets + sizes) > self._arena_bytes).any():
+            return None  # read torn: an entry changed under us
+        return Located(found, generations.astype(np.int64), offsets, sizes)
 
-    def unchanged(self, locations: list[Location]) -> bool:
+    def unchanged(self, located: Located) -> bool:
         """Whether every entry still has the generation it was found with, and the
         directory is not retired: then copies taken since are good."""
-        words = self._words
-        for slot, generation, _, _ in locations:
-            if words[HEADER_WORDS + slot * ENTRY_WORDS] != generation:
-                return False
-        return not words[_RETIRED]
+        words = self._array
+        now = words[HEADER_WORDS + located.slots * ENTRY_WORDS].astype(np.int64)
+        return bool((now == located.generations).all()) and not self._words[_RETIRED]
 
     @property
     def is_retired(self) -> bool:

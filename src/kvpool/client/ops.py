@@ -336,7 +336,7 @@ def destinations(
             statuses[i] = Status.REFUSED  # the caller's buffer is too small for this block
             out.append(None)
         else:
-            out.append(dsts[i][:size])
+            out.append(dsts[i] if len(dsts[i]) == size else dsts[i][:size])
     return out
 
 

@@ -26,11 +26,14 @@ effects.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvpool import checksum as ck
-from kvpool.directory import DirectoryReader, Location
+from kvpool.buffers import ArenaViews
+from kvpool.directory import DirectoryReader, Located
 from kvpool.errors import ProtocolError, Status
 from kvpool.protocol.messages import Op, PinRequest, PinResponse
 
@@ -67,13 +70,13 @@ class Slots:
     slot_id: int
     statuses: list[Status]
     offsets: list[int]
-    views: list[memoryview | None]
+    views: MutableSequence[memoryview | None]
     checksums: list[int]
     lease_ms: int
     sealed: list[bool] = field(default_factory=list)  # pins only: see the module's notes
     held_until: float = 0.0  # pins only: the lease's end, at the latest (time.monotonic)
     directory: DirectoryReader | None = None  # listed slots only: where they were found
-    locations: list[Location] = field(default_factory=list)
+    located: Located | None = None
     received: GetResult | None = None  # received over the socket (no arena): the outcome
     # Pins only: per key, not in the arena but below it, where DRAM had no room for it: a
     # GET streams it from there (empty: none is).
@@ -89,23 +92,26 @@ class Slots:
     def still_held(self) -> bool:
         """Whether what was read from the views is surely good: the pin's lease has not run
         out yet, or no listed block was withdrawn since it was found."""
-        if self.directory is not None:
-            return self.directory.unchanged(self.locations)
+        if self.directory is not None and self.located is not None:
+            return self.directory.unchanged(self.located)
         return not self.slot_id or time.monotonic() < self.held_until
 
 
 def slot_views(
     statuses: list[Status], offsets: Sequence[int], sizes: Sequence[int], arena: memoryview
-) -> list[memoryview | None]:
-    """The arena memory of each OK slot; a slot outside the arena breaks the protocol."""
-    views: list[memoryview | None] = []
-    for status, offset, size in zip(statuses, offsets, sizes, strict=True):
-        if status is not Status.OK:
-            views.append(None)
-        elif offset < 0 or offset + size > len(arena):
-            raise ProtocolError(f"node handed out a slot outside its arena: {offset}+{size}")
-        else:
-            views.append(arena[offset : offset + size])
+) -> ArenaViews:
+    """The arena memory of each OK slot (None elsewhere); a slot outside the arena breaks
+    the protocol."""
+    ok = np.array([status is Status.OK for status in statuses], dtype=bool)
+    starts = np.asarray(offsets, dtype=np.int64)
+    ends = starts + np.asarray(sizes, dtype=np.int64)
+    outside = ok & ((starts < 0) | (ends > len(arena)))
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise ProtocolError(f"node handed out a slot outside its arena: {offsets[i]}+{sizes[i]}")
+    views = ArenaViews(arena, list(offsets), list(sizes))
+    for i in np.flatnonzero(~ok).tolist():
+        views[i] = None
     return views
 
 
@@ -113,21 +119,22 @@ def listed_slots(
     keys: Sequence[bytes], arena: memoryview, directory: DirectoryReader
 ) -> Slots | None:
     """Every key's block as the directory lists it now, or ``None`` if one is not listed."""
-    locations = directory.find_all(list(keys))
-    if locations is None:
+    located = directory.find_all(keys)
+    if located is None:
         return None
     n = len(keys)
+    offsets = located.offsets.tolist()
     return Slots(
         list(keys),
         0,
         [Status.OK] * n,
-        [offset for _, _, offset, _ in locations],
-        [arena[offset : offset + size] for _, _, offset, size in locations],
+        offsets,
+        ArenaViews(arena, offsets, located.sizes.tolist()),
         [],
         0,
         sealed=[True] * n,
         directory=directory,
-        locations=locations,
+        located=located,
     )
 
 
@@ -176,11 +183,7 @@ def _copy_out(
     """Copy each block into its target, hashing those that need it (and, for a pin that ran
     out meanwhile, every one); the checksums, or what the copy raised."""
     try:
-        sources = [
-            v[: len(t)] if t is not None and v is not None else None
-            for t, v in zip(targets, slots.views, strict=True)
-        ]
-        checksums = copier.copy(targets, sources, verify)
+        checksums = copier.copy(targets, slots.views, verify)  # (each target is its size)
         if slots.slot_id and not slots.still_held:  # memory may have been handed out
             checksums = [
                 c if c is not None or t is None else ck.checksum(t)
@@ -333,7 +336,7 @@ def _get_below(
     below: list[int],
     statuses: list[Status],
     sizes: list[int],
-    targets: list[memoryview | None],
+    targets: MutableSequence[memoryview | None],
     wait_ms: int,
 ) -> Op_[None]:
     """Receive the blocks at ``below`` with a GET, each into its buffer, and put what came

@@ -36,10 +36,10 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
 
 import numpy as np
 
+from kvpool.buffers import ArenaViews
 from kvpool.config import AREA_SHARE, PAGE_BYTES, pages_of
 from kvpool.errors import ProtocolError, Status
 from kvpool.keys import BlockOrigin
@@ -229,32 +229,6 @@ class StagedWrite:
         return staged
 
 
-class ArenaSlices(Sequence[memoryview]):
-    """Views of blocks that lie at ``places`` in the arena, each made when it is used: a
-    long prompt's 2,000 views alive at once were 2,000 objects for the caller's garbage
-    collector to walk, for a copy that needs one at a time."""
-
-    __slots__ = ("_arena", "_places", "_sizes")
-
-    def __init__(self, arena: memoryview, places: list[int], sizes: list[int]):
-        self._arena, self._places, self._sizes = arena, places, sizes
-
-    def __len__(self) -> int:
-        return len(self._places)
-
-    @overload
-    def __getitem__(self, i: int) -> memoryview: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[memoryview]: ...
-
-    def __getitem__(self, i: int | slice) -> memoryview | list[memoryview]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        place = self._places[i]
-        return self._arena[place : place + self._sizes[i]]
-
-
 def stage_write(
     keys: Sequence[bytes],
     sizes: Sequence[int],
@@ -286,7 +260,7 @@ def stage_write(
             area_fits = area.fits(num_bytes)
         if area_fits:
             places, block_sizes = area.places(sizes), list(sizes)
-            views = ArenaSlices(arena, places, block_sizes)
+            views = ArenaViews(arena, places, block_sizes)
             statuses = [Status.OK] * len(keys)
             return StagedWrite(Backing.AREA, list(keys), block_sizes, statuses, views, places)
     slots = yield from reserve_slots(keys, sizes, arena)
