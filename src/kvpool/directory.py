@@ -50,6 +50,7 @@ import numpy as np
 import xxhash
 
 from kvpool.config import PAGE_BYTES
+from kvpool.keys import MIN_COLUMN_KEYS
 
 MAGIC = int.from_bytes(b"KVPOOLD1", "little")
 VERSION = 1
@@ -204,10 +205,11 @@ class DirectoryWriter:
         (as one call per block would); each entry is written as :meth:`_write` writes one,
         generation odd first and even last, every entry's step before the next step."""
         n = len(keys)
-        listed = np.zeros(n, dtype=bool)
         words = self._array
-        if not n or words is None:
-            return listed
+        if n < MIN_COLUMN_KEYS or words is None:
+            one_by_one = zip(keys, offsets.tolist(), sizes.tolist(), strict=True)
+            return np.array([self.list(*block, replace=False) for block in one_by_one], bool)
+        listed = np.zeros(n, dtype=bool)
         # Each key's xxh3-128, big-endian: its high word, then its low word.
         digests = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, keys)), ">u8")
         highs = digests[0::2].astype(np.uint64) | np.uint64(1)
@@ -392,6 +394,8 @@ class DirectoryReader:
         step, each round's generations loaded before its entries (x86-64 keeps loads in
         program order), as :meth:`find` does a key at a time."""
         n = len(keys)
+        if n < MIN_COLUMN_KEYS:
+            return self._find_each(keys)
         words, mask = self._array, self._mask
         digests = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, keys)), ">u8")
         highs = digests[0::2].astype(np.uint64) | np.uint64(1)
@@ -425,6 +429,17 @@ class DirectoryReader:
         if ((offsets + sizes) > self._arena_bytes).any():
             return None  # read torn: an entry changed under us
         return Located(found, generations.astype(np.int64), offsets, sizes)
+
+    def _find_each(self, keys: Sequence[bytes]) -> Located | None:
+        """:meth:`find_all` a key at a time (a few keys)."""
+        found = []
+        for key in keys:
+            location = self.find(key)
+            if location is None:
+                return None
+            found.append(location)
+        columns = np.array(found, dtype=np.int64).reshape(len(keys), 4).T
+        return Located(columns[0], columns[1], columns[2], columns[3])
 
     def unchanged(self, located: Located) -> bool:
         """Whether every entry still has the generation it was found with, and the

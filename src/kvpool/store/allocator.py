@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from kvpool.config import PAGE_BYTES, pages, pages_of
+from kvpool.keys import MIN_COLUMN_KEYS
 
 SL_BITS = 3  # 8 second-level bins per power of two
 SL_COUNT = 1 << SL_BITS
@@ -185,6 +186,8 @@ class SegregatedFitAllocator:
         """Split the allocated extent at ``offset`` into pieces of ``sizes`` (page-rounded,
         in order); the extent's tail beyond them is freed."""
         start, total = self._release(offset)
+        if len(sizes) < MIN_COLUMN_KEYS:
+            return self._carve_each(start, total, [pages(int(size)) for size in sizes])
         piece_pages = pages_of(np.asarray(sizes, dtype=np.int64))
         num_pages = int(piece_pages.sum())
         if num_pages > total:
@@ -203,6 +206,23 @@ class SegregatedFitAllocator:
             self._hold(cursor, leftover)
             self.free(cursor * PAGE_BYTES)
         return (starts * PAGE_BYTES).tolist()
+
+    def _carve_each(self, start: int, total: int, piece_pages: list[int]) -> list[int]:
+        """:meth:`carve` of a few pieces, one at a time."""
+        if sum(piece_pages) > total:
+            self._hold(start, total)
+            raise ValueError("pieces exceed the extent")
+        offsets: list[int] = []
+        cursor = start
+        for num_pages in piece_pages:
+            self._hold(cursor, num_pages)
+            offsets.append(cursor * PAGE_BYTES)
+            cursor += num_pages
+        leftover = start + total - cursor
+        if leftover:
+            self._hold(cursor, leftover)
+            self.free(cursor * PAGE_BYTES)
+        return offsets
 
     def largest_free(self) -> int:
         if not self._bitmap:

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvpool.config import AREA_SHARE, PAGE_BYTES, page_bytes, pages_of
 from kvpool.errors import BadRequest, LeaseExpired
+from kvpool.keys import MIN_COLUMN_KEYS
 from kvpool.store.allocator import Allocator
 from kvpool.store.block import Area
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger
@@ -70,12 +71,17 @@ class WriteAreas:
         area = self._book.get(area_id, owner)
         if area is None:
             raise LeaseExpired(f"write area {area_id} expired or was replaced")
-        pieces = pages_of(np.asarray(sizes, dtype=np.int64)) * PAGE_BYTES
-        taken = int(pieces.sum())
+        pieces: list[int] | np.ndarray
+        if len(sizes) < MIN_COLUMN_KEYS:
+            pieces = [page_bytes(size) for size in sizes]
+            taken = sum(pieces)
+        else:
+            pieces = pages_of(np.asarray(sizes, dtype=np.int64)) * PAGE_BYTES
+            taken = int(pieces.sum())
         rest = area.num_bytes - taken
         if rest < 0:
             raise BadRequest(f"{taken} bytes of blocks in a write area of {area.num_bytes}")
-        offsets = self.allocator.carve(area.offset, np.append(pieces, rest) if rest else pieces)
+        offsets = self.allocator.carve(area.offset, [*pieces, rest] if rest else pieces)
         self.num_bytes -= taken
         if rest:
             area.offset, area.num_bytes = offsets.pop(), rest

@@ -73,7 +73,7 @@ import numpy as np
 from kvpool.config import PAGE_BYTES, page_bytes, pages_of
 from kvpool.directory import DirectoryWriter, NoDirectory
 from kvpool.errors import STATUS_OF_CODE, BadRequest, LeaseExpired, QuotaExceeded, Status
-from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
+from kvpool.keys import MIN_COLUMN_KEYS, NAMESPACE_ID_BYTES, BlockOrigin
 from kvpool.limits import LeaseLimits
 from kvpool.stats import ESTIMATE_SCALES
 from kvpool.store.accounts import Accounts, Resource
@@ -131,8 +131,9 @@ class Admitted:
 def _distinct(slots: np.ndarray) -> np.ndarray:
     """``slots`` without repeats, in the order each first appears (a read that names a
     block twice pins it and counts it once)."""
-    if len(slots) < 2:
-        return slots
+    if len(slots) < MIN_COLUMN_KEYS:
+        listed = slots.tolist()
+        return slots if len(set(listed)) == len(listed) else np.array(list(dict.fromkeys(listed)))
     _, first = np.unique(slots, return_index=True)
     return slots if len(first) == len(slots) else slots[np.sort(first)]
 
@@ -388,7 +389,7 @@ class BlockStore:
         n = len(keys)
         columns = KeyColumns(keys)
         rows = columns.rows
-        if rows is None or rows.shape[1] > KEY_WIDTH or len(set(keys)) != n:
+        if n < MIN_COLUMN_KEYS or rows is None or rows.shape[1] > KEY_WIDTH or len(set(keys)) != n:
             statuses, chosen = self._admit_each(keys, sizes)
             return statuses, Admitted(chosen, None)
         codes = np.full(n, Status.OK, dtype=np.int8)
@@ -604,7 +605,7 @@ class BlockStore:
         """The commits' records (rule 10), counted to their tenants' journal bytes (rule
         16)."""
         rows = columns.rows
-        if rows is None:  # keys of several lengths (no engine's): a record at a time
+        if rows is None or len(rows) < MIN_COLUMN_KEYS:  # a few, or of several lengths
             values = (offsets.tolist(), sizes.tolist(), checksums.tolist())
             entries = zip(columns.keys, *values, strict=True)
             self.journal.committed(Entry(*entry) for entry in entries)

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvpool.keys import MIN_COLUMN_KEYS
 from kvpool.store.index import Reserved
 
 Group = Hashable
@@ -126,7 +127,9 @@ class LRUPolicy:
     def touch_many(self, slots: np.ndarray) -> None:
         """Touch distinct slots at once, in order: those listed leave their places (a run
         of neighbours in one step), then all join their groups' lists together."""
-        if not len(slots):
+        if len(slots) < MIN_COLUMN_KEYS:
+            for slot in slots.tolist():
+                self.touch(slot)
             return
         self.remove_many(slots)
         if self._group_of is _one_group:
@@ -149,6 +152,10 @@ class LRUPolicy:
         stamps' (each touch appends with a later one), so the slots sorted by stamp fall
         into runs of neighbours (a prefix's blocks, written and read together), and each
         run is cut out in one step."""
+        if len(slots) < MIN_COLUMN_KEYS:
+            for slot in slots.tolist():
+                self.remove(slot)
+            return
         listed = slots[self._listed_column[slots] > 0]
         if not len(listed):
             return

@@ -40,7 +40,7 @@ from typing import cast
 
 import numpy as np
 
-from kvpool.keys import MAX_KEY_BYTES, BlockOrigin
+from kvpool.keys import MAX_KEY_BYTES, MIN_COLUMN_KEYS, BlockOrigin
 from kvpool.store.block import Block, BlockState
 
 KEY_WIDTH = MAX_KEY_BYTES
@@ -79,8 +79,6 @@ class Reserved:
 # Probe rounds go on in numpy while more keys than this are still probing; the last few
 # (the long runs of a crowded table) take the one-key path.
 MIN_ROUND_KEYS = 16
-# Requests of fewer keys look them up one at a time (a round costs ~10 numpy calls).
-MIN_BATCH_KEYS = 32
 
 
 class KeyColumns:
@@ -181,7 +179,7 @@ class BlockIndex:
     def find_all(self, keys: Sequence[bytes]) -> np.ndarray:
         """:meth:`find` of each key (int64 slots, -1 where none): together where they are
         many, one at a time where a few (the columns cost more than they save)."""
-        if len(keys) < MIN_BATCH_KEYS:
+        if len(keys) < MIN_COLUMN_KEYS:
             return np.array([self.find(key) for key in keys], dtype=np.int64)
         return self.find_many(KeyColumns(keys))
 
@@ -231,7 +229,7 @@ class BlockIndex:
         checked); their slots (int64), in order."""
         n = len(columns)
         rows = columns.rows
-        if rows is None or not n:
+        if rows is None or n < MIN_COLUMN_KEYS:
             return np.array(
                 [
                     self.insert(key, offset, size, checksum, sealed=sealed)
@@ -393,7 +391,9 @@ class BlockIndex:
         return left
 
     def blocks(self, slots: np.ndarray, origins: Sequence[BlockOrigin | None]) -> list[Block]:
-        """:meth:`block` of each slot, its columns read together."""
+        """:meth:`block` of each slot, its columns read together (a few, one at a time)."""
+        if len(slots) < MIN_COLUMN_KEYS:
+            return [self.block(s, o) for s, o in zip(slots.tolist(), origins, strict=True)]
         flags = self.flags[slots].tolist()
         return [
             Block(

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from kvpool.errors import BadRequest
-from kvpool.keys import NAMESPACE_ID_BYTES, namespace_of
+from kvpool.keys import MIN_COLUMN_KEYS, NAMESPACE_ID_BYTES, namespace_of
 from kvpool.stats import NamespaceStats
 from kvpool.store.index import KeyColumns, groups_by_prefix
 from kvpool.tenants import TAG_BYTES
@@ -70,7 +70,7 @@ class NamespaceTable:
 
     def added_many(self, columns: KeyColumns, sizes: np.ndarray) -> None:
         """:meth:`added` of a commit's blocks, a row at a time."""
-        if columns.rows is None:
+        if columns.rows is None or len(columns) < MIN_COLUMN_KEYS:
             for key, size in zip(columns.keys, sizes.tolist(), strict=True):
                 self.added(key, size)
             return

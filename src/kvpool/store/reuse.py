@@ -40,6 +40,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.keys import MIN_COLUMN_KEYS
+
 SUB_BUCKETS = 8  # histogram buckets per doubling of the reuse time
 MAX_REUSE_LOG2 = 48
 NUM_BUCKETS = MAX_REUSE_LOG2 * SUB_BUCKETS + 1
@@ -117,8 +119,8 @@ class ReuseSampler:
         accesses counted down) and taken in the batch's order; the other accesses only
         move the clock."""
         n = len(key_hashes)
-        named = set(key_hashes)
-        if len(named) != n:  # a key twice: it may come back within the batch
+        named = set(key_hashes) if n >= MIN_COLUMN_KEYS else ()
+        if len(named) != n:  # a few keys, or a key twice (it may come back in the batch)
             for key_hash in key_hashes:
                 self.access(key_hash, hit)
             return
