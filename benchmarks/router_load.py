@@ -1,6 +1,8 @@
 """Router load test: many concurrent streaming requests through ``kvpool router`` to
 stand-in engines (tests/router/fake_engine.py), beside the same requests sent straight to
-the engines; the difference is the latency the router adds.
+the engines; the difference is the latency the router adds.  Its peer: the same requests
+through the least an aiohttp proxy does (``benchmarks/bare_proxy.py``, same library and event
+loop); each proxy's CPU time per request is read from /proc over its burst.
 
     .venv/bin/python -m benchmarks.router_load [--requests 1000] [--json]
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -86,6 +89,31 @@ async def _sequential(urls: list[str], num_requests: int, chunks: int) -> dict[s
     }
 
 
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _burst(pid: int, url: str, num_requests: int, chunks: int) -> dict[str, Any]:
+    """``num_requests`` at once through the proxy at ``url`` (process ``pid``), with the
+    proxy's CPU time per request."""
+    asyncio.run(_fire([url], 50, chunks))  # warm up connections
+    before = _cpu_s(pid)
+    result = asyncio.run(_fire([url], num_requests, chunks))
+    result["proxy_cpu_us_per_request"] = round(1e6 * (_cpu_s(pid) - before) / num_requests, 1)
+    return result
+
+
+def _added(direct: dict[str, Any], routed: dict[str, Any]) -> dict[str, float]:
+    added = {}
+    for q in ("p50", "p99"):
+        if direct[f"first_byte_{q}_ms"] is not None and routed[f"first_byte_{q}_ms"] is not None:
+            added[q] = round(routed[f"first_byte_{q}_ms"] - direct[f"first_byte_{q}_ms"], 2)
+    return added
+
+
 def run(
     num_requests: int = 1000,
     num_engines: int = 2,
@@ -95,32 +123,35 @@ def run(
 ) -> dict[str, Any]:
     """``num_quiet``: the requests sent one at a time, each way, after the burst (each
     takes its whole stream: ``chunks`` chunks ``delay`` apart)."""
-    from tests.router.servers import FakeEngine, RouterProc
+    from tests.cluster.fabric import free_port
+    from tests.router.servers import FakeEngine, Proc, RouterProc
 
     engines = [FakeEngine(name=f"e{i}") for i in range(num_engines)]
-    router = None
+    urls = [e.url for e in engines]
+    router = bare = None
     try:
         for engine in engines:
             engine.configure(chunks=chunks, delay=delay)
-        router = RouterProc(
-            [e.url for e in engines], "--policy", "round_robin", "--log-level", "warning"
+        router = RouterProc(urls, "--policy", "round_robin", "--log-level", "warning")
+        port = free_port()
+        bare = Proc(
+            [sys.executable, "-m", "benchmarks.bare_proxy", "--port", str(port)]
+            + [arg for url in urls for arg in ("--engine", url)],
+            "BARE_PROXY_READY",
         )
-        asyncio.run(_fire([router.url], 50, chunks))  # warm up connections
-        direct = asyncio.run(_fire([e.url for e in engines], num_requests, chunks))
-        routed = asyncio.run(_fire([router.url], num_requests, chunks))
-        quiet_direct = asyncio.run(_sequential([e.url for e in engines], num_quiet, chunks))
+        bare_url = f"http://127.0.0.1:{port}"
+        asyncio.run(_fire(urls, 50, chunks))
+        direct = asyncio.run(_fire(urls, num_requests, chunks))
+        routed = _burst(router.proc.pid, router.url, num_requests, chunks)
+        peer = _burst(bare.proc.pid, bare_url, num_requests, chunks)
+        quiet_direct = asyncio.run(_sequential(urls, num_quiet, chunks))
         quiet_routed = asyncio.run(_sequential([router.url], num_quiet, chunks))
     finally:
-        if router is not None:
-            router.stop()
-        for engine in engines:
-            engine.stop()
-    added = {}
-    for q in ("p50", "p99"):
-        if direct[f"first_byte_{q}_ms"] is not None and routed[f"first_byte_{q}_ms"] is not None:
-            added[f"added_first_byte_{q}_ms"] = round(
-                routed[f"first_byte_{q}_ms"] - direct[f"first_byte_{q}_ms"], 2
-            )
+        for proc in (router, bare, *engines):
+            if proc is not None:
+                proc.stop()
+    added = _added(direct, routed)
+    peer_added = _added(direct, peer)
     quiet = {
         f"quiet_added_first_byte_{q}_ms": round(quiet_routed[q] - quiet_direct[q], 3)
         for q in ("p50", "p99")
@@ -128,7 +159,12 @@ def run(
     return {
         "direct": direct,
         "router": routed,
-        **added,
+        "bare_proxy": peer,
+        **{f"added_first_byte_{q}_ms": v for q, v in added.items()},
+        **{f"bare_proxy_added_first_byte_{q}_ms": v for q, v in peer_added.items()},
+        "router_cpu_per_request_to_bare": round(
+            routed["proxy_cpu_us_per_request"] / peer["proxy_cpu_us_per_request"], 2
+        ),
         "quiet_direct": quiet_direct,
         "quiet_router": quiet_routed,
         **quiet,
