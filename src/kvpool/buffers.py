@@ -8,12 +8,13 @@ far less than a second pass over memory.
 
 from __future__ import annotations
 
-from collections.abc import MutableSequence
+from collections.abc import Iterator, MutableSequence
 from typing import Any, overload
 
 import numpy as np
 
 from kvpool.checksum import checksum, new_hasher
+from kvpool.keys import MIN_COLUMN_KEYS
 
 # Pieces of this size stay in a core's L2 cache between the copy and the hash.
 FUSED_PIECE_BYTES = 512 << 10
@@ -95,6 +96,11 @@ class ArenaViews(MutableSequence[memoryview | None]):
     def __len__(self) -> int:
         return len(self._offsets)
 
+    def __iter__(self) -> Iterator[memoryview | None]:
+        arena, taken = self._arena, self._set
+        for i, (offset, size) in enumerate(zip(self._offsets, self._sizes, strict=True)):
+            yield taken[i] if i in taken else arena[offset : offset + size]
+
     @overload
     def __getitem__(self, i: int) -> memoryview | None: ...
 
@@ -133,3 +139,13 @@ class ArenaViews(MutableSequence[memoryview | None]):
 
     def insert(self, index: int, value: memoryview | None) -> None:
         raise TypeError("a batch's views are as many as its blocks")
+
+
+def arena_views(
+    arena: memoryview, offsets: list[int], sizes: list[int]
+) -> MutableSequence[memoryview | None]:
+    """The views of the blocks at ``offsets``: made as they are used for a batch of many
+    (:class:`ArenaViews`), at once for a few (a list costs less than the lazy views' calls)."""
+    if len(offsets) < MIN_COLUMN_KEYS:
+        return [arena[offset : offset + size] for offset, size in zip(offsets, sizes, strict=True)]
+    return ArenaViews(arena, offsets, sizes)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool import checksum as ck
-from kvpool.buffers import ArenaViews
+from kvpool.buffers import arena_views
 from kvpool.directory import DirectoryReader, Located
 from kvpool.errors import ProtocolError, Status
 from kvpool.protocol.messages import Op, PinRequest, PinResponse
@@ -99,7 +99,7 @@ class Slots:
 
 def slot_views(
     statuses: list[Status], offsets: Sequence[int], sizes: Sequence[int], arena: memoryview
-) -> ArenaViews:
+) -> MutableSequence[memoryview | None]:
     """The arena memory of each OK slot (None elsewhere); a slot outside the arena breaks
     the protocol."""
     ok = np.array([status is Status.OK for status in statuses], dtype=bool)
@@ -109,7 +109,7 @@ def slot_views(
     if outside.any():
         i = int(np.argmax(outside))
         raise ProtocolError(f"node handed out a slot outside its arena: {offsets[i]}+{sizes[i]}")
-    views = ArenaViews(arena, list(offsets), list(sizes))
+    views = arena_views(arena, list(offsets), list(sizes))
     for i in np.flatnonzero(~ok).tolist():
         views[i] = None
     return views
@@ -129,7 +129,7 @@ def listed_slots(
         0,
         [Status.OK] * n,
         offsets,
-        ArenaViews(arena, offsets, located.sizes.tolist()),
+        arena_views(arena, offsets, located.sizes.tolist()),
         [],
         0,
         sealed=[True] * n,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.buffers import ArenaViews
+from kvpool.buffers import arena_views
 from kvpool.config import AREA_SHARE, PAGE_BYTES, pages_of
 from kvpool.errors import ProtocolError, Status
 from kvpool.keys import BlockOrigin
@@ -260,7 +260,7 @@ def stage_write(
             area_fits = area.fits(num_bytes)
         if area_fits:
             places, block_sizes = area.places(sizes), list(sizes)
-            views = ArenaViews(arena, places, block_sizes)
+            views = arena_views(arena, places, block_sizes)
             statuses = [Status.OK] * len(keys)
             return StagedWrite(Backing.AREA, list(keys), block_sizes, statuses, views, places)
     slots = yield from reserve_slots(keys, sizes, arena)
