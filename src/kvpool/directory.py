@@ -227,7 +227,8 @@ class DirectoryWriter:
         probing = np.arange(len(wanted))
         occupied = self._occupied
         for step in range(MAX_PROBE):
-            if not len(probing):
+            if len(probing) < MIN_COLUMN_KEYS:  # the last few: a numpy round each costs more
+                probing = self._place_each(homes, probing, step, occupied, slots, wanted)
                 break
             at = (homes[probing] + step) & self._mask
             free = np.flatnonzero(~occupied[at])
@@ -250,6 +251,31 @@ class DirectoryWriter:
         self._num_listed += len(placed)
         listed[placed] = True
         return listed
+
+    def _place_each(
+        self,
+        homes: np.ndarray,
+        probing: np.ndarray,
+        step: int,
+        occupied: np.ndarray,
+        slots: np.ndarray,
+        wanted: np.ndarray,
+    ) -> np.ndarray:
+        """:meth:`list_many`'s probing for its last keys, each in turn from ``step`` on (the
+        rounds' rule: of two keys for one slot, the earlier takes it); those that find no
+        room within ``MAX_PROBE`` slots of their home."""
+        mask, unplaced = self._mask, []
+        for j in probing.tolist():
+            home = int(homes[j])
+            for later in range(step, MAX_PROBE):
+                at = (home + later) & mask
+                if not occupied[at]:
+                    occupied[at] = True
+                    slots[wanted[j]] = at
+                    break
+            else:
+                unplaced.append(j)
+        return np.array(unplaced, dtype=np.int64)
 
     def withdraw(self, key: bytes) -> None:
         """Withdraw a block (before its memory is handed out again); then close the gap by

@@ -359,7 +359,7 @@ class BlockStore:
             self.reuse.access_many(self.index.hashes[slots].tolist(), hit=False)
         self.space.trim()
         self._compact_journal()
-        committed = [keys[i] for i in chosen]
+        committed = list(keys) if len(chosen) == len(keys) else [keys[i] for i in chosen]
         self._changed(committed)
         return CommitResult(statuses, committed, int(size_of.sum()) if chosen else 0)
 
@@ -377,6 +377,8 @@ class BlockStore:
                 self.allocator.free(place)
             return [Status.REFUSED] * len(keys), Admitted([], None), []
         statuses, wanted = self._admit(keys, sizes)
+        if len(wanted.keys) == len(keys):  # every key admitted, as a fresh prompt's are
+            return statuses, wanted, places
         for i, status in enumerate(statuses):
             if status is not Status.OK:
                 self.allocator.free(places[i])
