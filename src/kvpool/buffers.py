@@ -109,7 +109,15 @@ class ArenaViews(MutableSequence[memoryview | None]):
 
     def __getitem__(self, i: int | slice) -> memoryview | list[memoryview | None] | None:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            arena, taken = self._arena, self._set
+            places = zip(self._offsets[start:stop], self._sizes[start:stop], strict=True)
+            return [
+                taken[j] if j in taken else arena[offset : offset + size]
+                for j, (offset, size) in enumerate(places, start)
+            ]
         i = range(len(self))[i]  # bounds and negative indexes, as a list's
         if i in self._set:
             return self._set[i]
@@ -126,6 +134,13 @@ class ArenaViews(MutableSequence[memoryview | None]):
         if isinstance(i, slice):
             raise TypeError("views are set one at a time")
         self._set[range(len(self))[i]] = view
+
+    def sizes(self) -> list[int | None]:
+        """Each view's length (None: no view), without making the views."""
+        sizes: list[int | None] = list(self._sizes)
+        for i, view in self._set.items():
+            sizes[i] = len(view) if view is not None else None
+        return sizes
 
     def __eq__(self, other: object) -> bool:  # as a list of the views compares
         if isinstance(other, ArenaViews | list | tuple):

@@ -166,3 +166,28 @@ def test_a_forked_child_copies_over_threads_of_its_own():
         assert report == "2 True"
     finally:
         copier.close()
+
+
+def test_a_long_batch_between_arena_views_lands_whole_with_its_dropped_blocks_skipped():
+    # A long prompt's blocks: arena views on both sides (a put's slots, a get's blocks),
+    # measured without being made; a dropped block is skipped, a short one refused.
+    from kvpool.buffers import ArenaViews
+
+    n, size = 300, 4096
+    rng = np.random.default_rng(5)
+    source = memoryview(rng.integers(0, 256, n * size, dtype=np.uint8).tobytes())
+    target = memoryview(bytearray(2 * n * size))
+    offsets = [size * i for i in range(n)]
+    srcs = ArenaViews(source, offsets, [size] * n)
+    dsts = ArenaViews(target, [2 * size * i for i in range(n)], [size] * n)
+    dsts[7] = None
+    got = Copier(2).copy(dsts, srcs, hashed=True)
+    for i in range(n):
+        landed = bytes(target[2 * size * i : 2 * size * i + size])
+        if i == 7:
+            assert got[i] is None and landed == bytes(size)
+        else:
+            assert landed == bytes(srcs[i]) and got[i] == ck.checksum(srcs[i])
+    dsts[8] = target[: size - 1]
+    with pytest.raises(ValueError, match="into a buffer of 4095"):
+        Copier(2).copy(dsts, srcs)

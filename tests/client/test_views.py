@@ -19,6 +19,9 @@ def test_the_views_are_the_arenas_slices_made_either_way(num: int) -> None:
     assert [views[i] for i in range(num)] == expected and views[-1] == expected[-1]
     views[0] = None  # a block dropped
     assert list(views) == [None, *expected[1:]] and views[0] is None
+    if isinstance(views, ArenaViews):
+        assert views.sizes() == [None, *sizes[1:]]
+        assert views[:] == [None, *expected[1:]] and views[::2] == list(views)[::2]
     assert list(views[1:3]) == expected[1:3]
     with pytest.raises(IndexError):
         views[num]

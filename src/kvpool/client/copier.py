@@ -62,14 +62,10 @@ class Copier:
             raise ValueError(f"{n} sources for {len(dsts)} destinations")
         flags = [hashed] * n if isinstance(hashed, bool) else list(hashed)
         checksums: list[int | None] = [None] * n
-        num_bytes = num_blocks = 0
-        for dst, src in zip(dsts, srcs, strict=True):
-            if dst is not None and src is not None:
-                if len(dst) != len(src):
-                    raise ValueError(f"copy of {len(src)} bytes into a buffer of {len(dst)}")
-                num_bytes += len(src)
-                num_blocks += 1
-        pieces = _pieces(dsts, srcs, flags)
+        sizes = _sizes_of(dsts, srcs)
+        num_bytes = sum(size for size in sizes if size is not None)
+        num_blocks = n - sizes.count(None)
+        pieces = _pieces(sizes, flags)
 
         def run(piece: Piece) -> None:
             first, end, start, stop = piece
@@ -77,8 +73,9 @@ class Copier:
                 dst, src = dsts[first], srcs[first]
                 buffers.copy(dst[start:stop], src[start:stop])  # type: ignore[index]
                 return
-            for i in range(first, end):
-                dst, src = dsts[i], srcs[i]
+            # The piece's views made together (a slice), each block's once.
+            blocks = zip(range(first, end), dsts[first:end], srcs[first:end], strict=True)
+            for i, dst, src in blocks:
                 if dst is None or src is None:
                     continue
                 if flags[i]:
@@ -139,19 +136,39 @@ class Copier:
 Piece = tuple[int, int, int, int]
 
 
-def _pieces(
-    dsts: Sequence[memoryview | None], srcs: Sequence[memoryview | None], flags: list[bool]
-) -> list[Piece]:
-    """The batch cut into pieces of about ``PIECE_BYTES``: runs of whole blocks (a hashed
-    block is one piece at least, its checksum one sequential hash), a large plain block cut
-    into parts.  Tuples of ints, not a closure per block: a long prompt's 2,000 blocks made
-    2,000 objects for the caller's garbage collector to walk."""
+def _sizes_of(
+    dsts: Sequence[memoryview | None], srcs: Sequence[memoryview | None]
+) -> list[int | None]:
+    """Each block's size, None where it is not copied (no source or no destination); a
+    destination of another size is refused.  Arena views are measured without being made."""
+    sizes: list[int | None] = []
+    for dst_size, src_size in zip(_lengths(dsts), _lengths(srcs), strict=True):
+        if dst_size is None or src_size is None:
+            sizes.append(None)
+            continue
+        if dst_size != src_size:
+            raise ValueError(f"copy of {src_size} bytes into a buffer of {dst_size}")
+        sizes.append(dst_size)
+    return sizes
+
+
+def _lengths(views: Sequence[memoryview | None]) -> list[int | None]:
+    if isinstance(views, buffers.ArenaViews):
+        return views.sizes()
+    return [len(view) if view is not None else None for view in views]
+
+
+def _pieces(sizes: list[int | None], flags: list[bool]) -> list[Piece]:
+    """The batch (each block's size, None: skipped) cut into pieces of about
+    ``PIECE_BYTES``: runs of whole blocks (a hashed block is one piece at least, its checksum
+    one sequential hash), a large plain block cut into parts.  Tuples of ints, not a closure
+    per block: a long prompt's 2,000 blocks made 2,000 objects for the caller's garbage
+    collector to walk."""
     pieces: list[Piece] = []
     first, run_bytes = 0, 0
-    for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
-        if dst is None or src is None:
+    for i, size in enumerate(sizes):
+        if size is None:
             continue
-        size = len(src)
         if size > PIECE_BYTES and not flags[i]:
             if first < i:
                 pieces.append((first, i, -1, -1))
@@ -164,8 +181,8 @@ def _pieces(
         if run_bytes >= PIECE_BYTES:
             pieces.append((first, i + 1, -1, -1))
             first, run_bytes = i + 1, 0
-    if first < len(srcs):
-        pieces.append((first, len(srcs), -1, -1))
+    if first < len(sizes):
+        pieces.append((first, len(sizes), -1, -1))
     return pieces
 
 
