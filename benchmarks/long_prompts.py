@@ -10,7 +10,9 @@ rate (blocks found over blocks looked up), and the **node's CPU per block** on e
 call: the run time of the daemon's event loop (its main thread, which serves every request:
 ``/proc/PID/task/PID/schedstat``, nanoseconds) across the calls, over the blocks they moved;
 and of all its threads (the scrubber's re-hashing and the arena's pre-faulting run beside,
-at their own pace).  A cold phase first puts whole long prompts
+at their own pace); and the client's: the CPU time of the calling thread across the calls,
+over their blocks (the copier's second thread aside).  A cold phase first puts whole long
+prompts
 (``--cold`` puts of ``--prompt-blocks`` fresh blocks: a prompt never seen, or a prefill
 instance's handover), the row "a 2,000-block put" of docs/benchmarks.md, after one put that
 is not counted (a connection's first takes its write area, and faults its pages in).  Each
@@ -118,12 +120,14 @@ class Phase:
         self.blocks = 0
         self.loop_ns = 0
         self.all_ns = 0
+        self.client_s = 0.0  # the calling thread's CPU (the copier's helper aside)
 
     def time(self, call: Any, blocks: int) -> Any:
         loop, total = node_cpu_ns(self.pid)
         gc_before = GC.total_s
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         result = call()
+        self.client_s += time.thread_time() - cpu
         self.took.append(time.perf_counter() - started)
         self.gc_s.append(GC.total_s - gc_before)
         loop_after, total_after = node_cpu_ns(self.pid)
@@ -146,6 +150,7 @@ class Phase:
             "client_gc_ms": round(sum(self.gc_s) * 1000, 1),
             "node_us_per_block": round(self.loop_ns / 1000 / max(self.blocks, 1), 2),
             "node_all_threads_us_per_block": round(self.all_ns / 1000 / max(self.blocks, 1), 2),
+            "client_thread_us_per_block": round(self.client_s * 1e6 / max(self.blocks, 1), 2),
         }
 
 
