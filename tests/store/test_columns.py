@@ -171,3 +171,62 @@ def test_a_placed_commit_leaves_the_store_as_placing_then_publishing_does():
     ]
     assert blocks[0] == blocks[1]
     assert placed.committed_bytes == published.committed_bytes and not published.reserved_bytes
+
+
+def test_a_few_keys_read_one_at_a_time_leave_the_store_as_the_columns_do(monkeypatch):
+    """Reads (lookups, pins and their ends, touches) of fewer than ``MIN_COLUMN_KEYS`` keys
+    take the store's one-key paths: the same reads taken as columns (the threshold lowered
+    to 1) answer the same and leave the same counts, pins, reads and LRU order."""
+    from kvpool.store import block_store
+
+    rng = random.Random(7)
+    held = keys_of(rng, 60)
+    absent = keys_of(rng, 10)
+    ops = []
+    for _ in range(300):
+        names = rng.sample(held + absent, rng.randint(1, 20))
+        names += names[: rng.randint(0, 2)]  # a key named twice
+        ops.append((rng.choice(["lookup", "pin", "prefix", "touch", "unpin"]), names))
+
+    def run(threshold: int) -> tuple[list, BlockStore]:
+        monkeypatch.setattr(block_store, "MIN_COLUMN_KEYS", threshold)
+        store = BlockStore(4096 * PAGE_BYTES, high_watermark=1.0, low_watermark=1.0)
+        reserved = store.reserve(held, [100 + i for i in range(60)], owner=1)
+        store.commit(reserved.reservation_id, [1] * 60, owner=1)
+        answers: list = []
+        pins: list[int] = []
+        chooser = random.Random(8)  # which pin ends, alike in both runs
+        for op, names in ops:
+            if op == "lookup":
+                answers.append(store.lookup(names))
+            elif op in ("pin", "prefix"):
+                result = store.pin(names, 1, prefix=op == "prefix")
+                answers.append([b.key if b else None for b in result.blocks])
+                if result.pin_id:
+                    pins.append(result.pin_id)
+            elif op == "touch":
+                answers.append(store.touch(names))
+            elif pins:
+                answers.append(store.unpin(pins.pop(chooser.randrange(len(pins)))))
+            answers.append(len(store.eviction))  # a pinned block is never in the LRU
+        answers.append([store.unpin(pin_id) for pin_id in pins])  # every block evictable again
+        return answers, store
+
+    one, each = run(1 << 30)
+    many, columns = run(1)
+    assert one == many
+    assert each.counters == columns.counters
+    high = each.index.high
+    for column in ("pins", "reads", "flags"):
+        assert (
+            getattr(each.index, column)[:high].tolist()
+            == getattr(columns.index, column)[:high].tolist()
+        )
+    order = []
+    for store in (each, columns):  # the LRU's order: each victim taken out in turn
+        victims = []
+        for slot in store.eviction.victims():
+            victims.append(slot)
+            store.eviction.remove(slot)
+        order.append(victims)
+    assert order[0] == order[1] and len(order[0]) > 30

@@ -682,8 +682,13 @@ class BlockStore:
         """The length of the longest committed prefix, and whether the next key is pending
         (``start``: the first ``start`` keys are known to be held: the walk begins after
         them, and counts only what it walks)."""
-        missing = np.flatnonzero(self.index.find_all(keys[start:]) < 0)
-        num_prefix = start + int(missing[0]) if len(missing) else len(keys)
+        if len(keys) - start < MIN_COLUMN_KEYS:  # a few: walked, up to the first miss
+            find, num_prefix = self.index.find, start
+            while num_prefix < len(keys) and find(keys[num_prefix]) >= 0:
+                num_prefix += 1
+        else:
+            missing = np.flatnonzero(self.index.find_all(keys[start:]) < 0)
+            num_prefix = start + int(missing[0]) if len(missing) else len(keys)
         pending = num_prefix < len(keys) and keys[num_prefix] in self._pending
         if count:
             self.record_lookup(keys, num_prefix)
@@ -722,6 +727,26 @@ class BlockStore:
         """Pin the committed blocks among ``keys`` (only the leading run if ``prefix``) for
         at most the policy's pin lease (``lease_s`` 0: exactly that); ``count``: as reads
         (not the node's own guard while it makes room)."""
+        if len(keys) < MIN_COLUMN_KEYS:
+            found, pinned = self._pin_each(keys, owner, prefix, count)
+        else:
+            found, pinned = self._pin_many(keys, owner, prefix, count)
+        if count:
+            num_found = len(keys) - found.count(None)
+            self.counters.get_hits += num_found
+            self.counters.get_misses += len(keys) - num_found
+        granted, deadline = self.ledger.deadline(LeaseKind.PIN, lease_s)
+        if not len(pinned):
+            return PinResult(0, found, granted)
+        pin_id = self.ledger.new_id()
+        self._pins.add(pin_id, Pin(pin_id, owner, pinned, deadline))
+        return PinResult(pin_id, found, granted)
+
+    def _pin_many(
+        self, keys: Sequence[bytes], owner: int, prefix: bool, count: bool
+    ) -> tuple[list[Block | None], np.ndarray]:
+        """:meth:`pin`'s blocks for many keys, as columns: each key's block (None where
+        not pinned), and the distinct slots pinned."""
         index = self.index
         slots = index.find_all(keys)
         if prefix:
@@ -737,15 +762,31 @@ class BlockStore:
         found: list[Block | None] = [None] * len(keys)
         for i, block in zip(named.tolist(), self._blocks(slots[named], keys, named), strict=True):
             found[i] = block
-        if count:
-            self.counters.get_hits += len(named)
-            self.counters.get_misses += len(keys) - len(named)
-        granted, deadline = self.ledger.deadline(LeaseKind.PIN, lease_s)
-        if not len(pinned):
-            return PinResult(0, found, granted)
-        pin_id = self.ledger.new_id()
-        self._pins.add(pin_id, Pin(pin_id, owner, pinned, deadline))
-        return PinResult(pin_id, found, granted)
+        return found, pinned
+
+    def _pin_each(
+        self, keys: Sequence[bytes], owner: int, prefix: bool, count: bool
+    ) -> tuple[list[Block | None], np.ndarray]:
+        """:meth:`_pin_many` for a few keys, one at a time (the columns cost more than they
+        save)."""
+        index, origins = self.index, self._origins
+        found: list[Block | None] = []
+        pinned: dict[int, None] = {}  # distinct, in the order each is first named
+        missed = False
+        for key in keys:
+            slot = -1 if missed else index.find(key)
+            if slot < 0:
+                found.append(None)
+                missed = prefix
+                continue
+            if slot not in pinned:
+                pinned[slot] = None
+                if not index.add_pin(slot, read=count):
+                    self.eviction.remove(slot)
+                if count and owner > 0:
+                    self.reuse.access(index.hash_of(slot), hit=True)
+            found.append(index.block(slot, origins.get(key)))
+        return found, np.array(list(pinned), dtype=np.int64)
 
     def _blocks(self, slots: np.ndarray, keys: Sequence[bytes], named: np.ndarray) -> list[Block]:
         """Copies of the committed blocks of ``slots`` (those of ``keys[named]``), with
@@ -758,6 +799,8 @@ class BlockStore:
     def touch(self, keys: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Count reads made without a pin (through the directory); the keys found, and
         their bytes."""
+        if len(keys) < MIN_COLUMN_KEYS:
+            return self._touch_each(keys)
         index = self.index
         slots = index.find_all(keys)
         named = np.flatnonzero(slots >= 0)
@@ -767,6 +810,28 @@ class BlockStore:
         self.eviction.touch_many(held[index.pins[held] == 0])
         self.counters.get_hits += len(named)
         return [keys[i] for i in named.tolist()], int(index.sizes[held].sum())
+
+    def _touch_each(self, keys: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """:meth:`touch` of a few keys, one at a time."""
+        index = self.index
+        found: list[bytes] = []
+        seen: set[int] = set()
+        num_bytes = 0
+        for key in keys:
+            slot = index.find(key)
+            if slot < 0:
+                continue
+            found.append(key)
+            if slot in seen:  # named twice: counted once
+                continue
+            seen.add(slot)
+            index.add_read(slot)
+            self.reuse.access(index.hash_of(slot), hit=True)
+            if not index.num_pins(slot):
+                self.eviction.touch(slot)
+            num_bytes += index.size(slot)
+        self.counters.get_hits += len(found)
+        return found, num_bytes
 
     def unpin(self, pin_id: int, owner: int | None = None) -> bool:
         pin = self._pins.pop(pin_id, owner)
@@ -779,6 +844,16 @@ class BlockStore:
         """A pin ended (unpinned, expired, its owner gone): a removed block's memory returns
         with its last pin (rule 4)."""
         index = self.index
+        if len(pin.slots) < MIN_COLUMN_KEYS:
+            for slot in pin.slots.tolist():
+                if index.drop_pin(slot):
+                    continue
+                if index.is_live(slot):
+                    self.eviction.touch(slot)
+                else:
+                    self.allocator.free(index.offset(slot))
+                    index.release(slot)
+            return
         unpinned = pin.slots[index.drop_pins_many(pin.slots) == 0]
         live = (index.flags[unpinned] & LIVE) != 0
         self.eviction.touch_many(unpinned[live])  # evictable again, as recent as its last read
