@@ -273,6 +273,8 @@ def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):
 
 def test_rule16_clients_reads_and_writes_are_sampled_the_nodes_own_are_not(store):
     seen: list[int] = []
+    # The sampler's accesses, one at a time (a few keys) or a request's together.
+    store.reuse.access = lambda h, hit: seen.append(h)  # type: ignore[method-assign]
     store.reuse.access_many = lambda hashes, hit: seen.extend(hashes)  # type: ignore[method-assign]
     put(store, [key(1), key(2)])
     assert len(seen) == 2  # a client's commit

@@ -97,6 +97,7 @@ from kvpool.store.index import (
     KEY_WIDTH,
     LISTED,
     LIVE,
+    MIN_PROBE_KEYS,
     SEALED,
     BlockIndex,
     KeyColumns,
@@ -390,8 +391,7 @@ class BlockStore:
         of one length (an engine's) are looked up together."""
         n = len(keys)
         columns = KeyColumns(keys)
-        rows = columns.rows
-        if n < MIN_COLUMN_KEYS or rows is None or rows.shape[1] > KEY_WIDTH or len(set(keys)) != n:
+        if n < MIN_COLUMN_KEYS or not self._columnar(columns):
             statuses, chosen = self._admit_each(keys, sizes)
             return statuses, Admitted(chosen, None)
         codes = np.full(n, Status.OK, dtype=np.int8)
@@ -406,6 +406,15 @@ class BlockStore:
             wanted = self._fit_quotas(columns, sizes, wanted, codes)
         statuses = [STATUS_OF_CODE[code] for code in codes.tolist()]
         return statuses, Admitted(wanted.tolist(), columns.take(wanted))
+
+    @staticmethod
+    def _columnar(columns: KeyColumns) -> bool:
+        """Whether a request's keys can be taken as columns: distinct, of one length that
+        the index's key matrix holds."""
+        rows = columns.rows
+        if rows is None or rows.shape[1] > KEY_WIDTH:
+            return False
+        return len(set(columns.keys)) == len(rows)
 
     def _fit_quotas(
         self, columns: KeyColumns, sizes: Sequence[int], wanted: np.ndarray, codes: np.ndarray
@@ -606,8 +615,8 @@ class BlockStore:
     ) -> None:
         """The commits' records (rule 10), counted to their tenants' journal bytes (rule
         16)."""
-        rows = columns.rows
-        if rows is None or len(rows) < MIN_COLUMN_KEYS:  # a few, or of several lengths
+        rows = columns.rows if len(columns) >= MIN_COLUMN_KEYS else None
+        if rows is None:  # a few, or of several lengths
             values = (offsets.tolist(), sizes.tolist(), checksums.tolist())
             entries = zip(columns.keys, *values, strict=True)
             self.journal.committed(Entry(*entry) for entry in entries)
@@ -682,7 +691,7 @@ class BlockStore:
         """The length of the longest committed prefix, and whether the next key is pending
         (``start``: the first ``start`` keys are known to be held: the walk begins after
         them, and counts only what it walks)."""
-        if len(keys) - start < MIN_COLUMN_KEYS:  # a few: walked, up to the first miss
+        if len(keys) - start < MIN_PROBE_KEYS:  # walked, up to the first miss
             find, num_prefix = self.index.find, start
             while num_prefix < len(keys) and find(keys[num_prefix]) >= 0:
                 num_prefix += 1

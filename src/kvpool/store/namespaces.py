@@ -70,7 +70,7 @@ class NamespaceTable:
 
     def added_many(self, columns: KeyColumns, sizes: np.ndarray) -> None:
         """:meth:`added` of a commit's blocks, a row at a time."""
-        if columns.rows is None or len(columns) < MIN_COLUMN_KEYS:
+        if len(columns) < MIN_COLUMN_KEYS or columns.rows is None:
             for key, size in zip(columns.keys, sizes.tolist(), strict=True):
                 self.added(key, size)
             return
