@@ -35,6 +35,7 @@ from kvpool import checksum as ck
 from kvpool.buffers import arena_views
 from kvpool.directory import DirectoryReader, Located
 from kvpool.errors import ProtocolError, Status
+from kvpool.keys import MIN_COLUMN_KEYS
 from kvpool.protocol.messages import Op, PinRequest, PinResponse
 
 from .copier import Copier
@@ -102,6 +103,16 @@ def slot_views(
 ) -> MutableSequence[memoryview | None]:
     """The arena memory of each OK slot (None elsewhere); a slot outside the arena breaks
     the protocol."""
+    if len(statuses) < MIN_COLUMN_KEYS:
+        few: list[memoryview | None] = []
+        for status, offset, size in zip(statuses, offsets, sizes, strict=True):
+            if status is not Status.OK:
+                few.append(None)
+            elif offset < 0 or offset + size > len(arena):
+                raise ProtocolError(f"node handed out a slot outside its arena: {offset}+{size}")
+            else:
+                few.append(arena[offset : offset + size])
+        return few
     ok = np.array([status is Status.OK for status in statuses], dtype=bool)
     starts = np.asarray(offsets, dtype=np.int64)
     ends = starts + np.asarray(sizes, dtype=np.int64)

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.buffers import arena_views
-from kvpool.config import AREA_SHARE, PAGE_BYTES, pages_of
+from kvpool.config import AREA_SHARE, PAGE_BYTES, page_bytes, pages_of
 from kvpool.errors import ProtocolError, Status
-from kvpool.keys import BlockOrigin
+from kvpool.keys import MIN_COLUMN_KEYS, BlockOrigin
 from kvpool.protocol.messages import (
     MAX_AREA_BYTES,
     AreaRequest,
@@ -97,6 +97,12 @@ class WriteArea:
 
     def places(self, sizes: Sequence[int]) -> list[int]:
         """Where blocks of ``sizes`` go: one after another at the front, page-aligned."""
+        if len(sizes) < MIN_COLUMN_KEYS:
+            places, offset = [], self.offset
+            for size in sizes:
+                places.append(offset)
+                offset += page_bytes(size)
+            return places
         taken = pages_of(np.asarray(sizes, dtype=np.int64)) * PAGE_BYTES
         return (self.offset + np.cumsum(taken) - taken).tolist()
 
@@ -116,6 +122,8 @@ class WriteArea:
 
 def arena_bytes_of(sizes: Sequence[int]) -> int:
     """The arena bytes blocks of ``sizes`` take together (whole pages each)."""
+    if len(sizes) < MIN_COLUMN_KEYS:
+        return sum(map(page_bytes, sizes))
     return int(pages_of(np.asarray(sizes, dtype=np.int64)).sum()) * PAGE_BYTES
 
 
