@@ -210,15 +210,7 @@ class LRUPolicy:
         self._size += 1
 
     def _unlink(self, slot: int, number: int) -> None:
-        before, after = self._prev[slot], self._next[slot]
-        if before == NONE:
-            self._heads[number] = after
-        else:
-            self._next[before] = after
-        if after == NONE:
-            self._tails[number] = before
-        else:
-            self._prev[after] = before
+        self._cut(slot, slot, number)
         self._listed[slot] = 0
         self._size -= 1
 
