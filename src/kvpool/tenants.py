@@ -11,6 +11,8 @@ every tenant::
     salt = "..."                 # a secret of 16+ characters, the same on every node
     quota = "4GiB"               # DRAM, reservations included
     max_connections = 64         # at once (default 256)
+    retained = "1GiB"            # held above the default retention priority (default:
+                                 # a quarter of the quota; kvpool.retention)
     keys = { "alpha-1" = "...", "alpha-2" = "..." }   # access id -> key
 
 The node binds the tenant to the authenticated connection and *scopes* every key the client
@@ -55,6 +57,7 @@ MAX_TENANTS_FILE_BYTES = 1 << 20
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SCOPE_CACHE = 1024  # namespace ids remembered per tenant
 MAX_NAMESPACES_PER_REQUEST = 64
+RETAINED_SHARE = 0.25  # of its quota, a tenant's retention hints may hold by default
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,15 @@ class Tenant:
     salt: bytes
     quota_bytes: int
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    retained_bytes: int = -1  # -1: RETAINED_SHARE of the quota
     tag: bytes = b""
     _scoped: dict[bytes, bytes] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         tag = hashlib.blake2b(self.salt, digest_size=TAG_BYTES, person=b"kvpool-tag").digest()
         object.__setattr__(self, "tag", tag)
+        if self.retained_bytes < 0:
+            object.__setattr__(self, "retained_bytes", int(self.quota_bytes * RETAINED_SHARE))
 
     def scope_namespace(self, namespace_id: bytes) -> bytes:
         scoped = self._scoped.get(namespace_id)
@@ -124,6 +130,7 @@ class Tenant:
                 other.quota_bytes,
             )
             and self.max_connections == other.max_connections
+            and self.retained_bytes == other.retained_bytes
         )
 
 
@@ -165,7 +172,7 @@ def load(path: Path) -> TenantsFile:
         where = f"{path} [tenants.{name}]"
         _name(name, where)
         section = _table(raw, where)
-        unknown = set(section) - {"salt", "quota", "max_connections", "keys"}
+        unknown = set(section) - {"salt", "quota", "max_connections", "retained", "keys"}
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}")
         if "quota" not in section:
@@ -179,8 +186,13 @@ def load(path: Path) -> TenantsFile:
         connections = section.get("max_connections", DEFAULT_MAX_CONNECTIONS)
         if not isinstance(connections, int) or not 1 <= connections <= 65536:
             raise ConfigError(f"{where}: max_connections must be 1-65536")
+        retained = _retained(section.get("retained"), quota, where)
         tenant = Tenant(
-            name, _secret(section.get("salt"), f"{where} salt").encode(), quota, connections
+            name,
+            _secret(section.get("salt"), f"{where} salt").encode(),
+            quota,
+            connections,
+            retained,
         )
         if tenant.tag in tags:
             raise ConfigError(f"{where}: its salt's tag collides with {tags[tenant.tag]}'s")
@@ -195,6 +207,18 @@ def load(path: Path) -> TenantsFile:
                 raise ConfigError(f"{where}: access id {access_id!r} is used twice")
             credentials[access_id] = Credential(access_id, _secret(key, f"{where} keys"), tenant)
     return TenantsFile(cluster, tenants, credentials)
+
+
+def _retained(raw: object, quota: int, where: str) -> int:
+    """A tenant's ``retained``: a size up to its quota (absent: RETAINED_SHARE of it)."""
+    if raw is None:
+        return int(quota * RETAINED_SHARE)
+    if not isinstance(raw, str | int) or isinstance(raw, bool):
+        raise ConfigError(f'{where}: retained must be a size, e.g. "1GiB"')
+    retained = parse_size(raw)
+    if not 0 <= retained <= quota:
+        raise ConfigError(f"{where}: retained must be between 0 and the quota")
+    return retained
 
 
 class Registry:

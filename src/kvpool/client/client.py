@@ -22,15 +22,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypedDict, TypeVar, Unpack
 
 from kvpool.config import ClientConfig, client_config_from
-from kvpool.errors import Status, TransportError, UsageError
+from kvpool.errors import ConfigError, Status, TransportError, UsageError
 from kvpool.keys import BlockOrigin, EngineRef, Namespace
 from kvpool.limits import LeaseLimits
 from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse
+from kvpool.retention import check_duration, check_priority
 
 from . import ops
 from .futures import PoolFuture
 from .node import NodeClient
-from .ops import GetResult, LookupState, PutResult
+from .ops import GetResult, LookupState, PutResult, Retained
 from .routing import ClusterClient
 from .transactions import ReadTransaction, WriteTransaction
 from .writer import Writer
@@ -246,6 +247,28 @@ class Client:
         # The node deletes what it wrote through to the keys' homes, as it wrote it.
         local = self._require_local()
         return local.delete(keys, replicate=self.config.write_rcache, timeout=timeout)
+
+    def retain(
+        self,
+        keys: Sequence[bytes],
+        priority: int,
+        duration_s: float = 0.0,
+        *,
+        timeout: float | None = None,
+    ) -> Retained:
+        """Ask the pool to keep the blocks of ``keys`` it holds now at ``priority`` (0-100;
+        the default is 35) for ``duration_s`` (0: until they leave), a prefix's leaves first
+        (:mod:`kvpool.retention`).  Advisory: what a tenant may hold above the default is
+        bounded, and the answer counts the blocks refused past it."""
+        try:
+            check_priority(priority)
+            check_duration(duration_s)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from exc
+        if self.cluster is not None:
+            return self.cluster.retain(keys, priority, duration_s, self._deadline(timeout))
+        response = self._require_local().retain(keys, priority, duration_s, timeout=timeout)
+        return Retained(response.num_retained, response.num_refused, response.num_missing)
 
     # -- transactions: fill or read blocks where they lie ---------------------------------
 

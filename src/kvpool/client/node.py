@@ -18,7 +18,7 @@ from kvpool.directory import DirectoryReader
 from kvpool.errors import ConnectError, NodeUnavailable, PoolTimeout, UsageError
 from kvpool.keys import BlockOrigin, EngineRef
 from kvpool.limits import LeaseLimits
-from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, Welcome
+from kvpool.protocol.messages import Health, NodeStats, PrefetchResponse, RetainResponse, Welcome
 
 from . import ops, reads, writes
 from .connection import Connection, map_arena
@@ -286,6 +286,18 @@ class NodeClient:
         self, keys: Sequence[bytes], *, replicate: bool = True, timeout: float | None = None
     ) -> list[Any]:
         return self.call(lambda _: ops.delete(keys, replicate), timeout) if keys else []
+
+    def retain(
+        self,
+        keys: Sequence[bytes],
+        priority: int,
+        duration_s: float,
+        *,
+        timeout: float | None = None,
+    ) -> RetainResponse:
+        if not keys:
+            return RetainResponse(num_retained=0)
+        return self.call(lambda _: ops.retain(keys, priority, duration_s), timeout)
 
     def describe(
         self,

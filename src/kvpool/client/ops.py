@@ -64,6 +64,8 @@ from kvpool.protocol.messages import (
     PrefetchResponse,
     PutRequest,
     PutResponse,
+    RetainRequest,
+    RetainResponse,
     ShutdownRequest,
     StatusResponse,
     UnpinRequest,
@@ -76,6 +78,15 @@ T = TypeVar("T")
 # grants (the node clamps what it is asked for to its own lease limits).
 MAX_WAIT_S = MAX_WAIT_MS / 1000
 MAX_HOLD_S = MAX_LEASE_MS / 1000
+
+
+@dataclass
+class Retained:
+    """What a retention hint did, in blocks (:mod:`kvpool.retention`)."""
+
+    num_retained: int = 0
+    num_refused: int = 0  # past the tenant's account of retained bytes
+    num_missing: int = 0  # not held
 
 
 @dataclass(slots=True)
@@ -412,6 +423,14 @@ def touch(keys: Sequence[bytes]) -> Op_[None]:
 def report_corrupt(keys: Sequence[bytes]) -> Op_[None]:
     yield Request(Op.REPORT_CORRUPT, KeysRequest(keys=list(keys)))
     yield Recv(Op.REPORT_CORRUPT, StatusResponse)
+
+
+def retain(keys: Sequence[bytes], priority: int, duration_s: float) -> Op_[RetainResponse]:
+    """A retention priority for the blocks of ``keys`` the node holds (kvpool.retention)."""
+    request = RetainRequest(keys=list(keys), priority=priority, duration_ms=int(duration_s * 1000))
+    yield Request(Op.RETAIN, request)
+    response, _ = yield Recv(Op.RETAIN, RetainResponse)
+    return response
 
 
 def delete(keys: Sequence[bytes], replicate: bool = True) -> Op_[list[Status]]:

@@ -34,7 +34,7 @@ from kvpool.stats import TIER_REMOTE
 
 from .fanout import ClusterView
 from .node import NodeClient
-from .ops import GetResult, LookupState, PutResult
+from .ops import GetResult, LookupState, PutResult, Retained
 from .transactions import ReadTransaction
 
 T = TypeVar("T")
@@ -329,6 +329,29 @@ class ClusterClient:
                 if status is Status.OK:
                     statuses[i] = Status.OK
         return statuses
+
+    def retain(
+        self, keys: Sequence[bytes], priority: int, duration_s: float, deadline: float
+    ) -> Retained:
+        """On the local node and at the keys' homes (where reads find them), as ``delete``
+        goes; the counts are summed over the nodes that answered (a block with a copy on
+        two nodes counts twice)."""
+        total = Retained()
+        local, _ = self._local(
+            lambda node, t: node.retain(keys, priority, duration_s, timeout=t), None, deadline
+        )
+        groups = self.view.groups(keys, among="all")
+        calls = {
+            m: _bind(NodeClient.retain, [keys[i] for i in idx], priority, duration_s)
+            for m, idx in groups.items()
+        }
+        answers = [r for _, r in self.view.answers(calls, deadline)]
+        for response in [local, *answers]:
+            if response is not None:
+                total.num_retained += response.num_retained
+                total.num_refused += response.num_refused
+                total.num_missing += response.num_missing
+        return total
 
     def describe(self, namespace: Namespace, engine: EngineRef | None, deadline: float) -> None:
         label = namespace.describe()

@@ -102,6 +102,7 @@ TENANT_OPS = frozenset(
         Op.PUT,
         Op.GET,
         Op.DELETE,
+        Op.RETAIN,
         Op.REPORT_CORRUPT,
         Op.DESCRIBE,
         Op.STATS,
@@ -776,6 +777,15 @@ class Session:
                 statuses[i] = Status.OK
         await self._reply(header, Op.DELETE, _statuses(statuses))
 
+    async def _retain(self, header: FrameHeader, req: msg.RetainRequest) -> None:
+        """Retention hints, on the blocks held in DRAM now (a tenant's within its account of
+        retained bytes: past it a block keeps its priority, and the refusal is counted)."""
+        retained = self.store.retain(req.keys, req.priority, req.duration_ms / 1000)
+        response = msg.RetainResponse(
+            retained.num_retained, retained.num_refused, retained.num_missing
+        )
+        await self._reply(header, Op.RETAIN, response)
+
     async def _report_corrupt(self, header: FrameHeader, req: msg.KeysRequest) -> None:
         log.warning("a reader reported %d corrupt block(s); dropping them", len(req.keys))
         statuses = self.store.report_corrupt(req.keys)
@@ -936,6 +946,7 @@ HANDLERS: dict[int, Handler] = {
     Op.PIN: Session._pin,
     Op.UNPIN: Session._unpin,
     Op.DELETE: Session._delete,
+    Op.RETAIN: Session._retain,
     Op.REPORT_CORRUPT: Session._report_corrupt,
     Op.DESCRIBE: Session._describe,
     Op.STATS: Session._stats,

@@ -24,6 +24,7 @@ ABORT          reservation id                             -
 PIN            keys (same-node readers)                   pin id, offset, size, checksum per key
 UNPIN          pin id                                     - (sent without waiting for a reply)
 DELETE         keys                                       status per key
+RETAIN         keys, a retention priority and duration    blocks retained, refused, missing
 REPORT_CORRUPT keys a reader found corrupt                status per key
 DESCRIBE       namespace id and label; the engine that    -
                loads its blocks, if it says (2)
@@ -57,6 +58,7 @@ import msgspec
 
 from kvpool.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, NAMESPACE_ID_BYTES, BlockOrigin, EngineRef
 from kvpool.limits import MAX_WAIT_S, LeaseLimits
+from kvpool.retention import MAX_DURATION_S, MAX_PRIORITY, MIN_PRIORITY
 from kvpool.stats import AccountStats, FormatStats, NamespaceStats, PrefetchStats, TierStats
 
 PROTOCOL_VERSION = 3  # 2: sealed commits; 3: proofs bound to the connection and Welcome
@@ -116,6 +118,7 @@ class Op(enum.IntEnum):
     TOUCH = 18  # no reply: blocks a same-host client read through the shared directory
     AREA = 19  # a write area for a same-host client (see kvpool.store.areas)
     HANDOFF = 20  # hand this node's blocks to other nodes (a node leaving the cluster)
+    RETAIN = 21  # a retention priority for blocks held (kvpool.retention)
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
@@ -352,6 +355,21 @@ class DeleteRequest(Message):
     replicate: bool = True  # also delete the copies written through to the keys' homes
 
 
+class RetainRequest(Message):
+    """Give the blocks of ``keys`` held now ``priority`` for ``duration_ms`` (0: until they
+    leave the node), leaves first (:mod:`kvpool.retention`)."""
+
+    keys: Keys
+    priority: Annotated[int, msgspec.Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
+    duration_ms: Annotated[int, msgspec.Meta(ge=0, le=int(MAX_DURATION_S * 1000))] = 0
+
+
+class RetainResponse(Message):
+    num_retained: int
+    num_refused: int = 0  # past the tenant's account of retained bytes
+    num_missing: int = 0  # not held in this node's DRAM
+
+
 class DescribeRequest(Message):
     namespace_id: Annotated[
         bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)
@@ -466,6 +484,7 @@ REQUEST_TYPES: dict[Op, type[Message]] = {
     Op.PREFETCH: PrefetchRequest,
     Op.TOUCH: KeysRequest,
     Op.AREA: AreaRequest,
+    Op.RETAIN: RetainRequest,
 }
 
 RESPONSE_TYPES: dict[Op, type[Message]] = {
@@ -489,4 +508,5 @@ RESPONSE_TYPES: dict[Op, type[Message]] = {
     Op.PREFETCH: PrefetchResponse,
     Op.TOUCH: Empty,
     Op.AREA: AreaResponse,
+    Op.RETAIN: RetainResponse,
 }

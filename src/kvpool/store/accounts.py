@@ -21,6 +21,9 @@ Resources (:class:`Resource`):
 - ``STAGED_BYTES``: the stages its reads larger than DRAM hold, served from below DRAM a
   stage at a time: its share of the node's staging budget (at least one stage), so that
   another tenant's reads keep theirs however many reads it opens;
+- ``RETAINED_BYTES``: the bytes of its blocks that retention hints hold above the default
+  priority (:mod:`kvpool.store.retention`; limit: the tenant's ``retained``, by default a
+  quarter of its quota), so that no tenant's hints keep the node's memory from the others;
 - ``JOURNAL_BYTES``: journal bytes appended for it since the journal was last compacted
   (counted, not limited: the journal is compacted by its bytes, and what a tenant appends
   is bounded by its quota and its label changes);
@@ -72,6 +75,7 @@ class Resource(enum.Enum):
     HELD_BYTES = "held_bytes"
     PREFETCH_BYTES = "prefetch_bytes"
     STAGED_BYTES = "staged_bytes"
+    RETAINED_BYTES = "retained_bytes"
     JOURNAL_BYTES = "journal_bytes"
     LABEL_CHANGES = "label_changes"
 
@@ -126,6 +130,7 @@ class Accounts:
                 Resource.HELD_BYTES: min(tenant.quota_bytes, int(held_bytes * share)),
                 Resource.PREFETCH_BYTES: max(MIN_PREFETCH_SHARE, int(prefetch_bytes * share)),
                 Resource.STAGED_BYTES: max(MIN_STAGED_SHARE, int(staged_bytes * share)),
+                Resource.RETAINED_BYTES: tenant.retained_bytes,
                 Resource.LABEL_CHANGES: LABEL_BURST,
             }
             account = self._accounts.get(tenant.tag)

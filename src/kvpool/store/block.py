@@ -125,6 +125,8 @@ class StoreCounters:
     corrupt_reports: int = 0
     spilled: int = 0  # evicted blocks a lower tier took
     adopted: int = 0  # blocks found in a surviving arena at start
+    retained: int = 0  # blocks given a retention priority (kvpool.retention)
+    retention_refused: int = 0  # retention hints past the tenant's account, in blocks
 
 
 @dataclass(slots=True)

@@ -58,6 +58,11 @@ Rules (each has a test in tests/store/test_pool.py):
     value: the writer's block is simply not kept here) and no write area is granted; the
     node's own reservations (promotions, ``held``) go on.  ``leave(False)`` takes writes
     again (a drain that could not place everything).
+20. ``retain`` gives committed blocks a retention priority (:mod:`kvpool.store.retention`):
+    lower priorities are evicted first, a duration reverts a block to the default, and
+    what a tenant holds above the default is its ``RETAINED_BYTES`` account (the node's
+    own at most ``MAX_NODE_RETAINED_SHARE`` of the arena); a block past it is refused and
+    counted, and keeps its priority.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ from kvpool.store.journal import Entry, Journal, NoJournal
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 from kvpool.store.namespaces import NamespaceTable, is_label
 from kvpool.store.quotas import Quotas
+from kvpool.store.retention import Retention
 from kvpool.store.reuse import ReuseSampler
 from kvpool.store.space import Space
 from kvpool.tenants import TAG_BYTES
@@ -115,6 +121,8 @@ from kvpool.tenants import TAG_BYTES
 Clock = Callable[[], float]
 # Slots the scrubber's walk over the index looks at per step, at most.
 WALK_STEP = 4096
+# What retention hints of no tenant's may hold above the default priority, of the arena.
+MAX_NODE_RETAINED_SHARE = 0.5
 Origins = Sequence[BlockOrigin | None] | None  # per block: what it was computed from
 Checksums = Sequence[int | None]  # per block (None: drop it)
 OnChange = Callable[[Sequence[bytes]], None]  # the keys whose presence changed
@@ -139,6 +147,15 @@ def _distinct(slots: np.ndarray) -> np.ndarray:
     return slots if len(first) == len(slots) else slots[np.sort(first)]
 
 
+@dataclass
+class Retained:
+    """What a ``retain`` did, in blocks."""
+
+    num_retained: int = 0
+    num_refused: int = 0  # past the account (rule 20)
+    num_missing: int = 0  # not committed here
+
+
 class BlockStore:
     def __init__(
         self,
@@ -156,16 +173,26 @@ class BlockStore:
         events: StoreEvents | None = None,
         on_change: OnChange | None = None,
         accounts: Accounts | None = None,
+        retention: Retention | None = None,
         clock: Clock = time.monotonic,
     ):
         """``ledger``: the node's lease ledger, shared with its prefetch holds (else the
         store keeps one of its own under ``leases``); ``events``: told of every block that
         becomes visible or leaves; ``on_change``: told of the keys a waiting lookup may be
         waiting for (rule 17); ``accounts``: the node's account ledger (rule 16; else one of
-        the store's own, with no tenants)."""
+        the store's own, with no tenants); ``retention``: the retention priorities inside
+        ``eviction`` (the node wraps them in its prefetch holds' policy; else the store
+        wraps ``eviction`` in them itself)."""
         self.allocator = allocator or SegregatedFitAllocator(capacity)
         self.capacity = self.allocator.capacity
-        self.eviction = eviction if eviction is not None else LRUPolicy()
+        self.accounts = accounts if accounts is not None else Accounts()
+        if retention is None:
+            retention = Retention(eviction if eviction is not None else LRUPolicy())
+            eviction = retention
+        self.retention = retention
+        retention.accounts = self.accounts
+        retention.max_node_bytes = int(self.capacity * MAX_NODE_RETAINED_SHARE)
+        self.eviction = eviction if eviction is not None else retention
         # The node's one lease ledger (shared with the prefetch holds, when the node passes
         # it), else one of the store's own under ``leases``.
         self.ledger = ledger if ledger is not None else LeaseLedger(leases, clock)
@@ -175,7 +202,6 @@ class BlockStore:
         self.is_leaving = False  # rule 19
         self.namespaces = NamespaceTable()
         self.on_change = on_change
-        self.accounts = accounts if accounts is not None else Accounts()
         # The index: committed blocks (millions: rows of columns), and pending ones
         # (reserved, not committed yet: few, objects); a key is in one of them at most.
         self.index = BlockIndex(self.capacity // PAGE_BYTES)
@@ -804,6 +830,26 @@ class BlockStore:
         if origins:
             return self.index.blocks(slots, [origins.get(keys[i]) for i in named.tolist()])
         return self.index.blocks(slots, [None] * len(slots))
+
+    def retain(self, keys: Sequence[bytes], priority: int, duration_s: float) -> Retained:
+        """Give the committed blocks of ``keys`` ``priority`` for ``duration_s`` (0: until
+        they leave), leaves first (rule 20); missing keys are skipped."""
+        index = self.index
+        retention = self.retention
+        slots = index.find_all(keys)
+        retained = Retained()
+        # The last block of a prefix first: it joins its list as the least recent.
+        for slot in reversed(slots[slots >= 0].tolist()):
+            size = page_bytes(int(index.sizes[slot]))
+            is_listed = index.num_pins(slot) == 0
+            if retention.set_priority(slot, priority, duration_s, size, is_listed=is_listed):
+                retained.num_retained += 1
+            else:
+                retained.num_refused += 1
+        retained.num_missing = len(keys) - retained.num_retained - retained.num_refused
+        self.counters.retained += retained.num_retained
+        self.counters.retention_refused += retained.num_refused
+        return retained
 
     def touch(self, keys: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Count reads made without a pin (through the directory); the keys found, and

@@ -147,6 +147,9 @@ class LRUPolicy:
         if listed:
             self._unlink(slot, listed - 1)
 
+    def is_listed(self, slot: int) -> bool:
+        return bool(self._listed[slot])
+
     def remove_many(self, slots: np.ndarray) -> None:
         """Take distinct slots out of their lists, those listed.  A list's order is its
         stamps' (each touch appends with a later one), so the slots sorted by stamp fall
