@@ -347,3 +347,29 @@ def test_one_tenants_namespaces_cannot_crowd_out_anothers(pool, credentials) -> 
         assert b.put([mine.key(b"k" * 32)], [b"b" * BLOCK]).all_stored
         rows = {row.label: row for row in b.stats().namespaces}
     assert "beta-model" in rows and rows["beta-model"].num_blocks == 1, sorted(rows)[:5]
+
+
+def test_a_tenants_retention_hints_stop_at_its_account_and_never_reach_anothers(
+    pool, credentials
+) -> None:
+    """Beta asks to keep everything it has at the highest priority, for ever, and to keep
+    alpha's blocks too: its hints past its account (a quarter of its 8 MiB quota: 8 blocks
+    of 256 KiB) are refused and counted, and alpha's keys are not even names it can reach."""
+    alpha, beta = credentials["alpha"][0], credentials["beta"][0]
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        assert a.put(keys(4, 3000), values(4, 0xA1)).all_stored
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        assert b.put(keys(16, 2000), values(16, 0xB1)).all_stored
+        retained = b.retain(keys(16, 2000), 100)
+        assert (retained.num_retained, retained.num_refused) == (8, 8)
+        assert b.retain(keys(4, 3000), 100).num_missing == 4  # alpha's: not beta's to name
+        [account] = b.stats().accounts
+        assert account.used["retained_bytes"] == 8 * BLOCK
+        assert account.limits["retained_bytes"] == 2 << 20
+        assert account.refused["retained_bytes"] == 8
+    status, body = admin(pool.admin_url + "/metrics", CLUSTER)  # what the operator sees
+    assert status == 200 and b"kvpool_retention_refused_total" in body
+    [line] = [x for x in body.decode().splitlines() if x.startswith("kvpool_retention_refused")]
+    assert float(line.split()[-1]) == 8
+    with client(pool.tcp_address, alpha, use_shm=False) as a:
+        assert a.retain(keys(4, 3000), 90, 60).num_retained == 4  # its own account is whole

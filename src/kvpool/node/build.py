@@ -61,6 +61,7 @@ from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.journal import Journal
 from kvpool.store.leases import LeaseLedger
 from kvpool.store.policies import new_policy
+from kvpool.store.retention import Retention
 from kvpool.tenants import Registry
 from kvpool.tiers.build import commit_lower_tiers, open_lower_tiers
 from kvpool.tiers.chain import LowerTiers, Tiers
@@ -180,9 +181,12 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         accounts = Accounts(config.budgets)
         holds = Holds(arena.num_bytes // 2, ledger, accounts)
         changes = StoreChanges()
+        # Retention hints order blocks within the policy; queued requests' blocks stay.
+        retention = Retention(new_policy(config.eviction))
         store = BlockStore(
             arena.num_bytes,
-            eviction=QueueAwareEviction(new_policy(config.eviction), holds),
+            eviction=QueueAwareEviction(retention, holds),
+            retention=retention,
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
             ledger=ledger,

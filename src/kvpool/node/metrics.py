@@ -106,6 +106,18 @@ class _StatsCollector(Collector):
             ("counter", "kvpool_misses", "Blocks not found by lookups.", s.misses),
             ("counter", "kvpool_puts", "Blocks committed.", s.puts),
             ("counter", "kvpool_evictions", "Blocks evicted.", s.evictions),
+            (
+                "gauge",
+                "kvpool_retained_blocks",
+                "Blocks retention hints hold at a priority other than the default.",
+                s.retained_blocks,
+            ),
+            (
+                "counter",
+                "kvpool_retention_refused",
+                "Blocks retention hints asked for past their tenant's retained bytes.",
+                s.retention_refused,
+            ),
             ("counter", "kvpool_bytes_in", "Payload bytes written into the arena.", s.bytes_in),
             ("counter", "kvpool_bytes_out", "Payload bytes read out of the arena.", s.bytes_out),
             (

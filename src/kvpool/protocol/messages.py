@@ -435,6 +435,11 @@ class NodeStats(Message):
     namespaces: list[NamespaceStats] = []
     peers: list[str] = []
     corrupt_reports: int = 0  # blocks readers or the scrubber found corrupt (and dropped)
+    # Retention hints (kvpool.retention): blocks at a priority other than the default now,
+    # blocks hints gave a priority (ever), and blocks refused past an account.
+    retained_blocks: int = 0
+    retained: int = 0
+    retention_refused: int = 0
     kthena_written: int = 0  # owner changes of Kthena's entries written to its Redis
     kthena_dropped: int = 0  # ... and dropped (the queue full, or Redis down past retries)
     scrubbed_bytes: int = 0  # re-hashed by the scrubber (kvpool.node.sealing)

@@ -186,6 +186,11 @@ class Retention:
             heapq.heapify(self._deadlines)
         return num
 
+    @property
+    def num_retained(self) -> int:
+        """Blocks at a priority other than the default now."""
+        return sum(self._num_at.values())
+
     def retained_bytes(self, account: bytes) -> int:
         if account == NODE:
             return self.node_bytes
