@@ -84,6 +84,18 @@ class Hint:
         return not self.session_id and all(r.priority == DEFAULT_PRIORITY for r in self.ranges)
 
 
+def by_hint(
+    keys: Sequence[bytes], hints: Sequence[tuple[int, float]]
+) -> dict[tuple[int, float], list[bytes]]:
+    """The keys of each ``(priority, duration_s)`` other than the default: one retention
+    request each."""
+    out: dict[tuple[int, float], list[bytes]] = {}
+    for key, hint in zip(keys, hints, strict=True):
+        if hint[0] != DEFAULT_PRIORITY:
+            out.setdefault(hint, []).append(key)
+    return out
+
+
 def check_priority(priority: int) -> int:
     if not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise ConfigError(f"a retention priority is an integer {MIN_PRIORITY}-{MAX_PRIORITY}")

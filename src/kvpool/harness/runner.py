@@ -12,7 +12,8 @@ JSON line: the engine side of ``kvpool demo``, the benchmarks and the tests.
 Once it is built the runner prints ``KVPOOL_RESULT {"op": "ready", ...}`` and reads plans from
 stdin, one JSON line each, until stdin closes::
 
-    {"steps": [{"op": "generate", "name": "...", "prompts": [...], "max_tokens": 16},
+    {"steps": [{"op": "generate", "name": "...", "prompts": [...], "max_tokens": 16,
+                "kv_transfer_params": {...}},
                {"op": "generate", ..., "read_blocks": true},
                {"op": "chat", "name": "...", "conversations": [[user turns], ...],
                 "max_tokens": 16, "system": "..."},
@@ -133,8 +134,13 @@ def _ttft_ms(output: Any) -> float | None:
 def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
+    # A step's kv_transfer_params reach the connector with each of its requests.
+    transfer = step.get("kv_transfer_params")
     params = SamplingParams(
-        temperature=0.0, max_tokens=int(step.get("max_tokens", 16)), ignore_eos=True
+        temperature=0.0,
+        max_tokens=int(step.get("max_tokens", 16)),
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": transfer} if transfer else None,
     )
     started = time.perf_counter()
     outputs = llm.generate(step["prompts"], params, use_tqdm=False)

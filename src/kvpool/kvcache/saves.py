@@ -58,10 +58,12 @@ class Save:
         block_ids: list[int],
         started: float,
         origins: list[BlockOrigin] | None = None,
+        retention: list[tuple[int, float]] | None = None,
     ):
         self.cache = cache
         self.keys = keys
         self.origins = origins
+        self.retention = retention  # per key, (priority, duration_s): given once committed
         self.block_ids = block_ids
         self.started = started
         self.lock = threading.Lock()

@@ -27,6 +27,7 @@ from kvpool.config import (
     parse_bool,
 )
 from kvpool.errors import ConfigError
+from kvpool.integrations.vllm.saving import EAGER, check_save_mode
 from kvpool.keys import MAX_MODEL_CHARS, MAX_POD_CHARS, EngineRef, Namespace, check_hash_stability
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
@@ -64,6 +65,13 @@ class ConnectorConfig:
         "attention that reads it, and saves stream out as each layer is computed; whole: a "
         "request waits a step for its whole load.",
     )
+    save: str = option(
+        EAGER,
+        "When blocks are saved (kv_both engines; :mod:`kvpool.integrations.vllm.saving`): "
+        "eager, as the engine computes them; evicting, as the engine is about to drop them "
+        "from its own prefix cache (the pool then holds what the engine does not); auto, "
+        "whichever the engine's pool hits call for.",
+    )
     tenant: str = option("", "Isolates the blocks of one tenant (its namespaces).")
     stats_interval_s: float = option(
         DEFAULT_STATS_INTERVAL_S, "Seconds between the connector's stats log lines.", parse=float
@@ -99,6 +107,7 @@ class ConnectorConfig:
             raise ConfigError("consumer_wait must be >= 0")
         if not 0 <= self.prefetch_hold_s <= 600:
             raise ConfigError("prefetch_hold must be 0-600 seconds")
+        check_save_mode(self.save)
         if self.transfer not in TRANSFERS:
             raise ConfigError(f"transfer must be one of {', '.join(TRANSFERS)}")
         if len(self.kthena_pod) > MAX_POD_CHARS or len(self.kthena_model) > MAX_MODEL_CHARS:
@@ -114,7 +123,7 @@ class ConnectorConfig:
             f"address={c.address} timeout={c.timeout_s}s lookup_timeout={self.lookup_timeout_s}s "
             f"transfer_timeout={self.transfer_timeout_s}s min_load_tokens={self.min_load_tokens} "
             f"min_load_blocks={self.min_load_blocks} consumer_wait={self.consumer_wait_s}s "
-            f"transfer={self.transfer} "
+            f"transfer={self.transfer} save={self.save} "
             f"write_rcache={c.write_rcache} read_local_only={c.read_local_only} "
             f"peers={list(c.peers)} etcd={c.etcd or '-'} tenant={self.tenant or '-'} "
             f"auth={'on' if c.access_key else 'off'}"

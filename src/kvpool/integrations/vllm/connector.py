@@ -15,6 +15,8 @@ is still saving.
 The hooks, in the order vLLM calls them, and what each promises:
 
 Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensors):
+    bind_gpu_block_pool()        once, at start: the engine's block pool, whose free queue
+                                 the saves on eviction walk (``save: evicting``, :mod:`.saving`).
     set_xfer_handshake_metadata()  once, at start, before any request: the attention
                                  backends the workers run.  An engine whose backend cannot
                                  continue a prefix it did not compute (:mod:`.backends`) is
@@ -31,7 +33,8 @@ Scheduler side (:mod:`.scheduler`; matching, policy and request state, no tensor
                                  tokens, after an asynchronous load.
     build_connector_meta()       once per step: the step's loads, and a save for every block
                                  (of the prompt, or of generated tokens) whose KV the step
-                                 completes and that is not in the pool.
+                                 completes and that is not in the pool (``save: eager``), or
+                                 of the cached blocks nearest eviction (``evicting``).
     update_connector_output()    once per step, with the workers' stats and failed loads.
     request_finished()           once, before the request's blocks are freed: it never holds
     request_finished_all_groups()  them back (saves copy their pages out within the step).
@@ -150,6 +153,15 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         # Every pipeline stage's workers: each runs some of the layers.
         assert self._scheduler is not None
         self._scheduler.set_attention_backends(_backends_of(metadata.values()))
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        # The engine's block pool: the saves on eviction (save: evicting/auto) walk it.
+        if self._scheduler is None:
+            return
+        scheduling = self._vllm_config.scheduler_config
+        block_size = self._vllm_config.cache_config.block_size
+        per_step = -(-scheduling.max_num_batched_tokens // block_size) + scheduling.max_num_seqs
+        self._scheduler.bind_block_pool(gpu_block_pool, lookahead=2 * per_step)
 
     def on_new_request(self, request: Any) -> None:
         assert self._scheduler is not None

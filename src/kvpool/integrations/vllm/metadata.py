@@ -39,6 +39,9 @@ class TransferJob:
     # Engines with several KV cache groups (vLLM's hybrid allocator): the group of each
     # block, which picks its namespace.  None: every block is the only group's.
     groups: list[int] | None = None
+    # Saves: each block's retention hint, (priority, duration_s) (kvpool.retention); None:
+    # every block at the default priority.
+    retention: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -68,6 +71,9 @@ _SUMS = (
     "load_errors",
     "saves",
     "saved_blocks",
+    "evicting_saved_blocks",
+    "retained_blocks",
+    "retention_refused",
     "save_errors",
     "skipped_unhealthy",
     "skipped_busy",
@@ -120,6 +126,9 @@ class KVPoolStats(KVConnectorStats):
             if d.get("lookup_blocks")
             else 0.0,
         }
+        for name in ("evicting_saved_blocks", "retained_blocks", "retention_refused"):
+            if d.get(name):
+                out[name] = int(d[name])
         for tier in ("dram", "disk", "object", "remote"):
             if d.get(f"hit_blocks_{tier}"):
                 out[f"hit_blocks_{tier}"] = int(d[f"hit_blocks_{tier}"])

@@ -45,14 +45,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.client.client import Client
 from kvpool.client.health import HealthMonitor
+from kvpool.errors import ConfigError
 from kvpool.keys import ENGINE_REFRESH_S, BlockOrigin, EngineRef, Namespace
 from kvpool.kvcache.guard import PoolGuard
+from kvpool.retention import DEFAULT_PRIORITY, Hint, by_hint, hint_from
 from kvpool.stats import TIER_DRAM, TIER_NAMES
 
 from .backends import DECLINED_LOG, declined_reason
@@ -67,8 +70,11 @@ from .groups import (
     unsupported_reason,
 )
 from .metadata import KVPoolMetadata, KVPoolStats, TransferJob, merge
+from .saving import MAX_KNOWN, SavePlan
 
 log = logging.getLogger("vllm.kvpool")  # under vLLM's logging configuration
+
+EVICTING_REQ_ID = "kvpool-evicting"  # the job of a step's saves on eviction: no request's
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class _RequestState:
     next_save_block: int = 0  # prompt blocks before this one are saved or in the pool
     first_load_block: int = 0  # where its load starts (saving resumes there if it fails)
     load_failed: bool = False
+    hint: Hint | None = None  # its retention hint (kvpool.retention), if it has one
 
 
 class KVPoolScheduler:
@@ -149,6 +156,26 @@ class KVPoolScheduler:
         self.stats = KVPoolStats()  # drained by vLLM (get_kv_connector_stats)
         self._interval = KVPoolStats()  # drained by the periodic log line, workers' included
         self._last_log = time.monotonic()
+        self.plan = SavePlan(config.save, not_evicting=self._not_evicting())
+        # Hinted blocks the engine holds, for the saves on eviction: hash -> (priority,
+        # deadline; 0: none), at most the engine's blocks.
+        self._hints: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        self._max_hints = MAX_KNOWN
+
+    def _not_evicting(self) -> str:
+        """Why this engine cannot save on eviction ("" if it can: :mod:`.saving`)."""
+        if not self.can_save:
+            return "this engine saves nothing"
+        if not self.can_load:
+            return "a producer: its consumers load its blocks at once"
+        if self.is_hybrid or self.partial_groups:
+            return "an engine of several KV cache groups"
+        return ""
+
+    def bind_block_pool(self, block_pool: Any, lookahead: int) -> None:
+        """vLLM's block pool (``bind_gpu_block_pool``), for the saves on eviction."""
+        self.plan.bind(block_pool, lookahead)
+        self._max_hints = max(MAX_KNOWN, int(getattr(block_pool, "num_gpu_blocks", 0)))
 
     # -- pool -----------------------------------------------------------------------------
 
@@ -256,7 +283,13 @@ class KVPoolScheduler:
         return self.can_load and self.attention_backends is not None and not self.declined
 
     def on_new_request(self, request: Any) -> None:
-        self._requests[request.request_id] = _RequestState(request)
+        state = self._requests[request.request_id] = _RequestState(request)
+        try:
+            state.hint = hint_from(getattr(request, "kv_transfer_params", None))
+        except ConfigError as exc:
+            log.warning(
+                "kvpool: request %s: its retention hint is ignored: %s", request.request_id, exc
+            )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -342,14 +375,62 @@ class KVPoolScheduler:
         # Blocks before num_pool are in the pool; local prefix-cache hits past them are saved.
         state.next_save_block = max(match.num_pool_blocks, last)
         state.first_load_block = first
+        if state.hint is not None:
+            self._note_hint(state, match)
         if num_external_tokens <= 0:
             return
         block_ids, indices, groups = self._blocks(blocks.get_block_ids(), first, last, is_load=True)
         hashes = [bytes(request.block_hashes[i]) for i in indices]
+        self.plan.loaded(hashes)
         is_async = self._is_async(match.tiers[first:last])
         self._loads.append(
             TransferJob(request.request_id, block_ids, hashes, is_async=is_async, groups=groups)
         )
+
+    def _note_hint(self, state: _RequestState, match: _Match) -> None:
+        """A hinted request is scheduled: its blocks the pool holds get their priorities
+        now, those the engine holds are remembered for their saves on eviction (the blocks
+        it saves eagerly carry theirs: :meth:`_save_job`)."""
+        assert state.hint is not None
+        request = state.request
+        num_blocks = min(len(request.block_hashes), request.num_prompt_tokens // self.block_size)
+        priorities = state.hint.block_priorities(0, num_blocks, self.block_size)
+        hashes = [bytes(h) for h in request.block_hashes[:num_blocks]]
+        now = time.time()
+        for block_hash, (priority, duration_s) in zip(hashes, priorities, strict=True):
+            self._hints[block_hash] = (priority, now + duration_s if duration_s else 0.0)
+            self._hints.move_to_end(block_hash)
+        while len(self._hints) > self._max_hints:
+            self._hints.popitem(last=False)
+        num_held = max(match.num_pool_blocks, match.num_local_blocks)
+        if num_held and self.health.is_healthy:
+            self._retain(hashes[:num_held], priorities[:num_held])
+
+    def _retain(self, hashes: list[bytes], priorities: list[tuple[int, float]]) -> None:
+        """Retention hints for blocks the pool may hold, one call per priority and duration,
+        under a lookup's deadline (a slow pool: no hint, never a slow step)."""
+        for (priority, duration_s), chosen in by_hint(hashes, priorities).items():
+            keys = [key for ns in self.full_spaces for key in ns.keys(chosen)]
+            with self.guard.call("retain") as outcome:
+                retained = self.client.retain(
+                    keys, priority, duration_s, timeout=self.config.lookup_timeout_s
+                )
+            if not outcome.failed:
+                self._record("retained_blocks", retained.num_retained)
+                self._record("retention_refused", retained.num_refused)
+
+    def _block_hints(self, hashes: list[bytes]) -> list[tuple[int, float]] | None:
+        """Per block, its remembered hint with the duration left; None: none hinted."""
+        if not self._hints:
+            return None
+        now = time.time()
+        out = []
+        for block_hash in hashes:
+            priority, deadline = self._hints.get(block_hash, (DEFAULT_PRIORITY, 0.0))
+            if deadline and deadline <= now:
+                priority, deadline = DEFAULT_PRIORITY, 0.0
+            out.append((priority, deadline - now if deadline else 0.0))
+        return out if any(p != DEFAULT_PRIORITY for p, _ in out) else None
 
     def _blocks(
         self,
@@ -387,8 +468,14 @@ class KVPoolScheduler:
         meta = KVPoolMetadata(loads=self._loads)
         self._loads = []
         if self.can_save and self.health.is_healthy:
-            for req_id, num_computed in self._scheduled(scheduler_output):
-                job = self._save_job(scheduler_output, req_id, num_computed)
+            if self.plan.is_eager:
+                for req_id, num_computed in self._scheduled(scheduler_output):
+                    job = self._save_job(scheduler_output, req_id, num_computed)
+                    if job is not None:
+                        meta.saves.append(job)
+                        self.plan.saved(job.block_hashes)
+            else:
+                job = self._evicting_job()
                 if job is not None:
                     meta.saves.append(job)
             if self.state_groups:
@@ -397,6 +484,18 @@ class KVPoolScheduler:
             self._record("skipped_unhealthy")
         self._maybe_log()
         return meta
+
+    def _evicting_job(self) -> TransferJob | None:
+        """The save of the cached blocks the engine is about to drop (:mod:`.saving`)."""
+        block_ids, hashes = self.plan.evicting()
+        if not block_ids:
+            return None
+        self.plan.saved(hashes)
+        self._record("evicting_saved_blocks", len(block_ids))
+        retention = self._block_hints(hashes)
+        for block_hash in hashes:
+            self._hints.pop(block_hash, None)
+        return TransferJob(EVICTING_REQ_ID, block_ids, hashes, retention=retention)
 
     def _state_saves(self, scheduler_output: Any) -> list[TransferJob]:
         """Saves of the recurrent states vLLM hands off this step at prompt block
@@ -453,7 +552,8 @@ class KVPoolScheduler:
         hashes = [bytes(request.block_hashes[i]) for i in indices]
         # KV events name a prefix's blocks once: a one-group engine's.
         origins = None if self.is_hybrid else self._origins(request, indices)
-        return TransferJob(req_id, block_ids, hashes, origins, groups=groups)
+        retention = self._block_hints(hashes) if state.hint is not None else None
+        return TransferJob(req_id, block_ids, hashes, origins, groups=groups, retention=retention)
 
     def _origins(self, request: Any, indices: list[int]) -> list[BlockOrigin] | None:
         """Each block's tokens and its parent's hash, for the node's KV events."""

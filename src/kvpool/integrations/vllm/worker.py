@@ -55,6 +55,7 @@ from kvpool.kvcache.guard import PoolGuard
 from kvpool.kvcache.layouts import PagedLayout
 from kvpool.kvcache.loads import Load, load_into
 from kvpool.kvcache.saves import Save
+from kvpool.retention import DEFAULT_PRIORITY, by_hint
 
 from .config import ConnectorConfig
 from .groups import FULL, SLIDING, STATE, CacheGroup, group_namespace, unsupported_reason
@@ -356,7 +357,16 @@ class KVPoolWorker:
             if all(job.origins is not None for job in jobs)
             else None
         )
-        save = Save(pool.cache, keys, block_ids, time.perf_counter(), origins)
+        retention = (
+            [
+                r
+                for job in jobs
+                for r in job.retention or [(DEFAULT_PRIORITY, 0.0)] * len(job.block_ids)
+            ]
+            if any(job.retention for job in jobs)
+            else None
+        )
+        save = Save(pool.cache, keys, block_ids, time.perf_counter(), origins, retention)
         reserved = self._saver.submit(save.reserve, pool.client, self.config.lookup_timeout_s)
         self._step_save = (save, reserved)
         self._layers_left = {}
@@ -397,6 +407,22 @@ class KVPoolWorker:
             self.stats.add("saves")
             self.stats.add("saved_blocks", sum(1 for s in result.statuses if s == 0))
             self.stats.observe("save", time.perf_counter() - save.started)
+        if save.retention is not None:
+            self._retain(save)
+
+    def _retain(self, save: Save) -> None:
+        """A saved request's retention hints, once its blocks are published (kvpool.retention):
+        one call per priority and duration, under a lookup's deadline."""
+        assert save.retention is not None and self.pool is not None
+        for (priority, duration_s), keys in by_hint(save.keys, save.retention).items():
+            with save.cache.guard.call("retain") as outcome:
+                retained = self.pool.client.retain(
+                    keys, priority, duration_s, timeout=self.config.lookup_timeout_s
+                )
+            if not outcome.failed:
+                with self._lock:
+                    self.stats.add("retained_blocks", retained.num_retained)
+                    self.stats.add("retention_refused", retained.num_refused)
 
     def _saving_done(self, future: Future[None]) -> None:
         with self._lock:
