@@ -13,6 +13,7 @@ import urllib.request
 import aiohttp
 import pytest
 
+from kvpool.retention import Hint, TokenRange, as_params, hint_from
 from kvpool.router.engines import Engine, attempts
 from tests.router.servers import FakeEngine, RouterProc, get_json, post
 
@@ -269,6 +270,8 @@ def test_prefill_decode_disaggregation(fakes, routers):
         "max_tokens": 7,
         "stream": True,
         "stream_options": {"x": 1},
+        # A retention hint (kvpool.retention) travels to both engines' connectors.
+        "kv_transfer_params": as_params(Hint((TokenRange(0, 512, 90, 60.0),), "chat-1")),
     }
     engine, text = complete(router, body=body)
     assert engine == d.url and text.count("data: ") == 6  # 5 chunks and [DONE]
@@ -277,6 +280,7 @@ def test_prefill_decode_disaggregation(fakes, routers):
     sent = prefills[0]["body"]
     assert sent["max_tokens"] == 1 and sent["stream"] is False and "stream_options" not in sent
     assert sent["prompt"] == "long prompt"
+    assert hint_from(sent["kv_transfer_params"]) == hint_from(body["kv_transfer_params"])
     assert d.log()[0]["body"] == body  # decode gets the request unchanged
     # A failing prefill is retried on the other prefill engine ...
     p1.configure(fail=1)

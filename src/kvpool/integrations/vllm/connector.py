@@ -158,9 +158,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         # The engine's block pool: the saves on eviction (save: evicting/auto) walk it.
         if self._scheduler is None:
             return
-        scheduling = self._vllm_config.scheduler_config
-        block_size = self._vllm_config.cache_config.block_size
-        per_step = -(-scheduling.max_num_batched_tokens // block_size) + scheduling.max_num_seqs
+        # Twice the blocks one step's tokens can take (vLLM's own offloader looks as far).
+        batched = self._vllm_config.scheduler_config.max_num_batched_tokens
+        per_step = -(-batched // self._vllm_config.cache_config.block_size)
         self._scheduler.bind_block_pool(gpu_block_pool, lookahead=2 * per_step)
 
     def on_new_request(self, request: Any) -> None:

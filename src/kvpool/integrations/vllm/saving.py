@@ -11,7 +11,9 @@ the cached ones the pool does not hold yet.  Each is copied out of the paged cac
 the step whose metadata names it (the worker's ``wait_for_save``), and a block the engine
 reallocates is written no earlier than the next step's forward: so a save never reads a
 block the engine has changed since it was chosen.  The walk is bounded (``lookahead``
-blocks: twice what one step can allocate), so its cost is per step, never per block held.
+blocks: twice the blocks one step's batched tokens take, as vLLM's own CPU offloader looks),
+so its cost is per step, never per block held; a block freed and reallocated within one
+scheduling pass is not seen (a future miss).
 
 ``auto``: starts ``eager`` and decides again every ``AUTO_WINDOW`` blocks the engine loads
 from the pool, from the share of them that this engine saved itself: at least
