@@ -23,6 +23,9 @@ class _Record(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
 class NamespaceStats(_Record):
     namespace_id: str
     label: str = ""
+    # When its engine saves (kvpool.integrations.vllm.saving), as it last said: "eager",
+    # "evicting", or "" (not said).
+    saving: str = ""
     num_blocks: int = 0
     used_bytes: int = 0
     hits: int = 0

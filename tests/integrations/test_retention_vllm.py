@@ -38,10 +38,13 @@ def test_evicting_saves_what_the_engine_drops_and_it_loads_back_as_its_own_cache
     model = family_model(family)
     node = start_node(name=f"evicting-{family}", memory="128MiB")
     seen: dict[str, int] = {}
+    saving: set[str] = set()
 
     def on_pause(tag: str) -> None:
         with Client(node.unix_address) as client:
-            seen[tag] = client.stats().num_blocks
+            stats = client.stats()
+        seen[tag] = stats.num_blocks
+        saving.update(ns.saving for ns in stats.namespaces)  # what kvpool status shows
 
     steps = [
         {"op": "attention_backends"},
@@ -67,7 +70,9 @@ def test_evicting_saves_what_the_engine_drops_and_it_loads_back_as_its_own_cache
         engines.get(model, **settings).wait_for_log("saving eagerly (vLLM's prefix caching is off)")
         assert r["A_pool"]["counters"]["external_hits"] == 0
         assert r["A_pool"]["token_ids"] == r["A"]["token_ids"]
+        assert saving == {"eager"}
         return
+    assert saving == {"evicting"}
     assert r["A_own"]["num_cached_tokens"][0] > 0  # the engine's own cache answered
     # Nothing is saved while the engine keeps what it computed (it had room for A) ...
     assert seen["kept"] < seen["dropped"]

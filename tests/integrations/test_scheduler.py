@@ -468,3 +468,17 @@ def test_blocks_of_generated_tokens_are_saved_once_computed(node, client):
     tokens.append(3 * BS)
     assert step(3 * BS, 1) == []
     sched.shutdown()
+
+
+def test_saving_on_eviction_the_pool_is_looked_up_past_the_engines_own_hit(node, client):
+    """The engine keeps a prefix's root and dropped its leaves to the pool: those load."""
+    req = request("r-evicting", 6)
+    client.put(NS.keys(req.block_hashes[3:6]), [b"x"] * 3)  # the leaves only
+    eager = scheduler(node, "kv_both")
+    eager.on_new_request(req)
+    assert eager.get_num_new_matched_tokens(req, 3 * BS) == (0, False)  # from the root: none
+    evicting = scheduler(node, "kv_both", save="evicting")
+    evicting.on_new_request(req)
+    assert evicting.get_num_new_matched_tokens(req, 3 * BS) == (3 * BS, IS_ASYNC)
+    for sched in (eager, evicting):
+        sched.shutdown()

@@ -190,13 +190,16 @@ def format_table(stats: list[NodeStats]) -> Table:
 
 def namespace_table(stats: list[NodeStats]) -> Table:
     table = Table(title="namespaces")
-    for column in ("namespace", "node", "blocks", "used", "hits", "misses", "hit rate"):
-        table.add_column(column, justify="left" if column in ("namespace", "node") else "right")
+    columns = ("namespace", "node", "saves", "blocks", "used", "hits", "misses", "hit rate")
+    for column in columns:
+        left = column in ("namespace", "node", "saves")
+        table.add_column(column, justify="left" if left else "right")
     for node in stats:
         for ns in node.namespaces:
             table.add_row(
                 shown(ns.label or ns.namespace_id[:16]),
                 shown(node.node_id),
+                ns.saving or "-",  # one of a few words the node checked (kvpool status)
                 str(ns.num_blocks),
                 format_size(ns.used_bytes),
                 str(ns.hits),
@@ -213,6 +216,7 @@ ACCOUNT_COLUMNS = (
     ("connections", "connections", False),
     ("buffers", "buffer_bytes", True),
     ("parked keys", "parked_keys", False),
+    ("retained", "retained_bytes", True),
     ("held", "held_bytes", True),
     ("prefetching", "prefetch_bytes", True),
     ("journal", "journal_bytes", True),

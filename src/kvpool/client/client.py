@@ -356,6 +356,7 @@ class Client:
         namespace: Namespace,
         *,
         engine: EngineRef | None = None,
+        saving: str = "",
         timeout: float | None = None,
     ) -> None:
         """Tell the node a namespace's human-readable label (shown by ``kvpool status``);
@@ -363,12 +364,14 @@ class Client:
         router names them) that loads the namespace's blocks from that node, for the
         routers the node tells where blocks are (:mod:`kvpool.node.kthena`); a node keeps
         it for a while, so an engine says it again every
-        :data:`~kvpool.keys.ENGINE_REFRESH_S`."""
+        :data:`~kvpool.keys.ENGINE_REFRESH_S`.  ``saving``: when the engine that writes
+        the namespace saves ("eager" or "evicting"), shown by ``kvpool status``."""
         if self.local is None and self.cluster is not None:
-            self.cluster.describe(namespace, engine, self._deadline(timeout))
+            self.cluster.describe(namespace, engine, self._deadline(timeout), saving)
             return
         label = namespace.describe()
-        self._require_local().describe(namespace.id, label, engine=engine, timeout=timeout)
+        local = self._require_local()
+        local.describe(namespace.id, label, engine=engine, saving=saving, timeout=timeout)
 
     def limits(self, *, timeout: float | None = None) -> LeaseLimits:
         """The local node's lease limits: the longest pin, reservation, prefetch hold and

@@ -305,9 +305,10 @@ class NodeClient:
         label: str,
         *,
         engine: EngineRef | None = None,
+        saving: str = "",
         timeout: float | None = None,
     ) -> None:
-        self.call(lambda _: ops.describe(namespace_id, label, engine), timeout)
+        self.call(lambda _: ops.describe(namespace_id, label, engine, saving), timeout)
 
     def stats(self, *, timeout: float | None = None) -> NodeStats:
         return self.call(lambda _: ops.stats(), timeout)

@@ -442,8 +442,12 @@ def delete(keys: Sequence[bytes], replicate: bool = True) -> Op_[list[Status]]:
     return statuses_of(response.statuses)
 
 
-def describe(namespace_id: bytes, label: str, engine: EngineRef | None = None) -> Op_[None]:
-    request = DescribeRequest(namespace_id=namespace_id, label=label[:256], engine=engine)
+def describe(
+    namespace_id: bytes, label: str, engine: EngineRef | None = None, saving: str = ""
+) -> Op_[None]:
+    request = DescribeRequest(
+        namespace_id=namespace_id, label=label[:256], engine=engine, saving=saving
+    )
     yield Request(Op.DESCRIBE, request)
     yield Recv(Op.DESCRIBE, Empty)
 

@@ -353,10 +353,12 @@ class ClusterClient:
                 total.num_missing += response.num_missing
         return total
 
-    def describe(self, namespace: Namespace, engine: EngineRef | None, deadline: float) -> None:
+    def describe(
+        self, namespace: Namespace, engine: EngineRef | None, deadline: float, saving: str = ""
+    ) -> None:
         label = namespace.describe()
         calls = {
-            m: _bind(NodeClient.describe, namespace.id, label, engine=engine)
+            m: _bind(NodeClient.describe, namespace.id, label, engine=engine, saving=saving)
             for m in self.view.members()
         }
         self.view.answers(calls, deadline)

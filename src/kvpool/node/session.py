@@ -800,8 +800,10 @@ class Session:
                 raise BadRequest("a tenant's connection cannot name an engine to routers")
             if not attach(req.namespace_id, req.engine):
                 raise BadRequest("too many engines registered with this node")
+        if req.saving not in msg.SAVINGS:
+            raise BadRequest(f"saving is one of {', '.join(msg.SAVINGS[1:])}")
         try:
-            self.store.describe(req.namespace_id, req.label)
+            self.store.describe(req.namespace_id, req.label, saving=req.saving)
         except QuotaExceeded:
             # Past the tenant's rate: refused once a label change would have come back to
             # it (at most a second), so that a stream of them costs the node about one

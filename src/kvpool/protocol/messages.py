@@ -370,12 +370,17 @@ class RetainResponse(Message):
     num_missing: int = 0  # not held in this node's DRAM
 
 
+SAVINGS = ("", "eager", "evicting")
+
+
 class DescribeRequest(Message):
     namespace_id: Annotated[
         bytes, msgspec.Meta(min_length=NAMESPACE_ID_BYTES, max_length=NAMESPACE_ID_BYTES)
     ]
     label: Name
     engine: EngineRef | None = None
+    # When the engine that writes the namespace saves: one of SAVINGS ("" : not said).
+    saving: Annotated[str, msgspec.Meta(max_length=16)] = ""
 
 
 class Empty(Message):

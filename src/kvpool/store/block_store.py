@@ -1003,10 +1003,16 @@ class BlockStore:
 
     # -- introspection --------------------------------------------------------------------
 
-    def describe(self, namespace_id: bytes, label: str, *, journal: bool = True) -> None:
+    def describe(
+        self, namespace_id: bytes, label: str, *, journal: bool = True, saving: str = ""
+    ) -> None:
         """Set a namespace's label (printable text, else :class:`BadRequest`); a change is
         a journal record, which the namespace's tenant may make at its rate (rule 16:
-        :class:`QuotaExceeded` past it).  ``journal=False``: one the journal replayed."""
+        :class:`QuotaExceeded` past it).  ``journal=False``: one the journal replayed.
+        ``saving``: when its engine saves, if it says (no journal record: engines say it
+        again)."""
+        if saving:
+            self.namespaces.say_saving(namespace_id, saving)
         if not self.namespaces.would_change(namespace_id, label):
             return
         account = self.accounts.account_of(namespace_id)

@@ -128,6 +128,12 @@ class NamespaceTable:
         usage.label = label
         return True
 
+    def say_saving(self, namespace_id: bytes, saving: str) -> None:
+        """When the namespace's engine saves, as it says (a row it has already)."""
+        usage = self.rows.get(namespace_id)
+        if usage is not None:
+            usage.saving = saving
+
     def labels(self) -> dict[bytes, str]:
         return {ns: usage.label for ns, usage in self.rows.items() if usage.label}
 

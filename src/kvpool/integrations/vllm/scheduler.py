@@ -148,6 +148,7 @@ class KVPoolScheduler:
         self._told_unknown = False
         self._client: Client | None = None
         self._described = 0.0
+        self._described_saving = ""
         self.health = HealthMonitor(self._probe, config.health, name="kvpool (scheduler)")
         self.guard = PoolGuard(self.health, log)
         self._requests: dict[str, _RequestState] = {}
@@ -191,8 +192,11 @@ class KVPoolScheduler:
     def _describe(self, client: Client) -> None:
         """Label the namespaces; and name the engine that loads them, for the routers the
         node tells (:mod:`kvpool.node.kthena`)."""
+        saving = self._described_saving = self.plan.current if self.can_save else ""
         for ns in self.namespaces:
-            client.describe(ns, engine=self.engine, timeout=self.config.lookup_timeout_s)
+            client.describe(
+                ns, engine=self.engine, saving=saving, timeout=self.config.lookup_timeout_s
+            )
         self._described = time.monotonic()
 
     def _probe(self) -> None:
@@ -204,8 +208,16 @@ class KVPoolScheduler:
 
     def _lookup_groups(self, hashes: list[bytes], num_local: int) -> tuple[int, bool, bytes]:
         """Leading blocks every group has what the engine reads of (see :mod:`.groups`),
-        whether a rank is still writing the next, and the tier of each leading block."""
-        num_prefix, pending, tiers = self._lookup(hashes, self.full_spaces)
+        whether a rank is still writing the next, and the tier of each leading block.
+
+        Saving on eviction, the pool holds what the engine dropped, a prefix's leaves, while
+        the engine keeps its root: only the blocks past the engine's own hit are looked up
+        (they need not be in the pool).  Saving eagerly, every block is, so that the engine
+        saves again what the pool lost of a prefix it still holds."""
+        start = 0 if self.plan.is_eager else num_local
+        num_found, pending, tiers = self._lookup(hashes[start:], self.full_spaces)
+        num_prefix = start + num_found
+        tiers = bytes([TIER_DRAM]) * start + tiers
         num_before = -1
         while num_prefix != num_before:  # a group's shorter prefix may change another's needs
             num_before = num_prefix
@@ -482,6 +494,9 @@ class KVPoolScheduler:
                 meta.saves.extend(self._state_saves(scheduler_output))
         elif self.can_save:
             self._record("skipped_unhealthy")
+        if self._client is not None and self._described_saving not in ("", self.plan.current):
+            with self.guard.call("describe"):  # auto changed its mind: kvpool status says so
+                self._describe(self._client)
         self._maybe_log()
         return meta
 
