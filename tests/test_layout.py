@@ -23,6 +23,7 @@ LAYERS = [
         "dirs",
         "mapping",
         "formats",
+        "retention",
     },
     {"directory"},
     {"protocol"},

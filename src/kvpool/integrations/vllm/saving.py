@@ -90,8 +90,9 @@ class SavePlan:
     # -- what the pool holds ---------------------------------------------------------------
 
     def saved(self, hashes: Iterable[bytes]) -> None:
+        """Blocks this engine saved: its own, unless it loaded them (another's, dropped)."""
         for h in hashes:
-            self._remember(h, True)
+            self._remember(h, self._known.get(h, True))
 
     def loaded(self, hashes: list[bytes]) -> None:
         """Blocks the engine loads from the pool: counted for ``auto``, and known held."""
