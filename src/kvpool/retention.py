@@ -7,7 +7,7 @@ optional *duration*:
   and within one priority the least recently used first, a prefix's leaves before its root;
 - once its duration has passed a block reverts to the default priority, as if last used
   then (no duration: until it leaves the node);
-- a block takes the highest priority of the ranges that overlap it;
+- a block takes the highest priority of the ranges that overlap it (and the session's);
 - a *session* (``session_id``) keeps its newest prefix at ``SESSION_PRIORITY`` for
   ``session_s`` (at most ``MAX_DURATION_S``): an agent's context between tool calls, a
   conversation between turns.
@@ -65,23 +65,20 @@ class Hint:
 
     def block_priorities(self, first: int, last: int, block_size: int) -> list[tuple[int, float]]:
         """Per block ``first`` to ``last`` (exclusive), its ``(priority, duration_s)``:
-        the highest of the ranges that overlap it, the session's if that is higher, else
-        the default (duration 0)."""
+        the highest of the ranges that overlap it and the session's; where none does, the
+        default (duration 0)."""
         out = []
         for i in range(first, last):
             begin, end = i * block_size, (i + 1) * block_size
-            best = (DEFAULT_PRIORITY, 0.0)
+            best: tuple[int, float] | None = None
             if self.session_id:
                 best = (SESSION_PRIORITY, self.session_s)
             for r in self.ranges:
                 overlaps = r.start < end and (r.end is None or r.end > begin)
-                if overlaps and r.priority > best[0]:
+                if overlaps and (best is None or r.priority > best[0]):
                     best = (r.priority, r.duration_s)
-            out.append(best)
+            out.append(best if best is not None else (DEFAULT_PRIORITY, 0.0))
         return out
-
-    def is_default(self) -> bool:
-        return not self.session_id and all(r.priority == DEFAULT_PRIORITY for r in self.ranges)
 
 
 def by_hint(
