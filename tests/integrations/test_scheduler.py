@@ -482,3 +482,40 @@ def test_saving_on_eviction_the_pool_is_looked_up_past_the_engines_own_hit(node,
     assert evicting.get_num_new_matched_tokens(req, 3 * BS) == (3 * BS, IS_ASYNC)
     for sched in (eager, evicting):
         sched.shutdown()
+
+
+def test_saving_on_eviction_saves_what_vllms_free_queue_drops_next_with_its_origins(node):
+    """vLLM's own block pool (no engine): a request's blocks are saved only once the engine
+    freed them, as the blocks nearest eviction, and they keep what they were computed from
+    (the node's KV events)."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    pool = BlockPool(num_gpu_blocks=5, enable_caching=True, hash_block_size=BS)  # 4 + null
+    sched = scheduler(node, "kv_both", save="evicting")
+    sched.bind_block_pool(pool, lookahead=8)
+    req = request("r-drop", 4)
+    req.all_token_ids = list(range(4 * BS + 1))
+    blocks = pool.get_new_blocks(4)
+    ids = [b.block_id for b in blocks]
+    sched.on_new_request(req)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), 0)
+    output = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="r-drop", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={"r-drop": 4 * BS + 1},
+        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (ids,)),
+    )
+    assert sched.build_connector_meta(output).saves == []  # computed, held: not saved
+    for block, block_hash in zip(blocks, req.block_hashes, strict=True):
+        block.set_block_hash(make_block_hash_with_group_id(block_hash, 0))
+    pool.free_blocks(reversed(blocks))  # the request finished: its leaf is dropped first
+    (job,) = sched.build_connector_meta(step_output()).saves
+    assert job.block_ids == ids[::-1] and job.block_hashes == req.block_hashes[::-1]
+    assert job.origins is not None
+    assert [o.token_ids for o in job.origins] == [
+        list(range(i * BS, (i + 1) * BS)) for i in reversed(range(4))
+    ]
+    assert sched.build_connector_meta(step_output()).saves == []  # once each
+    sched.shutdown()

@@ -17,8 +17,8 @@ from benchmarks.two_level import (
     replay_two_level,
 )
 
-NUM_REQUESTS = 1500
-ENGINE_BLOCKS = 1000  # about a third of what the sessions in flight hold
+NUM_REQUESTS = 2000
+ENGINE_BLOCKS = 1500  # less than the sessions in flight hold
 WINDOW = 50
 
 
@@ -63,8 +63,9 @@ def test_saving_on_eviction_gives_a_pool_of_the_engines_size_what_eager_duplicat
     eager = one_engine(trace, "eager")
     evicting = one_engine(trace, "evicting")
     assert eager.engine.token_rate == evicting.engine.token_rate  # the pool is below it
+    assert eager.engine.token_rate < 0.85  # the engine evicts what comes back
     assert eager.pool_rate < 0.05  # it mostly holds what the engine holds
-    assert evicting.pool_rate > 2 * eager.pool_rate + 0.03, (evicting.pool_rate, eager.pool_rate)
+    assert evicting.pool_rate > 2 * eager.pool_rate, (evicting.pool_rate, eager.pool_rate)
 
 
 def test_auto_with_one_engine_saves_on_eviction(trace: Trace) -> None:
@@ -82,7 +83,7 @@ def test_auto_follows_its_rule_with_several_engines(trace: Trace) -> None:
     # Round robin deals a session's calls over every engine: the pool mainly passes on
     # blocks another engine saved.
     num_eager = sum(d.mode == EAGER for d in spread.decisions)
-    assert num_eager >= 0.9 * len(spread.decisions)
+    assert num_eager >= 0.75 * len(spread.decisions)
     # Cache-aware routing keeps a session on its engine: what it loads it saved itself.
     sticky = four_engines(trace, "prefix")
     assert sticky.decisions

@@ -57,7 +57,7 @@ class Save:
         keys: list[bytes],
         block_ids: list[int],
         started: float,
-        origins: list[BlockOrigin] | None = None,
+        origins: list[BlockOrigin | None] | None = None,
         retention: list[tuple[int, float]] | None = None,
     ):
         self.cache = cache

@@ -32,7 +32,7 @@ class TransferJob:
     block_hashes: list[bytes]
     # Saves: what each block was computed from (its tokens, its parent's hash), which the
     # node's KV events tell routers.
-    origins: list[BlockOrigin] | None = None
+    origins: list[BlockOrigin | None] | None = None
     # Loads: the whole job before the request runs (vLLM's WAITING_FOR_REMOTE_KVS), not
     # layer by layer in its step: ``transfer: whole``, or blocks coming up from lower tiers.
     is_async: bool = False

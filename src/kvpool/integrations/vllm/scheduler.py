@@ -161,6 +161,8 @@ class KVPoolScheduler:
         # Hinted blocks the engine holds, for the saves on eviction: hash -> (priority,
         # deadline; 0: none), at most the engine's blocks.
         self._hints: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        # Saving on eviction: what the engine's blocks were computed from (KV events).
+        self._computed_origins: OrderedDict[bytes, BlockOrigin] = OrderedDict()
         self._max_hints = MAX_KNOWN
 
     def _not_evicting(self) -> str:
@@ -480,13 +482,17 @@ class KVPoolScheduler:
         meta = KVPoolMetadata(loads=self._loads)
         self._loads = []
         if self.can_save and self.health.is_healthy:
-            if self.plan.is_eager:
-                for req_id, num_computed in self._scheduled(scheduler_output):
-                    job = self._save_job(scheduler_output, req_id, num_computed)
-                    if job is not None:
-                        meta.saves.append(job)
-                        self.plan.saved(job.block_hashes)
-            else:
+            is_eager = self.plan.is_eager
+            for req_id, num_computed in self._scheduled(scheduler_output):
+                job = self._save_job(scheduler_output, req_id, num_computed)
+                if job is None:
+                    continue
+                if is_eager:
+                    meta.saves.append(job)
+                    self.plan.saved(job.block_hashes)
+                else:  # saved once the engine is about to drop them: their origins kept
+                    self._remember_origins(job)
+            if not is_eager:
                 job = self._evicting_job()
                 if job is not None:
                     meta.saves.append(job)
@@ -500,6 +506,19 @@ class KVPoolScheduler:
         self._maybe_log()
         return meta
 
+    def _remember_origins(self, job: TransferJob) -> None:
+        """What the blocks a step computed were computed from, kept (at most the engine's
+        blocks) until they are saved on eviction, for the node's KV events."""
+        if job.origins is None:
+            return
+        for block_hash, origin in zip(job.block_hashes, job.origins, strict=True):
+            if origin is None:
+                continue
+            self._computed_origins[block_hash] = origin
+            self._computed_origins.move_to_end(block_hash)
+        while len(self._computed_origins) > self._max_hints:
+            self._computed_origins.popitem(last=False)
+
     def _evicting_job(self) -> TransferJob | None:
         """The save of the cached blocks the engine is about to drop (:mod:`.saving`)."""
         block_ids, hashes = self.plan.evicting()
@@ -508,9 +527,13 @@ class KVPoolScheduler:
         self.plan.saved(hashes)
         self._record("evicting_saved_blocks", len(block_ids))
         retention = self._block_hints(hashes)
+        known = self._computed_origins
+        origins: list[BlockOrigin | None] | None = [known.pop(h, None) for h in hashes]
+        if not any(origins or ()):
+            origins = None  # nothing known of them (loaded, or computed long ago)
         for block_hash in hashes:
             self._hints.pop(block_hash, None)
-        return TransferJob(EVICTING_REQ_ID, block_ids, hashes, retention=retention)
+        return TransferJob(EVICTING_REQ_ID, block_ids, hashes, origins, retention=retention)
 
     def _state_saves(self, scheduler_output: Any) -> list[TransferJob]:
         """Saves of the recurrent states vLLM hands off this step at prompt block
@@ -570,7 +593,7 @@ class KVPoolScheduler:
         retention = self._block_hints(hashes) if state.hint is not None else None
         return TransferJob(req_id, block_ids, hashes, origins, groups=groups, retention=retention)
 
-    def _origins(self, request: Any, indices: list[int]) -> list[BlockOrigin] | None:
+    def _origins(self, request: Any, indices: list[int]) -> list[BlockOrigin | None] | None:
         """Each block's tokens and its parent's hash, for the node's KV events."""
         tokens = getattr(request, "all_token_ids", None)
         if tokens is None:
