@@ -3,7 +3,7 @@ connector saves (``eager``, ``evicting`` or ``auto``: :mod:`kvpool.integrations.
 and what it buys, on a Mooncake-format trace.
 
     .venv/bin/python -m benchmarks.engine_caches --trace TRACE|agents --engines 1 \\
-        --engine-cache 3M --pool 3M,10M [--routing round-robin,prefix] \\
+        --engine-cache 3M --pool 3M,10M [--routing round-robin,prefix,prefix-balanced] \\
         [--save eager,evicting,auto] [--eviction lru,learned] [--requests N] [--json]
 
 The model, in this process:
@@ -13,10 +13,12 @@ The model, in this process:
   leaves are dropped before its root (vLLM frees a request's blocks in that order);
 - the pool is the node's own store (:class:`~kvpool.store.block_store.BlockStore`, the
   policy ``--eviction`` names) holding ``--pool`` tokens, every block one arena page;
-- per request, routed to an engine (``round-robin``, or ``prefix``: the engine whose cache
-  holds the longest prefix of it, ties in turn): the engine's longest cached prefix is its
-  own hit; the pool's longest run of blocks after it is loaded (the pool's hit); the rest is
-  computed; loaded and computed blocks enter the engine's cache;
+- per request, routed to an engine (``round-robin``; ``prefix``: the engine whose cache
+  holds the longest prefix of it, ties in turn; ``prefix-balanced``: that engine where its
+  prefix covers at least half the request, else the one that has had the fewest requests):
+  the engine's longest cached prefix is its own hit; the pool's longest run of blocks
+  after it is loaded (the pool's hit); the rest is computed; loaded and computed blocks
+  enter the engine's cache;
 - ``eager`` puts every computed block into the pool at once; ``evicting`` puts a block
   when the engine's cache drops it, unless the pool holds it; ``auto`` runs the connector's
   own decision (:class:`~kvpool.integrations.vllm.saving.SavePlan`) per engine;
@@ -50,7 +52,7 @@ from kvpool.keys import BlockOrigin
 from kvpool.store.block_store import BlockStore
 from kvpool.store.policies import new_policy
 
-ROUTINGS = ("round-robin", "prefix")
+ROUTINGS = ("round-robin", "prefix", "prefix-balanced")
 
 
 def agent_trace(num_requests: int = 10_000, seed: int = 0, block_tokens: int = 512) -> Trace:
@@ -178,6 +180,24 @@ class Pool:
         self.store.commit(reserved.reservation_id, [0] * len(keys), 1, origins)
 
 
+def _route(
+    routing: str, engines: list[EngineCache], ids: Sequence[int], n: int, routed: list[int]
+) -> int:
+    """The engine request ``n`` goes to: in turn; to the longest cached prefix (ties in
+    turn); or to the longest cached prefix where it covers at least half the request, else
+    to the engine that has had the fewest requests (SGLang's cache-aware router balances
+    so: plain ``prefix`` sends every conversation that starts alike to one engine)."""
+    num_engines = len(engines)
+    if routing == "round-robin":
+        return n % num_engines
+    lengths = [e.prefix(ids) for e in engines]
+    best = max(lengths)
+    if routing == "prefix-balanced" and 2 * best < len(ids):
+        return min(range(num_engines), key=lambda k: (routed[k], (k - n) % num_engines))
+    candidates = [k for k, length in enumerate(lengths) if length == best]
+    return min(candidates, key=lambda k: (k - n) % num_engines)
+
+
 def replay(
     trace: Trace,
     num_engines: int,
@@ -195,17 +215,13 @@ def replay(
     parents: dict[int, int] = {}
     counts = Counts()
     measured_from = len(trace.requests) // 2
+    routed = [0] * num_engines
     bt = trace.block_tokens
     for n, (request, ids) in enumerate(trace.sequence(store_partial=False)):
         for i in range(1, len(ids)):
             parents.setdefault(ids[i], ids[i - 1])
-        if routing == "prefix":
-            lengths = [e.prefix(ids) for e in engines]
-            best = max(lengths)
-            candidates = [k for k, n_ in enumerate(lengths) if n_ == best]
-            which = min(candidates, key=lambda k: (k - n) % num_engines)
-        else:
-            which = n % num_engines
+        which = _route(routing, engines, ids, n, routed)
+        routed[which] += 1
         engine, plan = engines[which], plans[which]
         num_local = engine.prefix(ids)
         num_pool = pool.run(ids[num_local:])
@@ -229,6 +245,7 @@ def replay(
                 min((num_local + num_pool) * bt, request.input_length) - local_tokens
             )
     out = counts.as_dict()
+    out["busiest_engine_share"] = round(max(routed) / max(sum(routed), 1), 3)
     if save == AUTO:
         out["auto_chose"] = [plan.current for plan in plans]
         out["auto_decisions"] = sum(plan.num_decisions for plan in plans)

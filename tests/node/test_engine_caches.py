@@ -18,3 +18,10 @@ def test_auto_saves_on_eviction_for_one_engine_and_eagerly_for_engines_dealt_in_
     assert alone["auto_chose"] == ["evicting"]
     dealt = replay(TRACE, 4, 50, 800, "round-robin", "auto", "lru")
     assert dealt["auto_chose"].count("eager") >= 3
+
+
+def test_under_balanced_cache_aware_routing_saving_on_eviction_is_ahead():
+    eager = replay(TRACE, 4, 50, 200, "prefix-balanced", "eager", "lru")
+    evicting = replay(TRACE, 4, 50, 200, "prefix-balanced", "evicting", "lru")
+    assert evicting["busiest_engine_share"] < 0.3  # the routing spreads the requests
+    assert evicting["pool"] > 1.5 * eager["pool"]
