@@ -20,7 +20,10 @@ from the pool, from the share of them that this engine saved itself: at least
 ``AUTO_OWN_SHARE``, the pool mainly gives the engine back what it dropped (one engine, or
 cache-aware routing), so ``evicting``; below, the pool mainly passes other engines' blocks
 on (routing that spreads a conversation over engines), which need them early: ``eager``.
-Every decision is logged and counted.
+Every decision is logged and counted.  Behind cache-aware routing that balances load the
+signal misleads (a turn whose history its engine dropped moves to another engine, which
+loads what the first saved on eviction): ``evicting`` is the choice there
+(docs/benchmarks.md, "Retention").
 
 Not offered (``eager`` then, said once in the log): producers (a decode instance loads
 what they save at once), engines without vLLM's prefix caching, and engines with several
