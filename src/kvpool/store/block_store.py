@@ -1011,10 +1011,12 @@ class BlockStore:
         :class:`QuotaExceeded` past it).  ``journal=False``: one the journal replayed.
         ``saving``: when its engine saves, if it says (no journal record: engines say it
         again)."""
-        if saving:
+        if self.namespaces.would_change(namespace_id, label):
+            self._label(namespace_id, label, journal=journal)
+        if saving:  # once the namespace has its row
             self.namespaces.say_saving(namespace_id, saving)
-        if not self.namespaces.would_change(namespace_id, label):
-            return
+
+    def _label(self, namespace_id: bytes, label: str, *, journal: bool) -> None:
         account = self.accounts.account_of(namespace_id)
         if journal and not self.accounts.charge(account, Resource.LABEL_CHANGES):
             raise QuotaExceeded(
