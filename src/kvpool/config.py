@@ -618,7 +618,7 @@ class EventsConfig:
     clients: str = setting(
         "",
         "--kv-events-clients",
-        "A TOML file of the CURVE public keys that may subscribe (see README).",
+        "A TOML file of the CURVE public keys that may subscribe (docs/guides/events.md).",
         key="kv_events_clients",
     )
 
@@ -720,7 +720,10 @@ class ClusterConfig:
         parse=_split_list,
     )
     etcd: str = setting(
-        "", "--etcd", "etcd endpoint for cluster membership, e.g. http://127.0.0.1:2379."
+        "",
+        "--etcd",
+        "etcd endpoint for cluster membership, e.g. https://etcd:2379 (http:// only on "
+        "loopback, or with --insecure).",
     )
     etcd_prefix: str = setting(
         DEFAULT_ETCD_PREFIX, "--etcd-prefix", "The etcd prefix the nodes register under."

@@ -65,3 +65,33 @@ def test_every_default_shows_in_help():
     assert router.count("(default: ") == len(ROUTER_SETTINGS)
     for setting in ROUTER_SETTINGS:
         assert f"(default: {router_defaults[setting.key]})" in router, setting.flag
+
+
+CLI_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
+
+
+def test_the_command_line_page_is_the_parsers():
+    from kvpool.cli.reference import cli_reference
+
+    assert CLI_PAGE.read_text() == cli_reference(), (
+        "docs/reference/cli.md drifted from the commands: "
+        "python -m kvpool.cli.reference cli > docs/reference/cli.md"
+    )
+
+
+def test_the_command_line_page_has_every_command_and_option():
+    """Read from the parsers themselves: each command a heading, each option a row."""
+    import typer.main
+
+    from kvpool.cli.main import app
+
+    page = CLI_PAGE.read_text()
+    root = typer.main.get_command(app)
+    for name, command in root.commands.items():
+        leaves = command.commands.items() if hasattr(command, "commands") else [("", command)]
+        for leaf, found in leaves:
+            heading = " ".join(part for part in ("kvpool", name, leaf) if part)
+            assert f"## `{heading}`" in page
+            for param in found.params:
+                if param.param_type_name == "option" and not param.hidden:
+                    assert f"`{param.opts[0]}`" in page, (heading, param.opts)

@@ -66,7 +66,7 @@ def status(
         str | None, typer.Option(help="Node address (default: the local node, or KVPOOL_ADDRESS).")
     ] = None,
     peers: Annotated[str | None, typer.Option(help="A static cluster: host:port,...")] = None,
-    etcd: Annotated[str | None, typer.Option(help="A cluster in etcd: http://host:2379")] = None,
+    etcd: Annotated[str | None, typer.Option(help="A cluster in etcd: https://host:2379")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show capacity, usage, hit rate and namespaces of the node, or of every node of a

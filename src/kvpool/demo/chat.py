@@ -72,6 +72,7 @@ def run_demo(
             comparison = compare(model, workload, configs, progress)
         summary = comparison.summary()
         summary["node"] = node.info["name"]
+        summary["per_turn"] = comparison.per_turn()
     if json_output:
         sys.stdout.write(json.dumps(summary) + "\n")
     else:
