@@ -34,21 +34,32 @@ COLORS = {
 }
 
 
-def _figure(record: Record, title: str, panels: int = 1) -> tuple[Figure, list[Any]]:
+def _figure(
+    record: Record, title: str, panels: int = 1, also: Record | None = None
+) -> tuple[Figure, list[Any]]:
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels + 1.2, 4.4), squeeze=False)
     fig.suptitle(title, fontsize=12, fontweight="bold")
     footer = f"{label(record)}\n{_command(record['command'])}"
+    if also is not None:
+        footer += f"\n{_command(also['command'])} ({also['date']})"
     fig.text(0.01, 0.01, footer, fontsize=7, color="#546e7a", va="bottom")
     return fig, list(axes[0])
 
 
 def _command(command: str) -> str:
-    """The command as the docs write it: a trace file by its name (``TRACE``'s value)."""
-    return " ".join(Path(a).name if a.endswith(".jsonl") else a for a in command.split())
+    """The command as the docs write it: a trace by its file name, Mooncake's interpreter as
+    the Makefile's variable."""
+    words = command.split()
+    for n, word in enumerate(words):
+        if word.endswith(".jsonl"):
+            words[n] = Path(word).name
+        elif n and words[n - 1] == "--mooncake-python":
+            words[n] = "$MOONCAKE_PYTHON"
+    return " ".join(words)
 
 
 def _finish(fig: Figure) -> Figure:
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     return fig
 
 
@@ -166,11 +177,19 @@ def ttft_per_turn(record: Record) -> Figure:
         [t["nopool"] for t in turns],
         "o-",
         color=COLORS["peer"],
-        label="vLLM alone (its own prefix cache)",
+        label="vLLM alone (its own prefix cache, too small for the history)",
     )
     axis.plot(
         xs, [t["pool"] for t in turns], "o-", color=COLORS["kvpool"], label="vLLM with kvpool"
     )
+    if "own" in turns[0]:
+        axis.plot(
+            xs,
+            [t["own"] for t in turns],
+            "s:",
+            color=COLORS["optimum"],
+            label="vLLM with a cache large enough for every conversation",
+        )
     for t in turns:
         axis.annotate(
             f"{t['pool_cached']:.0%} cached",
@@ -197,7 +216,7 @@ def ttft_per_turn(record: Record) -> Figure:
 def throughput(bench: Record, mooncake: Record | None) -> Figure:
     """kvpool's put/get against its ceilings of the same run, beside Redis and Mooncake."""
     panels = 3 if mooncake else 2
-    fig, axes = _figure(bench, "Throughput against the ceiling of the same run", panels)
+    fig, axes = _figure(bench, "Throughput against the ceiling of the same run", panels, mooncake)
     cases = bench["result"]["cases"]
     for axis, path, ceiling in ((axes[0], "shm", "memcpy"), (axes[1], "tcp", "socket stream")):
         ours = [c for c in cases if c["system"] == "kvpool" and c["path"] == path]
@@ -224,7 +243,8 @@ def throughput(bench: Record, mooncake: Record | None) -> Figure:
         axis.set_title(f"kvpool bench, {where}", fontsize=9)
     if mooncake:
         rows = mooncake["result"]
-        names = [f"{r['path']} {r['op']}\n{r['batch_mib']} MiB" for r in rows]
+        where = {"shm": "host", "shm, pipelined": "host pipelined", "tcp": "TCP"}
+        names = [f"{where.get(r['path'], r['path'])} {r['op']} {r['batch_mib']}M" for r in rows]
         _bars(
             axes[2],
             names,
@@ -235,6 +255,9 @@ def throughput(bench: Record, mooncake: Record | None) -> Figure:
             ],
         )
         axes[2].set_title(f"beside Mooncake Store, 2 MiB blocks ({mooncake['date']})", fontsize=9)
+        axes[2].tick_params(axis="x", labelrotation=40)
+        for tick in axes[2].get_xticklabels():
+            tick.set_horizontalalignment("right")
     axes[0].set_ylabel("GB/s")
     return _finish(fig)
 

@@ -210,3 +210,36 @@ def test_a_screenshot_of_the_page(served: _Server, page: str) -> None:
     shot.unlink(missing_ok=True)
     chromium("--window-size=1280,1600", f"--screenshot={shot}", f"{served.url}/{page}")
     assert shot.exists() and shot.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+def _nav_depths(items: list, depth: int = 1) -> dict[str, int]:
+    """Each page of the navigation and the clicks it takes: a top tab is one, a page under
+    it two (a section inside a tab is drawn open, so it adds none)."""
+    out: dict[str, int] = {}
+    for item in items:
+        for value in item.values() if isinstance(item, dict) else [item]:
+            if isinstance(value, list):
+                out.update(_nav_depths(value, depth + 1 if depth == 1 else depth))
+            else:
+                out[value] = depth
+    return out
+
+
+def test_what_each_reader_looks_for_is_two_clicks_away() -> None:
+    import yaml
+
+    depths = _nav_depths(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    wanted = {
+        "get-started.md": "install",
+        "guides/vllm.md": "a GPU vLLM quickstart",
+        "guides/kubernetes.md": "Helm",
+        "guides/sglang.md": "SGLang",
+        "configuration.md": "the configuration reference",
+        "operations/troubleshooting.md": "troubleshooting",
+        "security.md": "security",
+        "benchmarks.md": "the benchmarks with plots",
+    }
+    for page, what in wanted.items():
+        assert depths.get(page, 99) <= 2, f"{what} ({page}) is not within two clicks"
+    assert "Quickstart" in (ROOT / "docs" / "guides" / "vllm.md").read_text()
+    assert "helm install" in (ROOT / "docs" / "guides" / "kubernetes.md").read_text()
