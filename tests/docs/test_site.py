@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from functools import partial
@@ -18,6 +17,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.browser import chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where the screenshots go (ignored by git): the home page and the benchmarks page, as a
@@ -37,11 +38,13 @@ window.addEventListener("load", () => {
 </script>"""
 
 
+MKDOCS_BUILD = (sys.executable, "-m", "mkdocs", "build", "--strict")
+
+
 def mkdocs_build(config: Path, site_dir: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config)]
-        + ["--site-dir", str(site_dir)],
+        [*MKDOCS_BUILD, "-f", str(config), "--site-dir", str(site_dir)],
         capture_output=True,
         text=True,
         env=env,
@@ -155,33 +158,6 @@ class _Body:
 def served(site: Path) -> Iterator[_Server]:
     with _Server(site) as server:
         yield server
-
-
-def chromium(*args: str) -> str:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert browser, "chromium is not installed (make test installs Debian's chromium)"
-    with tempfile.TemporaryDirectory() as profile:
-        result = subprocess.run(
-            [
-                browser,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--hide-scrollbars",
-                f"--user-data-dir={profile}",
-                "--virtual-time-budget=5000",
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
 
 
 # The pages a reader opens first, and the pictures each has at least.

@@ -1,39 +1,12 @@
 """The admin dashboard page, rendered by a real browser (Debian's headless Chromium)."""
 
-import shutil
-import subprocess
-import tempfile
-
 from kvpool import Client, Namespace
+from tests.browser import chromium
 from tests.helpers import content
 
 
 def render(url: str) -> str:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert browser, "chromium is not installed (make test installs Debian's chromium)"
-    with tempfile.TemporaryDirectory() as profile:
-        result = subprocess.run(
-            [
-                browser,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile}",
-                "--virtual-time-budget=5000",
-                "--dump-dom",
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
+    return chromium("--dump-dom", url)
 
 
 def test_dashboard_shows_the_node_live(node):
