@@ -14,7 +14,7 @@ at their own pace); and the client's: the CPU time of the calling thread across 
 over their blocks (the copier's second thread aside).  A cold phase first puts whole long
 prompts
 (``--cold`` puts of ``--prompt-blocks`` fresh blocks: a prompt never seen, or a prefill
-instance's handover), the row "a 2,000-block put" of docs/benchmarks.md, after one put that
+instance's handover), the row "a 2,000-block put" of docs/benchmarks-log.md, after one put that
 is not counted (a connection's first takes its write area, and faults its pages in).  Each
 latency's p99 is also given less the pauses of this process's own garbage collector within
 the calls (``gc.callbacks``): the client's Python, not the pool.

@@ -71,11 +71,11 @@ CLI_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
 
 
 def test_the_command_line_page_is_the_parsers():
-    from kvpool.cli.reference import cli_reference
+    from kvpool.cli.commands_page import cli_reference
 
     assert CLI_PAGE.read_text() == cli_reference(), (
         "docs/reference/cli.md drifted from the commands: "
-        "python -m kvpool.cli.reference cli > docs/reference/cli.md"
+        "python -m kvpool.cli.commands_page > docs/reference/cli.md"
     )
 
 

@@ -1,14 +1,10 @@
-"""The reference pages, generated from the declarations; a test regenerates each and
-compares (a table that drifts from the code fails the suite):
-
-- the configuration reference (docs/configuration.md): the node's
-  :class:`~kvpool.config.Setting` of every field, the SDK's and the engine adapters'
-  :class:`~kvpool.config.Option` of every field, the router's settings;
-- the command line (docs/reference/cli.md): every ``kvpool`` command, its arguments and
-  options, read from the command's own parser.
+"""The configuration reference (docs/configuration.md), generated from the declarations:
+the node's :class:`~kvpool.config.Setting` of every field, the SDK's and the engine
+adapters' :class:`~kvpool.config.Option` of every field, the router's settings.  A test
+regenerates it and compares (a table that drifts from the code fails the suite).  The
+command line's page is :mod:`kvpool.cli.commands_page`'s.
 
     python -m kvpool.cli.reference > docs/configuration.md
-    python -m kvpool.cli.reference cli > docs/reference/cli.md
 """
 
 from __future__ import annotations
@@ -90,7 +86,7 @@ def option_rows(cls: type) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]]) -> str:
+def table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -127,7 +123,7 @@ def reference() -> str:
         "",
         "A flag, or its `KVPOOL_*` variable (a flag wins over it).",
         "",
-        _table(("flag", "variable", "default", "meaning"), node),
+        table(("flag", "variable", "default", "meaning"), node),
         "",
         "## Clients: the SDK, and every engine adapter",
         "",
@@ -136,14 +132,14 @@ def reference() -> str:
         "`--hicache-storage-backend-extra-config`), or its `KVPOOL_*` variable (a keyword or",
         "key wins over it).",
         "",
-        _table(options, option_rows(ClientConfig)),
+        table(options, option_rows(ClientConfig)),
         "",
         "## The vLLM connector: `kv_connector_extra_config`",
         "",
         "Beside the client's keys above; `health_*` are the pool's health policy, which every",
         "engine adapter takes.",
         "",
-        _table(options, own(ConnectorConfig)),
+        table(options, own(ConnectorConfig)),
         "",
         "## The SGLang HiCache backend: its extra config",
         "",
@@ -151,88 +147,20 @@ def reference() -> str:
         "`class_name`, `interface_v1`, `allocator`, `tp_lcm_size`), which kvpool leaves to",
         "SGLang.",
         "",
-        _table(options, own(StorageConfig)),
+        table(options, own(StorageConfig)),
         "",
         "## The router: `kvpool router`",
         "",
         "A flag, or the key of its config file (`--config router.toml`; a flag wins over it).",
         "",
-        _table(("flag", "router.toml key", "default", "meaning"), router),
+        table(("flag", "router.toml key", "default", "meaning"), router),
         "",
     ]
     return "\n".join(parts)
-
-
-def cli_reference() -> str:
-    """docs/reference/cli.md: each command as ``kvpool <command> --help`` describes it."""
-    import typer.main
-
-    from kvpool.cli.main import app
-
-    root = typer.main.get_command(app)
-    parts = [
-        "# Command line: `kvpool`",
-        "",
-        "Generated from the commands' own parsers by `python -m kvpool.cli.reference cli` (a",
-        "test regenerates this page and fails if it differs). `kvpool <command> --help` says",
-        "the same. Every option of `kvpool serve` is also a `KVPOOL_*` variable, and every",
-        "option of `kvpool router` a key of its config file: the",
-        "[configuration reference](../configuration.md) lists them with their variables.",
-        "",
-    ]
-    for path, command in _commands(root, ("kvpool",)):
-        parts += _command_section(path, command)
-    return "\n".join(parts)
-
-
-def _commands(group: Any, path: tuple[str, ...]) -> Iterable[tuple[tuple[str, ...], Any]]:
-    """Every leaf command under ``group``, in the order they are declared."""
-    for name, command in group.commands.items():
-        if hasattr(command, "commands"):
-            yield from _commands(command, (*path, name))
-        else:
-            yield (*path, name), command
-
-
-def _command_section(path: tuple[str, ...], command: Any) -> list[str]:
-    arguments = [p for p in command.params if p.param_type_name == "argument"]
-    options = [p for p in command.params if p.param_type_name == "option"]
-    usage = " ".join([*path, *(a.name.upper() for a in arguments), "[OPTIONS]"])
-    lines = [f"## `{' '.join(path)}`", "", _paragraphs(command.help or ""), ""]
-    lines += ["```text", usage, "```", ""]
-    rows = [(f"`{a.name.upper()}`", _paragraphs(a.help or "")) for a in arguments]
-    rows += [(_option_names(o), _option_help(o)) for o in options if not o.hidden]
-    lines += [_table(("argument or option", "meaning"), rows), ""]
-    return lines
-
-
-def _option_names(option: Any) -> str:
-    names = " / ".join(f"`{name}`" for name in (*option.opts, *option.secondary_opts))
-    if option.is_flag or option.count:
-        return names
-    return f"{names} {option.metavar or 'VALUE'}" + (" (repeatable)" if option.multiple else "")
-
-
-def _option_help(option: Any) -> str:
-    text = _paragraphs(option.help or "")
-    shown_default = option.default not in (None, False, (), []) and "(default: " not in text
-    if shown_default and not callable(option.default):
-        text += f" (default: {shown(option.default)})"
-    return text
-
-
-def _paragraphs(text: str) -> str:
-    """A help text on one line (a table cell), its paragraphs joined; a ``[`` stays text
-    (never the start of a Markdown link)."""
-    return " ".join(text.split()).replace("[", "\\[")
 
 
 def main() -> None:
-    pages = {"configuration": reference, "cli": cli_reference}
-    page = sys.argv[1] if len(sys.argv) > 1 else "configuration"
-    if page not in pages:
-        raise SystemExit(f"usage: python -m kvpool.cli.reference [{'|'.join(pages)}]")
-    sys.stdout.write(pages[page]())
+    sys.stdout.write(reference())
 
 
 if __name__ == "__main__":

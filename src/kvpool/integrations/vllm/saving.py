@@ -4,7 +4,7 @@ the engine's pool hits call for (``auto``).
 
 ``evicting``: while the engine's own cache holds a block, lookups never reach the pool's
 copy, which only ages there: an eager pool not much larger than the engines' caches holds
-mostly what they hold (docs/benchmarks.md, the two-level replay).  vLLM hands the
+mostly what they hold (docs/benchmarks-log.md, the two-level replay).  vLLM hands the
 connector its block pool (``bind_gpu_block_pool``); every step, :meth:`SavePlan.evicting`
 walks the head of its free queue, the blocks the next allocations take first, and saves
 the cached ones the pool does not hold yet.  Each is copied out of the paged cache within
@@ -23,7 +23,7 @@ on (routing that spreads a conversation over engines), which need them early: ``
 Every decision is logged and counted.  Behind cache-aware routing that balances load the
 signal misleads (a turn whose history its engine dropped moves to another engine, which
 loads what the first saved on eviction): ``evicting`` is the choice there
-(docs/benchmarks.md, "Retention").
+(docs/benchmarks-log.md, "Retention").
 
 Not offered (``eager`` then, said once in the log): producers (a decode instance loads
 what they save at once), engines without vLLM's prefix caching, and engines with several
