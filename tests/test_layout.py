@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import kvpool
@@ -39,6 +40,10 @@ LAYERS = [
     {"demo"},
     {"cli", "__main__", "__init__"},
 ]
+
+
+REPO = ROOT.parents[1]
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 
 def _layer(module: str) -> int:
@@ -99,6 +104,34 @@ def test_dependencies_point_one_way():
             if _layer(imported) > _layer(module):
                 wrong.append(f"kvpool.{module} imports kvpool.{imported}")
     assert not wrong, wrong
+
+
+def test_every_top_level_module_is_in_a_layer():
+    top = {p.stem for p in ROOT.glob("*.py")} | {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert sorted(top - set().union(*LAYERS)) == []
+
+
+def _drawn_layers() -> list[set[str]]:
+    """docs/architecture.md's layer list (its first code block), layer by layer:
+    ``a, b → c → d (what it holds), e``."""
+    block = ARCHITECTURE.read_text().split("```", 2)[1]
+    return [
+        {name.strip() for name in re.sub(r"\([^)]*\)", "", layer).split(",")}
+        for layer in block.split("→")
+    ]
+
+
+def test_the_architecture_lists_these_layers():
+    assert _drawn_layers() == [names - {"__init__"} for names in LAYERS]
+
+
+def test_every_module_the_architecture_names_exists():
+    """Each ``path.py`` docs/architecture.md names (its table's modules, entry points and
+    tests): below src/kvpool, or from the repository's root (``tests/...``)."""
+    named = set(re.findall(r"`([\w/]+\.py)`", ARCHITECTURE.read_text()))
+    assert len(named) > 40  # the table is still read
+    missing = [n for n in sorted(named) if not (ROOT / n).exists() and not (REPO / n).exists()]
+    assert missing == []
 
 
 def test_no_import_circles():

@@ -9,13 +9,15 @@
     │   ├── UnsupportedVersion       handshake: no common protocol version
     │   ├── AuthenticationError      handshake: wrong access id or key
     │   ├── BadRequest               malformed frame or message
-    │   └── TooLarge                 a size or count over its bound
+    │   ├── TooLarge                 a size or count over its bound
+    │   └── Forbidden                the connection's identity may not do this
     ├── TransportError               the pool could not be reached in time
     │   ├── ConnectError             connecting failed
     │   ├── PoolTimeout              a deadline passed
     │   └── NodeUnavailable          the node closed, restarts or shuts down
     └── StoreError                   the store refused an operation
         ├── NoSpace                  the arena is full of pinned or reserved blocks
+        │   └── QuotaExceeded        a tenant's quota is full of its own unevictable blocks
         ├── LeaseExpired             a pin or reservation outlived its lease
         ├── ChecksumMismatch         bytes do not match their checksum
         └── InternalError            the server hit a bug; it keeps serving

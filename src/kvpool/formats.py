@@ -1,5 +1,6 @@
 """Every persistent format kvpool writes, the version this release writes of each, and the
-versions it reads: its compatibility window (ARCHITECTURE decision 19).
+versions it reads: its compatibility window (at least the previous release's: rule 2 below;
+for operators, docs/operations/upgrades.md, "Versioned formats").
 
 ======================  =========================================  ===========================
 format                  where                                      its stamp

@@ -271,7 +271,7 @@ def test_rule14_a_write_area_is_bounded_and_never_evicts(clock):
     assert store.reserve_area(4 * PAGE_BYTES, owner=1) is not None
 
 
-def test_rule16_clients_reads_and_writes_are_sampled_the_nodes_own_are_not(store):
+def test_rule18_clients_reads_and_writes_are_sampled_the_nodes_own_are_not(store):
     seen: list[int] = []
     # The sampler's accesses, one at a time (a few keys) or a request's together.
     store.reuse.access = lambda h, hit: seen.append(h)  # type: ignore[method-assign]

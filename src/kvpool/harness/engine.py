@@ -33,8 +33,9 @@ from . import runner
 from .runner import DONE_LINE, PAUSE_PREFIX, RESULT_PREFIX
 
 # The runner is run as this release's file, whatever ``kvpool`` the engine's environment puts
-# first (it imports nothing of kvpool's): an engine of an earlier release (its connector)
-# runs under the same runner (tests/integrations/test_upgrade_vllm.py).
+# first (it imports nothing of kvpool's but for the steps that read vLLM's internals: see its
+# docstring): an engine of an earlier release (its connector) runs under the same runner
+# (tests/integrations/test_upgrade_vllm.py).
 RUNNER = runner.__file__
 
 START_TIMEOUT_S = 600.0

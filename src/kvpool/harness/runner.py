@@ -20,7 +20,8 @@ stdin, one JSON line each, until stdin closes::
                {"op": "reset_prefix_cache"},
                {"op": "clear_kv_cache"},
                {"op": "attention_backends"},
-               {"op": "pause", "tag": "..."}]}
+               {"op": "pause", "tag": "..."},
+               {"op": "sleep", "seconds": 1.0}]}
 
 ``read_blocks`` adds ``blocks``: per prompt, a digest of each block the engine's paged cache
 holds for it, and ``null_block_bytes``: the nonzero bytes in vLLM's null block
@@ -30,11 +31,12 @@ later holds only what was written since); ``attention_backends`` names the backe
 selected for the model's layers (an in-process engine only).  Each step prints
 ``KVPOOL_RESULT {json}`` and the plan ends with ``KVPOOL_DONE``; ``pause``
 prints ``KVPOOL_PAUSE tag`` and waits for a line on stdin (so that a test can kill or corrupt
-the pool between steps).  Every plan starts as a fresh engine would: with an empty prefix
-cache of the engine's own, and counters (the external prefix-cache counters vLLM keeps, the
-connector's blocks loaded and saved) that count from the plan's start.  So one engine serves
-many plans, as a long-lived engine serves many users, and each plan reads as if it had the
-engine to itself.
+the pool between steps); ``sleep`` waits ``seconds`` (1 unless given) with the engine idle
+(a benchmark lets a health monitor come up before its workload).  Every plan starts as a
+fresh engine would: with an empty prefix cache of the engine's own, and counters (the
+external prefix-cache counters vLLM keeps, the connector's blocks loaded and saved) that
+count from the plan's start.  So one engine serves many plans, as a long-lived engine serves
+many users, and each plan reads as if it had the engine to itself.
 
 One process.  A one-rank engine runs its engine core and its worker in the runner's own
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vLLM's default spawns two more processes, each
@@ -43,6 +45,18 @@ importing torch and vLLM again, and takes three times as long to start (27 s aga
 given (:func:`engine_cpus`), so its greedy outputs are the same either way.  ``"multiprocessing":
 true`` keeps vLLM's processes, for runs that must cross them (the scheduler's metadata
 serialized to the worker); engines of more than one rank always have them.
+
+Whose kvpool.  The runner is started as this release's file (:mod:`.engine`), but it imports
+what the engine's environment puts first on the path: under ``release_env`` (the upgrade
+tests), the previous release's kvpool.  So it imports nothing of kvpool's as it starts, and
+the connector vLLM loads is that release's, as intended.  The steps that read vLLM's
+internals (``read_blocks``, ``clear_kv_cache``, ``attention_backends``) import
+:mod:`kvpool.harness.paged` when they run, and so get *that* release's copy (and, for
+``attention_backends``, its :mod:`kvpool.integrations.vllm.backends`): 0.1.0 has none, so
+they fail there with ``ImportError``, and a later release's may read vLLM otherwise than
+this runner expects.  So an engine run under another release asks only for ``generate``,
+``chat``, ``reset_prefix_cache``, ``pause`` and ``sleep``, which import nothing of kvpool's
+(tests/integrations/test_upgrade_vllm.py does).
 """
 
 from __future__ import annotations

@@ -148,19 +148,21 @@ def _build_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
     return fast
 
 
+# Llama's attention (the docstring's 4 layers, hidden 256, GQA with 2 KV heads of 64), which
+# Gemma-3's and Qwen3-Next's full-attention layers keep.
+_GQA: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
+
 def _llama(ids: dict[str, Any]) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        **_COMMON,
-        **ids,
-    )
+    config = LlamaConfig(intermediate_size=688, **_GQA, **_COMMON, **ids)
     return LlamaForCausalLM(config)
 
 
@@ -204,15 +206,11 @@ def _gemma3(ids: dict[str, Any], *, layer_types: list[str] | None = None) -> Any
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        hidden_size=256,
         intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         query_pre_attn_scalar=64,
         sliding_window=128,
         layer_types=layer_types or ["sliding_attention", "full_attention"] * 2,
+        **_GQA,
         **_COMMON,
         **ids,
     )
@@ -223,12 +221,7 @@ def _qwen3_next(ids: dict[str, Any], *, layer_types: list[str] | None = None) ->
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         layer_types=layer_types or ["linear_attention"] * 3 + ["full_attention"],
         linear_num_key_heads=2,
         linear_num_value_heads=4,
@@ -238,6 +231,7 @@ def _qwen3_next(ids: dict[str, Any], *, layer_types: list[str] | None = None) ->
         num_experts_per_tok=2,
         moe_intermediate_size=128,
         shared_expert_intermediate_size=128,
+        **_GQA,
         **_COMMON,
         **ids,
     )

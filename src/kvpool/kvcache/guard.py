@@ -12,8 +12,8 @@ data, the reason a caller reports.  :meth:`PoolGuard.call` wraps a pool call:
    traceback, and the pool's health is left as it is.
 3. A call that returns is reported as a call (it ends a run of slow ones).
 
-Without a health monitor (the EMS SDK, whose connector keeps its own), rules 1 and 3 only
-turn the failure into a reason.
+Without a health monitor (the EMS SDK, whose connector keeps its own), rule 1 only turns the
+failure into a reason, and rule 3 reports nothing.
 """
 
 from __future__ import annotations

@@ -147,25 +147,7 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         undo.callback(tcp.close)
         admin = bind_tcp(config.admin_host, config.admin_port)
         undo.callback(admin.close)
-        arena = Arena(
-            config.arena_path,
-            config.memory_bytes,
-            hugepages=config.hugepages,
-            fresh=config.fresh,
-            dir_fd=lock.fd,
-        )
-        undo.callback(arena.close)
-        journal = Journal(
-            config.journal_path,
-            arena.dev,
-            arena.ino,
-            arena.num_bytes,
-            fresh=config.fresh or not arena.is_kept,
-            dir_fd=lock.fd,
-            deferred=True,
-        )
-        undo.callback(journal.close)
-        seal_replayed(journal.replayed, arena)
+        arena, journal = _open_arena_and_journal(config, lock, undo)
         # Commit: every check has passed.  Each file is migrated in place and opened for
         # writing now, so that a refusal leaves every file as it was (kvpool.formats).
         directory = DirectoryWriter(config.directory_path, arena.num_bytes, arena.arena_id)
@@ -173,29 +155,8 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         arena.commit()
         journal.commit()
         lower = await commit_lower_tiers(lower, arena)
-        # One lease ledger for every hold: the store's reservations, pins and write areas,
-        # and the prefetch holds.
-        ledger = LeaseLedger(config.leases)
-        # One account ledger for what each tenant holds of every shared resource: the
-        # store's journal and labels, the holds, the tiers' prefetches, the connections.
-        accounts = Accounts(config.budgets)
-        holds = Holds(arena.num_bytes // 2, ledger, accounts)
-        changes = StoreChanges()
-        # Retention hints order blocks within the policy; queued requests' blocks stay.
-        retention = Retention(new_policy(config.eviction))
-        store = BlockStore(
-            arena.num_bytes,
-            eviction=QueueAwareEviction(retention, holds),
-            retention=retention,
-            high_watermark=config.high_watermark,
-            low_watermark=config.low_watermark,
-            ledger=ledger,
-            journal=journal,
-            spill=lower.writeback,
-            directory=directory,
-            events=_one_stream(events, kthena),
-            on_change=changes.notify,
-            accounts=accounts,
+        store, holds, changes = _block_store(
+            config, arena, journal, lower, directory, _one_stream(events, kthena)
         )
         if not store.counters.adopted:  # whatever an earlier daemon announced is gone
             for sink in (events, kthena):
@@ -218,10 +179,9 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
             tcp=tcp,
         )
         undo.pop_all()
-    tls = credentials.tls
     return Node(
         config,
-        tls,
+        credentials.tls,
         tcp,
         admin,
         lock,
@@ -235,6 +195,70 @@ async def build_node(config: NodeConfig, on_shutdown: Callable[[bool], None] | N
         cluster,
         server,
     )
+
+
+def _open_arena_and_journal(
+    config: NodeConfig, lock: NodeDirLock, undo: contextlib.ExitStack
+) -> tuple[Arena, Journal]:
+    """The arena, mapped as it is (its format checked), then the journal, replayed read
+    only, whose replayed entries are sealed against the arena in memory (step 5)."""
+    arena = Arena(
+        config.arena_path,
+        config.memory_bytes,
+        hugepages=config.hugepages,
+        fresh=config.fresh,
+        dir_fd=lock.fd,
+    )
+    undo.callback(arena.close)
+    journal = Journal(
+        config.journal_path,
+        arena.dev,
+        arena.ino,
+        arena.num_bytes,
+        fresh=config.fresh or not arena.is_kept,
+        dir_fd=lock.fd,
+        deferred=True,
+    )
+    undo.callback(journal.close)
+    seal_replayed(journal.replayed, arena)
+    return arena, journal
+
+
+def _block_store(
+    config: NodeConfig,
+    arena: Arena,
+    journal: Journal,
+    lower: LowerTiers,
+    directory: DirectoryWriter,
+    events: StoreEvents | None,
+) -> tuple[BlockStore, Holds, StoreChanges]:
+    """The block store, adopting what the journal describes, with the ledgers it shares
+    with the prefetch holds, and the stream of its changes (step 7)."""
+    # One lease ledger for every hold: the store's reservations, pins and write areas,
+    # and the prefetch holds.
+    ledger = LeaseLedger(config.leases)
+    # One account ledger for what each tenant holds of every shared resource: the
+    # store's journal and labels, the holds, the tiers' prefetches, the connections.
+    accounts = Accounts(config.budgets)
+    holds = Holds(arena.num_bytes // 2, ledger, accounts)
+    changes = StoreChanges()
+    # Retention hints order blocks within the policy; queued requests' blocks stay.
+    retention = Retention(new_policy(config.eviction))
+    store = BlockStore(
+        arena.num_bytes,
+        eviction=QueueAwareEviction(retention, holds),
+        retention=retention,
+        high_watermark=config.high_watermark,
+        low_watermark=config.low_watermark,
+        ledger=ledger,
+        journal=journal,
+        spill=lower.writeback,
+        directory=directory,
+        events=events,
+        on_change=changes.notify,
+        accounts=accounts,
+    )
+    return store, holds, changes
 
 
 def open_events(config: NodeConfig, tenants: Registry | None = None) -> KVEventPublisher | None:

@@ -24,9 +24,9 @@ node's describe the pool, ``medium`` ``"CPU"`` (its DRAM).
 - Token ids and the parent's hash are what a writer carried with the save
   (:class:`kvpool.keys.BlockOrigin`; the vLLM connector always does).  Blocks saved without
   them are announced with no tokens, and a parent of None.
-- Publishing never holds up the store: events go through a bounded queue to a thread;
-  past ``MAX_QUEUED`` the newest are dropped (and counted), and subscribers that fall behind
-  recover through replay.
+- Publishing never holds up the store: events go through a bounded queue to a thread
+  (:class:`kvpool.node.sink.SinkThread`); past ``MAX_QUEUED`` the newest are dropped (and
+  counted), and subscribers that fall behind recover through replay.
 
 Who reads them (the events name what the node's clients computed; with tokens, their
 prompts):
@@ -52,8 +52,6 @@ prompts):
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import tomllib
 from collections import deque
@@ -67,6 +65,7 @@ import msgspec
 from kvpool.config import EventsConfig
 from kvpool.errors import ConfigError
 from kvpool.keys import NAMESPACE_ID_BYTES, BlockOrigin
+from kvpool.node.sink import SinkThread
 from kvpool.store.block import Block
 from kvpool.tiers.tier import MEDIUM_DRAM
 
@@ -225,7 +224,13 @@ class KVEventPublisher:
         self.config = config
         self._whose = whose
         self._stored_cls, self._removed_cls, self._cleared_cls = _CLASSES[config.encoding]
-        self._queue: queue.Queue[tuple[str | None, Any]] = queue.Queue(MAX_QUEUED)
+        self._sink: SinkThread[tuple[str | None, Any]] = SinkThread(
+            "kvpool-events",
+            self._drain,
+            max_queued=MAX_QUEUED,
+            max_batch=MAX_BATCH_EVENTS,
+            gather_s=FLUSH_S,
+        )
         self._topic = config.topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
         self.num_dropped = 0
@@ -253,9 +258,10 @@ class KVEventPublisher:
             self._close_sockets()
             raise
         self.endpoint = self._streams[OPERATOR].endpoint
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
-        self._thread.start()
+        self._poller = zmq.Poller()
+        if self._replay is not None:
+            self._poller.register(self._replay, zmq.POLLIN)
+        self._sink.start()
 
     @property
     def tenant_endpoints(self) -> dict[str, str]:
@@ -353,45 +359,20 @@ class KVEventPublisher:
         return name if name is not None and name in self._streams else OPERATOR
 
     def _put(self, owner: str | None, event: Any) -> None:
-        try:
-            self._queue.put_nowait((owner, event))
-        except queue.Full:
+        if not self._sink.put((owner, event)):
             self.num_dropped += 1
 
     # -- the publishing thread ------------------------------------------------------------
 
-    def _run(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
-        while self._running or not self._queue.empty():
-            events = self._take()
-            if events:
-                self._publish(events)
-            if self._replay is not None and poller.poll(0):
-                try:
-                    self._serve_replay()
-                except Exception:  # a malformed request never stops the publisher
-                    log.exception("kvpool: KV event replay request failed")
-
-    def _take(self) -> list[tuple[str | None, Any]]:
-        try:
-            first = self._queue.get(timeout=FLUSH_S)
-        except queue.Empty:
-            return []
-        events = [first]
-        deadline = time.monotonic() + FLUSH_S
-        while len(events) < MAX_BATCH_EVENTS:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+    def _drain(self, events: list[tuple[str | None, Any]]) -> None:
+        """Publish a batch, then answer the replay requests waiting (between batches)."""
+        if events:
+            self._publish(events)
+        if self._replay is not None and self._poller.poll(0):
             try:
-                events.append(self._queue.get(timeout=left))
-            except queue.Empty:
-                break
-        return events
+                self._serve_replay()
+            except Exception:  # a malformed request never stops the publisher
+                log.exception("kvpool: KV event replay request failed")
 
     def _publish(self, events: list[tuple[str | None, Any]]) -> None:
         now = time.time()
@@ -447,6 +428,5 @@ class KVEventPublisher:
         self._ctx.term()
 
     def close(self) -> None:
-        self._running = False
-        self._thread.join(5)
+        self._sink.close(5)
         self._close_sockets()

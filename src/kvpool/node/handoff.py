@@ -41,14 +41,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.client.aio import AsyncClient
 from kvpool.cluster.cooldown import Cooldowns
 from kvpool.cluster.membership import Member
 from kvpool.cluster.placement import Placement
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, Status
 from kvpool.limits import WRITE_THROUGH_DOWN_S, WRITE_THROUGH_TIMEOUT_S
-from kvpool.node.peers import pinned_for_send
+from kvpool.node.peers import PeerClients, pinned_for_send
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tiers.disk import DiskTier
@@ -92,10 +91,9 @@ class Handoff:
         self.store = store
         self.arena = arena
         self.disk = disk
-        self.client_config = client_config
         self.targets = {member.node_id: member for member in targets}
         self._placement = Placement(list(self.targets.values()))
-        self._clients: dict[str, AsyncClient] = {}
+        self._peers = PeerClients(client_config)
         self._down = Cooldowns(WRITE_THROUGH_DOWN_S)
         self.result = HandoffResult()
         self._accounted: set[bytes] = set()  # handed or failed
@@ -120,8 +118,7 @@ class Handoff:
                 result.is_sealed = True
                 await self._pass()
         finally:
-            for client in self._clients.values():
-                await client.close()
+            await self._peers.close()
         held = self._held()
         result.num_left = sum(key not in self._accounted for key, _ in held)
         result.num_written = len({k for k, _ in held} - initial) + sum(
@@ -267,7 +264,7 @@ class Handoff:
             return
         try:
             timeout = min(WRITE_THROUGH_TIMEOUT_S, max_timeout, self._end - time.monotonic())
-            client = self._client(self.targets[node_id])
+            client = self._peers.of(self.targets[node_id])
             put = await client.put(keys, views, timeout=max(timeout, 0.1))
         except KVPoolError as exc:
             self._failed(keys)
@@ -287,10 +284,3 @@ class Handoff:
             if key not in self._accounted:
                 self._accounted.add(key)
                 self.result.num_failed += 1
-
-    def _client(self, member: Member) -> AsyncClient:
-        client = self._clients.get(member.node_id)
-        if client is None:
-            config = self.client_config.replace(address=member.tcp_address)
-            client = self._clients[member.node_id] = AsyncClient(config=config)
-        return client

@@ -43,19 +43,18 @@ What the node does:
   retry of a batch whose reply was late (Redis slower than ``REDIS_TIMEOUT_S``) changes
   nothing twice.  A count never exceeds the pool blocks that hold it.
 - It never holds up the store: events go through a bounded queue to a thread that writes
-  them; past ``MAX_QUEUED`` the newest are dropped, and a Redis that does not answer is
-  retried for ``RETRY_S``, then the batch is dropped (its entries age out by Kthena's own
-  GC).  Each drop is logged (at most once every ``DROP_LOG_S``) and counted by what was
-  lost (``num_dropped``: changes, in ``kvpool_kthena_dropped_total``).
+  them (:class:`kvpool.node.sink.SinkThread`); past ``MAX_QUEUED`` the newest are dropped,
+  and a Redis that does not answer is retried for ``RETRY_S``, then the batch is dropped
+  (its entries age out by Kthena's own GC).  Each drop is logged (at most once every
+  ``DROP_LOG_S``) and counted by what was lost (``num_dropped``: changes, in
+  ``kvpool_kthena_dropped_total``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import secrets
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ from typing import Any
 
 from kvpool.config import KthenaConfig
 from kvpool.keys import ENGINE_TTL_S, EngineRef, namespace_of
+from kvpool.node.sink import SinkThread
 from kvpool.store.block import Block
 
 log = logging.getLogger("kvpool.node")
@@ -73,7 +73,6 @@ NODE_PREFIX = "kvpool:kthena:node:"
 REFS_TTL_S = 48 * 3600  # counts outlive Kthena's 24-hour GC of its own fields
 MAX_QUEUED = 100_000
 MAX_BATCH = 512
-FLUSH_S = 0.02
 RETRY_S = 10.0
 REDIS_TIMEOUT_S = 2.0
 APPLIED_PREFIX = "kvpool:kthena:applied:"
@@ -215,11 +214,10 @@ class KthenaSink:
         self.num_written = 0
         self._dropped_logged = 0.0
         self._warned_sizes: set[int] = set()
-        self._queue: queue.Queue[_Change | str] = queue.Queue(MAX_QUEUED)
-        self._running = True
-        self._idle = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvpool-kthena", daemon=True)
-        self._thread.start()
+        self._sink: SinkThread[_Change | str] = SinkThread(
+            "kvpool-kthena", self._drain, max_queued=MAX_QUEUED, max_batch=MAX_BATCH
+        )
+        self._sink.start()
 
     # -- from the event loop (never block) ------------------------------------------------
 
@@ -270,13 +268,10 @@ class KthenaSink:
             )
 
     def _put(self, item: _Change | str) -> bool:
-        try:
-            self._queue.put_nowait(item)
-            self._idle.clear()
+        if self._sink.put(item):
             return True
-        except queue.Full:
-            self._dropped(1, f"{MAX_QUEUED} changes wait for Redis")
-            return False
+        self._dropped(1, f"{MAX_QUEUED} changes wait for Redis")
+        return False
 
     def _dropped(self, num_changes: int, why: str) -> None:
         """Count ``num_changes`` changes lost, and say so (at most every ``DROP_LOG_S``):
@@ -293,36 +288,18 @@ class KthenaSink:
 
     # -- the writing thread ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        while self._running or not self._queue.empty():
-            items = self._take()
-            if not items:
-                self._idle.set()
+    def _drain(self, items: list[_Change | str]) -> None:
+        changes: list[_Change] = []
+        for item in items:  # in order: a clear takes back what was written before it
+            if isinstance(item, _Change):
+                changes.append(item)
                 continue
-            changes: list[_Change] = []
-            for item in items:  # in order: a clear takes back what was written before it
-                if isinstance(item, _Change):
-                    changes.append(item)
-                    continue
-                if changes:
-                    self._write(changes)
-                    changes = []
-                self._retrying(1, self._clear_mine)
             if changes:
                 self._write(changes)
-
-    def _take(self) -> list[_Change | str]:
-        try:
-            first = self._queue.get(timeout=FLUSH_S)
-        except queue.Empty:
-            return []
-        items = [first]
-        while len(items) < MAX_BATCH:
-            try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return items
+                changes = []
+            self._retrying(1, self._clear_mine)
+        if changes:
+            self._write(changes)
 
     def _retrying(self, num_changes: int, write: Any, *args: Any) -> None:
         """Run ``write`` (of ``num_changes`` changes) until it lands, for at most
@@ -335,7 +312,7 @@ class KthenaSink:
                 write(*args)
                 return
             except Exception as exc:  # Redis down or refusing: never the store's problem
-                if time.monotonic() + delay > deadline or not self._running:
+                if time.monotonic() + delay > deadline or not self._sink.is_running:
                     self._dropped(num_changes, f"Redis did not take them: {exc}")
                     return
                 time.sleep(delay)
@@ -389,14 +366,8 @@ class KthenaSink:
 
     def flush(self, timeout: float) -> bool:
         """Until every event queued so far is written (or dropped); whether it was."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            waited = min(max(deadline - time.monotonic(), 0.0), FLUSH_S)
-            if self._idle.wait(waited) and self._queue.empty():
-                return True
-        return False
+        return self._sink.flush(timeout)
 
     def close(self) -> None:
-        self._running = False
-        self._thread.join(RETRY_S + 5)
+        self._sink.close(RETRY_S + 5)
         self.redis.close()

@@ -3,7 +3,7 @@ latency histograms observed by the server.  Each daemon has its own registry."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -14,137 +14,109 @@ from kvpool.protocol.messages import NodeStats
 # 50 µs .. 1 s, three buckets a decade.
 LATENCY_BUCKETS = (*(m * 10.0**e for e in range(-5, -1) for m in (5, 10, 25)), 1.0)
 
+FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
-class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], NodeStats]):
-        self._stats = stats
+# Each metric of a table: its kind, its name (after the table's prefix), its help text, and
+# the attribute of the stats it reports.
+NODE_METRICS = (
+    ("gauge", "capacity_bytes", "Arena capacity.", "capacity_bytes"),
+    ("gauge", "used_bytes", "Arena bytes allocated (committed and reserved).", "used_bytes"),
+    ("gauge", "reserved_bytes", "Arena bytes reserved by writes in flight.", "reserved_bytes"),
+    (
+        "gauge",
+        "area_bytes",
+        "Free arena bytes that same-host writers hold as write areas.",
+        "area_bytes",
+    ),
+    ("gauge", "blocks", "Committed blocks.", "num_blocks"),
+    ("gauge", "pinned_blocks", "Blocks pinned by readers.", "num_pinned"),
+    ("gauge", "connections", "Open client connections.", "num_connections"),
+    (
+        "gauge",
+        "strangers",
+        "Connections still in their handshake (their own pool).",
+        "num_strangers",
+    ),
+    (
+        "counter",
+        "strangers_evicted",
+        "Connections closed in their handshake to make room for newer ones.",
+        "strangers_evicted",
+    ),
+    (
+        "gauge",
+        "metadata_bytes",
+        "Heap the block index takes (an O(1) estimate).",
+        "metadata_bytes",
+    ),
+    (
+        "gauge",
+        "connection_buffer_bytes",
+        "Receive buffers of the open connections.",
+        "connection_buffer_bytes",
+    ),
+    (
+        "gauge",
+        "heap_bytes",
+        "The daemon's anonymous resident memory (RssAnon): index, buffers and the rest.",
+        "heap_bytes",
+    ),
+    (
+        "counter",
+        "kthena_written",
+        "Owner changes of Kthena's Redis entries written (each once).",
+        "kthena_written",
+    ),
+    (
+        "counter",
+        "kthena_dropped",
+        "Owner changes of Kthena's Redis entries dropped: the queue was full, or "
+        "Redis did not take them past the retries.",
+        "kthena_dropped",
+    ),
+    ("counter", "hits", "Blocks found by lookups.", "hits"),
+    ("counter", "misses", "Blocks not found by lookups.", "misses"),
+    ("counter", "puts", "Blocks committed.", "puts"),
+    ("counter", "evictions", "Blocks evicted.", "evictions"),
+    (
+        "gauge",
+        "retained_blocks",
+        "Blocks retention hints hold at a priority other than the default.",
+        "retained_blocks",
+    ),
+    (
+        "counter",
+        "retention_refused",
+        "Blocks retention hints asked for past their tenant's retained bytes.",
+        "retention_refused",
+    ),
+    ("counter", "bytes_in", "Payload bytes written into the arena.", "bytes_in"),
+    ("counter", "bytes_out", "Payload bytes read out of the arena.", "bytes_out"),
+    (
+        "counter",
+        "corrupt_blocks",
+        "Blocks found corrupt (by readers or the scrubber) and dropped.",
+        "corrupt_reports",
+    ),
+    ("counter", "scrubbed_bytes", "Bytes the scrubber re-hashed.", "scrubbed_bytes"),
+)
 
-    def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        labels = ["node"]
-        node = [s.node_id]
-        families = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
-        for kind, name, doc, value in (
-            ("gauge", "kvpool_capacity_bytes", "Arena capacity.", s.capacity_bytes),
-            (
-                "gauge",
-                "kvpool_used_bytes",
-                "Arena bytes allocated (committed and reserved).",
-                s.used_bytes,
-            ),
-            (
-                "gauge",
-                "kvpool_reserved_bytes",
-                "Arena bytes reserved by writes in flight.",
-                s.reserved_bytes,
-            ),
-            (
-                "gauge",
-                "kvpool_area_bytes",
-                "Free arena bytes that same-host writers hold as write areas.",
-                s.area_bytes,
-            ),
-            ("gauge", "kvpool_blocks", "Committed blocks.", s.num_blocks),
-            ("gauge", "kvpool_pinned_blocks", "Blocks pinned by readers.", s.num_pinned),
-            ("gauge", "kvpool_connections", "Open client connections.", s.num_connections),
-            (
-                "gauge",
-                "kvpool_strangers",
-                "Connections still in their handshake (their own pool).",
-                s.num_strangers,
-            ),
-            (
-                "counter",
-                "kvpool_strangers_evicted",
-                "Connections closed in their handshake to make room for newer ones.",
-                s.strangers_evicted,
-            ),
-            (
-                "gauge",
-                "kvpool_metadata_bytes",
-                "Heap the block index takes (an O(1) estimate).",
-                s.metadata_bytes,
-            ),
-            (
-                "gauge",
-                "kvpool_metadata_bytes_per_block",
-                "Heap the block index takes per committed block.",
-                s.metadata_bytes / max(s.num_blocks, 1),
-            ),
-            (
-                "gauge",
-                "kvpool_connection_buffer_bytes",
-                "Receive buffers of the open connections.",
-                s.connection_buffer_bytes,
-            ),
-            (
-                "gauge",
-                "kvpool_connection_buffer_bytes_per_connection",
-                "Receive buffer bytes per open connection.",
-                s.connection_buffer_bytes / max(s.num_connections, 1),
-            ),
-            (
-                "gauge",
-                "kvpool_heap_bytes",
-                "The daemon's anonymous resident memory (RssAnon): index, buffers and the rest.",
-                s.heap_bytes,
-            ),
-            (
-                "counter",
-                "kvpool_kthena_written",
-                "Owner changes of Kthena's Redis entries written (each once).",
-                s.kthena_written,
-            ),
-            (
-                "counter",
-                "kvpool_kthena_dropped",
-                "Owner changes of Kthena's Redis entries dropped: the queue was full, or "
-                "Redis did not take them past the retries.",
-                s.kthena_dropped,
-            ),
-            ("counter", "kvpool_hits", "Blocks found by lookups.", s.hits),
-            ("counter", "kvpool_misses", "Blocks not found by lookups.", s.misses),
-            ("counter", "kvpool_puts", "Blocks committed.", s.puts),
-            ("counter", "kvpool_evictions", "Blocks evicted.", s.evictions),
-            (
-                "gauge",
-                "kvpool_retained_blocks",
-                "Blocks retention hints hold at a priority other than the default.",
-                s.retained_blocks,
-            ),
-            (
-                "counter",
-                "kvpool_retention_refused",
-                "Blocks retention hints asked for past their tenant's retained bytes.",
-                s.retention_refused,
-            ),
-            ("counter", "kvpool_bytes_in", "Payload bytes written into the arena.", s.bytes_in),
-            ("counter", "kvpool_bytes_out", "Payload bytes read out of the arena.", s.bytes_out),
-            (
-                "counter",
-                "kvpool_corrupt_blocks",
-                "Blocks found corrupt (by readers or the scrubber) and dropped.",
-                s.corrupt_reports,
-            ),
-            ("counter", "kvpool_scrubbed_bytes", "Bytes the scrubber re-hashed.", s.scrubbed_bytes),
-        ):
-            family = families[kind](name, doc, labels=labels)
-            family.add_metric(node, value)
-            yield family
-        yield from _tier_families(s)
-        ns_blocks = GaugeMetricFamily(
-            "kvpool_namespace_blocks", "Committed blocks per namespace.", labels=["namespace"]
-        )
-        ns_bytes = GaugeMetricFamily(
-            "kvpool_namespace_used_bytes", "Bytes per namespace.", labels=["namespace"]
-        )
-        for ns in s.namespaces:
-            ns_blocks.add_metric([ns.namespace_id], ns.num_blocks)
-            ns_bytes.add_metric([ns.namespace_id], ns.used_bytes)
-        yield ns_blocks
-        yield ns_bytes
-        yield from _account_families(s)
-
+# What the node's bookkeeping costs per unit: the name, the help text, the stats' total and
+# the count it is divided by.
+PER_UNIT_METRICS = (
+    (
+        "metadata_bytes_per_block",
+        "Heap the block index takes per committed block.",
+        "metadata_bytes",
+        "num_blocks",
+    ),
+    (
+        "connection_buffer_bytes_per_connection",
+        "Receive buffer bytes per open connection.",
+        "connection_buffer_bytes",
+        "num_connections",
+    ),
+)
 
 TIER_METRICS = (
     ("gauge", "capacity_bytes", "Capacity of the tier.", "capacity_bytes"),
@@ -197,13 +169,51 @@ PREFETCH_METRICS = (
 )
 
 
-def _tier_families(s: NodeStats) -> Iterator[Metric]:
-    families = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
-    for kind, name, doc, attribute in TIER_METRICS:
-        family = families[kind](f"kvpool_tier_{name}", doc, labels=["node", "tier"])
-        for tier in s.tiers:
-            family.add_metric([s.node_id, tier.name], getattr(tier, attribute))
+class _StatsCollector(Collector):
+    """The node's stats, read on each scrape: the node's own, its tiers', its prefetches',
+    its namespaces' and its tenants'."""
+
+    def __init__(self, stats: Callable[[], NodeStats]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        node = [([s.node_id], s)]
+        yield from _families("kvpool_", NODE_METRICS, ["node"], node)
+        yield from _per_unit_families(s)
+        tiers = [([s.node_id, tier.name], tier) for tier in s.tiers]
+        yield from _families("kvpool_tier_", TIER_METRICS, ["node", "tier"], tiers)
+        yield _estimates_family(s)
+        if s.prefetch is not None:
+            prefetch = [([s.node_id], s.prefetch)]
+            yield from _families("kvpool_prefetch_", PREFETCH_METRICS, ["node"], prefetch)
+        yield from _namespace_families(s)
+        yield from _account_families(s)
+
+
+def _families(
+    prefix: str,
+    table: tuple[tuple[str, str, str, str], ...],
+    labels: list[str],
+    sources: Sequence[tuple[list[str], object]],
+) -> Iterator[Metric]:
+    """A family per metric of ``table``, with a sample per source: its label values, and
+    the object whose attribute the metric reports."""
+    for kind, name, doc, attribute in table:
+        family = FAMILIES[kind](prefix + name, doc, labels=labels)
+        for label_values, source in sources:
+            family.add_metric(label_values, getattr(source, attribute))
         yield family
+
+
+def _per_unit_families(s: NodeStats) -> Iterator[Metric]:
+    for name, doc, total, unit in PER_UNIT_METRICS:
+        family = GaugeMetricFamily(f"kvpool_{name}", doc, labels=["node"])
+        family.add_metric([s.node_id], getattr(s, total) / max(getattr(s, unit), 1))
+        yield family
+
+
+def _estimates_family(s: NodeStats) -> Metric:
     estimated = GaugeMetricFamily(
         "kvpool_tier_estimated_hit_rate",
         "The hit rate the node estimates it would have with the tier at `scale` times its "
@@ -213,37 +223,41 @@ def _tier_families(s: NodeStats) -> Iterator[Metric]:
     for tier in s.tiers:
         for estimate in tier.estimates:
             estimated.add_metric([s.node_id, tier.name, f"{estimate.scale:g}"], estimate.hit_rate)
-    yield estimated
-    if s.prefetch is not None:
-        for kind, name, doc, attribute in PREFETCH_METRICS:
-            family = families[kind](f"kvpool_prefetch_{name}", doc, labels=["node"])
-            family.add_metric([s.node_id], getattr(s.prefetch, attribute))
-            yield family
+    return estimated
+
+
+def _namespace_families(s: NodeStats) -> Iterator[Metric]:
+    blocks = GaugeMetricFamily(
+        "kvpool_namespace_blocks", "Committed blocks per namespace.", labels=["namespace"]
+    )
+    used = GaugeMetricFamily(
+        "kvpool_namespace_used_bytes", "Bytes per namespace.", labels=["namespace"]
+    )
+    for ns in s.namespaces:
+        blocks.add_metric([ns.namespace_id], ns.num_blocks)
+        used.add_metric([ns.namespace_id], ns.used_bytes)
+    yield blocks
+    yield used
+
+
+# Each tenant's use of each budget: the kind, the name, the help text, and the account's
+# map of budget to value.
+ACCOUNT_METRICS = (
+    ("gauge", "used", "What each tenant holds of each budget.", "used"),
+    ("gauge", "limit", "Each tenant's limit of each budget.", "limits"),
+    ("counter", "refused", "Requests refused past a tenant's budget.", "refused"),
+)
 
 
 def _account_families(s: NodeStats) -> Iterator[Metric]:
     """Each tenant's use of each budget (kvpool.store.accounts), its limit and its
     refusals: ``budget`` is the resource's name (``buffer_bytes``, ``parked_keys``, ...)."""
-    labels = ["node", "tenant", "budget"]
-    used = GaugeMetricFamily(
-        "kvpool_tenant_used", "What each tenant holds of each budget.", labels=labels
-    )
-    limit = GaugeMetricFamily(
-        "kvpool_tenant_limit", "Each tenant's limit of each budget.", labels=labels
-    )
-    refused = CounterMetricFamily(
-        "kvpool_tenant_refused", "Requests refused past a tenant's budget.", labels=labels
-    )
-    for account in s.accounts:
-        for budget, value in account.used.items():
-            used.add_metric([s.node_id, account.tenant, budget], value)
-        for budget, value in account.limits.items():
-            limit.add_metric([s.node_id, account.tenant, budget], value)
-        for budget, value in account.refused.items():
-            refused.add_metric([s.node_id, account.tenant, budget], value)
-    yield used
-    yield limit
-    yield refused
+    for kind, name, doc, attribute in ACCOUNT_METRICS:
+        family = FAMILIES[kind](f"kvpool_tenant_{name}", doc, labels=["node", "tenant", "budget"])
+        for account in s.accounts:
+            for budget, value in getattr(account, attribute).items():
+                family.add_metric([s.node_id, account.tenant, budget], value)
+        yield family
 
 
 class NodeMetrics:

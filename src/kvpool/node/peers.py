@@ -88,6 +88,27 @@ def peer_client_config(config: NodeConfig) -> ClientConfig:
     )
 
 
+class PeerClients:
+    """A client of each other node, made on first use and closed together: every talk of
+    this node to its peers (write-through, deletes, prefetch, handoff) goes through one."""
+
+    def __init__(self, config: ClientConfig):
+        self.config = config  # :func:`peer_client_config`'s, for every peer's address
+        self._by_address: dict[str, AsyncClient] = {}
+
+    def of(self, member: Member) -> AsyncClient:
+        client = self._by_address.get(member.tcp_address)
+        if client is None:
+            config = self.config.replace(address=member.tcp_address)
+            client = self._by_address[member.tcp_address] = AsyncClient(config=config)
+        return client
+
+    async def close(self) -> None:
+        for client in self._by_address.values():
+            await client.close()
+        self._by_address.clear()
+
+
 class NodeAgent:
     """Built before the node's server (which it is handed to as its cluster hooks); joins
     the cluster once the server listens (:meth:`start`)."""
@@ -104,8 +125,7 @@ class NodeAgent:
             raise ConfigError("a node joins a cluster only with --peers or --etcd")
         self.membership: Membership = membership
         self.member = Member(node_id="", tcp_address="")
-        self.client_config = peer_client_config(config)
-        self._peers: dict[str, AsyncClient] = {}
+        self.peers = PeerClients(peer_client_config(config))
         self._queue: deque[bytes] = deque(maxlen=MAX_QUEUED_KEYS)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -164,8 +184,7 @@ class NodeAgent:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for client in self._peers.values():
-            await client.close()
+        await self.peers.close()
         await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
 
     # -- write-through --------------------------------------------------------------------
@@ -214,7 +233,7 @@ class NodeAgent:
             with pinned_for_send(self.store, self.arena, keys) as send:
                 if not send.keys:
                     return
-                client = self._peer(target)
+                client = self.peers.of(target)
                 timeout = min(WRITE_THROUGH_TIMEOUT_S, send.lease_s / 2)
                 result = await client.put(send.keys, send.views, timeout=timeout)
                 self.num_replicated += result.num_stored
@@ -243,7 +262,7 @@ class NodeAgent:
 
         async def delete(node_id: str, indices: list[int]) -> None:
             try:
-                client = self._peer(members[node_id])
+                client = self.peers.of(members[node_id])
                 await client.delete([keys[i] for i in indices], timeout=WRITE_THROUGH_TIMEOUT_S)
             except KVPoolError as exc:
                 log.debug("delete of %d blocks at %s failed: %s", len(indices), node_id, exc)
@@ -273,7 +292,7 @@ class NodeAgent:
             wanted = [i for i in indices if found[i] is None]
             if not wanted:
                 return
-            node = self._peer(members[node_id]).sync.local
+            node = self.peers.of(members[node_id]).sync.local
             assert node is not None  # a client of one address: its node
             asked = [keys[i] for i in wanted]
             try:
@@ -293,10 +312,3 @@ class NodeAgent:
 
         await asyncio.gather(*(ask(n, ix) for n, ix in groups.items()))
         return found
-
-    def _peer(self, member: Member) -> AsyncClient:
-        client = self._peers.get(member.tcp_address)
-        if client is None:
-            config = self.client_config.replace(address=member.tcp_address)
-            client = self._peers[member.tcp_address] = AsyncClient(config=config)
-        return client

@@ -179,10 +179,10 @@ class BlockStore:
         """``ledger``: the node's lease ledger, shared with its prefetch holds (else the
         store keeps one of its own under ``leases``); ``events``: told of every block that
         becomes visible or leaves; ``on_change``: told of the keys a waiting lookup may be
-        waiting for (rule 17); ``accounts``: the node's account ledger (rule 16; else one of
-        the store's own, with no tenants); ``retention``: the retention priorities inside
-        ``eviction`` (the node wraps them in its prefetch holds' policy; else the store
-        wraps ``eviction`` in them itself)."""
+        waiting for (rule 17); ``accounts``: the node's account ledger (rules 16 and 20;
+        else one of the store's own, with no tenants); ``retention``: the retention
+        priorities inside ``eviction`` (the node wraps them in its prefetch holds' policy;
+        else the store wraps ``eviction`` in them itself)."""
         self.allocator = allocator or SegregatedFitAllocator(capacity)
         self.capacity = self.allocator.capacity
         self.accounts = accounts if accounts is not None else Accounts()
@@ -221,7 +221,7 @@ class BlockStore:
         self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
         self.areas = WriteAreas(self.allocator, self.ledger)
         self.space = Space(self.allocator, self.eviction, self, high_watermark, low_watermark)
-        # The clients' accesses, sampled: what more or less memory would buy (rule 16).
+        # The clients' accesses, sampled: what more or less memory would buy (rule 18).
         self.reuse = ReuseSampler()
         self.reuse.cover(ESTIMATE_SCALES[-1] * self.index.max_blocks)
         # Told of changes only after adopting: adopted blocks were announced when stored.
@@ -531,7 +531,7 @@ class BlockStore:
     ) -> CommitResult:
         """Make taken blocks visible, with checksums the node computed over their bytes.
         ``by_client`` false: the node's own promotion from a lower tier, which is not an
-        access (rule 16) and does not trim (rule 6): the read it serves pins what it
+        access (rule 18) and does not trim (rule 6): the read it serves pins what it
         brought up, and the next write trims."""
         if len(checksums) != len(blocks):
             raise BadRequest(f"{len(checksums)} checksums for a reservation of {len(blocks)}")

@@ -29,10 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvpool.store.accounts import Accounts, Resource
-from kvpool.store.eviction import Allowed, EvictionPolicy, GroupOf, KeyOf
+from kvpool.store.eviction import Allowed, EvictionPolicy, PolicyWrapper
 from kvpool.store.leases import LeaseBook, LeaseKind, LeaseLedger, Owner
 
 
@@ -132,60 +130,18 @@ class Holds:
         self.counters.wasted += hold.fetched
 
 
-class QueueAwareEviction:
+class QueueAwareEviction(PolicyWrapper):
     """An eviction policy that never picks a held block: the inner policy's order among
     the blocks no queued request needs.  The caller guarantees what
     :class:`~kvpool.store.eviction.EvictionPolicy` asks; holds lapse by themselves."""
 
     def __init__(self, inner: EvictionPolicy, holds: Holds) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.holds = holds
-        self._key_of: KeyOf = bytes
-
-    @property
-    def follows_prefixes(self) -> bool:
-        return self.inner.follows_prefixes
-
-    def bind(self, num_slots: int, key_of: KeyOf) -> None:
-        self._key_of = key_of
-        self.inner.bind(num_slots, key_of)
-
-    def touch(self, slot: int) -> None:
-        self.inner.touch(slot)
-
-    def touch_many(self, slots: np.ndarray) -> None:
-        self.inner.touch_many(slots)
-
-    def remove(self, slot: int) -> None:
-        self.inner.remove(slot)
-
-    def remove_many(self, slots: np.ndarray) -> None:
-        self.inner.remove_many(slots)
-
-    def forget(self, slot: int) -> None:
-        self.inner.forget(slot)
-
-    def link(self, slot: int, parent: int) -> None:
-        self.inner.link(slot, parent)
 
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         # A held block skipped here is moved behind the others by the inner policy.
-        is_held, key_of = self.holds.is_held, self._key_of
+        is_held, key_of = self.holds.is_held, self.key_of
         if not self.holds:
             return self.inner.victims(allowed)
         return (slot for slot in self.inner.victims(allowed) if not is_held(key_of(slot)))
-
-    def regroup(self, group_of: GroupOf | None) -> None:
-        self.inner.regroup(group_of)
-
-    def adopt(self, slots: np.ndarray) -> None:
-        self.inner.adopt(slots)
-
-    def recency(self, slots: np.ndarray) -> np.ndarray:
-        return self.inner.recency(slots)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def nbytes(self, num_slots: int) -> int:
-        return self.inner.nbytes(num_slots)

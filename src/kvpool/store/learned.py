@@ -1,22 +1,24 @@
 """``--eviction learned``: least recently used, weighted by what the node learns of which
 blocks are read again, and never a prefix before its extensions.
 
-Measured on Mooncake's conversation trace (docs/benchmarks.md, "The pool's value on real
+Measured on Mooncake's conversation trace (docs/benchmarks-log.md, "The pool's value on real
 traffic"), the one signal the pool sees that separates blocks read again from the rest is
 how often a block was read since it was written: a block never read comes back about a
 quarter of the time, one read once four times in ten, one read three times or more three
 times in four.  Signals of a request's shape (its new blocks, their place) separate less.
 
 - **Classes**: a block's class is how often it was read since it was written (0, 1, 2, 3 or
-  more: ``NUM_CLASSES``).  Each (tenant group, class) is an LRU list (the lists of
-  :class:`~kvpool.store.eviction.LRUPolicy`), and the victim is the head, among the lists a
-  pass may take from, whose age (touches since its last) divided by its class's *weight* is
-  largest: a class twice as likely to be read again keeps its blocks twice as long.
+  more: ``NUM_CLASSES``).  Each (tenant group, class) is an LRU list (one of
+  :class:`~kvpool.store.lru_lists.LRULists`, as LRU's groups are), and the victim is the
+  head, among the lists a pass may take from, whose age (touches since its last) divided by
+  its class's *weight* is largest: a class twice as likely to be read again keeps its
+  blocks twice as long.
 - **Weights, learned**: :class:`Tuner` follows a spatial sample of the keys (a key is
-  sampled if its hash falls under a threshold, SHARDS-style) and counts, per class, how
-  often a sampled block is used again (read, or written again after it left) within a
-  horizon of a few times what the node holds.  A class's weight is its odds of that,
-  raised to a *strength*, relative to the mean.
+  sampled if its stable hash falls under a threshold, SHARDS-style; why keys, and why that
+  hash, is decided once for the store's samples: :mod:`kvpool.store.reuse`, *Sampling*)
+  and counts, per class, how often a sampled block is used again (read, or written again
+  after it left) within a horizon of a few times what the node holds.  A class's weight is
+  its odds of that, raised to a *strength*, relative to the mean.
 - **Strength, chosen by measurement**: the tuner also runs miniature simulations of the
   cache on the sampled keys (Waldspurger et al., "Cache Modeling and Optimization using
   Miniature Simulations", ATC'17), one per candidate strength, each as large as the node's
@@ -31,7 +33,7 @@ times in four.  Signals of a request's shape (its new blocks, their place) separ
   every block it extends.  So a parent never leaves before a descendant still held, and
   the dead extensions of a prefix that goes leave with it.
 
-Cost: per touch, O(1) (a hash of the key and a dictionary probe for the sample; a sampled
+Cost: per touch, O(1) (a stable hash of the key and a dictionary probe for the sample; a sampled
 key costs a step of each miniature, O(candidates x classes)); per victim, O(tenant groups x
 classes), and an extension is visited as it is evicted.  Memory: 17 bytes a slot of columns
 (touches, and the prefix tree's parent, first child and siblings), and the sample's bounded
@@ -42,12 +44,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import cast
 
 import numpy as np
 
-from kvpool.store.eviction import NONE, Allowed, Group, GroupOf, KeyOf, LRUPolicy
+from kvpool.store.eviction import Allowed, Group, GroupOf, KeyOf
 from kvpool.store.index import Reserved
+from kvpool.store.lru_lists import NONE, LRULists
+from kvpool.store.reuse import SAMPLE_HASH_BITS, sample_hash
 
 NUM_CLASSES = 4  # reads since written: 0, 1, 2, 3 or more
 STRENGTHS = (0.0, 0.25, 0.5, 0.75)  # candidate exponents of the classes' odds
@@ -56,8 +59,6 @@ MAX_FOLLOWED = 8 * MINI_BLOCKS  # sampled keys followed at most (a read-again ho
 RETUNE_EVERY = 2048  # sampled accesses between choices of the weights
 DECAY = 0.7  # of the miniatures' hits, at each choice
 ODDS_DECAY = 0.95  # of the classes' counts, at each choice
-HASH_BITS = 32
-HASH_MASK = (1 << HASH_BITS) - 1
 
 
 class Miniature:
@@ -106,7 +107,7 @@ class Tuner:
     def _start(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.rate = min(1.0, MINI_BLOCKS / self.capacity)
-        self._threshold = int(self.rate * (1 << HASH_BITS))
+        self._threshold = int(self.rate * (1 << SAMPLE_HASH_BITS))
         self.now = 0  # sampled accesses
         # Sampled key -> (class at its last access, when): oldest first.
         self._followed: OrderedDict[int, tuple[int, int]] = OrderedDict()
@@ -125,8 +126,9 @@ class Tuner:
         self._start(capacity)
 
     def access(self, key_hash: int, cls: int) -> None:
-        """A touch of a key that leaves it in class ``cls`` (``cls`` > 0: it was a read)."""
-        if key_hash & HASH_MASK >= self._threshold:
+        """A touch of the key whose :func:`~kvpool.store.reuse.sample_hash` is ``key_hash``
+        that leaves it in class ``cls`` (``cls`` > 0: it was a read)."""
+        if key_hash >= self._threshold:
             return
         self.now += 1
         now = self.now
@@ -171,25 +173,24 @@ class Tuner:
         self._again *= ODDS_DECAY
 
 
-class LearnedPolicy(LRUPolicy):
+class LearnedPolicy:
     """See the module's docstring."""
 
     follows_prefixes = True
 
     def __init__(self) -> None:
-        super().__init__()
-        # Per list (by number): its tenant group and its class.  List 0: nobody's, class 0.
-        self._numbers = {(None, 0): 0}
-        self._groups = [(None, 0)]
-        self._list_groups: list[Group] = [None]
-        self._list_classes: list[int] = [0]
+        self._group_of: GroupOf = _nobody
+        # One list per (tenant group, class); list 0: nobody's, class 0.
+        self._lists: LRULists[tuple[Group, int]] = LRULists((None, 0))
         self.tuner = Tuner(1)
         self._key_of: KeyOf = bytes
         self._num_held = 0
         self._resume: tuple[int, int] | None = None  # (root, block) where a walk stopped
+        self.num_visited = 0  # candidates yielded and steps down the prefix tree, ever
+        self.bind(0, bytes)
 
     def bind(self, num_slots: int, key_of: KeyOf) -> None:
-        super().bind(num_slots, key_of)
+        self._lists.bind(num_slots)
         self._key_of = key_of
         space = Reserved(num_slots)
         # Per slot: touches since written (saturating; 0: not held); the prefix tree of the
@@ -203,23 +204,16 @@ class LearnedPolicy(LRUPolicy):
         self.tuner = Tuner(num_slots)
         self._num_held = 0
 
+    def __len__(self) -> int:
+        return len(self._lists)
+
     def nbytes(self, num_slots: int) -> int:
         columns = num_slots * (1 + 4 * 4)
-        return super().nbytes(num_slots) + columns + self.tuner.nbytes()
+        return self._lists.nbytes(num_slots) + columns + self.tuner.nbytes()
 
-    def _number(self, group: Group) -> int:
-        """The number of the list of ``(tenant group, class)``."""
-        number = self._numbers.get(group)
-        if number is None:
-            number = super()._number(group)
-            tenant_group, cls = cast(tuple[Group, int], group)
-            self._list_groups.append(tenant_group)
-            self._list_classes.append(cls)
-        return number
-
-    def _list_of(self, slot: int) -> int:
-        cls = min(self._touches[slot] - 1, NUM_CLASSES - 1)
-        return self._number((self._group_of(slot), cls))
+    def _label_of(self, slot: int) -> tuple[Group, int]:
+        """The slot's list: its tenant group's, of its class."""
+        return self._group_of(slot), min(self._touches[slot] - 1, NUM_CLASSES - 1)
 
     # -- what the store tells -------------------------------------------------------------
 
@@ -231,18 +225,19 @@ class LearnedPolicy(LRUPolicy):
         elif touches < 255:
             touches += 1
         self._touches[slot] = touches
-        self.tuner.access(hash(self._key_of(slot)), min(touches - 1, NUM_CLASSES - 1))
-        listed = self._listed[slot]
-        if listed:
-            self._unlink(slot, listed - 1)
-        self._clock += 1
-        self._stamp[slot] = self._clock
-        self._append(slot, self._list_of(slot))
+        self.tuner.access(sample_hash(self._key_of(slot)), min(touches - 1, NUM_CLASSES - 1))
+        self._lists.push(slot, self._lists.list_of(self._label_of(slot)))
 
     def touch_many(self, slots: np.ndarray) -> None:
         # Each touch counts towards the block's class and the tuner's odds: one at a time.
         for slot in slots.tolist():
             self.touch(slot)
+
+    def remove(self, slot: int) -> None:
+        self._lists.remove(slot)
+
+    def remove_many(self, slots: np.ndarray) -> None:
+        self._lists.remove_many(slots)
 
     def forget(self, slot: int) -> None:
         if self._resume is not None and slot in self._resume:
@@ -289,13 +284,14 @@ class LearnedPolicy(LRUPolicy):
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         # The miniatures simulate the memory the node really holds (known once it evicts).
         self.tuner.resize(self._num_held)
-        budget = self._size
+        budget = len(self._lists)
+        heads = self._lists.heads
         while budget > 0:
             slot, number = self._head(allowed)
             if slot == NONE:
                 return
             yield from self._leaves_first(slot)
-            if self._touches[slot] and self._heads[number] == slot:
+            if self._touches[slot] and heads[number] == slot:
                 budget -= 1
                 self._requeue(slot)  # kept (or an extension of it is): behind the others
 
@@ -334,7 +330,7 @@ class LearnedPolicy(LRUPolicy):
         to it again from each of them."""
         while node >= 0 and node != root:
             self.num_visited += 1
-            if self._listed[node]:
+            if self._lists.is_listed(node):
                 self._requeue(node)
             node = self._parent[node] - 1
 
@@ -342,39 +338,30 @@ class LearnedPolicy(LRUPolicy):
         """The head, among the lists of the groups ``allowed`` admits now, whose age over
         its class's weight is largest, and its list's number (NONE, NONE: none)."""
         best, best_number, best_score = NONE, NONE, -1.0
-        stamp, clock, weights = self._stamp, self._clock, self.tuner.weights
-        groups, classes = self._list_groups, self._list_classes
-        for number, head in enumerate(self._heads):
-            if head == NONE or (allowed is not None and not allowed(groups[number])):
+        stamp, clock, weights = self._lists.stamp, self._lists.clock, self.tuner.weights
+        labels = self._lists.labels
+        for number, head in enumerate(self._lists.heads):
+            if head == NONE:
                 continue
-            score = (clock - stamp[head]) / weights[classes[number]]
+            group, cls = labels[number]
+            if allowed is not None and not allowed(group):
+                continue
+            score = (clock - stamp(head)) / weights[cls]
             if score > best_score:
                 best, best_number, best_score = head, number, score
         return best, best_number
 
     def _requeue(self, slot: int) -> None:
         """A candidate the caller kept goes behind the others of its list (not a read)."""
-        number = self._listed[slot] - 1
-        self._unlink(slot, number)
-        self._clock += 1
-        self._stamp[slot] = self._clock
-        self._append(slot, number)
+        self._lists.push(slot, self._lists.where(slot))
 
     # -- groups and restarts ----------------------------------------------------------------
 
     def regroup(self, group_of: GroupOf | None) -> None:
         """Sort the listed slots into new groups, keeping their order and classes (at a
         reload of the tenants: it visits every listed slot once)."""
-        listed = np.flatnonzero(self._listed_column)
-        order = listed[np.argsort(self._stamps[listed], kind="stable")]
-        self._listed_column[order] = 0
         self._group_of = group_of or _nobody
-        self._numbers, self._groups = {(None, 0): 0}, [(None, 0)]
-        self._list_groups, self._list_classes = [None], [0]
-        self._heads, self._tails = [NONE], [NONE]
-        self._size = 0
-        for slot in order.tolist():
-            self._append(slot, self._list_of(slot))
+        self._lists.relist(self._label_of)
 
     def adopt(self, slots: np.ndarray) -> None:
         """A warm restart's blocks, oldest first: held, never read (what they were is not
@@ -383,13 +370,15 @@ class LearnedPolicy(LRUPolicy):
             return
         self._touches_column[slots] = 1
         self._num_held += len(slots)
-        if self._size or len(self._groups) > 1:
+        if len(self._lists) or len(self._lists.labels) > 1:
             for slot in slots.tolist():
-                self._clock += 1
-                self._stamp[slot] = self._clock
-                self._append(slot, self._list_of(slot))
+                self._lists.push(slot, self._lists.list_of(self._label_of(slot)))
             return
-        self._append_run(slots, 0)
+        self._lists.push_many(slots)
+
+    def recency(self, slots: np.ndarray) -> np.ndarray:
+        """When each slot was last touched or kept (larger: more recent)."""
+        return self._lists.stamps(slots)
 
 
 def _nobody(slot: int) -> Group:

@@ -32,18 +32,20 @@ import numpy as np
 
 from kvpool.retention import DEFAULT_PRIORITY
 from kvpool.store.accounts import NODE, Accounts, Resource
-from kvpool.store.eviction import Allowed, EvictionPolicy, GroupOf, KeyOf, LRUPolicy
+from kvpool.store.eviction import Allowed, EvictionPolicy, GroupOf, KeyOf, LRUPolicy, PolicyWrapper
 from kvpool.store.index import Reserved
 
 Clock = Callable[[], float]
+Slots = Callable[[np.ndarray], None]  # a policy's call on many slots at once
 
 
 def _no_group(slot: int) -> object:
     return None
 
 
-class Retention:
-    """The inner policy, with blocks of other priorities in lists of their own."""
+class Retention(PolicyWrapper):
+    """The inner policy, with blocks of other priorities in lists of their own (a
+    restarted node's blocks, ``adopt``, are all at the default: the inner policy's)."""
 
     def __init__(
         self,
@@ -53,13 +55,12 @@ class Retention:
         max_node_bytes: int = 0,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.accounts = accounts if accounts is not None else Accounts()
         self.max_node_bytes = max_node_bytes  # the node's own account's bound (0: none)
         self.clock = clock
         self._lists = LRUPolicy()
         self._group_of: GroupOf = _no_group
-        self._key_of: KeyOf = bytes
         self._num_at: dict[int, int] = {}  # slots per priority other than the default
         self._charged: dict[int, tuple[bytes, int]] = {}  # slot -> (account, bytes)
         self._deadlines: list[tuple[float, int]] = []  # (deadline, slot), a heap
@@ -68,13 +69,8 @@ class Retention:
         self.bind(0, bytes)
         self.regroup(None)
 
-    @property
-    def follows_prefixes(self) -> bool:
-        return self.inner.follows_prefixes
-
     def bind(self, num_slots: int, key_of: KeyOf) -> None:
-        self._key_of = key_of
-        self.inner.bind(num_slots, key_of)
+        super().bind(num_slots, key_of)
         self._lists.bind(num_slots, key_of)
         space = Reserved(num_slots)
         self._priority_column, self._priority = space.column(np.uint8)
@@ -124,7 +120,7 @@ class Retention:
         return True
 
     def _charge(self, slot: int, num_bytes: int) -> bool:
-        account = self.accounts.account_of(self._key_of(slot))
+        account = self.accounts.account_of(self.key_of(slot))
         if account == NODE:
             if self.max_node_bytes and self.node_bytes + num_bytes > self.max_node_bytes:
                 return False
@@ -164,12 +160,16 @@ class Retention:
         """Back to the default priority (rule 1): the inner policy's again."""
         listed = self._lists.is_listed(slot)
         self._lists.remove(slot)
+        self._to_default(slot)
+        if listed or touch:
+            self.inner.touch(slot)
+
+    def _to_default(self, slot: int) -> None:
+        """The slot's priority, its charge and its deadline back to the default's (none)."""
         self._credit(slot)
         self._count(slot, -1)
         self._priority[slot] = DEFAULT_PRIORITY
         self._deadline[slot] = 0.0
-        if listed or touch:
-            self.inner.touch(slot)
 
     def expire(self) -> int:
         """Revert every block whose deadline has passed; how many."""
@@ -205,35 +205,29 @@ class Retention:
             self._lists.touch(slot)
 
     def touch_many(self, slots: np.ndarray) -> None:
-        if not self._num_at:
-            self.inner.touch_many(slots)
-            return
-        retained = self._priority_column[slots] != DEFAULT_PRIORITY
-        self.inner.touch_many(slots[~retained])
-        self._lists.touch_many(slots[retained])
+        self._by_priority(slots, self.inner.touch_many, self._lists.touch_many)
 
     def remove(self, slot: int) -> None:
         self._unlist(slot)
 
     def remove_many(self, slots: np.ndarray) -> None:
+        self._by_priority(slots, self.inner.remove_many, self._lists.remove_many)
+
+    def _by_priority(self, slots: np.ndarray, at_default: Slots, retained: Slots) -> None:
+        """Hand the slots at the default priority to ``at_default`` (the inner policy's),
+        the others to ``retained`` (the priority lists')."""
         if not self._num_at:
-            self.inner.remove_many(slots)
+            at_default(slots)
             return
-        retained = self._priority_column[slots] != DEFAULT_PRIORITY
-        self.inner.remove_many(slots[~retained])
-        self._lists.remove_many(slots[retained])
+        is_retained = self._priority_column[slots] != DEFAULT_PRIORITY
+        at_default(slots[~is_retained])
+        retained(slots[is_retained])
 
     def forget(self, slot: int) -> None:
         """The block left the store (rule 3)."""
         if self._priority[slot] != DEFAULT_PRIORITY:
-            self._credit(slot)
-            self._count(slot, -1)
-            self._priority[slot] = DEFAULT_PRIORITY
-            self._deadline[slot] = 0.0
+            self._to_default(slot)
         self.inner.forget(slot)
-
-    def link(self, slot: int, parent: int) -> None:
-        self.inner.link(slot, parent)
 
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         self.expire()
@@ -256,9 +250,6 @@ class Retention:
             return (int(self._priority[slot]), inner_group(slot))
 
         self._lists.regroup(group)
-
-    def adopt(self, slots: np.ndarray) -> None:
-        self.inner.adopt(slots)  # a restarted node's blocks are all at the default
 
     def recency(self, slots: np.ndarray) -> np.ndarray:
         """The inner policy's recency; a retained block counts as the most recent."""

@@ -9,9 +9,7 @@ without simulating one:
   between samples, so that no periodic pattern aliases with it): its key is followed until
   its next access, whose distance in accesses is the sample's *reuse time*.  Every access
   checks whether its key is followed (one dictionary probe), and a sampled one adds it: O(1)
-  per access.  Sampling accesses rather than keys (SHARDS' spatial sampling) keeps one hot
-  key, such as a prompt's shared first block, from swinging the estimate by whether its hash
-  happened to be sampled.
+  per access.  Accesses, not keys, are sampled: see *Sampling*, below.
 - **Bounded memory**: at most ``max_samples`` keys are followed; past it the oldest sample
   is given up, *censored* at its age (its reuse time is longer: it may never come).  The
   stride is set from the horizon the curve must see (:meth:`set_horizon`: a multiple of the
@@ -29,12 +27,29 @@ without simulating one:
 Capacities are in blocks; a caller with a capacity in bytes divides by the bytes a block
 takes (what the node holds per block, on average).  Synchronous, touched from the store's
 thread.
+
+**Sampling**, decided here for every estimate the store makes from a sample (this curve,
+and the learned policy's tuner, :mod:`kvpool.store.learned`):
+
+- *Deterministic*: a sample depends on the stream of keys alone, never on the process or
+  the clock, so that one trace replayed twice gives one result.  Python's ``hash`` is
+  salted per process: the learned policy's hit rate, sampled by it, moved 0.002-0.004
+  between replays of one trace.  Every choice is drawn from one seed, ``SAMPLE_SEED``.
+- *What is sampled follows what the estimate needs*.  A reuse time needs only the access
+  that begins it, so this sampler samples accesses, at gaps drawn from a generator seeded
+  with ``SAMPLE_SEED``: one hot key, such as a prompt's shared first block, then weighs by
+  how often it is accessed, not by whether it happened to fall in the sample.  A miniature
+  simulation needs every access of each key it follows, so the tuner samples keys
+  (SHARDS' spatial sampling): a key is in the sample if its :func:`sample_hash`, a stable
+  hash of its bytes from the same seed, falls under the sampling rate's share of
+  ``2**SAMPLE_HASH_BITS``.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -49,6 +64,15 @@ DEFAULT_MAX_SAMPLES = 16_384  # keys followed at most: ~120 bytes each
 DEFAULT_HALF_LIFE = 1 << 16  # samples
 HORIZON_PER_CAPACITY = 2  # reuse times sampled up to, per block of the largest capacity
 ENTRY_BYTES = 120  # an ordered dictionary's entry, its tuple and integers, about
+SAMPLE_SEED = 0x6B76706F  # every sample's ("kvpo"): see the module, *Sampling*
+SAMPLE_HASH_BITS = 32
+
+
+def sample_hash(key: bytes) -> int:
+    """The stable hash a sample of keys goes by (see the module, *Sampling*): CRC-32 of the
+    key's bytes from ``SAMPLE_SEED``, as fast as Python's ``hash`` and the same in every
+    process (keys are digests already: any hash that mixes their bytes samples evenly)."""
+    return zlib.crc32(key, SAMPLE_SEED)
 
 
 def bucket_of(reuse_time: int) -> int:
@@ -68,7 +92,7 @@ class ReuseSampler:
         self,
         max_samples: int = DEFAULT_MAX_SAMPLES,
         half_life: int = DEFAULT_HALF_LIFE,
-        seed: int | None = None,
+        seed: int = SAMPLE_SEED,
     ):
         self.max_samples = max(1, max_samples)
         self.half_life = max(1, half_life)

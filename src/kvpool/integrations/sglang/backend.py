@@ -109,16 +109,20 @@ class KVPoolStorage(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if str(host_pool_name) != PoolName.KV.value:
-            self._unsupported(f"a hybrid model (its {host_pool_name} pool)")
+        self._is_kv_pool(host_pool_name)
 
-    def _unsupported(self, reason: str) -> None:
+    def _is_kv_pool(self, pool_name: Any) -> bool:
+        """Whether ``pool_name`` is the KV pool; any other pool makes this a hybrid model,
+        which kvpool cannot restore (said once: every lookup a miss from then on)."""
+        if str(pool_name) == PoolName.KV.value:
+            return True
         if not self.unsupported:
-            self.unsupported = reason
+            self.unsupported = f"a hybrid model (its {pool_name} pool)"
             log.warning(
                 "kvpool: %s cannot be restored from the pool: it gets no hits and saves nothing",
-                reason,
+                self.unsupported,
             )
+        return False
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -143,8 +147,7 @@ class KVPoolStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
         for transfer in pool_transfers or []:
-            if str(transfer.name) != PoolName.KV.value:
-                self._unsupported(f"a hybrid model (its {transfer.name} pool)")
+            self._is_kv_pool(transfer.name)
         num = 0 if self.unsupported else self.batch_exists(keys, extra_info)
         hits = {PoolName.KV: num} if num else {}
         return PoolTransferResult(num, hits, list(range(1, num + 1)))
@@ -158,12 +161,12 @@ class KVPoolStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Load pages straight into the host pool: a leading run of True."""
-        ids = self._page_ids(keys, host_indices)
-        if ids is None:
+        pages = self._host_pages(keys, host_indices)
+        if pages is None:
             return [False] * len(keys)
-        assert self.cache is not None
+        cache, ids = pages
         load = load_into(
-            self.cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
+            cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
         )
         if load.reason:
             log.debug("kvpool: %d of %d pages loaded: %s", load.num_blocks, len(keys), load.reason)
@@ -176,12 +179,12 @@ class KVPoolStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Save pages straight from the host pool: per page, whether the pool holds it."""
-        ids = self._page_ids(keys, host_indices) if self.writes else None
-        if ids is None:
+        pages = self._host_pages(keys, host_indices) if self.writes else None
+        if pages is None:
             return [False] * len(keys)
-        assert self.cache is not None
+        cache, ids = pages
         saved = save_now(
-            self.cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
+            cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
         )
         if saved.reason:
             log.debug("kvpool: save of %d pages: %s", len(keys), saved.reason)
@@ -202,9 +205,7 @@ class KVPoolStorage(HiCacheStorage):
         results: dict[str, list[bool]] = {}
         for transfer in transfers:
             keys = transfer.keys or []
-            if str(transfer.name) != PoolName.KV.value:
-                self._unsupported(f"a hybrid model (its {transfer.name} pool)")
-            if str(transfer.name) == PoolName.KV.value and transfer.host_indices is not None:
+            if self._is_kv_pool(transfer.name) and transfer.host_indices is not None:
                 results[transfer.name] = move(keys, transfer.host_indices)
             else:
                 results[transfer.name] = [False] * len(keys)
@@ -291,21 +292,24 @@ class KVPoolStorage(HiCacheStorage):
         assert self.namespace is not None
         return self.namespace.keys([block_hash(key) for key in keys])
 
-    def _page_ids(self, keys: list[str], host_indices: torch.Tensor) -> list[int] | None:
-        """The host pages of a v1 call, or None (nothing to do: refused, or not ready)."""
-        if not keys or not self._is_ready():
+    def _host_pages(
+        self, keys: list[str], host_indices: torch.Tensor
+    ) -> tuple[PagedCache, list[int]] | None:
+        """The host pool's cache and the pages of a v1 call in it, or None (nothing to do:
+        refused, or not ready)."""
+        cache = self.cache
+        if not keys or cache is None or not self._is_ready():
             return None
-        assert self.cache is not None
         page_size = int(self.mem_pool_host.page_size)
         ids = page_ids(host_indices.cpu(), page_size, len(keys))
-        if ids is None or max(ids) >= self.cache.layout.num_blocks:
+        if ids is None or max(ids) >= cache.layout.num_blocks:
             log.error(
                 "kvpool: %d host slots do not name %d whole pages of the host pool",
                 host_indices.numel(),
                 len(keys),
             )
             return None
-        return ids
+        return cache, ids
 
     def _are_pages(self, tensors: Any, num: int) -> bool:
         """Whether ``tensors`` are ``num`` CPU tensors of one page each."""
