@@ -373,3 +373,40 @@ def test_a_tenants_retention_hints_stop_at_its_account_and_never_reach_anothers(
     assert float(line.split()[-1]) == 8
     with client(pool.tcp_address, alpha, use_shm=False) as a:
         assert a.retain(keys(4, 3000), 90, 60).num_retained == 4  # its own account is whole
+
+
+def test_a_tenant_naming_an_engine_to_routers_is_forbidden(
+    start_node: NodeFactory, tenants: TenantsFile, credentials
+) -> None:
+    """From the attacker's side: tenant beta, on a node that tells Kthena's routers which
+    engine loads a namespace, sends a raw DESCRIBE naming a pod of its choosing (it could
+    steer the routers with its own blocks).  The refusal is who-may-do-what, decided before
+    any handler runs: FORBIDDEN on the wire (not a bad request), the connection kept; the
+    same DESCRIBE without the engine is still the tenant's to send."""
+    from kvpool.cli.bench_peers import RedisPeer
+    from kvpool.keys import EngineRef
+    from kvpool.protocol.messages import DescribeRequest, Empty
+
+    (beta,) = credentials["beta"]
+    redis = RedisPeer()
+    try:
+        node = start_node(
+            "tenants-kthena",
+            "12MiB",
+            extra=[
+                "--tenants",
+                str(tenants.path),
+                "--kthena-redis",
+                f"redis://127.0.0.1:{redis.port}/0",
+            ],
+        )
+        engine = EngineRef(pod="someone-elses-pod", model="tiny")
+        with raw_connection(node.tcp_address, beta) as raw:
+            named = DescribeRequest(namespace_id=NS.id, label="tiny", engine=engine)
+            with pytest.raises(Forbidden, match="cannot name an engine"):
+                send(raw, Op.DESCRIBE, named, Empty)
+            plain = DescribeRequest(namespace_id=NS.id, label="tiny")
+            assert isinstance(send(raw, Op.DESCRIBE, plain, Empty), Empty)
+        node.stop()
+    finally:
+        redis.close()

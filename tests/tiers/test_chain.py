@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.buffers import copy_with_checksum
+from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TIER_OBJECT, TierStats
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
-from kvpool.tiers.chain import MAX_STAGED_BYTES, STAGE_BYTES, LowerTiers, Tiers
+from kvpool.tiers.chain import MAX_STAGED_BYTES, STAGE_BYTES, STAGE_SEND_S, LowerTiers, Tiers
 from kvpool.tiers.disk import DiskTier
 from kvpool.tiers.tier import MEDIUM_STORAGE, RemoteSource, Tier
 from tests.helpers import key
@@ -139,7 +140,7 @@ def test_a_block_its_tier_found_corrupt_is_read_from_the_tiers_after_it(
 
     asyncio.run(run())
     assert all(in_dram(tiers, k) == bytes(data) for k, data, _ in written)
-    assert tiers.promoted == {TIER_DISK: 3, TIER_OBJECT: 3} and below.num_reads == 3
+    assert tiers.promotions.promoted == {TIER_DISK: 3, TIER_OBJECT: 3} and below.num_reads == 3
     assert disk.counters.corrupt == 1
 
 
@@ -157,14 +158,14 @@ def test_a_prefetch_from_other_nodes_comes_up_through_the_same_path(tmp_path: Pa
     async def run() -> None:
         answer = tiers.prefetch(keys, hold_s=5.0)
         assert answer.num_started == 3  # at most max_keys go to other nodes
-        while tiers.promoted_remote + len(asked) < 4:
+        while tiers.prefetches.promoted_remote + len(asked) < 4:
             await asyncio.sleep(0.01)
         await tiers.stop()
 
     asyncio.run(run())
     assert asked == [keys[:3]]
     assert [in_dram(tiers, k) for k in keys[:3]] == [held[k] for k in keys[:3]]
-    assert tiers.promoted_remote == 3 and len(tiers.holds) == 3
+    assert tiers.prefetches.promoted_remote == 3 and len(tiers.holds) == 3
     assert not tiers.store.reserved_bytes
 
 
@@ -199,22 +200,23 @@ def test_a_read_larger_than_dram_is_served_from_below_in_bounded_stages(tmp_path
 
     async def run() -> None:
         assert await tiers.promote(keys, prefix=True)
-        result, below = tiers.pin_for_read(keys, prefix=True, owner=1)
+        reads, stages = tiers.reads, tiers.reads.stages
+        result, below = reads.pin_promoted(keys, prefix=True, owner=1)
         in_dram = [i for i, b in enumerate(result.blocks) if b is not None]
         assert 8 <= len(in_dram) <= 16 and len(in_dram) + len(below) == len(keys)
-        stage = tiers.stage(below, keys)
+        stage = stages.take(below, keys)
         assert stage is not None and len(stage) == STAGE_BYTES
         run = below[: STAGE_BYTES // size]
-        views = await tiers.read_below(keys, run, stage)
+        views = await reads.read_below(keys, run, stage)
         for block, view in zip(run, views, strict=True):
             assert bytes(view) == bytes(written[block.index][1])
-        others = [tiers.stage(below, keys) for _ in range(MAX_STAGED_BYTES // STAGE_BYTES)]
+        others = [stages.take(below, keys) for _ in range(MAX_STAGED_BYTES // STAGE_BYTES)]
         assert others[-1] is None  # the node's bound, counted before anything is allocated
-        assert tiers.staged_bytes <= MAX_STAGED_BYTES
+        assert stages.num_bytes <= MAX_STAGED_BYTES
         for taken in [stage, *others]:
             if taken is not None:
-                tiers.unstage(taken, keys, below)
-        assert tiers.staged_bytes == 0
+                stages.give_back(taken, keys, below)
+        assert stages.num_bytes == 0
         tiers.store.unpin(result.pin_id)
         await tiers.stop()
 
@@ -238,14 +240,96 @@ def test_overlapping_reads_of_the_same_blocks_are_each_served_them_from_below(tm
         assert await tiers.promote(keys, prefix=True)  # the first read's promotion
         second = asyncio.ensure_future(tiers.promote(keys, prefix=True))
         await asyncio.sleep(0)  # the second read's promotion has started
-        result, below = tiers.pin_for_read(keys, prefix=True, owner=1)  # the first's pin
+        result, below = tiers.reads.pin_promoted(keys, prefix=True, owner=1)  # the first's
         in_dram = [i for i, b in enumerate(result.blocks) if b is not None]
         assert len(in_dram) + len(below) == len(keys), (len(in_dram), len(below))
         tiers.store.unpin(result.pin_id)
         await second
-        result, below = tiers.pin_for_read(keys, prefix=True, owner=2)  # and the second's
+        result, below = tiers.reads.pin_promoted(keys, prefix=True, owner=2)  # the second's
         assert sum(b is not None for b in result.blocks) + len(below) == len(keys)
         tiers.store.unpin(result.pin_id)
+        await tiers.stop()
+
+    asyncio.run(run())
+
+
+def test_a_read_larger_than_dram_yields_every_block_in_order_and_gives_back_its_stage(
+    tmp_path: Path,
+) -> None:
+    """One GET's :class:`Read` over 48 blocks of 1 MiB behind a 16 MiB arena: what it
+    announces is every block's size and checksum; its payload (the leading arena blocks,
+    then the parts as they are ready) is every block's bytes, in the keys' order, each
+    stage at most STAGE_BYTES and bound by STAGE_SEND_S; once it exits, its pin and its
+    stage are given back."""
+    size = 1 << 20
+    disk = DiskTier(tmp_path / "disk", 128 << 20, segment_bytes=16 << 20)
+    written = disk_blocks("read", 48, size)
+    disk.write(written)
+    tiers = chain(tmp_path, disk)
+    keys = [k for k, _, _ in written]
+
+    async def run() -> int:
+        async with tiers.read(keys, prefix=True, owner=1, wait_s=0.0) as read:
+            assert read.below and read.stage is not None
+            num_below = len(read.below)
+            assert read.statuses == [int(Status.OK)] * len(keys)
+            assert read.sizes == [size] * len(keys)
+            assert read.checksums == [checksum for _, _, checksum in written]
+            payload = [bytes(view) for view in read.leading]
+            async for part in read.rest():
+                staged = part.send_within_s is not None
+                assert part.send_within_s in (None, STAGE_SEND_S)
+                assert not staged or sum(len(v) for v in part.views) <= STAGE_BYTES
+                payload += [bytes(view) for view in part.views]
+            assert sum(map(len, payload)) == read.num_bytes
+            assert tiers.store.num_pinned
+        assert payload == [bytes(data) for _, data, _ in written]
+        assert tiers.reads.stages.num_bytes == 0 and not tiers.store.num_pinned
+        await tiers.stop()
+
+        return num_below
+
+    num_below = asyncio.run(run())
+    assert tiers.stats()[1].served == num_below
+
+
+def test_a_tenants_keys_asked_of_other_nodes_are_charged_to_its_account(tmp_path: Path) -> None:
+    """The keys a tenant's prefetches ask of other nodes are its account's REMOTE_KEYS: at
+    most REMOTE_KEYS_PER_TENANT in flight (the rest refused, and the refusal counted in
+    the ledger), another tenant's keys still go, and each is credited back once its fetch
+    ends."""
+    from kvpool.store.accounts import REMOTE_KEYS_PER_TENANT, Resource
+    from kvpool.tenants import Tenant
+
+    alpha = Tenant("alpha", b"salt-alpha-0123456789", 4 << 20)
+    beta = Tenant("beta", b"salt-beta-0123456789", 4 << 20)
+    answered = asyncio.Event()
+
+    async def fetch(keys: list[bytes], max_bytes: int) -> list[bytes | None]:
+        await answered.wait()  # in flight until the test lets them come back
+        return [None] * len(keys)
+
+    num = REMOTE_KEYS_PER_TENANT + 10
+    tiers = chain(tmp_path, None, RemoteSource(fetch, max_keys=num))
+    accounts = tiers.store.accounts
+    accounts.set_tenants([alpha, beta], held_bytes=8 << 20, prefetch_bytes=512 << 20)
+    alpha_keys = alpha.scope_all([key(f"a{i}") for i in range(num)])
+    beta_keys = beta.scope_all([key(f"b{i}") for i in range(4)])
+
+    async def run() -> None:
+        first = tiers.prefetch(alpha_keys[:REMOTE_KEYS_PER_TENANT], hold_s=5.0)
+        assert first.num_started == REMOTE_KEYS_PER_TENANT
+        assert accounts.used(alpha.tag, Resource.REMOTE_KEYS) == REMOTE_KEYS_PER_TENANT
+        more = tiers.prefetch(alpha_keys[REMOTE_KEYS_PER_TENANT:], hold_s=5.0)
+        assert (more.num_started, more.num_refused) == (0, 10)
+        [row] = accounts.usage(alpha.tag)
+        assert row.refused.get(Resource.REMOTE_KEYS.value) == 1
+        assert tiers.prefetch(beta_keys, hold_s=5.0).num_started == 4  # its own budget
+        answered.set()
+        while accounts.used(alpha.tag, Resource.REMOTE_KEYS) or accounts.used(
+            beta.tag, Resource.REMOTE_KEYS
+        ):
+            await asyncio.sleep(0.01)
         await tiers.stop()
 
     asyncio.run(run())

@@ -77,9 +77,8 @@ from kvpool.protocol.messages import CHECKSUM_BYTES, SUPPORTED_VERSIONS, Op
 from kvpool.stats import TIER_DRAM
 from kvpool.store.accounts import NODE, Resource
 from kvpool.store.block import Area, Block
-from kvpool.store.block_store import PinResult
 from kvpool.tenants import Credential, Tenant
-from kvpool.tiers.chain import STAGE_SEND_S, Below
+from kvpool.tiers.reads import Part
 from kvpool.tiers.writeback import MAX_BACKPRESSURE_S
 
 log = logging.getLogger("kvpool.node")
@@ -378,22 +377,31 @@ class Session:
     def _decode(self, header: FrameHeader, meta: bytes | bytearray, op_name: str) -> Any:
         """The request, scoped to the connection's tenant, if it may send it."""
         request = decode_request(header.op, meta)
-        self._check_permitted(header.op, op_name)
+        self._check_permitted(header.op, op_name, request)
         if self.tenant is not None:
             request = _scoped(request, self.tenant)
         if header.op != Op.PUT and header.payload_len:
             raise BadRequest(f"{op_name} carries no payload")
         return request
 
-    def _check_permitted(self, op: int, op_name: str) -> None:
-        """Who may do what, decided here for every request: a tenant only TENANT_OPS; a
-        client of a keyless node over TCP everything but ADMIN_OPS; an authenticated
-        operator (the node's key, the cluster's identity) or the Unix socket everything."""
+    def _check_permitted(self, op: int, op_name: str, request: Any) -> None:
+        """Who may do what, decided here for every request: a tenant only TENANT_OPS, and a
+        DESCRIBE that names no engine to the routers the node tells (a tenant could name
+        any pod: only the operator's engines are named); a client of a keyless node over
+        TCP everything but ADMIN_OPS; an authenticated operator (the node's key, the
+        cluster's identity) or the Unix socket everything."""
         if self.tenant is not None:
             if op not in TENANT_OPS:
                 raise Forbidden(f"{op_name} is not open to tenants")
+            if op == Op.DESCRIBE and self._names_engine(request):
+                raise Forbidden("a tenant's connection cannot name an engine to routers")
         elif self.credential is None and not self.is_local and op in ADMIN_OPS:
             raise Forbidden(f"{op_name} needs the Unix socket or an access key on this node")
+
+    def _names_engine(self, request: msg.DescribeRequest) -> bool:
+        """Whether a DESCRIBE names an engine to routers (a node that tells none ignores
+        the engine a request names)."""
+        return request.engine is not None and self.services.attach_engine is not None
 
     async def _reply(
         self,
@@ -571,15 +579,11 @@ class Session:
     # -- the read path: pin -> (copy) -> unpin ----------------------------------------------
 
     async def _pin(self, header: FrameHeader, req: msg.PinRequest) -> None:
-        tiers = self.tiers
         wait_s = self.limits.wait(req.wait_ms / 1000)
-        in_time = await tiers.promote(req.keys, req.prefix, wait_s)
-        lease_s = req.lease_ms / 1000
-        result, below = tiers.pin_for_read(
-            req.keys, req.prefix, self.owner, lease_s, in_time=in_time
+        result, below = await self.tiers.pin(
+            req.keys, req.prefix, self.owner, req.lease_ms / 1000, wait_s
         )
         blocks = result.blocks
-        tiers.note_read([b.key for b in blocks if b is not None])
         response = msg.PinResponse(
             pin_id=result.pin_id,
             statuses=[Status.OK if b is not None else Status.NOT_FOUND for b in blocks],
@@ -607,94 +611,28 @@ class Session:
         self.services.traffic.sent(num_bytes)
 
     async def _get(self, header: FrameHeader, req: msg.GetRequest) -> None:
-        tiers = self.tiers
-        in_time = await tiers.promote(req.keys, req.prefix, self.limits.wait(req.wait_ms / 1000))
-        result, below = tiers.pin_for_read(req.keys, req.prefix, self.owner, in_time=in_time)
-        tiers.note_read([b.key for b in result.blocks if b is not None])
-        stage = tiers.stage(below, req.keys)
+        """A GET's reply: the pinned blocks from the arena, and what a lower tier serves,
+        read a stage at a time, in the keys' order (:class:`~kvpool.tiers.reads.Read`)."""
+        wait_s = self.limits.wait(req.wait_ms / 1000)
+        async with self.tiers.read(req.keys, req.prefix, self.owner, wait_s) as read:
+            if not header.wants_reply:
+                return
+            response = msg.GetResponse(read.statuses, read.sizes, read.checksums)
+            async with self._within_lease(read.lease_s, "sending a GET payload"):
+                await self._reply(header, Op.GET, response, read.leading, read.num_bytes)
+                async for part in read.rest():
+                    await self._send_part(part)
+            self.services.traffic.sent(read.num_bytes)
+
+    async def _send_part(self, part: Part) -> None:
+        """Send what a read has ready; a stage's bytes within its bound (else the connection
+        closes: a stalled reader gives its stage back)."""
+        if part.send_within_s is None:
+            await self.channel.send(part.views)
+            return
         try:
-            await self._send_blocks(header, req.keys, result, below, stage)
-        finally:
-            if result.pin_id:
-                self.store.unpin(result.pin_id)
-            if stage is not None:
-                tiers.unstage(stage, req.keys, below)
-
-    async def _send_blocks(
-        self,
-        header: FrameHeader,
-        keys: Sequence[bytes],
-        result: PinResult,
-        below: Sequence[Below],
-        stage: bytearray | None,
-    ) -> None:
-        """A GET's reply: the pinned blocks from the arena, and ``below``, which a lower
-        tier serves, read into ``stage`` a stage at a time, in the keys' order (no stage:
-        none was free, and DRAM's blocks are all the reply has)."""
-        blocks = result.blocks
-        if stage is None:
-            below = []
-        sizes = [b.size if b is not None else 0 for b in blocks]
-        checksums = [b.checksum if b is not None else 0 for b in blocks]
-        for block in below:
-            sizes[block.index], checksums[block.index] = block.size, block.checksum
-        statuses = [int(Status.OK if b is not None else Status.NOT_FOUND) for b in blocks]
-        for block in below:
-            statuses[block.index] = int(Status.OK)
-        total = sum(sizes)
-        response = msg.GetResponse(statuses=statuses, sizes=sizes, checksums=checksums)
-        views = [self.arena.slice(b.offset, b.size) for b in blocks if b is not None]
-        async with self._within_lease(result.lease_s, "sending a GET payload"):
-            if stage is None or not below:
-                await self._reply(header, Op.GET, response, views, total)
-            else:
-                await self._reply(header, Op.GET, response, (), total)
-                await self._send_in_order(keys, blocks, below, stage)
-        self.services.traffic.sent(total)
-
-    async def _send_in_order(
-        self,
-        keys: Sequence[bytes],
-        blocks: Sequence[Block | None],
-        below: Sequence[Below],
-        stage: bytearray,
-    ) -> None:
-        """The payload of a reply that mixes pinned blocks and blocks from below DRAM: runs
-        of arena views as they are, runs of lower-tier blocks through ``stage``, each taken
-        by the reader within ``STAGE_SEND_S`` (else the connection closes: a stalled reader
-        gives its stage back)."""
-        index_to_below = {b.index: b for b in below}
-        views: list[memoryview] = []  # arena views not sent yet
-        run: list[Below] = []  # lower-tier blocks not read yet
-        run_bytes = 0
-        for i, block in enumerate(blocks):
-            lower = index_to_below.get(i)
-            if block is not None:
-                if run:
-                    await self._send_staged(keys, run, stage)
-                    run, run_bytes = [], 0
-                views.append(self.arena.slice(block.offset, block.size))
-            elif lower is not None:
-                if views:
-                    await self.channel.send(views)
-                    views = []
-                if run and run_bytes + lower.size > len(stage):
-                    await self._send_staged(keys, run, stage)
-                    run, run_bytes = [], 0
-                run.append(lower)
-                run_bytes += lower.size
-        if views:
-            await self.channel.send(views)
-        if run:
-            await self._send_staged(keys, run, stage)
-
-    async def _send_staged(
-        self, keys: Sequence[bytes], run: Sequence[Below], stage: bytearray
-    ) -> None:
-        views = await self.tiers.read_below(keys, run, stage)
-        try:
-            async with asyncio.timeout(STAGE_SEND_S):
-                await self.channel.send(views)
+            async with asyncio.timeout(part.send_within_s):
+                await self.channel.send(part.views)
         except TimeoutError:
             raise TransferTimeout("the reader did not take a stage from below DRAM") from None
 
@@ -793,13 +731,15 @@ class Session:
 
     async def _describe(self, header: FrameHeader, req: msg.DescribeRequest) -> None:
         """A namespace's label; and the engine that loads its blocks, if it says, for the
-        routers the node tells (only the operator's engines: a tenant could name any pod)."""
+        routers the node tells (only the operator's: :meth:`_check_permitted` refuses a
+        tenant's)."""
         attach = self.services.attach_engine
-        if req.engine is not None and attach is not None:
-            if self.tenant is not None:
-                raise BadRequest("a tenant's connection cannot name an engine to routers")
-            if not attach(req.namespace_id, req.engine):
-                raise BadRequest("too many engines registered with this node")
+        if (
+            req.engine is not None
+            and attach is not None
+            and not attach(req.namespace_id, req.engine)
+        ):
+            raise BadRequest("too many engines registered with this node")
         if req.saving not in msg.SAVINGS:
             raise BadRequest(f"saving is one of {', '.join(msg.SAVINGS[1:])}")
         try:

@@ -18,6 +18,8 @@ Resources (:class:`Resource`):
   node's hold budget (the share its quota is of all quotas), and never more than its quota;
 - ``PREFETCH_BYTES``: bytes its prefetches are bringing up at once: its share of the
   node's in-flight budget (at least one fetch's worth);
+- ``REMOTE_KEYS``: keys its prefetches are asking of other nodes at once (limit:
+  ``REMOTE_KEYS_PER_TENANT``, beside the node's own bound on them all);
 - ``STAGED_BYTES``: the stages its reads larger than DRAM hold, served from below DRAM a
   stage at a time: its share of the node's staging budget (at least one stage), so that
   another tenant's reads keep theirs however many reads it opens;
@@ -64,6 +66,8 @@ NODE = b""  # the node's own account: no tenants, the cluster's identity, the no
 MIN_PREFETCH_SHARE = 64 << 20
 # A tenant's share of the stages of reads larger than DRAM is at least one read's stage.
 MIN_STAGED_SHARE = 8 << 20
+# A tenant's prefetches ask other nodes for at most this many keys at once.
+REMOTE_KEYS_PER_TENANT = 256
 # A tenant's label changes come in bursts of up to one per namespace it may have.
 LABEL_BURST = MAX_NAMESPACES_PER_TAG
 
@@ -74,6 +78,7 @@ class Resource(enum.Enum):
     PARKED_KEYS = "parked_keys"
     HELD_BYTES = "held_bytes"
     PREFETCH_BYTES = "prefetch_bytes"
+    REMOTE_KEYS = "remote_keys"
     STAGED_BYTES = "staged_bytes"
     RETAINED_BYTES = "retained_bytes"
     JOURNAL_BYTES = "journal_bytes"
@@ -129,6 +134,7 @@ class Accounts:
                 Resource.PARKED_KEYS: self.budgets.parked_keys,
                 Resource.HELD_BYTES: min(tenant.quota_bytes, int(held_bytes * share)),
                 Resource.PREFETCH_BYTES: max(MIN_PREFETCH_SHARE, int(prefetch_bytes * share)),
+                Resource.REMOTE_KEYS: REMOTE_KEYS_PER_TENANT,
                 Resource.STAGED_BYTES: max(MIN_STAGED_SHARE, int(staged_bytes * share)),
                 Resource.RETAINED_BYTES: tenant.retained_bytes,
                 Resource.LABEL_CHANGES: LABEL_BURST,
