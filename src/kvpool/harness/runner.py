@@ -157,7 +157,9 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
         extra_args={"kv_transfer_params": transfer} if transfer else None,
     )
     started = time.perf_counter()
+    began_at = time.monotonic()  # the host's clock, which a test's own process reads too
     outputs = llm.generate(step["prompts"], params, use_tqdm=False)
+    ended_at = time.monotonic()
     return {
         "texts": [o.outputs[0].text for o in outputs],
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
@@ -166,6 +168,8 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
         "prompt_token_ids": [list(o.prompt_token_ids or ()) for o in outputs],
         "ttft_ms": [_ttft_ms(o) for o in outputs],
         "seconds": round(time.perf_counter() - started, 3),
+        "began_at": began_at,
+        "ended_at": ended_at,
         # The engine's own: vLLM may override the one asked for (16 for CPU MLA kernels).
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
     }
