@@ -4,6 +4,7 @@ latency histograms observed by the server.  Each daemon has its own registry."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -14,91 +15,71 @@ from kvpool.protocol.messages import NodeStats
 # 50 µs .. 1 s, three buckets a decade.
 LATENCY_BUCKETS = (*(m * 10.0**e for e in range(-5, -1) for m in (5, 10, 25)), 1.0)
 
-FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
-# Each metric of a table: its kind, its name (after the table's prefix), its help text, and
-# the attribute of the stats it reports.
+class Stat(NamedTuple):
+    """One metric of a table: its family, its name (after the table's prefix), its help
+    text, and the attribute of the stats it reports."""
+
+    family: type[GaugeMetricFamily | CounterMetricFamily]
+    name: str
+    doc: str
+    attribute: str
+
+
+def gauge(name: str, doc: str, attribute: str = "") -> Stat:
+    """A gauge of the stats' ``attribute`` (by default, the one named as the metric)."""
+    return Stat(GaugeMetricFamily, name, doc, attribute or name)
+
+
+def counter(name: str, doc: str, attribute: str = "") -> Stat:
+    """A counter of the stats' ``attribute`` (by default, the one named as the metric)."""
+    return Stat(CounterMetricFamily, name, doc, attribute or name)
+
+
 NODE_METRICS = (
-    ("gauge", "capacity_bytes", "Arena capacity.", "capacity_bytes"),
-    ("gauge", "used_bytes", "Arena bytes allocated (committed and reserved).", "used_bytes"),
-    ("gauge", "reserved_bytes", "Arena bytes reserved by writes in flight.", "reserved_bytes"),
-    (
-        "gauge",
-        "area_bytes",
-        "Free arena bytes that same-host writers hold as write areas.",
-        "area_bytes",
-    ),
-    ("gauge", "blocks", "Committed blocks.", "num_blocks"),
-    ("gauge", "pinned_blocks", "Blocks pinned by readers.", "num_pinned"),
-    ("gauge", "connections", "Open client connections.", "num_connections"),
-    (
-        "gauge",
+    gauge("capacity_bytes", "Arena capacity."),
+    gauge("used_bytes", "Arena bytes allocated (committed and reserved)."),
+    gauge("reserved_bytes", "Arena bytes reserved by writes in flight."),
+    gauge("area_bytes", "Free arena bytes that same-host writers hold as write areas."),
+    gauge("blocks", "Committed blocks.", attribute="num_blocks"),
+    gauge("pinned_blocks", "Blocks pinned by readers.", attribute="num_pinned"),
+    gauge("connections", "Open client connections.", attribute="num_connections"),
+    gauge(
         "strangers",
         "Connections still in their handshake (their own pool).",
-        "num_strangers",
+        attribute="num_strangers",
     ),
-    (
-        "counter",
-        "strangers_evicted",
-        "Connections closed in their handshake to make room for newer ones.",
-        "strangers_evicted",
+    counter(
+        "strangers_evicted", "Connections closed in their handshake to make room for newer ones."
     ),
-    (
-        "gauge",
-        "metadata_bytes",
-        "Heap the block index takes (an O(1) estimate).",
-        "metadata_bytes",
-    ),
-    (
-        "gauge",
-        "connection_buffer_bytes",
-        "Receive buffers of the open connections.",
-        "connection_buffer_bytes",
-    ),
-    (
-        "gauge",
+    gauge("metadata_bytes", "Heap the block index takes (an O(1) estimate)."),
+    gauge("connection_buffer_bytes", "Receive buffers of the open connections."),
+    gauge(
         "heap_bytes",
         "The daemon's anonymous resident memory (RssAnon): index, buffers and the rest.",
-        "heap_bytes",
     ),
-    (
-        "counter",
-        "kthena_written",
-        "Owner changes of Kthena's Redis entries written (each once).",
-        "kthena_written",
-    ),
-    (
-        "counter",
+    counter("kthena_written", "Owner changes of Kthena's Redis entries written (each once)."),
+    counter(
         "kthena_dropped",
         "Owner changes of Kthena's Redis entries dropped: the queue was full, or "
         "Redis did not take them past the retries.",
-        "kthena_dropped",
     ),
-    ("counter", "hits", "Blocks found by lookups.", "hits"),
-    ("counter", "misses", "Blocks not found by lookups.", "misses"),
-    ("counter", "puts", "Blocks committed.", "puts"),
-    ("counter", "evictions", "Blocks evicted.", "evictions"),
-    (
-        "gauge",
-        "retained_blocks",
-        "Blocks retention hints hold at a priority other than the default.",
-        "retained_blocks",
+    counter("hits", "Blocks found by lookups."),
+    counter("misses", "Blocks not found by lookups."),
+    counter("puts", "Blocks committed."),
+    counter("evictions", "Blocks evicted."),
+    gauge("retained_blocks", "Blocks retention hints hold at a priority other than the default."),
+    counter(
+        "retention_refused", "Blocks retention hints asked for past their tenant's retained bytes."
     ),
-    (
-        "counter",
-        "retention_refused",
-        "Blocks retention hints asked for past their tenant's retained bytes.",
-        "retention_refused",
-    ),
-    ("counter", "bytes_in", "Payload bytes written into the arena.", "bytes_in"),
-    ("counter", "bytes_out", "Payload bytes read out of the arena.", "bytes_out"),
-    (
-        "counter",
+    counter("bytes_in", "Payload bytes written into the arena."),
+    counter("bytes_out", "Payload bytes read out of the arena."),
+    counter(
         "corrupt_blocks",
         "Blocks found corrupt (by readers or the scrubber) and dropped.",
-        "corrupt_reports",
+        attribute="corrupt_reports",
     ),
-    ("counter", "scrubbed_bytes", "Bytes the scrubber re-hashed.", "scrubbed_bytes"),
+    counter("scrubbed_bytes", "Bytes the scrubber re-hashed."),
 )
 
 # What the node's bookkeeping costs per unit: the name, the help text, the stats' total and
@@ -119,53 +100,40 @@ PER_UNIT_METRICS = (
 )
 
 TIER_METRICS = (
-    ("gauge", "capacity_bytes", "Capacity of the tier.", "capacity_bytes"),
-    ("gauge", "used_bytes", "Bytes the tier uses.", "used_bytes"),
-    ("gauge", "blocks", "Blocks the tier holds.", "num_blocks"),
-    ("gauge", "recovered_blocks", "Blocks found at start (adopted or re-indexed).", "recovered"),
-    ("counter", "hits", "Blocks lookups found in the tier.", "hits"),
-    ("counter", "reads", "Blocks read out of the tier.", "reads"),
-    ("counter", "writes", "Blocks written into the tier.", "writes"),
-    ("counter", "refused", "Write-backs the admission policy refused.", "refused"),
-    (
-        "counter",
+    gauge("capacity_bytes", "Capacity of the tier."),
+    gauge("used_bytes", "Bytes the tier uses."),
+    gauge("blocks", "Blocks the tier holds.", attribute="num_blocks"),
+    gauge(
+        "recovered_blocks",
+        "Blocks found at start (adopted or re-indexed).",
+        attribute="recovered",
+    ),
+    counter("hits", "Blocks lookups found in the tier."),
+    counter("reads", "Blocks read out of the tier."),
+    counter("writes", "Blocks written into the tier."),
+    counter("refused", "Write-backs the admission policy refused."),
+    counter(
         "dropped",
         "Blocks dropped on their way into the tier (gone): its queue was full, or the "
         "object store's upload failed.",
-        "dropped",
     ),
-    ("counter", "slowed", "Writes held until the write-back caught up (backpressure).", "slowed"),
-    ("counter", "promotions", "Blocks copied from the tier back into DRAM.", "promotions"),
-    (
-        "counter",
-        "served",
-        "Blocks read from the tier straight into a reply (DRAM had no room).",
-        "served",
-    ),
-    ("counter", "evictions", "Blocks evicted from the tier.", "evictions"),
-    ("counter", "corrupt", "Blocks of the tier found corrupt (never served).", "corrupt"),
-    ("counter", "errors", "Requests to the tier that failed or ran out of time.", "errors"),
+    counter("slowed", "Writes held until the write-back caught up (backpressure)."),
+    counter("promotions", "Blocks copied from the tier back into DRAM."),
+    counter("served", "Blocks read from the tier straight into a reply (DRAM had no room)."),
+    counter("evictions", "Blocks evicted from the tier."),
+    counter("corrupt", "Blocks of the tier found corrupt (never served)."),
+    counter("errors", "Requests to the tier that failed or ran out of time."),
 )
 
 PREFETCH_METRICS = (
-    ("counter", "issued", "Blocks named by prefetches.", "issued"),
-    (
-        "counter",
-        "started",
-        "Prefetched blocks brought up from a lower tier (or joined).",
-        "started",
-    ),
-    ("counter", "completed", "Prefetched blocks brought up into DRAM and verified.", "completed"),
-    (
-        "counter",
-        "refused",
-        "Prefetched blocks refused: past the bound in flight or held.",
-        "refused",
-    ),
-    ("counter", "useful", "Prefetched blocks read while held.", "useful"),
-    ("counter", "wasted", "Prefetched blocks whose hold lapsed unread.", "wasted"),
-    ("gauge", "held_blocks", "Blocks held in DRAM for queued requests.", "held_blocks"),
-    ("gauge", "held_bytes", "Bytes held in DRAM for queued requests.", "held_bytes"),
+    counter("issued", "Blocks named by prefetches."),
+    counter("started", "Prefetched blocks brought up from a lower tier (or joined)."),
+    counter("completed", "Prefetched blocks brought up into DRAM and verified."),
+    counter("refused", "Prefetched blocks refused: past the bound in flight or held."),
+    counter("useful", "Prefetched blocks read while held."),
+    counter("wasted", "Prefetched blocks whose hold lapsed unread."),
+    gauge("held_blocks", "Blocks held in DRAM for queued requests."),
+    gauge("held_bytes", "Bytes held in DRAM for queued requests."),
 )
 
 
@@ -193,16 +161,16 @@ class _StatsCollector(Collector):
 
 def _families(
     prefix: str,
-    table: tuple[tuple[str, str, str, str], ...],
+    table: tuple[Stat, ...],
     labels: list[str],
     sources: Sequence[tuple[list[str], object]],
 ) -> Iterator[Metric]:
     """A family per metric of ``table``, with a sample per source: its label values, and
     the object whose attribute the metric reports."""
-    for kind, name, doc, attribute in table:
-        family = FAMILIES[kind](prefix + name, doc, labels=labels)
+    for stat in table:
+        family = stat.family(prefix + stat.name, stat.doc, labels=labels)
         for label_values, source in sources:
-            family.add_metric(label_values, getattr(source, attribute))
+            family.add_metric(label_values, getattr(source, stat.attribute))
         yield family
 
 
@@ -240,22 +208,22 @@ def _namespace_families(s: NodeStats) -> Iterator[Metric]:
     yield used
 
 
-# Each tenant's use of each budget: the kind, the name, the help text, and the account's
-# map of budget to value.
+# Each tenant's use of each budget: the attribute is the account's map of budget to value.
 ACCOUNT_METRICS = (
-    ("gauge", "used", "What each tenant holds of each budget.", "used"),
-    ("gauge", "limit", "Each tenant's limit of each budget.", "limits"),
-    ("counter", "refused", "Requests refused past a tenant's budget.", "refused"),
+    gauge("used", "What each tenant holds of each budget."),
+    gauge("limit", "Each tenant's limit of each budget.", attribute="limits"),
+    counter("refused", "Requests refused past a tenant's budget."),
 )
 
 
 def _account_families(s: NodeStats) -> Iterator[Metric]:
     """Each tenant's use of each budget (kvpool.store.accounts), its limit and its
     refusals: ``budget`` is the resource's name (``buffer_bytes``, ``parked_keys``, ...)."""
-    for kind, name, doc, attribute in ACCOUNT_METRICS:
-        family = FAMILIES[kind](f"kvpool_tenant_{name}", doc, labels=["node", "tenant", "budget"])
+    for stat in ACCOUNT_METRICS:
+        labels = ["node", "tenant", "budget"]
+        family = stat.family(f"kvpool_tenant_{stat.name}", stat.doc, labels=labels)
         for account in s.accounts:
-            for budget, value in getattr(account, attribute).items():
+            for budget, value in getattr(account, stat.attribute).items():
                 family.add_metric([s.node_id, account.tenant, budget], value)
         yield family
 
