@@ -38,7 +38,6 @@ Note: vLLM's CPU attention backend only accepts a ``block_size`` that is a multi
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import pathlib
@@ -46,13 +45,12 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["FAMILIES", "build_tiny_model", "model_dir_for"]
+__all__ = ["FAMILIES", "Family", "build_tiny_model", "model_dir_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +146,14 @@ def _build_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
     return fast
 
 
+_COMMON: dict[str, Any] = {
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    # Larger than the usual 0.02 so that greedy continuations are varied and react to any
+    # change in the context (e.g. wrong KV) instead of collapsing into repeats.
+    "initializer_range": 0.1,
+}
+
 # Llama's attention (the docstring's 4 layers, hidden 256, GQA with 2 KV heads of 64), which
 # Gemma-3's and Qwen3-Next's full-attention layers keep.
 _GQA: dict[str, Any] = {
@@ -158,112 +164,91 @@ _GQA: dict[str, Any] = {
     "head_dim": 64,
 }
 
+_LLAMA: dict[str, Any] = {"intermediate_size": 688, **_GQA}
 
-def _llama(ids: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(intermediate_size=688, **_GQA, **_COMMON, **ids)
-    return LlamaForCausalLM(config)
-
-
-# DeepSeek-V3's own router, as its config.json names it.  transformers' config has no such
-# fields (its router is always this one), but vLLM reads them: without them it builds a
-# softmax router with no score-correction bias, and the checkpoint's
-# ``mlp.gate.e_score_correction_bias`` fails to load (KeyError: the worker dies at start).
-_DEEPSEEK_V3_ROUTER: dict[str, Any] = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
-
-
-def _deepseek_v3(ids: dict[str, Any], *, moe: bool = False) -> Any:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    config = DeepseekV3Config(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=128,
-        kv_lora_rank=512,  # DeepSeek's own latent size: vLLM's CPU MLA runs only 512 + 64
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        # Dense MLPs in every layer, or experts after the first (DeepSeek's own pattern).
-        first_k_dense_replace=1 if moe else 4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=128,
-        n_group=2,
-        topk_group=1,
-        **_DEEPSEEK_V3_ROUTER,
-        **_COMMON,
-        **ids,
-    )
-    return DeepseekV3ForCausalLM(config)
-
-
-def _gemma3(ids: dict[str, Any], *, layer_types: list[str] | None = None) -> Any:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        intermediate_size=688,
-        query_pre_attn_scalar=64,
-        sliding_window=128,
-        layer_types=layer_types or ["sliding_attention", "full_attention"] * 2,
-        **_GQA,
-        **_COMMON,
-        **ids,
-    )
-    return Gemma3ForCausalLM(config)
-
-
-def _qwen3_next(ids: dict[str, Any], *, layer_types: list[str] | None = None) -> Any:
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    config = Qwen3NextConfig(
-        intermediate_size=512,
-        layer_types=layer_types or ["linear_attention"] * 3 + ["full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        **_GQA,
-        **_COMMON,
-        **ids,
-    )
-    return Qwen3NextForCausalLM(config)
-
-
-_COMMON: dict[str, Any] = {
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    # Larger than the usual 0.02 so that greedy continuations are varied and react to any
-    # change in the context (e.g. wrong KV) instead of collapsing into repeats.
-    "initializer_range": 0.1,
+_DEEPSEEK_V3: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 512,  # DeepSeek's own latent size: vLLM's CPU MLA runs only 512 + 64
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    # Dense MLPs in every layer (deepseek-v3-moe: experts after the first, DeepSeek's own
+    # pattern).
+    "first_k_dense_replace": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 128,
+    "n_group": 2,
+    "topk_group": 1,
+    # DeepSeek-V3's own router, as its config.json names it.  transformers' config has no
+    # such fields (its router is always this one), but vLLM reads them: without them it
+    # builds a softmax router with no score-correction bias, and the checkpoint's
+    # ``mlp.gate.e_score_correction_bias`` fails to load (KeyError: the worker dies at start).
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
 }
 
+_GEMMA3: dict[str, Any] = {
+    "intermediate_size": 688,
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    **_GQA,
+}
+
+_QWEN3_NEXT: dict[str, Any] = {
+    "intermediate_size": 512,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    **_GQA,
+}
+
+
+class Family(NamedTuple):
+    """A model family: the transformers model type that builds it (its ``AutoConfig`` and
+    ``AutoModelForCausalLM``), and its config's fields beyond :data:`_COMMON` and the
+    tokenizer's ids."""
+
+    model_type: str
+    fields: dict[str, Any]
+
+
 #: The model families :func:`build_tiny_model` builds, by name.
-FAMILIES: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "llama": _llama,
-    "deepseek-v3": _deepseek_v3,
-    "deepseek-v3-moe": functools.partial(_deepseek_v3, moe=True),
-    "gemma3": _gemma3,
-    "qwen3-next": _qwen3_next,
-    "gemma3-sliding": functools.partial(_gemma3, layer_types=["sliding_attention"] * 4),
-    "qwen3-next-linear": functools.partial(_qwen3_next, layer_types=["linear_attention"] * 4),
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", _LLAMA),
+    "deepseek-v3": Family("deepseek_v3", _DEEPSEEK_V3),
+    "deepseek-v3-moe": Family("deepseek_v3", {**_DEEPSEEK_V3, "first_k_dense_replace": 1}),
+    "gemma3": Family("gemma3_text", _GEMMA3),
+    "qwen3-next": Family("qwen3_next", _QWEN3_NEXT),
+    "gemma3-sliding": Family("gemma3_text", {**_GEMMA3, "layer_types": ["sliding_attention"] * 4}),
+    "qwen3-next-linear": Family(
+        "qwen3_next", {**_QWEN3_NEXT, "layer_types": ["linear_attention"] * 4}
+    ),
 }
 
 
 def _build_model(out: pathlib.Path, family: str, ids: dict[str, Any]) -> None:
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    model_type, fields = FAMILIES[family]
+    config = AutoConfig.for_model(model_type, **fields, **_COMMON, **ids)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(SEED)
-        model = FAMILIES[family](ids)
+        model = AutoModelForCausalLM.from_config(config)
     model = model.bfloat16()
     model.config.dtype = torch.bfloat16
     model.save_pretrained(out)
