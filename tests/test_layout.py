@@ -183,3 +183,22 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
                             break
                     found.append(component)
     return found
+
+
+def test_the_engine_runner_imports_no_kvpool_by_name():
+    """The runner runs under another release's kvpool in the upgrade tests: it names none
+    of kvpool's modules, and reads vLLM's internals through the paged-cache file beside it
+    (this release's, whatever is first on the path)."""
+    from kvpool.harness import runner
+
+    tree = ast.parse((ROOT / "harness" / "runner.py").read_text())
+    named = [
+        alias.name if isinstance(node, ast.Import) else node.module or ""
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [name for name in named if name.split(".")[0] == "kvpool"], named
+    paged = runner._paged()
+    assert Path(paged.__file__) == ROOT / "harness" / "paged.py"
+    assert paged.__name__ != "kvpool.harness.paged"

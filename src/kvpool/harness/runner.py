@@ -46,25 +46,27 @@ given (:func:`engine_cpus`), so its greedy outputs are the same either way.  ``"
 true`` keeps vLLM's processes, for runs that must cross them (the scheduler's metadata
 serialized to the worker); engines of more than one rank always have them.
 
-Whose kvpool.  The runner is started as this release's file (:mod:`.engine`), but it imports
-what the engine's environment puts first on the path: under ``release_env`` (the upgrade
-tests), the previous release's kvpool.  So it imports nothing of kvpool's as it starts, and
-the connector vLLM loads is that release's, as intended.  The steps that read vLLM's
-internals (``read_blocks``, ``clear_kv_cache``, ``attention_backends``) import
-:mod:`kvpool.harness.paged` when they run, and so get *that* release's copy (and, for
-``attention_backends``, its :mod:`kvpool.integrations.vllm.backends`): 0.1.0 has none, so
-they fail there with ``ImportError``, and a later release's may read vLLM otherwise than
-this runner expects.  So an engine run under another release asks only for ``generate``,
-``chat``, ``reset_prefix_cache``, ``pause`` and ``sleep``, which import nothing of kvpool's
-(tests/integrations/test_upgrade_vllm.py does).
+Whose kvpool.  The runner is started as this release's file (:mod:`.engine`), but the
+connector vLLM loads is what the engine's environment puts first on the path: under
+``release_env`` (the upgrade tests), the previous release's, as intended.  So the runner
+imports nothing of kvpool's by name.  The steps that read vLLM's internals
+(``read_blocks``, ``clear_kv_cache``, ``attention_backends``) load :mod:`kvpool.harness.paged`
+from the file beside this one (:func:`_paged`), not by import, so that they read vLLM as
+this runner expects under any release; ``attention_backends`` alone imports kvpool by name
+(:mod:`kvpool.integrations.vllm.backends`, the connector's own choice of backends: the
+release's under test, which 0.1.0 lacks).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import sys
 import time
+from pathlib import Path
+from types import ModuleType
 from typing import IO, Any
 
 RESULT_PREFIX = "KVPOOL_RESULT "
@@ -175,11 +177,22 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _generate_and_read(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
-    # vLLM's internals, read by this step only: imported here, never by an engine that
-    # does not ask (an earlier release's kvpool may be first on the path).
-    from kvpool.harness import paged
+@functools.cache
+def _paged() -> ModuleType:
+    """This release's :mod:`kvpool.harness.paged` (vLLM's internals), loaded from the file
+    beside the runner when a step first asks: an import by name could find another
+    release's kvpool first on the path (or, for 0.1.0, none)."""
+    spec = importlib.util.spec_from_file_location(
+        "kvpool_runner_paged", Path(__file__).with_name("paged.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+def _generate_and_read(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    paged = _paged()
     with paged.finished_requests(llm) as finished:
         result = _generate(llm, step)
     result["blocks"] = paged.read_finished(llm, finished, result["prompt_token_ids"])
@@ -268,13 +281,9 @@ def run_plan(llm: Any, steps: list[dict[str, Any]], stdin: IO[str]) -> None:
         elif op == "reset_prefix_cache":
             result["ok"] = bool(llm.reset_prefix_cache())
         elif op == "clear_kv_cache":
-            from kvpool.harness import paged  # vLLM's internals: only when asked
-
-            paged.clear(llm)
+            _paged().clear(llm)
         elif op == "attention_backends":
-            from kvpool.harness import paged
-
-            result["attention_backends"] = list(paged.attention_backends(llm))
+            result["attention_backends"] = list(_paged().attention_backends(llm))
         elif op == "pause":
             _emit(PAUSE_PREFIX + str(step.get("tag", "")))
             stdin.readline()
