@@ -83,6 +83,11 @@ class Client:
     go straight to the home nodes.  Every kind of write and read takes these routes: puts
     and gets, the writer's puts, and write and read transactions (``begin_write`` /
     ``begin_read``, also named ``reserve`` / ``acquire``).
+
+    Why so many methods (31): this is the SDK's public interface, an operation a method
+    (lookup, put, get, delete, retain, prefetch, the transactions and their aliases, the
+    async forms, stats, health, ...); each routes through :mod:`.routing` and the
+    connection's operations (:mod:`.ops`), which hold the logic.
     """
 
     def __init__(

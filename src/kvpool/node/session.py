@@ -132,7 +132,16 @@ class TransferTimeout(Exception):
 
 
 class Session:
-    """One client connection."""
+    """One client connection.
+
+    Why so many methods (46): a session is the wire protocol's server side, and the protocol
+    has 21 operations (:class:`~kvpool.protocol.messages.Op`), two of them the handshake's.
+    Each of the others has one handler here
+    (``_reserve`` ... ``_handoff``), which decodes, calls the store, the tiers or a service
+    that does the work, and replies; the rest is what every handler shares: the handshake
+    (challenge, authentication, welcome), framing (receive, decode, permission, reply,
+    errors) and the lease bound on a reply.  None holds logic of its own to move out.
+    """
 
     def __init__(self, services: SessionServices, sock: socket.socket, owner: int):
         """``owner``: the connection's number (>= 1), which owns its leases in the ledger."""

@@ -130,7 +130,15 @@ class KeyColumns:
 
 
 class BlockIndex:
-    """Committed blocks by slot, found by key in O(1) (see the module's docstring)."""
+    """Committed blocks by slot, found by key in O(1) (see the module's docstring).
+
+    Why so many methods (36): the index is a struct of arrays (a column per field of a
+    block, :meth:`__init__`), so each field has its accessor (``key``, ``offset``,
+    ``size``, ``checksum``, the pin and read counts, the flags) and each operation a
+    one-key form and a many-keys form over whole columns (``find`` / ``find_many``,
+    ``insert`` / ``insert_many``, ``add_pin`` / ``add_pins_many``): the many-keys forms are
+    the hot path's (numpy over a request's keys), the one-key forms the rest's.
+    """
 
     def __init__(self, max_blocks: int):
         self.max_blocks = max(1, max_blocks)

@@ -98,6 +98,20 @@ class _RequestState:
 
 
 class KVPoolScheduler:
+    """The connector's scheduler side: what vLLM's ``KVConnectorBase_V1`` asks of it, through
+    :class:`~.connector.KVPoolConnector`'s scheduler-side methods.
+
+    Why so many methods (36): ten are that interface, as the connector hands it on
+    (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+    ``request_finished``, ``update_connector_output``, ``bind_block_pool``,
+    ``set_attention_backends``, ``on_new_request``, the stats vLLM takes, ``shutdown``),
+    and each must decide within the scheduler's own call: the lookup (hybrid groups,
+    partial prefixes), which blocks to save and when (:mod:`.saving`), retention hints,
+    failed loads, stats.  The private methods are those steps, in the order vLLM
+    calls them; the decisions themselves live in their modules (:mod:`.groups`,
+    :mod:`.saving`, :mod:`kvpool.retention`).
+    """
+
     def __init__(
         self,
         config: ConnectorConfig,
