@@ -37,7 +37,8 @@ other engines' too (``kvpool drain`` empties a node).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -63,6 +64,11 @@ from .config import StorageConfig, storage_config
 from .pages import block_hash, host_layout, page_ids, page_namespace
 
 log = logging.getLogger("kvpool.sglang")
+
+Moved = TypeVar("Moved")
+# A whole call's load or save of host pages (load_into, save_now): the cache, the client,
+# the pool keys, the pages and the timeout.
+HostMove = Callable[[PagedCache, Client, Sequence[bytes], Sequence[int], float], Moved]
 
 
 class KVPoolStorage(HiCacheStorage):
@@ -161,13 +167,9 @@ class KVPoolStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Load pages straight into the host pool: a leading run of True."""
-        pages = self._host_pages(keys, host_indices)
-        if pages is None:
+        load = self._on_host_pages(load_into, keys, host_indices)
+        if load is None:
             return [False] * len(keys)
-        cache, ids = pages
-        load = load_into(
-            cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
-        )
         if load.reason:
             log.debug("kvpool: %d of %d pages loaded: %s", load.num_blocks, len(keys), load.reason)
         return [i < load.num_blocks for i in range(len(keys))]
@@ -179,13 +181,9 @@ class KVPoolStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Save pages straight from the host pool: per page, whether the pool holds it."""
-        pages = self._host_pages(keys, host_indices) if self.writes else None
-        if pages is None:
+        saved = self._on_host_pages(save_now, keys, host_indices) if self.writes else None
+        if saved is None:
             return [False] * len(keys)
-        cache, ids = pages
-        saved = save_now(
-            cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s
-        )
         if saved.reason:
             log.debug("kvpool: save of %d pages: %s", len(keys), saved.reason)
         return list(saved.stored) if saved.stored else [False] * len(keys)
@@ -292,11 +290,11 @@ class KVPoolStorage(HiCacheStorage):
         assert self.namespace is not None
         return self.namespace.keys([block_hash(key) for key in keys])
 
-    def _host_pages(
-        self, keys: list[str], host_indices: torch.Tensor
-    ) -> tuple[PagedCache, list[int]] | None:
-        """The host pool's cache and the pages of a v1 call in it, or None (nothing to do:
-        refused, or not ready)."""
+    def _on_host_pages(
+        self, move: HostMove[Moved], keys: list[str], host_indices: torch.Tensor
+    ) -> Moved | None:
+        """``move`` (a load or a save) of a v1 call's pages of the host pool, or None
+        (nothing to do: refused, or not ready)."""
         cache = self.cache
         if not keys or cache is None or not self._is_ready():
             return None
@@ -309,7 +307,7 @@ class KVPoolStorage(HiCacheStorage):
                 len(keys),
             )
             return None
-        return cache, ids
+        return move(cache, self.client, self.pool_keys(keys), ids, self.config.transfer_timeout_s)
 
     def _are_pages(self, tensors: Any, num: int) -> bool:
         """Whether ``tensors`` are ``num`` CPU tensors of one page each."""
