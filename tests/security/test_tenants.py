@@ -171,6 +171,24 @@ def test_quota_evicts_the_writers_own_blocks_never_anothers(pool, credentials) -
         assert [bytes(v) for v in b.get(keys(24, 1000)).values] == values(24, 0xB0)
 
 
+def test_a_tenants_account_shows_its_arena_and_disk_bytes_with_their_limits(
+    pool, credentials
+) -> None:
+    """Status reads every tenant's budgets from its account alone: the arena's bytes (its
+    quota) and the disk's (its share of the disk: half, as its quota is half of all)."""
+    beta = credentials["beta"][0]
+    with client(pool.tcp_address, beta, use_shm=False) as b:
+        assert b.put(keys(6, 500), values(6, 0xB2)).all_stored
+        [account] = b.stats().accounts
+    assert account.tenant == "beta"
+    assert account.used["arena_bytes"] == 6 * BLOCK and account.limits["arena_bytes"] == 8 << 20
+    assert account.used["disk_bytes"] == 0 and account.limits["disk_bytes"] == 16 << 20
+    with client(pool.tcp_address, CLUSTER, use_shm=False) as operator:
+        rows = {row.tenant: row for row in operator.stats().accounts}
+    assert rows["beta"].used["arena_bytes"] == 6 * BLOCK
+    assert rows["alpha"].used["arena_bytes"] == 0 and rows["alpha"].limits["arena_bytes"] == 8 << 20
+
+
 def test_a_tenant_that_reserves_its_quota_and_stalls(pool, credentials) -> None:
     alpha, other_alpha = credentials["alpha"]
     beta = credentials["beta"][0]

@@ -257,12 +257,15 @@ def test_a_tenant_churning_within_its_quota_never_evicts_anothers_disk_blocks(st
 def test_a_tenant_past_its_share_of_the_bucket_loses_its_own_packs_never_anothers(
     s3_server, s3_bucket, s3_env, tmp_path, monkeypatch
 ):
+    from kvpool.store.accounts import Accounts, Resource
+    from kvpool.tenants import Tenant
     from kvpool.tiers.objects import ObjectTier
     from tests.tiers.test_objects import config, wait_for
 
     for name, value in s3_env.items():
         monkeypatch.setenv(name, value)
-    alpha, beta = b"AAAA", b"BBBB"  # tenants' tags lead their keys
+    tenants = [Tenant("alpha", b"salt-alpha-0123456789", 1), Tenant("beta", b"salt-beta-0123", 1)]
+    alpha, beta = (t.tag for t in tenants)  # tenants' tags lead their keys
 
     def tenant_blocks(tag: bytes, n: int, seed: int):
         return [(tag + b"ns" * 6 + f"{seed}-{i}".encode(), os.urandom(BLOCK)) for i in range(n)]
@@ -273,8 +276,13 @@ def test_a_tenant_past_its_share_of_the_bucket_loses_its_own_packs_never_another
     MiB = 1 << 20
     bucket = ObjectTier(config(s3_server, s3_bucket, capacity=16 * MiB), tmp_path / "out", "a")
     disk = DiskTier(tmp_path / "disk", 8 * MiB, segment_bytes=4 * MiB, below=bucket)
-    disk.set_quotas({alpha: 4 * MiB, beta: 4 * MiB})  # what Tiers.set_quotas gives them
-    bucket.set_quotas({alpha: 8 * MiB, beta: 8 * MiB})
+    accounts = Accounts()  # equal quotas: half of each tier each, 4 MiB and 8 MiB
+    shares = {disk.resource: disk.capacity, bucket.resource: bucket.capacity}
+    accounts.set_tenants(tenants, held_bytes=0, prefetch_bytes=0, tier_bytes=shares)
+    assert accounts.limit(alpha, Resource.DISK_BYTES) == 4 * MiB
+    assert accounts.limit(beta, Resource.OBJECT_BYTES) == 8 * MiB
+    disk.recount_quotas(accounts)  # what Tiers.recount_quotas has them do
+    bucket.recount_quotas(accounts)
     bucket.start()
     try:
         held = []

@@ -1,7 +1,10 @@
 """The account ledger's rules (kvpool.store.accounts), one test each."""
 
+from kvpool.config import PAGE_BYTES
+from kvpool.errors import Status
 from kvpool.limits import Budgets
 from kvpool.store.accounts import LABEL_BURST, NODE, Accounts, Resource
+from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Tenant
 
 ALPHA = Tenant("alpha", b"salt-alpha-0123456789", 4 << 20, max_connections=2)
@@ -97,3 +100,68 @@ def test_journal_bytes_are_counted_and_reset_by_a_compaction():
     assert accounts.used(ALPHA.tag, Resource.JOURNAL_BYTES) == 1024
     accounts.reset(Resource.JOURNAL_BYTES)
     assert accounts.used(ALPHA.tag, Resource.JOURNAL_BYTES) == 0
+
+
+def test_rule4_the_arena_and_the_lower_tiers_are_limited_by_quota_in_one_place():
+    accounts = Accounts()
+    tiers = {Resource.DISK_BYTES: 64 << 20, Resource.OBJECT_BYTES: 1 << 30}
+    accounts.set_tenants([ALPHA, BETA], 8 << 20, 512 << 20, tier_bytes=tiers)
+    [alpha] = accounts.usage(ALPHA.tag)
+    assert alpha.limits["arena_bytes"] == ALPHA.quota_bytes  # its quota, whole
+    assert alpha.limits["disk_bytes"] == 16 << 20  # 4 of 16 MiB of quotas: a quarter
+    assert alpha.limits["object_bytes"] == 256 << 20
+    assert alpha.used["arena_bytes"] == alpha.used["disk_bytes"] == 0
+    accounts.set_tenants([ALPHA, BETA], 8 << 20, 512 << 20)  # a node with no lower tier
+    [alpha] = accounts.usage(ALPHA.tag)
+    assert "disk_bytes" not in alpha.limits and "object_bytes" not in alpha.limits
+
+
+def tenant_key(tenant: Tenant, i: int) -> bytes:
+    return tenant.tag + b"n" * 12 + i.to_bytes(16, "big")
+
+
+def write(store: BlockStore, keys: list[bytes], size: int = PAGE_BYTES) -> list[Status]:
+    reserved = store.reserve(keys, [size] * len(keys), owner=1)
+    if reserved.reservation_id:
+        store.commit(reserved.reservation_id, [0] * len(keys), 1)
+    return reserved.statuses
+
+
+def test_metered_a_stores_blocks_are_their_tenants_arena_bytes_recounted_at_a_reload():
+    store = BlockStore(64 * PAGE_BYTES, high_watermark=1.0, low_watermark=1.0)
+    accounts = store.accounts
+    accounts.set_tenants([BETA], held_bytes=0, prefetch_bytes=0)
+    store.recount_quotas()
+    alpha_keys = [tenant_key(ALPHA, i) for i in range(3)]
+    beta_keys = [tenant_key(BETA, i) for i in range(2)]
+    assert write(store, alpha_keys, size=100) == [Status.OK] * 3  # alpha's: nobody's yet
+    assert write(store, beta_keys, size=PAGE_BYTES + 1) == [Status.OK] * 2  # two pages each
+    assert accounts.used(BETA.tag, Resource.ARENA_BYTES) == 4 * PAGE_BYTES
+    accounts.set_tenants([ALPHA, BETA], held_bytes=0, prefetch_bytes=0)  # a reload adds alpha
+    store.recount_quotas()
+    rows = {row.tenant: row for row in accounts.usage()}
+    assert rows["alpha"].used["arena_bytes"] == 3 * PAGE_BYTES  # a whole page each
+    assert rows["alpha"].limits["arena_bytes"] == ALPHA.quota_bytes
+    assert rows["beta"].used["arena_bytes"] == 4 * PAGE_BYTES
+    # Beta leaves: its blocks count for nobody, and do not keep its account.
+    accounts.set_tenants([ALPHA], held_bytes=0, prefetch_bytes=0)
+    store.recount_quotas()
+    assert [row.tenant for row in accounts.usage()] == ["alpha"]
+    store.delete(beta_keys)
+    store.delete(alpha_keys[:1])
+    assert accounts.used(ALPHA.tag, Resource.ARENA_BYTES) == 2 * PAGE_BYTES
+
+
+def test_metered_a_write_past_the_arena_quota_is_refused_and_counts_nothing():
+    small = Tenant("small", b"salt-small-0123456789", 4 * PAGE_BYTES)
+    store = BlockStore(64 * PAGE_BYTES, high_watermark=1.0, low_watermark=1.0)
+    store.accounts.set_tenants([small], held_bytes=0, prefetch_bytes=0)
+    store.recount_quotas()
+    held = store.reserve([tenant_key(small, i) for i in range(4)], [PAGE_BYTES] * 4, owner=1)
+    assert held.statuses == [Status.OK] * 4  # its whole quota, pending: nothing to evict
+    assert write(store, [tenant_key(small, 4)]) == [Status.OVER_QUOTA]
+    assert store.accounts.used(small.tag, Resource.ARENA_BYTES) == 4 * PAGE_BYTES
+    store.commit(held.reservation_id, [0] * 4, 1)
+    assert write(store, [tenant_key(small, 5)]) == [Status.OK]  # its own LRU block went
+    assert store.lookup([tenant_key(small, 0)]) == (0, False)
+    assert store.accounts.used(small.tag, Resource.ARENA_BYTES) == 4 * PAGE_BYTES

@@ -14,11 +14,13 @@ from kvpool.store.block_store import BlockStore
 from kvpool.store.holds import Holds, QueueAwareEviction
 from kvpool.store.learned import NUM_CLASSES, LearnedPolicy
 from kvpool.store.leases import LeaseLedger
+from kvpool.tenants import Tenant
 
-TAGS = (b"AAAA", b"BBBB")
 NAMESPACE_REST = b"n" * 12  # a tenant's key: its tag, the rest of a namespace id, a hash
 CAPACITY = 40  # blocks of one page
 QUOTA = 20 * PAGE_BYTES
+TENANTS = (Tenant("a", b"salt-a-0123456789", QUOTA), Tenant("b", b"salt-b-0123456789", QUOTA))
+TAGS = tuple(t.tag for t in TENANTS)
 
 
 class Clock:
@@ -49,7 +51,8 @@ class World:
             low_watermark=1.0,
             ledger=ledger,
         )
-        self.store.set_quotas({tag: QUOTA for tag in TAGS})
+        self.store.accounts.set_tenants(TENANTS, held_bytes=0, prefetch_bytes=0)
+        self.store.recount_quotas()
         self.chains: list[list[list[bytes]]] = [[], []]  # per tenant: chains of hashes
         self.parent_of: dict[bytes, bytes] = {}  # child key -> parent key, when linked
         self.pins: list[tuple[int, list[bytes]]] = []
@@ -170,7 +173,8 @@ def test_prefixes_pins_holds_and_shares_hold_under_any_sequence(ops):
 
 def test_a_chain_leaves_from_its_end_and_a_new_branch_keeps_the_shared_prefix():
     world = World()
-    world.store.set_quotas(None)
+    world.store.accounts.set_tenants(None, held_bytes=0, prefetch_bytes=0)
+    world.store.recount_quotas()
     world.write(0, 0, 10, branch=True)  # a prefix of 10
     world.write(0, 0, 5, branch=False)  # extended by 5
     first = world.chains[0][-1]

@@ -102,7 +102,7 @@ def test_rule2_a_tenants_retained_bytes_are_its_account_and_refusals_are_counted
     accounts = Accounts()
     accounts.set_tenants([tenant], held_bytes=0, prefetch_bytes=0)
     store = new_store("lru", clock, accounts)
-    store.set_quotas({tenant.tag: tenant.quota_bytes})
+    store.recount_quotas()
     mine = [key(i, tenant.tag + b"\x00" * 12) for i in range(4)]
     put(store, mine)
     retained = store.retain(mine, 80, duration_s=0)

@@ -20,6 +20,7 @@ from kvpool.store.block_store import BlockStore
 from kvpool.store.journal import COMPACT_STEP, RECORD, Journal
 from kvpool.store.policies import NAME_TO_POLICY, new_policy
 from kvpool.store.space import TRIM_STEP
+from kvpool.tenants import Tenant
 from tests.helpers import rss_anon_kib
 
 NUM_BLOCKS = 100_000
@@ -118,12 +119,15 @@ def test_the_watermark_trim_visits_what_it_evicts(policy_name):
 @POLICIES
 def test_a_tenants_eviction_never_walks_another_tenants_blocks(policy_name):
     policy = CountingPolicy(policy_name)
-    a, b = b"AAAA", b"BBBB"
     num_b = NUM_BLOCKS - 1000
+    alpha = Tenant("a", b"salt-a-0123456789", 1000 * PAGE_BYTES)
+    beta = Tenant("b", b"salt-b-0123456789", num_b * PAGE_BYTES)
+    a, b = alpha.tag, beta.tag
     store = BlockStore(
         NUM_BLOCKS * PAGE_BYTES, eviction=policy, high_watermark=1.0, low_watermark=1.0
     )
-    store.set_quotas({a: 1000 * PAGE_BYTES, b: num_b * PAGE_BYTES})
+    store.accounts.set_tenants([alpha, beta], held_bytes=0, prefetch_bytes=0)
+    store.recount_quotas()
     fill(store, [key_of(i, b) for i in range(num_b)])  # the oldest: all of tenant B
     fill(store, [key_of(i, a) for i in range(1000)])  # tenant A at its quota
     assert store.quotas is not None and store.quotas.room(key_of(0, a), PAGE_BYTES)

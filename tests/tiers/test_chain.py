@@ -12,6 +12,7 @@ from kvpool.buffers import copy_with_checksum
 from kvpool.errors import Status
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TIER_OBJECT, TierStats
+from kvpool.store.accounts import Accounts, Resource
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tiers.chain import MAX_STAGED_BYTES, STAGE_BYTES, STAGE_SEND_S, LowerTiers, Tiers
@@ -44,6 +45,7 @@ class MemoryTier:
     tier_id = TIER_OBJECT
     medium = "OBJECT"
     capacity = 1 << 30
+    resource = Resource.OBJECT_BYTES
 
     def __init__(self, held: list[tuple[bytes, memoryview, int]]) -> None:
         self.blocks = {k: (bytes(data), checksum) for k, data, checksum in held}
@@ -75,6 +77,9 @@ class MemoryTier:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return sum(self.blocks.pop(k, None) is not None for k in keys)
+
+    def recount_quotas(self, accounts: Accounts) -> None:
+        pass  # no tenants' shares here
 
     def stats(self) -> TierStats:
         return TierStats(name="memory", num_blocks=len(self.blocks))
@@ -333,3 +338,32 @@ def test_a_tenants_keys_asked_of_other_nodes_are_charged_to_its_account(tmp_path
         await tiers.stop()
 
     asyncio.run(run())
+
+
+def test_a_tenants_disk_bytes_are_its_account_within_its_share_of_the_disk(tmp_path: Path) -> None:
+    """The disk's tenants' shares are the ledger's DISK_BYTES: what a tenant's segments
+    take is counted there, found again at a reload, and shown by the ledger's usage."""
+    from kvpool.tenants import Tenant
+
+    alpha = Tenant("alpha", b"salt-alpha-0123456789", 4 << 20)
+    beta = Tenant("beta", b"salt-beta-0123456789", 12 << 20)
+
+    def alpha_blocks(name: str, n: int) -> list[tuple[bytes, memoryview, int]]:
+        return [(alpha.scope(k), data, c) for k, data, c in disk_blocks(name, n, BLOCK)]
+
+    disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
+    disk.write(alpha_blocks("before", 4))  # before alpha is a tenant: nobody's segment
+    tiers = chain(tmp_path, disk)
+    accounts = tiers.store.accounts
+    accounts.set_tenants([alpha, beta], 8 << 20, 512 << 20, tier_bytes=tiers.capacities())
+    tiers.recount_quotas()
+    [row] = accounts.usage(alpha.tag)
+    assert row.limits["disk_bytes"] == 8 << 20  # a quarter of the disk: 4 of 16 MiB of quotas
+    assert row.limits["arena_bytes"] == 4 << 20
+    found = row.used["disk_bytes"]
+    assert found >= 4 * BLOCK  # the segment its blocks lead, counted again
+    disk.write(alpha_blocks("after", 4))  # its own segment from here on
+    assert accounts.used(alpha.tag, Resource.DISK_BYTES) >= found + 4 * BLOCK
+    [other] = accounts.usage(beta.tag)
+    assert other.used["disk_bytes"] == 0 and other.limits["disk_bytes"] == 24 << 20
+    asyncio.run(tiers.stop())

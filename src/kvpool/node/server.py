@@ -45,7 +45,7 @@ from kvpool.node.session import Session
 from kvpool.protocol import auth
 from kvpool.protocol.messages import MAX_ACCOUNTS, NodeStats
 from kvpool.stats import AccountStats, FormatStats
-from kvpool.store.accounts import Accounts
+from kvpool.store.accounts import Accounts, Resource
 from kvpool.store.arena import Arena
 from kvpool.store.block_store import BlockStore
 from kvpool.tenants import Registry, Tenant
@@ -267,16 +267,18 @@ class NodeServer:
     # -- tenants -------------------------------------------------------------------------
 
     def _apply_quotas(self) -> None:
+        """The tenants' limits of everything, in the ledger, then every tier's count of
+        what each holds there."""
         if self.tenants is None:
             return
-        tenants = self.tenants.current.tenants.values()
-        quotas = {t.tag: t.quota_bytes for t in tenants}
-        self.store.set_quotas(quotas)
-        self.tiers.set_quotas(quotas)  # the same tenants' shares of the disk and the bucket
-        # Their accounts: their limits, and their shares of the holds and prefetches.
         self.accounts.set_tenants(
-            tenants, self.tiers.holds.max_bytes, PREFETCH_MAX_BYTES, MAX_STAGED_BYTES
+            self.tenants.current.tenants.values(),
+            self.tiers.holds.max_bytes,
+            PREFETCH_MAX_BYTES,
+            MAX_STAGED_BYTES,
+            self.tiers.capacities(),
         )
+        self.tiers.recount_quotas()
 
     async def _reload_loop(self) -> None:
         while True:
@@ -422,18 +424,9 @@ class NodeServer:
         return rows
 
     def _accounts(self, tenant: Tenant | None = None) -> list[AccountStats]:
-        """Each tenant's account (``tenant``: its own), with its arena bytes and quota (the
-        store's quotas keep those: eviction decides by them)."""
-        rows = self.accounts.usage(tenant.tag if tenant is not None else None)
-        quotas = self.store.quotas
-        if quotas is not None and self.tenants is not None:
-            by_name = self.tenants.current.tenants
-            for row in rows:
-                known = by_name.get(row.tenant)
-                if known is not None and known.tag in quotas.used:
-                    row.used["arena_bytes"] = quotas.used[known.tag]
-                    row.limits["arena_bytes"] = quotas.limits[known.tag]
-        return rows[:MAX_ACCOUNTS]
+        """Each tenant's account (``tenant``: its own), its arena and lower tiers' bytes
+        included."""
+        return self.accounts.usage(tenant.tag if tenant is not None else None)[:MAX_ACCOUNTS]
 
     def _tenant_stats(self, tenant: Tenant) -> NodeStats:
         rows = [
@@ -441,8 +434,7 @@ class NodeServer:
             for row in self.store.namespaces
             if bytes.fromhex(row.namespace_id).startswith(tenant.tag)
         ]
-        quotas = self.store.quotas
-        used = quotas.used.get(tenant.tag, 0) if quotas is not None else 0
+        used = self.accounts.used(tenant.tag, Resource.ARENA_BYTES)
         return NodeStats(
             node_id=self.node_id,
             host_id=self.identity.host_id,

@@ -2,12 +2,18 @@
 
 The lease ledger (:mod:`kvpool.store.leases`) says how long anything may hold the node's
 memory; this one says how much each tenant holds now, of everything a tenant can cost the
-node beside its arena pages, and refuses what would take a tenant past its limit.  Every
-operation that spends a shared resource charges it here, and ``kvpool status`` and
-``/metrics`` read it from here (:meth:`Accounts.usage`).
+node, and refuses what would take a tenant past its limit.  Every operation that spends a
+shared resource charges it here, every limit is set here (:meth:`Accounts.set_tenants`),
+and ``kvpool status`` and ``/metrics`` read it from here alone (:meth:`Accounts.usage`).
 
 Resources (:class:`Resource`):
 
+- ``ARENA_BYTES``: the arena memory of its blocks, reserved or committed, in whole pages
+  (limit: the tenant's ``quota_bytes``);
+- ``DISK_BYTES``, ``OBJECT_BYTES``: the bytes its blocks take on the disk tier and in the
+  object store (limit: the tier's capacity times the share its quota is of all quotas).
+  One resource per kind of lower tier, not per tier name: a node has one tier of each kind
+  at most, and a fixed set keeps the status and metric names the same on every node;
 - ``CONNECTIONS``: its connections open (limit: the tenant's ``max_connections``);
 - ``BUFFER_BYTES``: the receive buffers of its connections: each one's read-ahead, and the
   metadata of each frame being served that is larger than that (held in a buffer of its
@@ -32,8 +38,18 @@ Resources (:class:`Resource`):
 - ``LABEL_CHANGES``: a rate: namespace label changes, each a journal record (a token
   bucket: ``label_changes_per_s``, in bursts of one per namespace a tenant may have).
 
-The arena is the store's :class:`~kvpool.store.quotas.Quotas` (eviction decides by it):
-the ledger does not keep a second count, status reads both.
+The first three are *metered*: their holders (the store, the disk, the object store) count
+them a block at a time through a :class:`~kvpool.store.quotas.Quotas`, the view of one
+resource of this ledger that their eviction decides by; the number itself is here, once,
+in that resource's columns by tag (:class:`Metered`), not in the accounts' rows, so that a
+block costs its meter one dict lookup.  They are counted, never charged (no
+:meth:`Accounts.charge` of them), and only :meth:`Accounts.usage`, :meth:`Accounts.used`
+and :meth:`Accounts.limit` read them beside the rows.
+A metered resource is counted by key, for a current tenant only: keys with no known tag
+(no tenants, a tenant since removed) count for nobody, so a removed tenant's metered counts
+go at once and never keep its account.  Its holder counts what it holds again after every
+:meth:`Accounts.set_tenants` (``Quotas.recount``: a reloaded file may name a tenant that
+holds blocks already).
 
 Rules (each has a test in tests/store/test_accounts.py):
 
@@ -46,7 +62,11 @@ Rules (each has a test in tests/store/test_accounts.py):
 4. Limits come from the tenants file and the node's :class:`~kvpool.limits.Budgets`
    (:meth:`Accounts.set_tenants`, again on every reload); what is held survives a reload.
 
-Synchronous, touched from one thread (the daemon's event loop), as the store is.
+Synchronous, touched from one thread (the daemon's event loop), as the store is; except
+that the lower tiers' meters count ``DISK_BYTES`` and ``OBJECT_BYTES`` from their I/O
+threads, under their tier's lock (as their recounts do).  They only change values of
+columns whose tags are fixed when :meth:`Accounts.set_tenants` makes them (it replaces
+them whole, on the event loop), so a reader never sees a column change size.
 """
 
 from __future__ import annotations
@@ -73,6 +93,9 @@ LABEL_BURST = MAX_NAMESPACES_PER_TAG
 
 
 class Resource(enum.Enum):
+    ARENA_BYTES = "arena_bytes"
+    DISK_BYTES = "disk_bytes"
+    OBJECT_BYTES = "object_bytes"
     CONNECTIONS = "connections"
     BUFFER_BYTES = "buffer_bytes"
     PARKED_KEYS = "parked_keys"
@@ -85,16 +108,31 @@ class Resource(enum.Enum):
     LABEL_CHANGES = "label_changes"
 
 
+# Counted by their holders' meters, for current tenants only (see above).
+METERED = (Resource.ARENA_BYTES, Resource.DISK_BYTES, Resource.OBJECT_BYTES)
+# Charged to an account's row (the metered ones are columns of their own: Metered).
+CHARGED = tuple(r for r in Resource if r not in METERED)
 # What is charged and credited back; LABEL_CHANGES is a rate, JOURNAL_BYTES a count.
-HELD = tuple(r for r in Resource if r not in (Resource.LABEL_CHANGES, Resource.JOURNAL_BYTES))
+HELD = tuple(r for r in CHARGED if r not in (Resource.LABEL_CHANGES, Resource.JOURNAL_BYTES))
+
+
+@dataclass(frozen=True)
+class Metered:
+    """A metered resource of every current tenant, by tag: its limit, and what it holds
+    (the same tags).  Columns, not rows: its meter (:class:`~kvpool.store.quotas.Quotas`)
+    counts into ``used`` a block at a time, one dict lookup by tag.  ``set_tenants``
+    replaces both whole; a count only changes a value, never the tags."""
+
+    limits: dict[bytes, int] = field(default_factory=dict)
+    used: dict[bytes, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Account:
     name: str
     limits: Mapping[Resource, int]
-    used: dict[Resource, int] = field(default_factory=lambda: dict.fromkeys(Resource, 0))
-    refused: dict[Resource, int] = field(default_factory=lambda: dict.fromkeys(Resource, 0))
+    used: dict[Resource, int] = field(default_factory=lambda: dict.fromkeys(CHARGED, 0))
+    refused: dict[Resource, int] = field(default_factory=lambda: dict.fromkeys(CHARGED, 0))
     tokens: float = LABEL_BURST  # label changes left in the bucket
     filled_at: float = 0.0
 
@@ -111,6 +149,7 @@ class Accounts:
         self.budgets = budgets or Budgets()
         self.clock = clock
         self._accounts: dict[bytes, _Account] = {NODE: _Account("", {})}
+        self._metered: dict[Resource, Metered] = {r: Metered() for r in METERED}
 
     def set_tenants(
         self,
@@ -118,14 +157,20 @@ class Accounts:
         held_bytes: int,
         prefetch_bytes: int,
         staged_bytes: int = 0,
+        tier_bytes: Mapping[Resource, int] | None = None,
     ) -> None:
-        """The tenants (None: none), and the node's budgets they share: ``held_bytes`` of
-        prefetch holds, ``prefetch_bytes`` in flight and ``staged_bytes`` of stages, each
-        tenant the share its quota is of all quotas.  What each holds is kept (rule 4); a
+        """The tenants (None: none), and what they share: ``held_bytes`` of prefetch holds,
+        ``prefetch_bytes`` in flight, ``staged_bytes`` of stages and the lower tiers'
+        capacities (``tier_bytes``: ``DISK_BYTES`` and ``OBJECT_BYTES``, those the node
+        has), each tenant the share its quota is of all quotas; the arena, its quota.  The
+        one place every tenant's limits are set.  What each holds is kept (rule 4); a
         tenant that left the file keeps its account, limited no more, until what it holds
-        is credited back."""
+        is credited back, and its metered resources count for nobody.  The meters'
+        holders count what they hold again next, into the new columns
+        (``Quotas.recount``; the node's tiers: ``Tiers.recount_quotas``)."""
         tenants = list(tenants or ())
-        total_quota = sum(t.quota_bytes for t in tenants) or 1
+        all_quotas = sum(t.quota_bytes for t in tenants)
+        total_quota = all_quotas or 1
         for tenant in tenants:
             share = tenant.quota_bytes / total_quota
             limits = {
@@ -144,12 +189,28 @@ class Accounts:
                 self._accounts[tenant.tag] = _Account(tenant.name, limits, filled_at=self.clock())
             else:
                 account.name, account.limits = tenant.name, limits
+        metered_limits = {Resource.ARENA_BYTES: {t.tag: t.quota_bytes for t in tenants}}
+        if all_quotas > 0:  # no quotas at all: no shares of the lower tiers either
+            for tier, capacity in (tier_bytes or {}).items():
+                metered_limits[tier] = {
+                    t.tag: capacity * t.quota_bytes // all_quotas for t in tenants
+                }
+        for resource, metered in self._metered.items():
+            tag_to_limit = metered_limits.get(resource, {})
+            self._metered[resource] = Metered(
+                tag_to_limit, {tag: metered.used.get(tag, 0) for tag in tag_to_limit}
+            )
         tags = {t.tag for t in tenants}
         for tag, account in list(self._accounts.items()):
             if tag != NODE and tag not in tags:
                 account.limits = {}
                 if account.holds_nothing():
                     del self._accounts[tag]
+
+    def metered(self, resource: Resource) -> Metered:
+        """The columns of a metered resource, as the last :meth:`set_tenants` made them
+        (for its meter, :class:`~kvpool.store.quotas.Quotas`, at each recount)."""
+        return self._metered[resource]
 
     def account_of(self, key_or_tag: bytes) -> bytes:
         """The account a key (or a tag) is charged to: its tenant's tag, or ``NODE``."""
@@ -196,9 +257,13 @@ class Accounts:
 
     def limit(self, account: bytes, resource: Resource) -> int | None:
         """The account's limit of ``resource`` (None: none)."""
+        if resource in METERED:
+            return self._metered[resource].limits.get(account)
         return self._entry(account).limits.get(resource)
 
     def used(self, account: bytes, resource: Resource) -> int:
+        if resource in METERED:
+            return self._metered[resource].used.get(account, 0)
         return self._entry(account).used[resource]
 
     def _refill(self, entry: _Account) -> None:
@@ -226,14 +291,19 @@ class Accounts:
             if tag == NODE or (account is not None and tag != account):
                 continue
             used = {r.value: n for r, n in entry.used.items()}
+            limits = {r.value: n for r, n in entry.limits.items()}
             if Resource.LABEL_CHANGES in entry.limits:
                 self._refill(entry)
                 used[Resource.LABEL_CHANGES.value] = int(LABEL_BURST - entry.tokens)
+            for resource, metered in self._metered.items():
+                if tag in metered.limits:
+                    used[resource.value] = metered.used[tag]
+                    limits[resource.value] = metered.limits[tag]
             rows.append(
                 AccountStats(
                     tenant=entry.name,
                     used=used,
-                    limits={r.value: n for r, n in entry.limits.items()},
+                    limits=limits,
                     refused={r.value: n for r, n in entry.refused.items() if n},
                 )
             )

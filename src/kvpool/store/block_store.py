@@ -218,7 +218,10 @@ class BlockStore:
         self.journal = journal or NoJournal()
         self.directory = directory if directory is not None else NoDirectory()
         self.spill = spill
-        self.quotas: Quotas | None = None  # per-tenant limits (kvpool.store.quotas)
+        # The tenants' arena quotas: the ledger's ARENA_BYTES (kvpool.store.quotas), while
+        # some tenant has one.
+        self._arena_quotas = Quotas(self.accounts, Resource.ARENA_BYTES)
+        self.quotas: Quotas | None = None
         self.areas = WriteAreas(self.allocator, self.ledger)
         self.space = Space(self.allocator, self.eviction, self, high_watermark, low_watermark)
         # The clients' accesses, sampled: what more or less memory would buy (rule 18).
@@ -229,22 +232,23 @@ class BlockStore:
         self._adopt()
         self.events = events
 
-    def set_quotas(self, limits: dict[bytes, int] | None) -> None:
-        """Per-tenant limits, by tag (None: no tenants); counts what is held now."""
-        if limits is None:
+    def recount_quotas(self) -> None:
+        """Count each tenant's arena bytes again, from what is held now: the ledger's
+        tenants changed (:meth:`Accounts.set_tenants`: a reload); none has a quota: no
+        tenants here."""
+        if not self.accounts.metered(Resource.ARENA_BYTES).limits:
             self.quotas = None
         else:
-            self.quotas = Quotas()
-            self.quotas.recount(limits, ((b.key, b.size) for b in self._pending.values()))
+            self.quotas = self._arena_quotas
             # The committed blocks, by tag in bulk (a reload; requests never do this).
             slots = self.index.live_slots()
             costs = self.index.sizes[slots]
             costs = np.maximum(1, -(-costs // PAGE_BYTES)) * PAGE_BYTES  # page_bytes
-            for tag, (_, num_bytes) in counted_prefixes(
-                self.index, slots, TAG_BYTES, costs
-            ).items():
-                if tag in self.quotas.used:
-                    self.quotas.used[tag] += num_bytes
+            committed = counted_prefixes(self.index, slots, TAG_BYTES, costs)
+            self.quotas.recount(
+                ((b.key, b.size) for b in self._pending.values()),
+                {tag: num_bytes for tag, (_, num_bytes) in committed.items()},
+            )
         self.space.quotas = self.quotas
         # One LRU list per tenant (a reload visits every block once; requests never do).
         self.eviction.regroup(None if self.quotas is None else self._group_of_slot)

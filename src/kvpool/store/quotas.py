@@ -1,4 +1,13 @@
-"""Per-tenant DRAM quotas of a store, reservations included.
+"""A tenant's quota where its blocks are: the meter of one resource of the tenant ledger.
+
+The numbers are the ledger's (:mod:`kvpool.store.accounts`): each tenant's limit of the
+arena (``ARENA_BYTES``), the disk (``DISK_BYTES``) and the object store (``OBJECT_BYTES``),
+set by :meth:`~kvpool.store.accounts.Accounts.set_tenants` alone, and what it holds there.
+A :class:`Quotas` owns no number: it is how the holder of that resource (the store, the disk
+tier, the object tier) counts its blocks into the ledger and asks it, on its eviction's hot
+path, whether a block fits.  It holds the ledger's own columns of its resource
+(:class:`~kvpool.store.accounts.Metered`: limits and use by tag), taken again at each
+recount, so a block costs a dict lookup or two, as when the numbers were its own.
 
 Whose a block is comes from its key: a tenant's keys start with its tag (see
 :mod:`kvpool.tenants`), so the accounting needs nothing stored per block and holds for
@@ -11,7 +20,11 @@ restart.  Keys with no known tag (no tenants, or a tenant since removed) count f
   one tenant's traffic never evicts another's blocks beyond its share.
 - A block counts the arena memory it takes (whole pages, at least one, whatever its size:
   :func:`kvpool.config.page_bytes`), not its payload: empty or tiny blocks cannot hold
-  more of the arena than their tenant's quota.
+  more of the arena than their tenant's quota.  A lower tier counts the bytes it stores
+  (:func:`stored_bytes`).
+- After every :meth:`~kvpool.store.accounts.Accounts.set_tenants` the holder counts what it
+  holds again (:meth:`Quotas.recount`, which also takes the ledger's new columns): a
+  reloaded tenants file may add a tenant that holds blocks already.
 """
 
 from __future__ import annotations
@@ -19,27 +32,51 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from kvpool.config import page_bytes
+from kvpool.store.accounts import Accounts, Resource
 from kvpool.tenants import TAG_BYTES
 
 
+def stored_bytes(size: int) -> int:
+    """What ``size`` bytes of a block take on a lower tier: the bytes it stores."""
+    return size
+
+
 class Quotas:
-    """Per-tenant limits and usage, keyed by tag.  ``cost``: what ``size`` bytes of a block
-    take where it is counted (the arena's pages by default; a lower tier counts the bytes
-    it stores)."""
+    """The meter of one metered resource of ``accounts`` (``ARENA_BYTES``, ``DISK_BYTES``,
+    ``OBJECT_BYTES``): ``limits`` and ``used`` by tag are the ledger's columns of it.
+    ``cost``: what ``size`` bytes of a block take where it is counted (the arena's pages by
+    default; a lower tier counts the bytes it stores)."""
 
     def __init__(
-        self, limits: Mapping[bytes, int] | None = None, cost: Callable[[int], int] = page_bytes
-    ):
-        self.limits: dict[bytes, int] = dict(limits or {})
-        self.used: dict[bytes, int] = dict.fromkeys(self.limits, 0)
+        self,
+        accounts: Accounts,
+        resource: Resource,
+        cost: Callable[[int], int] = page_bytes,
+    ) -> None:
+        self.accounts = accounts
+        self.resource = resource
         self.cost = cost
+        columns = accounts.metered(resource)
+        self.limits: Mapping[bytes, int] = columns.limits
+        self.used: dict[bytes, int] = columns.used
 
-    def recount(self, limits: Mapping[bytes, int], blocks: Iterable[tuple[bytes, int]]) -> None:
-        """New limits (a reloaded tenants file), and the usage of the blocks held now."""
-        self.limits = dict(limits)
-        self.used = dict.fromkeys(self.limits, 0)
+    def recount(
+        self, blocks: Iterable[tuple[bytes, int]], costs: Mapping[bytes, int] | None = None
+    ) -> None:
+        """Take the ledger's columns as its last ``set_tenants`` made them, and count what
+        is held now into them: ``blocks`` as ``(key, size)``, and ``costs`` already
+        summed by tag (a bulk count)."""
+        columns = self.accounts.metered(self.resource)
+        counted = dict.fromkeys(columns.limits, 0)
+        for tag, cost in (costs or {}).items():
+            if tag in counted:
+                counted[tag] += cost
         for key, size in blocks:
-            self.added(key, size)
+            tag = key[:TAG_BYTES]
+            if tag in counted:
+                counted[tag] += self.cost(size)
+        columns.used.update(counted)  # the same tags: values change, never the keys
+        self.limits, self.used = columns.limits, columns.used
 
     def added(self, key: bytes, size: int) -> None:
         tag = key[:TAG_BYTES]
@@ -64,7 +101,7 @@ class Quotas:
 
     def room(self, key: bytes, size: int) -> int:
         """How many bytes the key's tenant is short of for a block of ``size`` more (0: it
-        fits), in arena memory."""
+        fits), as this resource counts them."""
         tag = key[:TAG_BYTES]
         limit = self.limits.get(tag)
         return 0 if limit is None else max(0, self.used[tag] + self.cost(size) - limit)

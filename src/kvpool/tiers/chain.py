@@ -16,8 +16,9 @@ a module of its own:
   request, within the node's and the tenant's bytes in flight, holding what came up.
 - **Write-back**: DRAM evictions go to disk (:mod:`kvpool.tiers.writeback`), and the disk's
   evicted segments go to the object store (:mod:`kvpool.tiers.objects`).
-- Here: deletes on every lower tier, the tenants' shares of the lower tiers, what the
-  object store lost, and the statistics (with each tier's hit-rate estimates).
+- Here: deletes on every lower tier, every tier's count of what each tenant holds there
+  (into the tenant ledger, :mod:`kvpool.store.accounts`, after it set their limits), what
+  the object store lost, and the statistics (with each tier's hit-rate estimates).
 
 All disk and object-store I/O runs on threads, never on the event loop: reads and their
 promotions on ``READ_THREADS``, prefetches on one thread of their own (below the priority
@@ -27,12 +28,13 @@ of real reads).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 
 from kvpool.protocol.messages import PrefetchResponse
 from kvpool.stats import ESTIMATE_SCALES, TIER_DRAM, HitRateEstimate, PrefetchStats, TierStats
+from kvpool.store.accounts import Resource
 from kvpool.store.arena import Arena
 from kvpool.store.block import PinResult
 from kvpool.store.block_store import BlockStore
@@ -169,15 +171,17 @@ class Tiers:
 
     # -- the rest ------------------------------------------------------------------------
 
-    def set_quotas(self, quotas: Mapping[bytes, int] | None) -> None:
-        """Tenants' DRAM quotas (by tag; None: no tenants), carried to the lower tiers: each
-        gives a tenant the share of its capacity that its quota is of all the quotas."""
-        total = sum(quotas.values()) if quotas else 0
+    def capacities(self) -> dict[Resource, int]:
+        """Each lower tier's capacity, by its resource of the tenant ledger: what
+        :meth:`~kvpool.store.accounts.Accounts.set_tenants` shares among the tenants."""
+        return {tier.resource: tier.capacity for tier in self.chain}
+
+    def recount_quotas(self) -> None:
+        """The ledger's tenants changed (:meth:`~kvpool.store.accounts.Accounts.set_tenants`,
+        a reload): every tier, DRAM first, counts what each tenant holds there again."""
+        self.store.recount_quotas()
         for tier in self.chain:
-            if not quotas or total <= 0:
-                tier.set_quotas(None)
-                continue
-            tier.set_quotas({tag: tier.capacity * q // total for tag, q in quotas.items()})
+            tier.recount_quotas(self.store.accounts)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Delete the keys from the tiers below DRAM, for good (the disk writes tombstones,

@@ -21,13 +21,13 @@ files, no in-place updates)::
   segment goes (its file is deleted, with every block in it): LRU at segment granularity,
   which keeps writes sequential and needs no compaction.  A block read from a segment
   makes that segment recent again.
-- Tenants (:meth:`DiskTier.set_quotas`, the store's :class:`~kvpool.store.quotas.Quotas`
-  counting the bytes segments take): each tenant writes its own segments, so that evicting
-  one never takes another tenant's blocks.  A tenant past its share of the disk evicts its
-  own least recently used segments first, and a segment is evicted for a write only if it
-  is the writer's, nobody's, or a tenant's past its share; a write that finds no such room
-  is dropped (the disk is a cache).  A tenant holds at most its share and one open
-  segment.
+- Tenants (:meth:`DiskTier.recount_quotas`: a :class:`~kvpool.store.quotas.Quotas` of the
+  tenant ledger's ``DISK_BYTES``, counting the bytes segments take): each tenant writes
+  its own segments, so that evicting one never takes another tenant's blocks.  A tenant
+  past its share of the disk evicts its own least recently used segments first, and a
+  segment is evicted for a write only if it is the writer's, nobody's, or a tenant's past
+  its share; a write that finds no such room is dropped (the disk is a cache).  A tenant
+  holds at most its share and one open segment.
 - The index lives in memory and is rebuilt at start from the files: a host that lost
   /dev/shm (a reboot) finds its disk blocks again.
 - A delete lasts: it appends a tombstone record (a header with ``FLAG_TOMBSTONE`` and no
@@ -97,7 +97,8 @@ from kvpool.formats import (
 )
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TIER_DISK, TierStats
-from kvpool.store.quotas import Quotas
+from kvpool.store.accounts import Accounts, Resource
+from kvpool.store.quotas import Quotas, stored_bytes
 from kvpool.tenants import TAG_BYTES
 from kvpool.tiers.tier import MEDIUM_STORAGE, KeyIndex, SegmentSink, TierEvents
 
@@ -185,6 +186,7 @@ class DiskTier(KeyIndex[Location]):
 
     tier_id = TIER_DISK
     medium = MEDIUM_STORAGE
+    resource = Resource.DISK_BYTES
 
     def __init__(
         self,
@@ -495,15 +497,15 @@ class DiskTier(KeyIndex[Location]):
 
     # -- writes ---------------------------------------------------------------------------
 
-    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
-        """Tenants' shares of the disk, in bytes, by tag (None: no tenants); what each
-        holds is counted again from the segments."""
+    def recount_quotas(self, accounts: Accounts) -> None:
+        """Tenants' shares of the disk: ``accounts``' ``DISK_BYTES`` limits (none: no
+        tenants); what each holds is counted again from the segments, into that ledger."""
         with self._lock:
-            if not shares:
+            if not accounts.metered(self.resource).limits:
                 self.quotas = None
                 return
-            quotas = Quotas(cost=_bytes)
-            quotas.recount(shares, ((s.first_key, s.num_bytes) for s in self._segments.values()))
+            quotas = Quotas(accounts, self.resource, stored_bytes)
+            quotas.recount((s.first_key, s.num_bytes) for s in self._segments.values())
             self.quotas = quotas
 
     def _owner(self, key: bytes) -> bytes:
@@ -825,10 +827,6 @@ class DiskTier(KeyIndex[Location]):
                 os.close(fd)
             self._fds.clear()
         self._dir_lock.release()
-
-
-def _bytes(size: int) -> int:
-    return size
 
 
 def identity_line(tier_id: str) -> str:

@@ -52,7 +52,8 @@ Layout under ``s3://BUCKET/PREFIX``::
 - **Formats** (:mod:`kvpool.formats`): an index of a format this release does not read, or
   naming a pack of one, is not read (logged, counted as ``unreadable``); the bucket is
   shared by nodes of two releases during a rolling upgrade, so each reads what it can.
-- **Tenants** (:meth:`ObjectTier.set_quotas`): a pack is one disk segment, so one tenant's
+- **Tenants** (:meth:`ObjectTier.recount_quotas`: the tenant ledger's ``OBJECT_BYTES``,
+  counted again at every refresh): a pack is one disk segment, so one tenant's
   blocks (the disk writes each tenant's segments apart).  A tenant past its share of the
   bucket loses its own oldest packs first, and capacity evicts only packs of nobody or of
   tenants past their share, never those of a tenant within its share.
@@ -77,7 +78,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +91,8 @@ from kvpool.buffers import copy_with_checksum
 from kvpool.errors import ConfigError, FormatError
 from kvpool.formats import DELETE_OBJECT, RELEASE
 from kvpool.stats import TIER_OBJECT, TierStats
-from kvpool.store.quotas import Quotas
+from kvpool.store.accounts import Accounts, Resource
+from kvpool.store.quotas import Quotas, stored_bytes
 from kvpool.tiers.bucket import (
     DELETES,
     INDEX_VERSION,
@@ -185,6 +187,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
 
     tier_id = TIER_OBJECT
     medium = "OBJECT"  # it reports no KV events (see above)
+    resource = Resource.OBJECT_BYTES
 
     def __init__(self, config: ObjectStoreConfig, staging: Path, writer: str):
         super().__init__()
@@ -216,7 +219,7 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         # Every pack written before this is hidden: a delete object could not be read.
         self._hidden_before = 0.0
         self._delete_lists: dict[str, tuple[float, list[bytes]]] = {}  # name -> (when, keys)
-        self._shares: dict[bytes, int] | None = None  # tenants' shares of the bucket
+        self.quotas: Quotas | None = None  # tenants' shares of the bucket, when it has tenants
         self._cond = threading.Condition(self._lock)
         self._stopping = False
         self._checked = False
@@ -558,11 +561,17 @@ class ObjectTier(KeyIndex[ObjectLocation]):
             if location is not None and location.pack == name:
                 del self._index[key]
 
-    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
-        """Tenants' shares of the bucket, in bytes, by tag (None: no tenants); applied at
-        the next refresh."""
+    def recount_quotas(self, accounts: Accounts) -> None:
+        """Tenants' shares of the bucket: ``accounts``' ``OBJECT_BYTES`` limits (none: no
+        tenants); what each holds is counted again from the packs, into that ledger, and
+        the shares are applied at the next refresh."""
         with self._lock:
-            self._shares = dict(shares) if shares else None
+            if not accounts.metered(self.resource).limits:
+                self.quotas = None
+                return
+            quotas = Quotas(accounts, self.resource, stored_bytes)
+            quotas.recount((p.keys[0], p.num_bytes) for p in self._packs.values() if p.keys)
+            self.quotas = quotas
 
     def _keep_within_capacity(self) -> None:
         """Oldest packs first: those of a tenant past its share, then, while the bucket is
@@ -571,10 +580,9 @@ class ObjectTier(KeyIndex[ObjectLocation]):
         with self._lock:
             packs = sorted(self._packs.values(), key=lambda p: (p.written_at, p.name))
             total = sum(p.num_bytes for p in packs)
-            quotas = None
-            if self._shares:
-                quotas = Quotas(cost=int)
-                quotas.recount(self._shares, ((p.keys[0], p.num_bytes) for p in packs if p.keys))
+            quotas = self.quotas
+            if quotas is not None:  # the packs the refresh found, every node's
+                quotas.recount((p.keys[0], p.num_bytes) for p in packs if p.keys)
             victims = []
             for pack in packs:
                 owner = pack.keys[0] if pack.keys else b""

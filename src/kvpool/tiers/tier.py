@@ -9,7 +9,7 @@ after every local tier, and only prefetches ask them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -17,6 +17,7 @@ import msgspec
 
 from kvpool.keys import BlockOrigin
 from kvpool.stats import TierStats
+from kvpool.store.accounts import Accounts, Resource
 
 MEDIUM_DRAM = "CPU"  # the medium of the DRAM arena's KV events
 MEDIUM_STORAGE = "STORAGE"  # the disk tier's
@@ -84,6 +85,7 @@ class Tier(Protocol):
     tier_id: int  # kvpool.stats.TIER_*: how lookups name the tier
     medium: str  # of its KV events
     capacity: int  # bytes
+    resource: Resource  # its tenants' bytes in the tenant ledger (DISK_BYTES, OBJECT_BYTES)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
 
@@ -101,10 +103,13 @@ class Tier(Protocol):
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
 
-    def set_quotas(self, shares: Mapping[bytes, int] | None) -> None:
-        """Tenants' shares of the tier (bytes, by tag; None: no tenants): a tenant past
-        its share loses its own blocks first, and no write or capacity limit takes the
-        blocks of a tenant within its share (the store's rule 11, on this tier)."""
+    def recount_quotas(self, accounts: Accounts) -> None:
+        """The tenants' shares of the tier are ``accounts``' limits of its ``resource``
+        (set by :meth:`~kvpool.store.accounts.Accounts.set_tenants`; none: no tenants
+        here); count what each holds here again, into that ledger, through a
+        :class:`~kvpool.store.quotas.Quotas`.  A tenant past its share loses its own blocks
+        first, and no write or capacity limit takes the blocks of a tenant within its
+        share (the store's rule 11, on this tier)."""
 
     def stats(self) -> TierStats: ...
 
