@@ -157,6 +157,22 @@ class Retained:
 
 
 class BlockStore:
+    """The node's blocks in DRAM: every change of a block's state goes through here.
+
+    Why so many methods (66): the store is the one place a block's state changes (the
+    module's rules), so each step of a block's life is a method of it, and each step of
+    a request has a columnar form for the hot path beside its one-key form: writes
+    (``reserve``, ``reserve_area``, ``place``, ``commit``, ``take``/``publish``, ``abort``,
+    ``seal``), reads (``lookup``, ``pin``, ``touch``, ``unpin``, ``get_block``), retention
+    (``retain``), removal (``evict``, ``delete``, ``expire``, ``release_owner``,
+    ``report_corrupt``), the journal's records and its compaction, and what status reads.
+    What each step decides lives in its own module, handed to the constructor: space and
+    eviction (:mod:`.space`, :mod:`.eviction`), leases (:mod:`.leases`), quotas
+    (:mod:`.quotas`, meters of :mod:`.accounts`), the index (:mod:`.index`), the journal
+    (:mod:`.journal`).  Splitting the methods by step would split the rules that hold
+    across steps (a pinned block is never evicted; a pending key is never read).
+    """
+
     def __init__(
         self,
         capacity: int,

@@ -182,7 +182,17 @@ class DiskCounters:
 
 class DiskTier(KeyIndex[Location]):
     """Blocks on local disk, found by key (a :class:`~kvpool.tiers.tier.Tier`); see the
-    module docstring for the rules."""
+    module docstring for the rules.
+
+    Why so many methods (34): the :class:`~kvpool.tiers.tier.Tier` interface and the
+    write-back's intake are a dozen of them (``contains``, ``may_hold``, ``size_of``,
+    ``stored``, ``read_many``, ``delete``, ``recount_quotas``, ``stats``, ``close``; the
+    key index's lookups; ``write``, ``sync``), and a tier
+    that owns its files must also recover them at a start (``_recover``, ``_scan``, the
+    footer and header parsers) and lay them out (segments: append, grow, roll, finish,
+    drop, make room).  Each private method is one of those steps on the same open
+    segment files and the same index, under one lock.
+    """
 
     tier_id = TIER_DISK
     medium = MEDIUM_STORAGE
