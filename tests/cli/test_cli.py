@@ -54,6 +54,13 @@ def test_status_shows_what_a_node_says_as_text():
     assert "\x1b]52" not in console.export_text(styles=True)
 
 
+def test_status_has_a_column_for_every_resource_of_the_tenant_ledger():
+    from kvpool.cli.status import ACCOUNT_COLUMNS
+    from kvpool.store.accounts import Resource
+
+    assert sorted(name for _, name, _ in ACCOUNT_COLUMNS) == sorted(r.value for r in Resource)
+
+
 def test_status_of_a_node_that_is_not_there_is_a_clear_error(run_dir):
     result = kvpool("status", "--address", f"unix:{run_dir}/nowhere.sock")
     assert result.returncode == 1 and "cannot connect" in result.stderr

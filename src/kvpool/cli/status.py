@@ -211,14 +211,19 @@ def namespace_table(stats: list[NodeStats]) -> Table:
 
 # Each budget of a tenant's account, shown "used / limit": column title, resource name,
 # whether it counts bytes.
+# Every resource of the ledger has its column (a test says so).
 ACCOUNT_COLUMNS = (
     ("arena", "arena_bytes", True),
+    ("disk", "disk_bytes", True),
+    ("object store", "object_bytes", True),
     ("connections", "connections", False),
     ("buffers", "buffer_bytes", True),
     ("parked keys", "parked_keys", False),
     ("retained", "retained_bytes", True),
     ("held", "held_bytes", True),
     ("prefetching", "prefetch_bytes", True),
+    ("remote keys", "remote_keys", False),
+    ("staged", "staged_bytes", True),
     ("journal", "journal_bytes", True),
     ("label changes", "label_changes", False),
 )
