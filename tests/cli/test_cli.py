@@ -54,11 +54,32 @@ def test_status_shows_what_a_node_says_as_text():
     assert "\x1b]52" not in console.export_text(styles=True)
 
 
-def test_status_has_a_column_for_every_resource_of_the_tenant_ledger():
-    from kvpool.cli.status import ACCOUNT_COLUMNS
+def test_the_tenants_table_shows_every_resource_of_the_ledger():
+    """One column per resource of the tenant ledger, "used / limit" where it has a limit."""
+    import msgspec
+    from rich.console import Console
+
+    from kvpool.cli.status import account_table
+    from kvpool.protocol.messages import NodeStats
+    from kvpool.stats import AccountStats
     from kvpool.store.accounts import Resource
 
-    assert sorted(name for _, name, _ in ACCOUNT_COLUMNS) == sorted(r.value for r in Resource)
+    fields = {f.name: 0 for f in msgspec.structs.fields(NodeStats) if f.required}
+    fields.update(node_id="n1", host_id="h", tcp_address="", uptime_s=0.0)
+    account = AccountStats(
+        tenant="beta",
+        used={"arena_bytes": 3 << 20, "disk_bytes": 1 << 20},
+        limits={"arena_bytes": 8 << 20, "disk_bytes": 16 << 20},
+    )
+    stats = NodeStats(**fields, accounts=[account])
+    console = Console(width=400, record=True)
+    console.print(account_table([stats]))
+    text = console.export_text()
+    header = text.splitlines()[2]
+    for resource in Resource:
+        title = resource.value.removesuffix("_bytes").replace("_", " ")
+        assert title in header, (title, header)
+    assert "3.0 MiB / 8.0 MiB" in text and "1.0 MiB / 16.0 MiB" in text
 
 
 def test_status_of_a_node_that_is_not_there_is_a_clear_error(run_dir):

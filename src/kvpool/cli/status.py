@@ -21,6 +21,7 @@ from kvpool.config import client_config_from, format_size
 from kvpool.limits import WRITE_THROUGH_TIMEOUT_S
 from kvpool.protocol.messages import NodeStats
 from kvpool.stats import ESTIMATE_SCALES
+from kvpool.store.accounts import Resource
 
 
 def shown(text: str) -> Text:
@@ -209,24 +210,13 @@ def namespace_table(stats: list[NodeStats]) -> Table:
     return table
 
 
-# Each budget of a tenant's account, shown "used / limit": column title, resource name,
-# whether it counts bytes.
-# Every resource of the ledger has its column (a test says so).
-ACCOUNT_COLUMNS = (
-    ("arena", "arena_bytes", True),
-    ("disk", "disk_bytes", True),
-    ("object store", "object_bytes", True),
-    ("connections", "connections", False),
-    ("buffers", "buffer_bytes", True),
-    ("parked keys", "parked_keys", False),
-    ("retained", "retained_bytes", True),
-    ("held", "held_bytes", True),
-    ("prefetching", "prefetch_bytes", True),
-    ("remote keys", "remote_keys", False),
-    ("staged", "staged_bytes", True),
-    ("journal", "journal_bytes", True),
-    ("label changes", "label_changes", False),
-)
+def account_columns() -> list[tuple[str, str, bool]]:
+    """Each resource of the tenant ledger (:class:`~kvpool.store.accounts.Resource`), shown
+    "used / limit": its column's title, its name, whether it counts bytes."""
+    return [
+        (r.value.removesuffix("_bytes").replace("_", " "), r.value, r.value.endswith("_bytes"))
+        for r in Resource
+    ]
 
 
 def _amount(value: int, is_bytes: bool) -> str:
@@ -239,13 +229,14 @@ def account_table(stats: list[NodeStats]) -> Table:
     table = Table(title="tenants")
     table.add_column("tenant")
     table.add_column("node")
-    for title, _, _ in ACCOUNT_COLUMNS:
+    columns = account_columns()
+    for title, _, _ in columns:
         table.add_column(title, justify="right")
     table.add_column("refused", justify="left")
     for node in stats:
         for account in node.accounts:
             cells = []
-            for _, name, is_bytes in ACCOUNT_COLUMNS:
+            for _, name, is_bytes in columns:
                 used = _amount(account.used.get(name, 0), is_bytes)
                 limit = account.limits.get(name)
                 cells.append(used if limit is None else f"{used} / {_amount(limit, is_bytes)}")
