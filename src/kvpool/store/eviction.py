@@ -19,10 +19,9 @@ Policies: :class:`LRUPolicy` (the reference, ``--eviction lru``), :class:`NoEvic
 :class:`~kvpool.store.learned.LearnedPolicy` (``--eviction learned``); a node builds the one
 its configuration names with :func:`kvpool.store.policies.new_policy`.  LRU and the learned
 policy keep their lists in one structure, :class:`~kvpool.store.lru_lists.LRULists`, each
-through its public methods, and take their victims in one :class:`HeadPass`; a
-:class:`PolicyWrapper` changes another policy's choices (holds, retention priorities).
-tests/store/test_policy_conformance.py holds every policy, and each wrapped, to this
-contract.
+through its public methods, and take their victims by one :class:`HeadPass`; a :class:`PolicyWrapper` changes another policy's choices
+(holds, retention priorities).  tests/store/test_policy_conformance.py holds every policy,
+and each wrapped, to this contract.
 
 Blocks fall into *groups* (a tenant's keys, when the store has quotas: ``regroup``), each
 its own LRU list, so that a pass limited to some groups (``victims(allowed)``, e.g. one
