@@ -19,7 +19,7 @@ Policies: :class:`LRUPolicy` (the reference, ``--eviction lru``), :class:`NoEvic
 :class:`~kvpool.store.learned.LearnedPolicy` (``--eviction learned``); a node builds the one
 its configuration names with :func:`kvpool.store.policies.new_policy`.  LRU and the learned
 policy keep their lists in one structure, :class:`~kvpool.store.lru_lists.LRULists`, each
-through its public methods, and take their victims by one :class:`HeadPass`; a :class:`PolicyWrapper` changes another policy's choices
+through its public methods; a :class:`PolicyWrapper` changes another policy's choices
 (holds, retention priorities).  tests/store/test_policy_conformance.py holds every policy,
 and each wrapped, to this contract.
 
@@ -33,7 +33,7 @@ slot of the allowed groups at most once per ``victims()`` pass and tolerates ``r
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -173,38 +173,20 @@ class LRUPolicy:
         return best, best_number
 
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
-        candidates = HeadPass(self._lists, lambda: self._head(allowed))
-        for slot, number in candidates:
-            self.num_visited += 1
-            yield slot
-            candidates.requeue_if_kept(slot, number)
-
-
-class HeadPass:
-    """One ``victims()`` pass over the heads of LRU lists: the head ``head`` picks, (its
-    slot, its list's number), again and again until none is left.  The caller removes each
-    (evicted), or it is still the head of its list and :meth:`requeue_if_kept` moves it
-    behind the others (kept), so no pass rescans what it skipped.  At most one visit kept
-    per entry listed at the start, so that a pass over blocks all kept ends."""
-
-    def __init__(self, lists: LRULists[Any], head: Callable[[], tuple[int, int]]) -> None:
-        self._lists = lists
-        self._head = head
-        self._budget = len(lists)
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        while self._budget > 0:
-            slot, number = self._head()
+        # Always the head of a list: the caller removes it (evicted) or it is moved behind
+        # the others (kept), so no pass rescans what it skipped.  At most one visit kept per
+        # entry listed at the start, so that a pass over blocks all kept ends.
+        budget = len(self._lists)
+        heads = self._lists.heads
+        while budget > 0:
+            slot, number = self._head(allowed)
             if slot == NONE:
                 return
-            yield slot, number
-
-    def requeue_if_kept(self, slot: int, number: int) -> None:
-        """If ``slot`` is still the head of list ``number`` (kept), it goes behind the
-        others."""
-        if self._lists.heads[number] == slot:
-            self._budget -= 1
-            self._lists.push(slot, number)
+            self.num_visited += 1
+            yield slot
+            if heads[number] == slot:
+                budget -= 1
+                self._lists.push(slot, number)  # kept: behind the others
 
 
 class PolicyWrapper:

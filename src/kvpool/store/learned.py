@@ -47,7 +47,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvpool.store.eviction import Allowed, Group, GroupOf, HeadPass, KeyOf
+from kvpool.store.eviction import Allowed, Group, GroupOf, KeyOf
 from kvpool.store.index import Reserved
 from kvpool.store.lru_lists import NONE, LRULists
 from kvpool.store.reuse import SAMPLE_HASH_BITS, sample_hash
@@ -284,11 +284,16 @@ class LearnedPolicy:
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         # The miniatures simulate the memory the node really holds (known once it evicts).
         self.tuner.resize(self._num_held)
-        candidates = HeadPass(self._lists, lambda: self._head(allowed))
-        for slot, number in candidates:
+        budget = len(self._lists)
+        heads = self._lists.heads
+        while budget > 0:
+            slot, number = self._head(allowed)
+            if slot == NONE:
+                return
             yield from self._leaves_first(slot)
-            if self._touches[slot]:  # kept (or an extension of it is): behind the others
-                candidates.requeue_if_kept(slot, number)
+            if self._touches[slot] and heads[number] == slot:
+                budget -= 1
+                self._requeue(slot)  # kept (or an extension of it is): behind the others
 
     def _leaves_first(self, root: int) -> Iterator[int]:
         """``root``'s extensions, each after its own (they are no use without it), then
