@@ -284,6 +284,9 @@ class LearnedPolicy:
     def victims(self, allowed: Allowed | None = None) -> Iterator[int]:
         # The miniatures simulate the memory the node really holds (known once it evicts).
         self.tuner.resize(self._num_held)
+        # LRUPolicy.victims' pass over the lists' heads, with the leaves first: written out
+        # again, since a shared pass (a generator and a callback) cost ~3% of an evicting
+        # put, measured (docs/benchmarks-log.md, "One house, second pass").
         budget = len(self._lists)
         heads = self._lists.heads
         while budget > 0:

@@ -19,7 +19,7 @@ joins a list (``push``), so a list's order is its stamps' and lists compare by t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -39,8 +39,10 @@ class LRULists(Generic[Label]):
     def __init__(self, first_label: Label) -> None:
         self._first_label = first_label
         self._label_to_number: dict[Label, int] = {}
-        self._labels: list[Label] = []
-        self._heads: list[int] = []
+        # Read by the policies, written only here: plain lists, not properties, since a
+        # victim pass reads them once a block it evicts.
+        self.labels: list[Label] = []  # each list's label, by number
+        self.heads: list[int] = []  # each list's least recent slot, by number (NONE: empty)
         self._tails: list[int] = []
         self._start_lists()
         self.clock = 0  # the stamp of the latest push
@@ -71,21 +73,11 @@ class LRULists(Generic[Label]):
         """The number of ``label``'s list (a new, empty one the first time)."""
         number = self._label_to_number.get(label)
         if number is None:
-            number = self._label_to_number[label] = len(self._labels)
-            self._labels.append(label)
-            self._heads.append(NONE)
+            number = self._label_to_number[label] = len(self.labels)
+            self.labels.append(label)
+            self.heads.append(NONE)
             self._tails.append(NONE)
         return number
-
-    @property
-    def labels(self) -> Sequence[Label]:
-        """Each list's label, by number."""
-        return self._labels
-
-    @property
-    def heads(self) -> Sequence[int]:
-        """Each list's least recent slot, by number (NONE: the list is empty)."""
-        return self._heads
 
     def where(self, slot: int) -> int:
         """The number of the slot's list (NONE: not listed)."""
@@ -176,8 +168,8 @@ class LRULists(Generic[Label]):
         """Only ``first_label``'s list, empty (in place: ``heads`` and ``labels`` stay the
         caller's views)."""
         self._label_to_number.clear()
-        self._labels.clear()
-        self._heads.clear()
+        self.labels.clear()
+        self.heads.clear()
         self._tails.clear()
         self.list_of(self._first_label)
 
@@ -187,7 +179,7 @@ class LRULists(Generic[Label]):
         self._prev[slot] = tail
         self._next[slot] = NONE
         if tail == NONE:
-            self._heads[number] = slot
+            self.heads[number] = slot
         else:
             self._next[tail] = slot
         self._tails[number] = slot
@@ -206,7 +198,7 @@ class LRULists(Generic[Label]):
         self._next_column[slots[:-1]] = slots[1:]
         self._next_column[slots[-1]] = NONE
         if tail == NONE:
-            self._heads[number] = int(slots[0])
+            self.heads[number] = int(slots[0])
         else:
             self._next[tail] = int(slots[0])
         self._tails[number] = int(slots[-1])
@@ -226,7 +218,7 @@ class LRULists(Generic[Label]):
         """Unlink the run of neighbours from ``first`` to ``last`` of list ``number``."""
         before, after = self._prev[first], self._next[last]
         if before == NONE:
-            self._heads[number] = after
+            self.heads[number] = after
         else:
             self._next[before] = after
         if after == NONE:
