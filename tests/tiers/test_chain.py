@@ -99,6 +99,17 @@ def chain(tmp_path: Path, disk: DiskTier | None, remote: RemoteSource | None = N
     return Tiers(BlockStore(arena.num_bytes), arena, lower, remote=remote)
 
 
+def larger_than_dram(
+    tmp_path: Path, name: str, num_blocks: int = 48, size: int = 1 << 20
+) -> tuple[Tiers, list[bytes], list[tuple[bytes, bytes, int]]]:
+    """``num_blocks`` blocks of ``size`` on disk behind the 16 MiB arena of :func:`chain`:
+    the tiers, the keys in order, and what was written."""
+    disk = DiskTier(tmp_path / "disk", 128 << 20, segment_bytes=16 << 20)
+    written = disk_blocks(name, num_blocks, size)
+    disk.write(written)
+    return chain(tmp_path, disk), [k for k, _, _ in written], written
+
+
 def test_a_read_promotes_verified_blocks_and_a_lost_one_stays_a_miss(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path / "disk", 32 << 20, segment_bytes=SEGMENT)
     written = disk_blocks("a", 8, BLOCK)
@@ -197,11 +208,7 @@ def test_a_read_larger_than_dram_is_served_from_below_in_bounded_stages(tmp_path
     of at most STAGE_BYTES, verified, and no read may stage past MAX_STAGED_BYTES while
     another holds its stages."""
     size = 1 << 20
-    disk = DiskTier(tmp_path / "disk", 128 << 20, segment_bytes=16 << 20)
-    written = disk_blocks("big", 48, size)
-    disk.write(written)
-    tiers = chain(tmp_path, disk)
-    keys = [k for k, _, _ in written]
+    tiers, keys, written = larger_than_dram(tmp_path, "big", 48, size)
 
     async def run() -> None:
         assert await tiers.promote(keys, prefix=True)
@@ -235,11 +242,7 @@ def test_overlapping_reads_of_the_same_blocks_are_each_served_them_from_below(tm
     served every block, from below what DRAM has no room for (before the fix, the second
     promotion took the first's no-room entries: it was served only what DRAM held)."""
     size = 1 << 20
-    disk = DiskTier(tmp_path / "disk", 128 << 20, segment_bytes=16 << 20)
-    written = disk_blocks("overlap", 48, size)
-    disk.write(written)
-    tiers = chain(tmp_path, disk)
-    keys = [k for k, _, _ in written]
+    tiers, keys, _ = larger_than_dram(tmp_path, "overlap", 48, size)
 
     async def run() -> None:
         assert await tiers.promote(keys, prefix=True)  # the first read's promotion
@@ -267,11 +270,7 @@ def test_a_read_larger_than_dram_yields_every_block_in_order_and_gives_back_its_
     stage at most STAGE_BYTES and bound by STAGE_SEND_S; once it exits, its pin and its
     stage are given back."""
     size = 1 << 20
-    disk = DiskTier(tmp_path / "disk", 128 << 20, segment_bytes=16 << 20)
-    written = disk_blocks("read", 48, size)
-    disk.write(written)
-    tiers = chain(tmp_path, disk)
-    keys = [k for k, _, _ in written]
+    tiers, keys, written = larger_than_dram(tmp_path, "read", 48, size)
 
     async def run() -> int:
         async with tiers.read(keys, prefix=True, owner=1, wait_s=0.0) as read:
